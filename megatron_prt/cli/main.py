@@ -1,0 +1,241 @@
+"""``megatron-prt`` console script: plan, simulate and compare PRT schedules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ..core.grid import format_grid
+from ..core.lower import lower
+from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
+from ..core.plan import Plan
+from ..core.schedules import SCHEDULES, build_plan
+from ..core.validate import validate
+from ..sim.cost import CostModel
+from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
+from ..sim.simulate import SimResult, simulate
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1) -> None:
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--reuse", type=int, default=reuse_default, help="virtual stages per rank R")
+    p.add_argument("--placement", choices=PLACEMENTS, default="loop")
+    p.add_argument("--direction", choices=DIRECTIONS, default="uni")
+    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches m")
+
+
+def _cost_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("costs (whole model, one micro-batch; any time unit)")
+    g.add_argument("--fwd-time", type=float, default=None, help="forward time (default 1)")
+    g.add_argument("--bwd-time", type=float, default=None, help="backward time (default 2)")
+    g.add_argument("--p2p-time", type=float, default=None, help="time of one p2p hop (default 0)")
+    g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
+
+
+def _cost(args) -> CostModel:
+    data = CostModel.load(args.costs).to_dict() if args.costs else {}
+    if data.get("p2p_bandwidth") is None:
+        data.pop("p2p_bandwidth", None)
+    for flag, key in (
+        ("fwd_time", "fwd_time"),
+        ("bwd_time", "bwd_time"),
+        ("p2p_time", "p2p_latency"),
+    ):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    return CostModel.from_dict(data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatron-prt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="generate, validate and show a plan")
+    _plan_flags(p)
+    p.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    p.add_argument("--format", choices=("text", "json", "csv", "chrome", "png"), default="text")
+    p.add_argument("--lowered", action="store_true", help="include SEND/RECV actions")
+    p.add_argument("-o", "--output", help="write to FILE (required for png)")
+    _cost_flags(p)
+
+    s = sub.add_parser("simulate", help="predict time, bubble, memory and traffic of a plan")
+    _plan_flags(s)
+    s.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    s.add_argument("--json", action="store_true", help="print metrics as JSON")
+    _cost_flags(s)
+
+    c = sub.add_parser("compare", help="1F1B, interleaved and PRT variants side by side")
+    c.add_argument("--pp", type=int, required=True)
+    c.add_argument("--microbatches", "-m", type=int, required=True)
+    c.add_argument("--reuse", type=int, default=2, help="R for the reuse variants")
+    c.add_argument("--json", action="store_true")
+    _cost_flags(c)
+    return parser
+
+
+def _make_plan(args, cost: CostModel) -> Plan:
+    placement = Placement(args.pp, args.reuse, args.placement, args.direction)
+    plan = build_plan(placement, args.microbatches, args.schedule, cost.stage_times(placement))
+    validate(plan)
+    return plan
+
+
+def cmd_plan(args) -> int:
+    cost = _cost(args)
+    plan = _make_plan(args, cost)
+    if args.lowered:
+        plan = lower(plan, cost.stage_times(plan.placement))
+        validate(plan)
+    fmt = args.format
+    if fmt == "png":
+        if not args.output:
+            raise ConfigError("--format png needs -o FILE")
+        result = simulate(plan, cost)
+        write_png(
+            args.output,
+            spans_of(plan, result.timeline),
+            _title(plan, result),
+            plan.placement.stage_to_chunk,
+        )
+        print(f"wrote {args.output}")
+        return 0
+    if fmt == "chrome":
+        result = simulate(plan, cost)
+        out = args.output or "/dev/stdout"
+        write_chrome_trace(out, spans_of(plan, result.timeline), plan.placement.stage_to_chunk)
+        return 0
+    text = {"json": plan.to_json, "csv": plan.to_csv, "text": lambda: _plan_text(plan, cost)}[fmt]()
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+        print(f"wrote {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+def _title(plan: Plan, result: SimResult) -> str:
+    c = plan.placement
+    return (
+        f"{plan.schedule}: P={c.ranks} R={c.reuse} {c.placement}/{c.direction} "
+        f"m={plan.num_microbatches}  bubble {result.bubble_fraction:.1%}"
+    )
+
+
+def _plan_text(plan: Plan, cost: CostModel) -> str:
+    result = simulate(plan, cost)
+    steps = max(len(a) for a in plan.ranks)
+    return "\n".join(
+        [
+            _title(plan, result),
+            "",
+            "order (rank x step):",
+            format_grid(plan.ranks, {}, center=0, radius=steps),
+            "",
+            "timeline:",
+            ascii_grid(spans_of(plan, result.timeline)),
+        ]
+    )
+
+
+def _metrics_text(result: SimResult) -> str:
+    rows = [
+        _title(result.plan, result),
+        f"makespan        {result.makespan:.6g}",
+        f"bubble fraction {result.bubble_fraction:.4f}",
+        f"p2p messages    {result.p2p_messages}  ({result.p2p_bytes:.6g} bytes)",
+        "",
+        "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes",
+    ]
+    for r in result.per_rank:
+        rows.append(
+            f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
+            f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:.6g}"
+        )
+    return "\n".join(rows)
+
+
+def cmd_simulate(args) -> int:
+    cost = _cost(args)
+    result = simulate(_make_plan(args, cost), cost)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else _metrics_text(result))
+    return 0
+
+
+def compare_variants(pp: int, reuse: int) -> list[tuple[str, Placement, str]]:
+    """(label, placement, schedule) rows of ``megatron-prt compare``."""
+    rows = [("1F1B", Placement(pp, 1), "1f1b")]
+    rows.append((f"interleaved R={reuse}", Placement(pp, reuse), "interleaved"))
+    rows += [
+        (f"PRT loop/uni R={reuse}", Placement(pp, reuse, "loop"), "prt"),
+        (f"PRT wave/uni R={reuse}", Placement(pp, reuse, "wave"), "prt"),
+        ("Chimera-style bi R=1", Placement(pp, 1, "loop", "bi"), "prt"),
+        (f"PRT loop/bi R={reuse}", Placement(pp, reuse, "loop", "bi"), "prt"),
+        (f"PRT wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "prt"),
+    ]
+    return rows
+
+
+def cmd_compare(args) -> int:
+    cost = _cost(args)
+    results = []
+    for label, placement, schedule in compare_variants(args.pp, args.reuse):
+        try:
+            plan = build_plan(placement, args.microbatches, schedule, cost.stage_times(placement))
+        except ConfigError as exc:
+            results.append((label, None, str(exc)))
+            continue
+        validate(plan)
+        results.append((label, simulate(plan, cost), ""))
+    base = results[0][1].makespan
+    if args.json:
+        out = [
+            {"variant": label, "skipped": why}
+            if res is None
+            else {"variant": label, "speedup_vs_1f1b": base / res.makespan, **res.to_dict()}
+            for label, res, why in results
+        ]
+        print(json.dumps(out, indent=1))
+        return 0
+    print(
+        f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
+        f"hop={cost.hop_time:g}   (activation memory in units of one micro-batch through the"
+        " whole model)"
+    )
+    header = (
+        f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
+        f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, res, why in results:
+        if res is None:
+            print(f"{label:<22} {'n/a':>9}  ({why.split(';')[0]})")
+            continue
+        peaks = [r.peak_activation_bytes / cost.activation_bytes for r in res.per_rank]
+        ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
+        print(
+            f"{label:<22} {res.makespan:>9.4g} {res.bubble_fraction:>7.1%} "
+            f"{base / res.makespan:>7.3f}x {max(peaks):>12.3f} {ratio:>7.2f}  "
+            + " ".join(f"{p:.2f}" for p in peaks)
+        )
+    return 0
+
+
+COMMANDS = {"plan": cmd_plan, "simulate": cmd_simulate, "compare": cmd_compare}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"megatron-prt: error: {exc}", file=sys.stderr)
+        return 2

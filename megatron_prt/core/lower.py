@@ -1,0 +1,67 @@
+"""Communication lowering: insert SEND/RECV for every cross-rank tensor edge.
+
+Comm actions are placed by replaying the plan in time (uniform stage times unless given):
+a SEND goes right after the compute that produced the tensor, and the matching RECV goes
+into the consumer's stream at that same instant, after whatever the consumer has started by
+then. Every SEND/RECV pair is therefore adjacent in one global order of events, so the
+lowered plan completes even if both SEND and RECV block until matched (see
+:mod:`megatron_prt.core.validate`). Same-rank hand-offs (wave turns, bi replicas on one
+rank, F->B of a stage) get no communication: the runtime passes those tensors directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .actions import Action, Op
+from .deps import comm_ops, consumers_map
+from .plan import Plan
+from .replay import replay
+from .timing import StageTimes
+
+
+def message_key(action: Action, consumer_stage: int | None = None) -> tuple:
+    """Identity of one tensor in flight: (kind, from stage, to stage, mb).
+
+    Accepts the producing compute action (with ``consumer_stage``) or a SEND/RECV action.
+    """
+    stage, op, mb = action
+    if op in (Op.F, Op.SEND_F):
+        return ("act", stage, stage + 1, mb)
+    if op is Op.RECV_F:
+        return ("act", stage - 1, stage, mb)
+    if op in (Op.B, Op.I, Op.SEND_B):
+        return ("grad", stage, stage - 1, mb)
+    if op is Op.RECV_B:
+        return ("grad", stage + 1, stage, mb)
+    raise ValueError(f"{action} carries no tensor")
+
+
+def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
+    """Return ``plan`` with SEND/RECV actions inserted (idempotent on lowered plans)."""
+    if plan.lowered:
+        return plan
+    placement = plan.placement
+    timeline = replay(plan, times)
+    actions = list(timeline.start)
+    consumers = consumers_map(actions, placement, plan.split_backward)
+    rank_of = placement.stage_to_rank
+    events = []  # (time, kind: 0 = message, 1 = compute, rank, action, consumer)
+    for action, begin in timeline.start.items():
+        rank = rank_of[action.stage]
+        events.append((begin, 1, rank, action, None))
+        for consumer in consumers[action]:
+            if rank_of[consumer.stage] != rank:
+                events.append((timeline.end[action], 0, rank, action, consumer))
+    # Messages at an instant go before computes starting then; ties keep per-rank order.
+    step = {a: i for acts in plan.ranks for i, a in enumerate(acts)}
+    events.sort(key=lambda e: (e[0], e[1], e[2], step[e[3]]))
+    streams: list[list[Action]] = [[] for _ in range(placement.ranks)]
+    for _, kind, rank, action, consumer in events:
+        if kind == 1:
+            streams[rank].append(action)
+            continue
+        send_op, recv_op = comm_ops(action)
+        streams[rank].append(Action(action.stage, send_op, action.mb))
+        streams[rank_of[consumer.stage]].append(Action(consumer.stage, recv_op, action.mb))
+    return replace(plan, ranks=tuple(tuple(s) for s in streams), lowered=True)

@@ -1,0 +1,145 @@
+"""A plan: per-rank ordered action lists plus the placement they refer to.
+
+A plan is plain data. Generators (:mod:`megatron_prt.core.schedules`) emit compute actions
+only; :func:`megatron_prt.core.lower.lower` inserts SEND/RECV. Both forms serialise to
+JSON and CSV and load back unchanged.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field, replace
+
+from .actions import Action, Op, parse
+from .placement import ConfigError, Placement
+
+FORMAT_VERSION = 1
+
+
+def split_microbatches(num_microbatches: int, num_pipelines: int) -> tuple[int, ...]:
+    """mb -> pipeline. Bi alternates so both pipelines start at once and consume data in order;
+    an odd ``m`` gives pipeline 0 one more micro-batch."""
+    if num_microbatches < 1:
+        raise ConfigError(f"micro-batches must be >= 1, got {num_microbatches}")
+    if num_pipelines == 2 and num_microbatches < 2:
+        raise ConfigError(
+            f"direction bi needs >= 2 micro-batches (one per pipeline), got {num_microbatches}; "
+            "raise --microbatches or use --direction uni"
+        )
+    return tuple(mb % num_pipelines for mb in range(num_microbatches))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``ranks[r]``: the ordered actions of pipeline rank ``r``.
+
+    Invariants (checked by :func:`megatron_prt.core.validate.validate`): every stage of
+    ``mb_pipeline[mb]``'s pipeline runs F and B of ``mb`` exactly once, on its own rank, in an
+    order the dependency rule admits.
+    """
+
+    placement: Placement
+    num_microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    schedule: str = "prt"
+    mb_pipeline: tuple[int, ...] = field(default=())
+    lowered: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.mb_pipeline:
+            object.__setattr__(
+                self,
+                "mb_pipeline",
+                split_microbatches(self.num_microbatches, self.placement.num_pipelines),
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.op is Op.I for actions in self.ranks for a in actions)
+
+    def stages_of_mb(self, mb: int) -> tuple[int, ...]:
+        return self.placement.pipelines[self.mb_pipeline[mb]]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.ranks[rank] if a.op.is_compute]
+
+    def compute_only(self) -> Plan:
+        """The plan with communication stripped (the generator's view)."""
+        ranks = tuple(tuple(a for a in acts if a.op.is_compute) for acts in self.ranks)
+        return replace(self, ranks=ranks, lowered=False)
+
+    # -- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "config": {
+                **self.placement.to_dict(),
+                "microbatches": self.num_microbatches,
+                "schedule": self.schedule,
+            },
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "stage_to_rank": list(self.placement.stage_to_rank),
+            "stage_to_chunk": list(self.placement.stage_to_chunk),
+            "pipelines": [list(p) for p in self.placement.pipelines],
+            "mb_pipeline": list(self.mb_pipeline),
+            "lowered": self.lowered,
+            "ranks": {str(r): [str(a) for a in acts] for r, acts in enumerate(self.ranks)},
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        cfg = data["config"]
+        placement = Placement(cfg["pp"], cfg["reuse"], cfg["placement"], cfg["direction"])
+        if list(placement.stage_to_rank) != list(data["stage_to_rank"]):
+            raise ValueError("stage_to_rank in the file disagrees with its config's placement")
+        ranks = tuple(
+            tuple(parse(a) for a in data["ranks"][str(r)]) for r in range(placement.ranks)
+        )
+        return cls(
+            placement=placement,
+            num_microbatches=data["num_microbatches"],
+            ranks=ranks,
+            schedule=cfg.get("schedule", "prt"),
+            mb_pipeline=tuple(data["mb_pipeline"]),
+            lowered=bool(data.get("lowered", False)),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def to_csv(self) -> str:
+        """One row per rank: ``rank,<action>,<action>,...``; a ``#`` header row holds the config."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        header = json.dumps(
+            {k: v for k, v in self.to_dict().items() if k not in ("ranks",)}, sort_keys=True
+        )
+        writer.writerow(["#" + header])
+        for rank, acts in enumerate(self.ranks):
+            writer.writerow([rank, *map(str, acts)])
+        return out.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str) -> Plan:
+        rows = list(csv.reader(io.StringIO(text)))
+        if not rows or not rows[0] or not rows[0][0].startswith("#"):
+            raise ValueError("plan CSV must start with a '#{...}' config row")
+        meta = json.loads(",".join(rows[0])[1:])
+        meta["ranks"] = {row[0]: row[1:] for row in rows[1:] if row}
+        return cls.from_dict(meta)
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything a rank must agree on (used to detect mismatched ranks)."""
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]

@@ -1,0 +1,248 @@
+"""Schedule generators: (placement, micro-batches, stage times) -> compute-only :class:`Plan`.
+
+``prt``          PRT for any reuse, placement, direction and m: 1F1B-like list scheduling
+                 (bounded warm-up, steady alternation, cool-down) over a small portfolio of
+                 policies; the fastest plan under the given stage times wins, ties going to
+                 the one holding fewer activations. R=1/uni reproduces 1F1B, R=1/bi is
+                 Chimera-style, R>1/loop matches Megatron's interleaved order.
+``1f1b``         textbook 1F1B (PipeDream-Flush): R=1, uni.
+``interleaved``  megatron-core's virtual-pipeline order, rebuilt from its schedule table
+                 (loop, uni, where megatron-core accepts the configuration).
+``gpipe``        all forwards, then all backwards (any placement).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from itertools import product
+
+from .actions import Action, Op
+from .greedy import ListResult, Policy, list_schedule
+from .placement import ConfigError, Placement
+from .plan import Plan, split_microbatches
+from .timing import StageTimes
+
+Generator = Callable[[Placement, int, StageTimes], Plan]
+
+
+# -- warm-up depth (caps) ---------------------------------------------------------------------
+def _span(placement: Placement, rank: int) -> list[tuple[int, int]]:
+    """Per pipeline: (first, last) flow position of this rank's stages."""
+    out = []
+    for stages in placement.pipelines:
+        pos = [i for i, s in enumerate(stages) if placement.rank_of(s) == rank]
+        out.append((min(pos), max(pos)))
+    return out
+
+
+def round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]:
+    """Activations a rank must hold so a steady state has no gap: for each pipeline, the
+    forward+backward time from the rank's first stage to the end and back, divided by the
+    time the rank spends per micro-batch of each pipeline. Equals 1F1B's ``P - r`` at R=1."""
+    d = placement.depth
+    caps = []
+    for rank in range(placement.ranks):
+        period = sum(
+            times.fwd[placement.model_stage(s)] + times.bwd[placement.model_stage(s)]
+            for s in placement.rank_stages[rank]
+        )
+        trip = sum(
+            sum(times.fwd[k] + times.bwd[k] for k in range(first, d))
+            for first, _ in _span(placement, rank)
+        )
+        caps.append(max(1, math.ceil(trip / period - 1e-9)))
+    return tuple(caps)
+
+
+def megatron_caps(placement: Placement) -> tuple[int, ...]:
+    """megatron-core's interleaved warm-up ``2(P-r-1) + (R-1)P`` plus the first steady
+    forward, written in stage positions so it applies to any placement."""
+    d = placement.depth
+    return tuple(
+        sum(last - first + 2 * (d - 1 - last) + 1 for first, last in _span(placement, rank))
+        for rank in range(placement.ranks)
+    )
+
+
+# -- forward / backward preference ------------------------------------------------------------
+def _keys(placement: Placement, num_microbatches: int, name: str):
+    if name == "depth_first":  # push the deepest ready forward on (frees memory sooner)
+        return (lambda a: (-a.stage, a.mb)), (lambda a: (a.mb, a.stage))
+    if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
+        return (lambda a: (-a.stage, a.mb)), (lambda a: (-a.stage, a.mb))
+    # "grouped": megatron-core's order: groups of P micro-batches (per pipeline) sweep a
+    # pass, then the next pass; a short last group joins the previous one.
+    width = placement.ranks * placement.num_pipelines
+    groups = max(1, num_microbatches // width)
+    depth, ranks = placement.depth, placement.ranks
+
+    def group(mb: int) -> int:
+        return min(mb // width, groups - 1)
+
+    def fwd(a: Action) -> tuple:
+        return (group(a.mb), (a.stage % depth) // ranks, a.mb)
+
+    def bwd(a: Action) -> tuple:
+        return (group(a.mb), -((a.stage % depth) // ranks), a.mb)
+
+    return fwd, bwd
+
+
+def makespan_lower_bound(placement: Placement, mb_pipeline, times: StageTimes) -> float:
+    """No schedule beats this: for every rank, the earliest its first action can start, plus
+    all its work, plus the shortest backward tail that must follow its last action."""
+    times, tick = times.in_ticks()  # same arithmetic as the schedulers: exact comparisons
+    counts = [mb_pipeline.count(p) for p in range(placement.num_pipelines)]
+    best = 0
+    for rank in range(placement.ranks):
+        work, head, tail = 0, math.inf, math.inf
+        for pipe, stages in enumerate(placement.pipelines):
+            if not counts[pipe]:
+                continue
+            for pos, stage in enumerate(stages):
+                if placement.rank_of(stage) != rank:
+                    continue
+                k = placement.model_stage(stage)
+                work += counts[pipe] * (times.fwd[k] + times.bwd[k])
+                head = min(head, sum(times.fwd[placement.model_stage(s)] for s in stages[:pos]))
+                tail = min(tail, sum(times.bwd[placement.model_stage(s)] for s in stages[:pos]))
+        best = max(best, head + work + tail)
+    return best * tick
+
+
+# Beyond this many actions only the policies that win most often are tried (keeps P=64,
+# R=8, m=512 planning in seconds); below it the whole portfolio runs unless one hits the bound.
+LARGE_PLAN_ACTIONS = 20_000
+
+
+def _portfolio(placement: Placement, times: StageTimes, num_actions: int):
+    base = round_trip_caps(placement, times)
+    meg = megatron_caps(placement)
+    if num_actions > LARGE_PLAN_ACTIONS:
+        return [(meg, "grouped", True), (base, "depth_first", False), (None, "deepest", True)]
+    cap_sets = [
+        base,
+        tuple(c + 1 for c in base),
+        tuple(max(1, c - 1) for c in meg),
+        meg,
+        tuple(c + 2 for c in meg),
+        None,
+    ]
+    return product(cap_sets, ("depth_first", "grouped", "deepest"), (False, True))
+
+
+def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
+    """PRT schedule: the best of a policy portfolio, stopping early at the lower bound."""
+    times = times or StageTimes.uniform(placement.depth)
+    mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
+    bound = makespan_lower_bound(placement, mb_pipeline, times)
+    best: ListResult | None = None
+    num_actions = 2 * placement.depth * num_microbatches
+    for caps, key_name, alternate in _portfolio(placement, times, num_actions):
+        fwd_key, bwd_key = _keys(placement, num_microbatches, key_name)
+        policy = Policy(caps=caps, fwd_key=fwd_key, bwd_key=bwd_key, alternate=alternate)
+        result = list_schedule(placement, mb_pipeline, times, policy)
+        if best is None or (result.makespan, max(result.peak_held)) < (
+            best.makespan,
+            max(best.peak_held),
+        ):
+            best = result
+        if best.makespan <= bound * (1 + 1e-12):
+            break
+    return Plan(placement, num_microbatches, best.orders, "prt", mb_pipeline)
+
+
+def gpipe(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
+    times = times or StageTimes.uniform(placement.depth)
+    mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
+    policy = Policy(flush=True, fwd_key=lambda a: (a.mb, a.stage), bwd_key=lambda a: (a.mb,))
+    result = list_schedule(placement, mb_pipeline, times, policy)
+    return Plan(placement, num_microbatches, result.orders, "gpipe", mb_pipeline)
+
+
+def one_f_one_b(
+    placement: Placement, num_microbatches: int, times: StageTimes | None = None
+) -> Plan:
+    """PipeDream-Flush: rank r runs ``P-r-1`` warm-up forwards, then F/B pairs, then the
+    remaining backwards."""
+    if placement.reuse != 1 or placement.direction != "uni":
+        raise ConfigError(
+            "schedule 1f1b is the R=1 uni baseline; use --reuse 1 --direction uni, "
+            "or --schedule prt for reuse and bi"
+        )
+    p, m = placement.ranks, num_microbatches
+    ranks = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        acts = [Action(rank, Op.F, mb) for mb in range(warmup)]  # warm-up: nF
+        for i in range(m - warmup):  # steady: 1F1B
+            acts += [Action(rank, Op.F, warmup + i), Action(rank, Op.B, i)]
+        acts += [Action(rank, Op.B, mb) for mb in range(m - warmup, m)]  # cool-down: nB
+        ranks.append(tuple(acts))
+    return Plan(placement, m, tuple(ranks), "1f1b")
+
+
+def megatron_schedule_table(
+    num_microbatches: int, chunks: int, group: int
+) -> list[tuple[int, int]]:
+    """megatron-core's ``get_schedule_table``: virtual micro-batch -> (mb, chunk)."""
+    table = []
+    for first in range(0, num_microbatches, group):
+        last = num_microbatches if first + group >= num_microbatches else first + group
+        table += [(mb, chunk) for chunk in range(chunks) for mb in range(first, last)]
+    return table
+
+
+def interleaved(
+    placement: Placement, num_microbatches: int, times: StageTimes | None = None
+) -> Plan:
+    """megatron-core's interleaved 1F1B (group size P), refusing what megatron-core refuses."""
+    p, r, m = placement.ranks, placement.reuse, num_microbatches
+    if placement.placement != "loop" or placement.direction != "uni":
+        raise ConfigError("schedule interleaved exists for --placement loop --direction uni only")
+    if r == 1:
+        return replace(one_f_one_b(placement, m), schedule="interleaved")
+    if m < p or m % p:  # group size P: megatron-core needs P <= m and m % P in {0} U [P, ..)
+        raise ConfigError(
+            f"megatron-core's interleaved schedule needs micro-batches to be a multiple of "
+            f"--pp {p} (got {m}); use --schedule prt, which takes any m"
+        )
+    table = megatron_schedule_table(m, r, p)
+    total = len(table)
+    ranks = []
+    for rank in range(p):
+        warmup = min((p - rank - 1) * 2 + (r - 1) * p, total)
+
+        fwd = [Action(chunk * p + rank, Op.F, mb) for mb, chunk in table]
+        bwd = [Action((r - 1 - chunk) * p + rank, Op.B, mb) for mb, chunk in table]
+        acts = fwd[:warmup]  # warm-up
+        for k in range(total - warmup):  # steady: 1F1B over virtual micro-batches
+            acts += [fwd[k + warmup], bwd[k]]
+        acts += bwd[total - warmup :]  # cool-down
+        ranks.append(tuple(acts))
+    return Plan(placement, m, tuple(ranks), "interleaved")
+
+
+SCHEDULES: dict[str, Generator] = {
+    "prt": prt,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "gpipe": gpipe,
+}
+
+
+def build_plan(
+    placement: Placement,
+    num_microbatches: int,
+    schedule: str = "prt",
+    times: StageTimes | None = None,
+) -> Plan:
+    """Generate a compute-only plan; raises :class:`ConfigError` for bad input."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ConfigError(f"micro-batches must be an integer >= 1, got {num_microbatches!r}")
+    split_microbatches(num_microbatches, placement.num_pipelines)  # bi needs m >= 2
+    return SCHEDULES[schedule](placement, num_microbatches, times)

@@ -1,0 +1,40 @@
+"""Per-stage durations the generators and the simulator agree on (plain numbers, any unit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .actions import Action, Op
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """``fwd[k]``/``bwd[k]``: time of model stage ``k`` (``k`` in ``[0, D)``; bi replicas share
+    it) for one micro-batch. ``p2p``: latency of one cross-rank hop; same-rank hand-offs cost 0."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    p2p: float = 0.0
+
+    @classmethod
+    def uniform(cls, depth: int, fwd: float = 1.0, bwd: float = 2.0, p2p: float = 0.0):
+        """Uniform stages; ``fwd``/``bwd`` are per *stage*, not per model."""
+        return cls((fwd,) * depth, (bwd,) * depth, p2p)
+
+    def in_ticks(self, resolution: int = 10_000) -> tuple[StageTimes, float]:
+        """Integer copy (and the tick length) so that event ties are exact: a schedule must
+        not change with the time unit or with float rounding (1/6 + 1/6 != 2/6)."""
+        positive = [t for t in (*self.fwd, *self.bwd, self.p2p) if t > 0]
+        tick = min(positive) / resolution if positive else 1.0
+        as_ticks = lambda ts: tuple(round(t / tick) for t in ts)  # noqa: E731
+        return StageTimes(as_ticks(self.fwd), as_ticks(self.bwd), round(self.p2p / tick)), tick
+
+    def duration(self, action: Action) -> float:
+        k = action.stage % len(self.fwd)
+        if action.op is Op.F:
+            return self.fwd[k]
+        if action.op is Op.B:
+            return self.bwd[k]
+        if action.op in (Op.I, Op.W):
+            return self.bwd[k] // 2 if isinstance(self.bwd[k], int) else self.bwd[k] / 2
+        return 0.0

@@ -1,0 +1,93 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_plan_json_has_the_documented_keys(run_cli):
+    code, out, _ = run_cli(
+        "plan",
+        "--pp",
+        4,
+        "--reuse",
+        2,
+        "-m",
+        5,
+        "--placement",
+        "wave",
+        "--direction",
+        "bi",
+        "--format",
+        "json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    for key in ("num_stages", "num_microbatches", "stage_to_rank", "pipelines", "ranks", "config"):
+        assert key in data
+    assert data["num_stages"] == 16 and len(data["ranks"]) == 4
+    assert data["config"] == {
+        "pp": 4,
+        "reuse": 2,
+        "placement": "wave",
+        "direction": "bi",
+        "microbatches": 5,
+        "schedule": "prt",
+    }
+
+
+def test_plan_text_and_files(run_cli, tmp_path):
+    code, out, _ = run_cli("plan", "--pp", 2, "--reuse", 2, "-m", 4)
+    assert code == 0 and "bubble 11.1%" in out and "timeline:" in out
+    for fmt in ("csv", "chrome", "png"):
+        path = tmp_path / f"p.{fmt}"
+        code, _, _ = run_cli("plan", "--pp", 2, "-m", 3, "--format", fmt, "-o", path)
+        assert code == 0 and path.stat().st_size > 0
+
+
+def test_simulate_json(run_cli):
+    code, out, _ = run_cli(
+        "simulate", "--pp", 4, "-m", 8, "--reuse", 2, "--fwd-time", 4, "--bwd-time", 8, "--json"
+    )
+    data = json.loads(out)
+    assert code == 0 and data["bubble_fraction"] == pytest.approx(3 / 19)
+    assert data["makespan"] == pytest.approx((16 + 3) * 12 / 8)
+    assert set(data["per_rank"][0]) >= {"busy", "idle", "peak_inflight", "peak_activation_bytes"}
+
+
+def test_simulate_costs_file(run_cli, tmp_path):
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"fwd_time": 2.0, "bwd_time": 4.0, "p2p_latency": 0.25}))
+    code, out, _ = run_cli("simulate", "--pp", 2, "-m", 1, "--costs", costs, "--json")
+    assert code == 0
+    assert json.loads(out)["makespan"] == pytest.approx(6.0 + 2 * 0.25)
+
+
+def test_compare_table(run_cli):
+    code, out, _ = run_cli("compare", "--pp", 8, "-m", 8, "--reuse", 4)
+    assert code == 0
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    assert "1.000x" in rows["1F1B"] and "1.538x" in rows["PRT loop/uni R=4"]
+    code, out, _ = run_cli("compare", "--pp", 4, "-m", 6, "--reuse", 2)
+    assert "n/a" in out  # megatron-core's interleaved refuses m=6 on 4 ranks; PRT runs
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["plan", "--pp", "0", "-m", "2"], "pipeline ranks must be an integer >= 1"),
+        (["plan", "--pp", "2", "--reuse", "0", "-m", "2"], "reuse must be"),
+        (["plan", "--pp", "2", "-m", "0"], "micro-batches must be"),
+        (["plan", "--pp", "2", "-m", "1", "--direction", "bi"], "bi needs >= 2 micro-batches"),
+        (["plan", "--pp", "2", "-m", "2", "--placement", "zig"], "invalid choice: 'zig'"),
+        (["simulate", "--pp", "2", "-m", "2", "--schedule", "x"], "invalid choice: 'x'"),
+        (["plan", "--pp", "2", "-m", "2", "--format", "png"], "--format png needs -o FILE"),
+    ],
+)
+def test_bad_flags_exit_nonzero_with_one_line(argv, match):
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_prt", *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert match in proc.stderr

@@ -1,0 +1,89 @@
+"""Schedule validity over grids of configurations: generate, validate, lower, round-trip."""
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_prt.core import ConfigError, Placement, Plan, build_plan
+from megatron_prt.core.lower import lower
+from megatron_prt.core.validate import validate
+
+
+def _check(placement: Placement, m: int, schedule: str = "prt") -> None:
+    plan = build_plan(placement, m, schedule)
+    validate(plan)
+    lowered = lower(plan)
+    validate(lowered)  # blocking send/recv replay: no deadlock
+    assert lowered.compute_only() == plan
+    for p in (plan, lowered):
+        assert Plan.from_json(p.to_json()) == p
+        assert Plan.from_csv(p.to_csv()) == p
+
+
+configs = st.tuples(
+    st.integers(1, 8),
+    st.integers(1, 6),
+    st.integers(1, 32),
+    st.sampled_from(["loop", "wave"]),
+    st.sampled_from(["uni", "bi"]),
+)
+
+
+@given(configs)
+def test_prt_plans_validate_lower_and_round_trip(config):
+    p, r, m, placement, direction = config
+    if direction == "bi" and m < 2:
+        with pytest.raises(ConfigError, match="bi needs >= 2 micro-batches"):
+            build_plan(Placement(p, r, placement, direction), m)
+        return
+    _check(Placement(p, r, placement, direction), m)
+
+
+@given(configs)
+def test_gpipe_plans_validate(config):
+    p, r, m, placement, direction = config
+    _check(Placement(p, r, placement, direction), max(m, 2))
+
+
+@pytest.mark.parametrize("p, m", list(itertools.product(range(1, 7), range(1, 14))))
+def test_1f1b_plans_validate(p, m):
+    _check(Placement(p), m, "1f1b")
+
+
+@pytest.mark.parametrize("p, r", list(itertools.product(range(2, 6), range(1, 5))))
+def test_interleaved_plans_validate(p, r):
+    for m in (p, 2 * p, 3 * p):
+        _check(Placement(p, r), m, "interleaved")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "placement, direction", list(itertools.product(["loop", "wave"], ["uni", "bi"]))
+)
+def test_exhaustive_small_grid(placement, direction):
+    for p, r, m in itertools.product(range(1, 6), range(1, 5), range(1, 17)):
+        if direction == "bi" and m < 2:
+            continue
+        _check(Placement(p, r, placement, direction), m)
+
+
+def test_bi_splits_micro_batches_unevenly_when_m_is_odd():
+    plan = build_plan(Placement(2, 1, "loop", "bi"), 5)
+    assert plan.mb_pipeline == (0, 1, 0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "placement, m, schedule, match",
+    [
+        (Placement(2, 2), 3, "interleaved", "multiple of --pp 2"),
+        (Placement(2, 2), 4, "1f1b", "R=1 uni baseline"),
+        (Placement(2, 2, "wave"), 4, "interleaved", "loop --direction uni only"),
+        (Placement(2), 0, "prt", "micro-batches must be"),
+        (Placement(2), 4, "zb", "schedule must be one of"),
+    ],
+)
+def test_refused_configurations(placement, m, schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        build_plan(placement, m, schedule)
