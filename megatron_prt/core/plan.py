@@ -70,6 +70,16 @@ class Plan:
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op.is_compute]
 
+    @property
+    def has_backward(self) -> bool:
+        return any(a.op in (Op.B, Op.I, Op.W) for actions in self.ranks for a in actions)
+
+    def forward_only(self) -> Plan:
+        """The compute plan without backward (evaluation); lower it again before running."""
+        keep = lambda a: a.op is Op.F  # noqa: E731
+        ranks = tuple(tuple(a for a in acts if keep(a)) for acts in self.ranks)
+        return replace(self, ranks=ranks, lowered=False)
+
     def compute_only(self) -> Plan:
         """The plan with communication stripped (the generator's view)."""
         ranks = tuple(tuple(a for a in acts if a.op.is_compute) for acts in self.ranks)

@@ -1,0 +1,314 @@
+"""Execute a lowered plan on this rank: a dispatch table from op to handler.
+
+Contract
+--------
+* ``stages`` maps every stage on this rank (pipeline 0 and, for ``bi``, pipeline 1) to an
+  ``nn.Module`` taking one tensor and returning one tensor. The last stage of a pipeline
+  feeds its output to ``loss_fn(output, target) -> scalar``.
+* ``step(inputs, targets)`` takes per-micro-batch lists (only the entries this rank uses
+  are read: inputs at first stages, targets at last stages) and returns per-micro-batch
+  losses, ``None`` where another rank computed them. Gradients accumulate into the local
+  stages' ``.grad`` as ``d(mean of the m losses)/d(param)``, as a non-pipelined run of the
+  whole batch would give.
+* Receives are posted where the lowered plan puts them (when the peer sends, ahead of need);
+  sends never block compute; only a compute action waits, and only for its own inputs.
+* Same-rank hand-offs (wave turns, bi stages sharing a rank) pass tensors directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from ..core.actions import Action, Op
+from ..core.lower import lower, message_key
+from ..core.plan import Plan
+from ..core.validate import validate
+from .errors import PipelineError, pipeline_error
+from .p2p import Transport
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineRuntime:
+    """Runs a plan's actions for ``rank`` of the pipeline group ``group``."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        stages: Mapping[int, torch.nn.Module],
+        loss_fn: LossFn,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        timeout_s: float = 60.0,
+        deallocate_outputs: bool = True,
+        trace: bool = False,
+    ) -> None:
+        self.rank = dist.get_rank(group)
+        self.plan = plan.compute_only()
+        placement = plan.placement
+        expected = set(placement.rank_stages[self.rank])
+        if set(stages) != expected:
+            raise ValueError(
+                f"rank {self.rank}: stages {sorted(stages)} given, the plan places "
+                f"{sorted(expected)} here"
+            )
+        self.stages = dict(stages)
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.deallocate_outputs = deallocate_outputs
+        self.trace_enabled = trace
+        self.spans: list[tuple[Action, float, float]] = []
+        self.transport = Transport(group, placement.rank_of, self.device, dtype, timeout_s)
+        self._group = group
+        self._programs = {}
+        for forward_only in (False, True):
+            compute = self.plan.forward_only() if forward_only else self.plan
+            lowered = lower(compute)
+            validate(lowered)
+            self._programs[forward_only] = (lowered, _compile(lowered.ranks[self.rank]))
+        check_same_plan(self.plan, group, self.device, timeout_s)
+        self._handlers = {
+            Op.F: self._forward,
+            Op.B: self._backward,
+        }
+
+    # -- public ----------------------------------------------------------------------------
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        forward_only: bool = False,
+    ) -> list[torch.Tensor | None]:
+        m = self.plan.num_microbatches
+        for name, data in (("inputs", inputs), ("targets", targets)):
+            if data is not None and len(data) != m:
+                raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
+        lowered, program = self._programs[forward_only]
+        self._begin(inputs, targets, forward_only)
+        t0 = time.perf_counter()
+        step = 0
+        action: Action | None = None
+        try:
+            for entry in program:
+                kind, step, payload = entry  # step: index in the lowered plan, for errors
+                if kind == "compute":
+                    action = payload
+                    start = time.perf_counter()
+                    self._handlers[action.op](action)
+                    if self.trace_enabled:
+                        self.spans.append((action, start - t0, time.perf_counter() - t0))
+                    self._reap_sends(block=False)
+                else:
+                    action = payload[0]
+                    self._communicate(payload)
+            self._reap_sends(block=True)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise pipeline_error(
+                lowered, self.rank, step, action, _describe(exc, action, self.plan)
+            ) from exc
+        losses, self._losses = self._losses, None
+        return losses
+
+    def trace(self) -> list[tuple[Action, float, float]]:
+        """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""
+        return list(self.spans)
+
+    # -- step state ------------------------------------------------------------------------
+    def _begin(self, inputs, targets, forward_only: bool) -> None:
+        self._inputs, self._targets = inputs, targets
+        self._forward_only = forward_only
+        self._saved_inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._received: dict[tuple, tuple] = {}  # key -> (work, buffer)
+        self._sends: deque = deque()  # (work, tensor kept alive, tensor to free or None)
+        self._losses: list[torch.Tensor | None] = [None] * self.plan.num_microbatches
+        self.spans = []
+
+    def _take_received(self, key: tuple) -> torch.Tensor:
+        work, buf = self._received.pop(key)
+        self.transport.wait(work)
+        return buf
+
+    # -- compute handlers --------------------------------------------------------------------
+    def _forward(self, action: Action) -> None:
+        stage, _, mb = action
+        placement = self.plan.placement
+        prev = placement.prev_stage(stage)
+        if prev is None:
+            x = self._inputs[mb].to(self.device)
+        else:
+            if placement.rank_of(prev) == self.rank:
+                x = self._outputs[(prev, mb)]
+                if self._forward_only:
+                    del self._outputs[(prev, mb)]
+            else:
+                x = self._take_received(message_key(Action(prev, Op.F, mb)))
+            x = x.detach().requires_grad_(not self._forward_only)
+        with torch.set_grad_enabled(not self._forward_only):
+            out = self.stages[stage](x)
+            if placement.next_stage(stage) is None:
+                out = self.loss_fn(out, self._targets[mb].to(self.device))
+                self._losses[mb] = out.detach()
+        if not self._forward_only:
+            self._saved_inputs[(stage, mb)] = x if prev is not None else None
+        if placement.next_stage(stage) is not None or not self._forward_only:
+            self._outputs[(stage, mb)] = out
+
+    def _backward(self, action: Action) -> None:
+        stage, _, mb = action
+        placement = self.plan.placement
+        out = self._outputs.pop((stage, mb))
+        nxt = placement.next_stage(stage)
+        if nxt is None:
+            grad = torch.full_like(out, 1.0 / self.plan.num_microbatches)
+        elif placement.rank_of(nxt) == self.rank:
+            grad = self._input_grads.pop((nxt, mb))
+        else:
+            grad = self._take_received(message_key(Action(nxt, Op.B, mb)))
+        _run_backward(out, grad)
+        x = self._saved_inputs.pop((stage, mb))
+        if x is not None:
+            self._input_grads[(stage, mb)] = x.grad
+
+    # -- communication -----------------------------------------------------------------------
+    def _communicate(self, actions: list[Action]) -> None:
+        batch = _Batch()
+        for action in actions:
+            key = message_key(action)
+            if action.op is Op.SEND_F:
+                where = (action.stage, action.mb)
+                out = self._outputs.pop(where) if self._forward_only else self._outputs[where]
+                free = out if self.deallocate_outputs and not self._forward_only else None
+                batch.send(self.transport.send_ops(key, out), free)
+            elif action.op is Op.SEND_B:
+                grad = self._input_grads.pop((action.stage, action.mb))
+                batch.send(self.transport.send_ops(key, grad), None)
+            else:
+                if not self.transport.knows(key):  # first step only: learn the edge's shape
+                    self._start(batch)
+                    batch = _Batch()
+                    self.transport.recv_header(key)
+                batch.recv(key, *self.transport.recv_op(key))
+        self._start(batch)
+
+    def _start(self, batch: _Batch) -> None:
+        works = Transport.start(batch.ops)
+        if len(works) != len(batch.ops):  # coalesced (NCCL): one handle for the whole batch
+            works = [works[-1]] * len(batch.ops)
+        for index, keep, free in batch.sends:
+            self._sends.append((works[index], keep, free))
+        for index, key, buf in batch.recvs:
+            self._received[key] = (works[index], buf)
+
+    def _reap_sends(self, block: bool) -> None:
+        while self._sends:
+            work, _keep, free = self._sends[0]
+            if block:
+                self.transport.wait(work)
+            elif not work.is_completed():
+                return
+            self._sends.popleft()
+            if free is not None:
+                # Megatron's trick: a sent output's data is not needed for its backward
+                # (autograd holds what it saved), only its grad_fn; free the storage.
+                free.data = torch.empty((1,), device=free.device, dtype=free.dtype)
+
+
+class _Batch:
+    """P2P ops issued together, with what to do when each completes."""
+
+    def __init__(self) -> None:
+        self.ops: list[dist.P2POp] = []
+        self.sends: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self.recvs: list[tuple[int, tuple, torch.Tensor]] = []
+
+    def send(self, ops: list[dist.P2POp], free: torch.Tensor | None) -> None:
+        for i, op in enumerate(ops):  # keep every sent tensor alive until its send completes
+            self.ops.append(op)
+            self.sends.append((len(self.ops) - 1, op.tensor, free if i == len(ops) - 1 else None))
+
+    def recv(self, key: tuple, op: dist.P2POp, buf: torch.Tensor) -> None:
+        self.ops.append(op)
+        self.recvs.append((len(self.ops) - 1, key, buf))
+
+
+def _run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from ``out`` whose data may have been freed (shape then differs from grad)."""
+    if out.shape == grad.shape:
+        torch.autograd.backward(out, grad)
+    else:
+        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+
+
+def _compile(stream: Sequence[Action]) -> list[tuple[str, int, object]]:
+    """Group consecutive comm actions into one batch; compute actions stand alone."""
+    program: list[tuple[str, int, object]] = []
+    for step, action in enumerate(stream):
+        if action.op.is_compute:
+            program.append(("compute", step, action))
+        elif program and program[-1][0] == "comm":
+            program[-1][2].append(action)
+        else:
+            program.append(("comm", step, [action]))
+    return program
+
+
+def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if action is None:
+        return text
+    placement = plan.placement
+    peer = None
+    if action.op is Op.F and placement.prev_stage(action.stage) is not None:
+        peer = placement.rank_of(placement.prev_stage(action.stage))
+    elif action.op is Op.B and placement.next_stage(action.stage) is not None:
+        peer = placement.rank_of(placement.next_stage(action.stage))
+    if peer is not None and any(
+        w in text.lower() for w in ("timeout", "timed out", "closed", "reset", "connection")
+    ):
+        text += f" (waiting on rank {peer}: it may have failed or be stuck)"
+    return text
+
+
+def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -> None:
+    """Refuse to start unless every rank holds the same plan (compares a hash)."""
+    digest = int(plan.fingerprint(), 16) & ((1 << 62) - 1)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    work.wait(_timedelta(timeout_s))
+    values = [int(t) for t in gathered]
+    if len(set(values)) > 1:
+        groups: dict[int, list[int]] = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(value, []).append(rank)
+        raise PipelineError(
+            f"rank {dist.get_rank(group)}: ranks disagree on the plan ("
+            + "; ".join(f"ranks {r} hold plan {v:016x}" for v, r in groups.items())
+            + "); every rank must build the same plan (same P, R, placement, direction, "
+            "micro-batches, schedule)"
+        )
+    if world != plan.placement.ranks:
+        raise PipelineError(
+            f"plan is for {plan.placement.ranks} pipeline ranks, the group has {world}"
+        )
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

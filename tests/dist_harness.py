@@ -1,0 +1,70 @@
+"""Run a function on N gloo ranks on localhost (forked processes, one thread each)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+
+def _entry(fn, rank, world, store, queue, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # skip teardown: a dead peer must not hang this rank's exit
+
+
+def run_ranks(
+    world: int, fn, *args, deadline_s: float = 300.0, wait_for=None
+) -> list[tuple[str, object]]:
+    """Returns ``[(status, result_or_error_text)]`` per rank. Ranks still running once the
+    ranks in ``wait_for`` (default all) have reported, or after ``deadline_s``, are killed
+    and reported as ``("killed", None)``."""
+    wait_for = set(range(world)) if wait_for is None else set(wait_for)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, queue, args), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[str, object]] = {}
+        try:
+            while not wait_for <= set(results):
+                rank, status, payload = queue.get(timeout=deadline_s)
+                results[rank] = (status, payload)
+        except Exception:
+            pass
+        for rank, p in enumerate(procs):
+            p.join(timeout=5 if rank in results else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results.get(r, ("killed", None)) for r in range(world)]
+
+
+def all_ok(results) -> list:
+    errors = [f"rank {r}: {payload}" for r, (s, payload) in enumerate(results) if s != "ok"]
+    assert not errors, "\n".join(errors)
+    return [payload for _, payload in results]
