@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden
+.PHONY: install test test-all lint format clean golden bench
 
 install: $(STAMP)
 
@@ -22,13 +22,17 @@ test-all: install
 	$(PY) -m pytest -q -m "slow or not slow"
 
 lint: install
-	$(VENV)/bin/ruff check megatron_prt tests
+	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples
 
 format: install
-	$(VENV)/bin/ruff format megatron_prt tests
+	$(VENV)/bin/ruff format megatron_prt tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
 
 golden: install
 	MEGATRON_PRT=$(CURDIR)/$(VENV)/bin/megatron-prt tests/golden/regenerate.sh
+
+# Measured runtime speed on this machine vs the simulator (a benchmark, not a test).
+bench: install
+	$(PY) benchmarks/runtime_speed.py

@@ -6,11 +6,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 from parity_models import batch, loss_fn, make_layer
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineError, PipelineRuntime, build_stages
+from megatron_prt.runtime.local import run_local
 
 TIMEOUT_S = 4.0
 
@@ -47,7 +47,7 @@ def _failing_worker(rank, world, stall):
 
 
 def _check_failure(stall: bool):
-    results = run_ranks(
+    results = run_local(
         3, _failing_worker, stall, deadline_s=8 * TIMEOUT_S, wait_for={0, 2} if stall else None
     )
     statuses = [s for s, _ in results]
@@ -87,7 +87,7 @@ def _mismatch_worker(rank, world):
 
 
 def test_mismatched_plans_are_refused_at_setup():
-    results = run_ranks(2, _mismatch_worker, deadline_s=60)
+    results = run_local(2, _mismatch_worker, deadline_s=60)
     for rank, (status, text) in enumerate(results):
         assert status == "ok" and text is not None
         assert f"rank {rank}: ranks disagree on the plan" in text

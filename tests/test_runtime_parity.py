@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 import torch
-from dist_harness import all_ok, run_ranks
 from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineRuntime, build_stages, reduce_replica_grads, sync_replicas
+from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.stages import layer_ranges
 
 TOL = 1e-10
@@ -98,7 +98,7 @@ def grid(p: int, full: bool):
 
 def _run_grid(p: int, full: bool):
     configs = list(grid(p, full))
-    results = all_ok(run_ranks(p, _worker, configs, deadline_s=1200))
+    results = all_ok(run_local(p, _worker, configs, deadline_s=1200))
     for index, config in enumerate(configs):
         seen = set()
         for rank_results in results:

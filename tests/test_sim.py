@@ -66,3 +66,13 @@ def test_renderers(tmp_path):
     png = tmp_path / "t.png"
     write_png(str(png), spans, "t", plan.placement.stage_to_chunk)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_message_cpu_cost_is_charged_to_both_ends():
+    plan = build_plan(Placement(2), 1, "1f1b")
+    cost = CostModel(fwd_time=2, bwd_time=4, p2p_latency=0.5, p2p_cpu=0.25)
+    # 0F0 (+send) -> hop -> 1F0 (+recv) -> 1B0 (+send) -> hop -> 0B0 (+recv)
+    assert simulate(plan, cost).makespan == pytest.approx(6 + 2 * 0.5 + 4 * 0.25)
+    # a wave turn is a same-rank hand-off: no message, no cpu charge at the turn
+    wave = simulate(build_plan(Placement(1, 2, "wave"), 1), cost)
+    assert wave.makespan == pytest.approx(6)

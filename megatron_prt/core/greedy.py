@@ -138,7 +138,7 @@ def list_schedule(
             state.forwards_left -= 1
         order[rank].append(action)
         seq += 1
-        heapq.heappush(events, (now + times.duration(action), seq, rank, action))
+        heapq.heappush(events, (now + times.busy(action, placement), seq, rank, action))
 
     for action in actions:
         if waiting[action] == 0:

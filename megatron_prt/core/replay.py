@@ -61,7 +61,7 @@ def replay(plan: Plan, times: StageTimes | None = None) -> Timeline:
                 waiters.setdefault(blocker, []).append(rank)
                 break
             start[action] = ready
-            end[action] = free[rank] = ready + times.duration(action)
+            end[action] = free[rank] = ready + times.busy(action, placement)
             pos[rank] += 1
             runnable.extend(waiters.pop(action, ()))
     if any(p < len(acts) for p, acts in zip(pos, orders, strict=True)):

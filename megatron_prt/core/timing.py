@@ -10,11 +10,15 @@ from .actions import Action, Op
 @dataclass(frozen=True)
 class StageTimes:
     """``fwd[k]``/``bwd[k]``: time of model stage ``k`` (``k`` in ``[0, D)``; bi replicas share
-    it) for one micro-batch. ``p2p``: latency of one cross-rank hop; same-rank hand-offs cost 0."""
+    it) for one micro-batch. ``p2p``: latency of one cross-rank hop; same-rank hand-offs cost 0.
+    ``p2p_cpu``: time one message also takes from its sender's and its receiver's compute
+    (CPU transports copy through the kernel; NCCL on GPUs is close to 0). It is charged to
+    the compute action that produces or consumes the message."""
 
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     p2p: float = 0.0
+    p2p_cpu: float = 0.0
 
     @classmethod
     def uniform(cls, depth: int, fwd: float = 1.0, bwd: float = 2.0, p2p: float = 0.0):
@@ -24,10 +28,32 @@ class StageTimes:
     def in_ticks(self, resolution: int = 10_000) -> tuple[StageTimes, float]:
         """Integer copy (and the tick length) so that event ties are exact: a schedule must
         not change with the time unit or with float rounding (1/6 + 1/6 != 2/6)."""
-        positive = [t for t in (*self.fwd, *self.bwd, self.p2p) if t > 0]
+        positive = [t for t in (*self.fwd, *self.bwd, self.p2p, self.p2p_cpu) if t > 0]
         tick = min(positive) / resolution if positive else 1.0
         as_ticks = lambda ts: tuple(round(t / tick) for t in ts)  # noqa: E731
-        return StageTimes(as_ticks(self.fwd), as_ticks(self.bwd), round(self.p2p / tick)), tick
+        return (
+            StageTimes(
+                as_ticks(self.fwd),
+                as_ticks(self.bwd),
+                round(self.p2p / tick),
+                round(self.p2p_cpu / tick),
+            ),
+            tick,
+        )
+
+    def busy(self, action: Action, placement) -> float:
+        """Rank time of ``action``: its compute plus ``p2p_cpu`` per message it receives or
+        sends (a neighbouring stage on another rank)."""
+        base = self.duration(action)
+        if not self.p2p_cpu:
+            return base
+        rank = placement.rank_of(action.stage)
+        messages = sum(
+            1
+            for nb in (placement.prev_stage(action.stage), placement.next_stage(action.stage))
+            if nb is not None and placement.rank_of(nb) != rank
+        )
+        return base + messages * self.p2p_cpu
 
     def duration(self, action: Action) -> float:
         k = action.stage % len(self.fwd)

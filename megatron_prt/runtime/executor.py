@@ -50,6 +50,7 @@ class PipelineRuntime:
         timeout_s: float = 60.0,
         deallocate_outputs: bool = True,
         trace: bool = False,
+        recv_lookahead: int | None = None,
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
@@ -67,6 +68,13 @@ class PipelineRuntime:
         self.timeout_s = timeout_s
         self.deallocate_outputs = deallocate_outputs
         self.trace_enabled = trace
+        # Receives posted ahead of the plan: gloo's p2p is fully asynchronous, so posting
+        # early only moves data sooner. NCCL serialises p2p on a stream, where an early
+        # receive could block a send the peer waits for: there the plan's order is kept.
+        if recv_lookahead is None:
+            backend = dist.get_backend(group)
+            recv_lookahead = 16 if backend == "gloo" else 0
+        self.recv_lookahead = recv_lookahead
         self.spans: list[tuple[Action, float, float]] = []
         self.transport = Transport(group, placement.rank_of, self.device, dtype, timeout_s)
         self._group = group
@@ -75,7 +83,9 @@ class PipelineRuntime:
             compute = self.plan.forward_only() if forward_only else self.plan
             lowered = lower(compute)
             validate(lowered)
-            self._programs[forward_only] = (lowered, _compile(lowered.ranks[self.rank]))
+            stream = lowered.ranks[self.rank]
+            recvs = [message_key(a) for a in stream if a.op in (Op.RECV_F, Op.RECV_B)]
+            self._programs[forward_only] = (lowered, _compile(stream), recvs)
         check_same_plan(self.plan, group, self.device, timeout_s)
         self._handlers = {
             Op.F: self._forward,
@@ -93,8 +103,9 @@ class PipelineRuntime:
         for name, data in (("inputs", inputs), ("targets", targets)):
             if data is not None and len(data) != m:
                 raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
-        lowered, program = self._programs[forward_only]
+        lowered, program, self._recv_order = self._programs[forward_only]
         self._begin(inputs, targets, forward_only)
+        self._prepost()
         t0 = time.perf_counter()
         step = 0
         action: Action | None = None
@@ -103,10 +114,11 @@ class PipelineRuntime:
                 kind, step, payload = entry  # step: index in the lowered plan, for errors
                 if kind == "compute":
                     action = payload
-                    start = time.perf_counter()
                     self._handlers[action.op](action)
-                    if self.trace_enabled:
-                        self.spans.append((action, start - t0, time.perf_counter() - t0))
+                    self._prepost()
+                    if self.trace_enabled:  # span: from inputs ready to compute done
+                        end = time.perf_counter()
+                        self.spans.append((action, self._ready_at - t0, end - t0))
                     self._reap_sends(block=False)
                 else:
                     action = payload[0]
@@ -135,12 +147,29 @@ class PipelineRuntime:
         self._received: dict[tuple, tuple] = {}  # key -> (work, buffer)
         self._sends: deque = deque()  # (work, tensor kept alive, tensor to free or None)
         self._losses: list[torch.Tensor | None] = [None] * self.plan.num_microbatches
+        self._ready_at = 0.0
+        self._next_recv = 0  # receives posted so far, in the plan's receive order
+        self._plan_recvs = 0  # RECV actions the plan has reached
         self.spans = []
 
     def _take_received(self, key: tuple) -> torch.Tensor:
         work, buf = self._received.pop(key)
         self.transport.wait(work)
         return buf
+
+    def _prepost(self) -> None:
+        """Keep up to ``recv_lookahead`` receives posted beyond the plan's position, in the
+        plan's order (so per-peer message order is unchanged)."""
+        order = self._recv_order
+        while (
+            self._next_recv < len(order)
+            and len(self._received) < self.recv_lookahead
+            and self.transport.knows(order[self._next_recv])
+        ):
+            key = order[self._next_recv]
+            op, buf = self.transport.recv_op(key)
+            self._received[key] = (op.op(op.tensor, op.peer, op.group, op.tag), buf)
+            self._next_recv += 1
 
     # -- compute handlers --------------------------------------------------------------------
     def _forward(self, action: Action) -> None:
@@ -157,6 +186,7 @@ class PipelineRuntime:
             else:
                 x = self._take_received(message_key(Action(prev, Op.F, mb)))
             x = x.detach().requires_grad_(not self._forward_only)
+        self._ready_at = time.perf_counter()
         with torch.set_grad_enabled(not self._forward_only):
             out = self.stages[stage](x)
             if placement.next_stage(stage) is None:
@@ -178,6 +208,7 @@ class PipelineRuntime:
             grad = self._input_grads.pop((nxt, mb))
         else:
             grad = self._take_received(message_key(Action(nxt, Op.B, mb)))
+        self._ready_at = time.perf_counter()
         _run_backward(out, grad)
         x = self._saved_inputs.pop((stage, mb))
         if x is not None:
@@ -197,11 +228,15 @@ class PipelineRuntime:
                 grad = self._input_grads.pop((action.stage, action.mb))
                 batch.send(self.transport.send_ops(key, grad), None)
             else:
+                self._plan_recvs += 1
+                if self._plan_recvs <= self._next_recv:  # already posted ahead
+                    continue
                 if not self.transport.knows(key):  # first step only: learn the edge's shape
                     self._start(batch)
                     batch = _Batch()
                     self.transport.recv_header(key)
                 batch.recv(key, *self.transport.recv_op(key))
+                self._next_recv += 1
         self._start(batch)
 
     def _start(self, batch: _Batch) -> None:

@@ -37,6 +37,7 @@ class CostModel:
     bwd_time: float = 2.0
     p2p_latency: float = 0.0  # per cross-rank message
     p2p_bandwidth: float = math.inf  # bytes per time unit
+    p2p_cpu: float = 0.0  # rank time one message costs its sender and its receiver
     activation_bytes: float = 1.0  # whole model, one micro-batch
     param_bytes: float = 0.0  # whole model (one replica)
     message_bytes: float = 0.0  # one activation or gradient between stages
@@ -44,7 +45,14 @@ class CostModel:
     stage_layers: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("fwd_time", "bwd_time", "p2p_latency", "activation_bytes", "param_bytes"):
+        for name in (
+            "fwd_time",
+            "bwd_time",
+            "p2p_latency",
+            "p2p_cpu",
+            "activation_bytes",
+            "param_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cost {name} must be >= 0, got {getattr(self, name)}")
         if self.p2p_bandwidth <= 0:
@@ -85,6 +93,7 @@ class CostModel:
             self._per_stage(d, self.fwd_time, "fwd"),
             self._per_stage(d, self.bwd_time, "bwd"),
             self.hop_time,
+            self.p2p_cpu,
         )
 
     def stage_activation_bytes(self, placement: Placement) -> tuple[float, ...]:

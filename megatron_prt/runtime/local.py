@@ -1,4 +1,9 @@
-"""Run a function on N gloo ranks on localhost (forked processes, one thread each)."""
+"""Run a function on N gloo ranks on this machine (forked processes, one thread each).
+
+Used by the tests and benchmarks, and handy for trying a plan on a laptop:
+``run_local(2, fn, arg)`` calls ``fn(rank, world, arg)`` in every rank after
+``init_process_group("gloo")`` and returns what each rank returned (or its error).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ def _entry(fn, rank, world, store, queue, args):
         os._exit(0)  # skip teardown: a dead peer must not hang this rank's exit
 
 
-def run_ranks(
+def run_local(
     world: int, fn, *args, deadline_s: float = 300.0, wait_for=None
 ) -> list[tuple[str, object]]:
     """Returns ``[(status, result_or_error_text)]`` per rank. Ranks still running once the
@@ -65,6 +70,8 @@ def run_ranks(
 
 
 def all_ok(results) -> list:
+    """The per-rank results, or a RuntimeError listing every rank that failed."""
     errors = [f"rank {r}: {payload}" for r, (s, payload) in enumerate(results) if s != "ok"]
-    assert not errors, "\n".join(errors)
+    if errors:
+        raise RuntimeError("\n".join(errors))
     return [payload for _, payload in results]
