@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from parity_models import batch, loss_fn, make_layer
@@ -31,12 +32,14 @@ class _Boom(torch.nn.Module):
         return self.inner(x)
 
 
-def _failing_worker(rank, world, stall):
+def _failing_worker(rank, world, stall, transport):
     plan = build_plan(Placement(world, 2), 4)
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
     if rank == 1:
         stages[1] = _Boom(stages[1], at=2, stall=stall)
-    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=TIMEOUT_S)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=TIMEOUT_S, transport=transport
+    )
     xs, ys = batch("mlp", 4)
     start = time.monotonic()
     try:
@@ -46,9 +49,14 @@ def _failing_worker(rank, world, stall):
     return {"error": None}
 
 
-def _check_failure(stall: bool):
+def _check_failure(stall: bool, transport: str):
     results = run_local(
-        3, _failing_worker, stall, deadline_s=8 * TIMEOUT_S, wait_for={0, 2} if stall else None
+        3,
+        _failing_worker,
+        stall,
+        transport,
+        deadline_s=8 * TIMEOUT_S,
+        wait_for={0, 2} if stall else None,
     )
     statuses = [s for s, _ in results]
     if stall:
@@ -67,12 +75,14 @@ def _check_failure(stall: bool):
             assert "timed out" in text.lower() or "timeout" in text.lower(), text
 
 
-def test_peer_that_raises_fails_every_rank():
-    _check_failure(stall=False)
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_peer_that_raises_fails_every_rank(transport):
+    _check_failure(stall=False, transport=transport)
 
 
-def test_peer_that_never_answers_times_out():
-    _check_failure(stall=True)
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_peer_that_never_answers_times_out(transport):
+    _check_failure(stall=True, transport=transport)
 
 
 def _mismatch_worker(rank, world):

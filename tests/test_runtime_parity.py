@@ -22,7 +22,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
 
 
-def _check_config(rank, kind, p, r, placement, direction, m, refs):
+def _check_config(rank, kind, p, r, placement, direction, m, refs, transport):
     plan = build_plan(Placement(p, r, placement, direction), m)
     stages = build_stages(plan.placement, rank, lambda i: make_layer(kind, i), NUM_LAYERS)
     if direction == "bi":  # replicas start different; sync must make them equal
@@ -32,7 +32,9 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs):
                     for param in module.parameters():
                         param.add_(1.0)
         sync_replicas(plan.placement, stages)
-    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=30)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, transport=transport
+    )
     params = [q for module in stages.values() for q in module.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     ref_losses, ref_grads, ref_params = refs
@@ -71,13 +73,15 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs):
     return err, seen
 
 
-def _worker(rank, world, configs):
+def _worker(rank, world, configs, transport):
     refs, out = {}, []
     for config in configs:
         kind, _, r, placement, direction, m = config
         if (kind, m) not in refs:
             refs[(kind, m)] = reference(kind, m, STEPS)
-        err, seen = _check_config(rank, kind, world, r, placement, direction, m, refs[(kind, m)])
+        err, seen = _check_config(
+            rank, kind, world, r, placement, direction, m, refs[(kind, m)], transport
+        )
         out.append((config, err, seen))
     return out
 
@@ -96,9 +100,9 @@ def grid(p: int, full: bool):
         yield (kind, p, r, placement, direction, m)
 
 
-def _run_grid(p: int, full: bool):
+def _run_grid(p: int, full: bool, transport: str):
     configs = list(grid(p, full))
-    results = all_ok(run_local(p, _worker, configs, deadline_s=1200))
+    results = all_ok(run_local(p, _worker, configs, transport, deadline_s=1200))
     for index, config in enumerate(configs):
         seen = set()
         for rank_results in results:
@@ -111,12 +115,14 @@ def _run_grid(p: int, full: bool):
     return len(configs)
 
 
+@pytest.mark.parametrize("transport", ["shm", "torch"])
 @pytest.mark.parametrize("p", [2, 3])
-def test_parity_subset(p):
-    assert _run_grid(p, full=False) > 0
+def test_parity_subset(p, transport):
+    assert _run_grid(p, full=False, transport=transport) > 0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "torch"])
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_parity_full_grid(p):
-    assert _run_grid(p, full=True) > 0
+def test_parity_full_grid(p, transport):
+    assert _run_grid(p, full=True, transport=transport) > 0

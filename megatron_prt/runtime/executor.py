@@ -17,6 +17,7 @@ Contract
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,7 @@ from ..core.lower import lower, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
 from .errors import PipelineError, pipeline_error
-from .p2p import Transport
+from .p2p import ShmTransport, TorchTransport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -51,6 +52,8 @@ class PipelineRuntime:
         deallocate_outputs: bool = True,
         trace: bool = False,
         recv_lookahead: int | None = None,
+        transport: str = "auto",
+        shm_capacity: int = 32 << 20,
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
@@ -68,15 +71,14 @@ class PipelineRuntime:
         self.timeout_s = timeout_s
         self.deallocate_outputs = deallocate_outputs
         self.trace_enabled = trace
-        # Receives posted ahead of the plan: gloo's p2p is fully asynchronous, so posting
-        # early only moves data sooner. NCCL serialises p2p on a stream, where an early
-        # receive could block a send the peer waits for: there the plan's order is kept.
+        # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
+        # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
+        # stream, where an early receive could block a send the peer waits for: there the
+        # plan's order is kept.
         if recv_lookahead is None:
-            backend = dist.get_backend(group)
-            recv_lookahead = 16 if backend == "gloo" else 0
+            recv_lookahead = 0 if dist.get_backend(group) == "nccl" else 16
         self.recv_lookahead = recv_lookahead
         self.spans: list[tuple[Action, float, float]] = []
-        self.transport = Transport(group, placement.rank_of, self.device, dtype, timeout_s)
         self._group = group
         self._programs = {}
         for forward_only in (False, True):
@@ -87,10 +89,40 @@ class PipelineRuntime:
             recvs = [message_key(a) for a in stream if a.op in (Op.RECV_F, Op.RECV_B)]
             self._programs[forward_only] = (lowered, _compile(stream), recvs)
         check_same_plan(self.plan, group, self.device, timeout_s)
+        self.transport = self._make_transport(transport, shm_capacity)
         self._handlers = {
             Op.F: self._forward,
             Op.B: self._backward,
         }
+
+    def _make_transport(self, kind: str, shm_capacity: int):
+        """``torch``: torch.distributed p2p. ``shm``: shared memory between CPU ranks on one
+        host. ``auto``: shm when every rank is a CPU process on this host, else torch."""
+        if kind not in ("auto", "torch", "shm"):
+            raise ValueError(f"transport must be auto, torch or shm, got {kind!r}")
+        placement = self.plan.placement
+        if kind == "auto":
+            hosts: list = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(hosts, socket.gethostname(), group=self._group)
+            kind = "shm" if self.device.type == "cpu" and len(set(hosts)) == 1 else "torch"
+        if kind == "torch":
+            return TorchTransport(
+                self._group, placement.rank_of, self.device, self.dtype, self.timeout_s
+            )
+        senders, receivers = set(), set()
+        for lowered, _, _ in self._programs.values():
+            for a in lowered.ranks[self.rank]:
+                if a.op in (Op.RECV_F, Op.RECV_B):
+                    senders.add(placement.rank_of(message_key(a)[1]))
+                elif a.op in (Op.SEND_F, Op.SEND_B):
+                    receivers.add(placement.rank_of(message_key(a)[2]))
+        return ShmTransport(
+            self._group, placement.rank_of, (senders, receivers), self.timeout_s, shm_capacity
+        )
+
+    def close(self) -> None:
+        """Release transport resources (shared memory); the runtime is unusable after."""
+        self.transport.close()
 
     # -- public ----------------------------------------------------------------------------
     def step(
@@ -144,8 +176,8 @@ class PipelineRuntime:
         self._saved_inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self._received: dict[tuple, tuple] = {}  # key -> (work, buffer)
-        self._sends: deque = deque()  # (work, tensor kept alive, tensor to free or None)
+        self._received: dict[tuple, object] = {}  # key -> transport handle
+        self._sends: deque = deque()  # (transport handle, tensor to free or None)
         self._losses: list[torch.Tensor | None] = [None] * self.plan.num_microbatches
         self._ready_at = 0.0
         self._next_recv = 0  # receives posted so far, in the plan's receive order
@@ -153,23 +185,24 @@ class PipelineRuntime:
         self.spans = []
 
     def _take_received(self, key: tuple) -> torch.Tensor:
-        work, buf = self._received.pop(key)
-        self.transport.wait(work)
-        return buf
+        return self.transport.wait(self._received.pop(key))
 
     def _prepost(self) -> None:
         """Keep up to ``recv_lookahead`` receives posted beyond the plan's position, in the
         plan's order (so per-peer message order is unchanged)."""
         order = self._recv_order
+        posted = False
         while (
             self._next_recv < len(order)
             and len(self._received) < self.recv_lookahead
             and self.transport.knows(order[self._next_recv])
         ):
             key = order[self._next_recv]
-            op, buf = self.transport.recv_op(key)
-            self._received[key] = (op.op(op.tensor, op.peer, op.group, op.tag), buf)
+            self._received[key] = self.transport.recv(key)
             self._next_recv += 1
+            posted = True
+        if posted:
+            self.transport.flush()
 
     # -- compute handlers --------------------------------------------------------------------
     def _forward(self, action: Action) -> None:
@@ -216,68 +249,36 @@ class PipelineRuntime:
 
     # -- communication -----------------------------------------------------------------------
     def _communicate(self, actions: list[Action]) -> None:
-        batch = _Batch()
         for action in actions:
             key = message_key(action)
             if action.op is Op.SEND_F:
                 where = (action.stage, action.mb)
                 out = self._outputs.pop(where) if self._forward_only else self._outputs[where]
                 free = out if self.deallocate_outputs and not self._forward_only else None
-                batch.send(self.transport.send_ops(key, out), free)
+                self._sends.append((self.transport.send(key, out), free))
             elif action.op is Op.SEND_B:
                 grad = self._input_grads.pop((action.stage, action.mb))
-                batch.send(self.transport.send_ops(key, grad), None)
+                self._sends.append((self.transport.send(key, grad), None))
             else:
                 self._plan_recvs += 1
                 if self._plan_recvs <= self._next_recv:  # already posted ahead
                     continue
-                if not self.transport.knows(key):  # first step only: learn the edge's shape
-                    self._start(batch)
-                    batch = _Batch()
-                    self.transport.recv_header(key)
-                batch.recv(key, *self.transport.recv_op(key))
+                self._received[key] = self.transport.recv(key)
                 self._next_recv += 1
-        self._start(batch)
-
-    def _start(self, batch: _Batch) -> None:
-        works = Transport.start(batch.ops)
-        if len(works) != len(batch.ops):  # coalesced (NCCL): one handle for the whole batch
-            works = [works[-1]] * len(batch.ops)
-        for index, keep, free in batch.sends:
-            self._sends.append((works[index], keep, free))
-        for index, key, buf in batch.recvs:
-            self._received[key] = (works[index], buf)
+        self.transport.flush()
 
     def _reap_sends(self, block: bool) -> None:
         while self._sends:
-            work, _keep, free = self._sends[0]
+            handle, free = self._sends[0]
             if block:
-                self.transport.wait(work)
-            elif not work.is_completed():
+                self.transport.wait(handle)
+            elif not self.transport.is_completed(handle):
                 return
             self._sends.popleft()
             if free is not None:
                 # Megatron's trick: a sent output's data is not needed for its backward
                 # (autograd holds what it saved), only its grad_fn; free the storage.
                 free.data = torch.empty((1,), device=free.device, dtype=free.dtype)
-
-
-class _Batch:
-    """P2P ops issued together, with what to do when each completes."""
-
-    def __init__(self) -> None:
-        self.ops: list[dist.P2POp] = []
-        self.sends: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        self.recvs: list[tuple[int, tuple, torch.Tensor]] = []
-
-    def send(self, ops: list[dist.P2POp], free: torch.Tensor | None) -> None:
-        for i, op in enumerate(ops):  # keep every sent tensor alive until its send completes
-            self.ops.append(op)
-            self.sends.append((len(self.ops) - 1, op.tensor, free if i == len(ops) - 1 else None))
-
-    def recv(self, key: tuple, op: dist.P2POp, buf: torch.Tensor) -> None:
-        self.ops.append(op)
-        self.recvs.append((len(self.ops) - 1, key, buf))
 
 
 def _run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:

@@ -1,18 +1,32 @@
-"""Point-to-point transport between explicit pipeline ranks.
+"""Point-to-point transports between explicit pipeline ranks.
 
 Every message is one tensor identified by :func:`megatron_prt.core.lower.message_key`
-``(kind, from_stage, to_stage, mb)``. Peers are any ranks of the pipeline group (not only
-prev/next). Message order per peer pair follows the lowered plan on both sides, which is
-all NCCL matches on; gloo additionally gets a tag per edge.
+``(kind, from_stage, to_stage, mb)``. Both transports deliver the messages of one sender
+to one receiver in the order the lowered plan sends them (which is the order it receives
+them), so they need no tags.
 
-Shapes are exchanged once: the first message on an edge ``(kind, from, to)`` is preceded by
-a small int64 header carrying its shape; later messages on that edge reuse it.
+* :class:`TorchTransport` uses ``torch.distributed`` isend/irecv (gloo on CPU, NCCL on
+  CUDA); on NCCL each group of consecutive comm actions is one batch. Shapes are exchanged
+  once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
+  with its shape.
+* :class:`ShmTransport` (CPU ranks on one host) copies through one shared-memory ring per
+  (sender, receiver) pair: a message costs two memcpys instead of a trip through the
+  kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
+
+The executor sees only ``send``/``recv`` (returning handles with ``is_completed``/``wait``)
+and ``flush`` (issue what was queued).
 """
 
 from __future__ import annotations
 
+import os
+import struct
+import time
+import uuid
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
 import torch.distributed as dist
@@ -20,8 +34,17 @@ import torch.distributed as dist
 _HEADER_LEN = 9  # ndim + up to 8 dims
 
 
-class Transport:
-    """Issues isend/irecv to pipeline ranks; ``rank_of_stage`` maps stage -> group rank."""
+class _Handle:
+    """Completion of one message; ``tensor`` is the received data (recv handles)."""
+
+    __slots__ = ("keep", "tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor | None = None, keep: object = None):
+        self.tensor, self.keep, self.work = tensor, keep, None
+
+
+class TorchTransport:
+    """torch.distributed p2p; ``rank_of_stage`` maps stage -> pipeline-group rank."""
 
     def __init__(
         self,
@@ -37,45 +60,78 @@ class Transport:
         self.dtype = dtype
         self.timeout = timedelta(seconds=timeout_s)
         self.shapes: dict[tuple, torch.Size] = {}  # edge -> shape
-        self._global = {}
+        self._global: dict[int, int] = {}
+        self._ops: list[dist.P2POp] = []
+        self._handles: list[_Handle] = []
+        # NCCL needs a batch to progress a group of sends and receives together; gloo's
+        # p2p is asynchronous already, and its coalescing path does not mix safely with the
+        # plain receive that learns a new edge's shape.
+        self._batched = dist.get_backend(group) == "nccl"
 
-    def global_rank(self, group_rank: int) -> int:
-        if group_rank not in self._global:
-            self._global[group_rank] = (
-                group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+    def _peer(self, stage: int) -> int:
+        rank = self.rank_of_stage(stage)
+        if rank not in self._global:
+            self._global[rank] = (
+                rank if self.group is None else dist.get_global_rank(self.group, rank)
             )
-        return self._global[group_rank]
-
-    @staticmethod
-    def edge(key: tuple) -> tuple:
-        return key[:3]
+        return self._global[rank]
 
     def knows(self, key: tuple) -> bool:
-        return self.edge(key) in self.shapes
+        """Whether the edge's shape is known, so a receive can be posted without waiting."""
+        return key[:3] in self.shapes
 
-    def send_ops(self, key: tuple, tensor: torch.Tensor) -> list[dist.P2POp]:
-        """P2P ops sending ``tensor`` (header first if the edge is new)."""
-        peer = self.global_rank(self.rank_of_stage(key[2]))
-        ops = []
-        if not self.knows(key):
-            self.shapes[self.edge(key)] = tensor.shape
-            ops.append(dist.P2POp(dist.isend, self._header(tensor.shape), peer, self.group))
-        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group))
-        return ops
+    def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
+        peer = self._peer(key[2])
+        header = None
+        if key[:3] not in self.shapes:
+            self.shapes[key[:3]] = tensor.shape
+            header = _Handle(keep=self._header(tensor.shape))
+            self._queue(dist.P2POp(dist.isend, header.keep, peer, self.group), header)
+        payload = tensor.contiguous()
+        # The handle keeps the payload (and the shape header) alive until the send is done.
+        handle = _Handle(keep=payload if header is None else (payload, header))
+        self._queue(dist.P2POp(dist.isend, payload, peer, self.group), handle)
+        return handle
 
-    def recv_header(self, key: tuple) -> None:
-        """Blocking receive of a new edge's shape (first use of the edge only)."""
-        peer = self.global_rank(self.rank_of_stage(key[1]))
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        work = dist.irecv(header, peer, self.group)
-        self.wait(work)
-        ndim = int(header[0])
-        self.shapes[self.edge(key)] = torch.Size(int(d) for d in header[1 : 1 + ndim])
+    def recv(self, key: tuple) -> _Handle:
+        peer = self._peer(key[1])
+        if key[:3] not in self.shapes:  # first message on this edge: learn its shape
+            self.flush()
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.irecv(header, peer, self.group).wait(self.timeout)
+            ndim = int(header[0])
+            self.shapes[key[:3]] = torch.Size(int(d) for d in header[1 : 1 + ndim])
+        buf = torch.empty(self.shapes[key[:3]], dtype=self.dtype, device=self.device)
+        handle = _Handle(tensor=buf)
+        self._queue(dist.P2POp(dist.irecv, buf, peer, self.group), handle)
+        return handle
 
-    def recv_op(self, key: tuple) -> tuple[dist.P2POp, torch.Tensor]:
-        peer = self.global_rank(self.rank_of_stage(key[1]))
-        buf = torch.empty(self.shapes[self.edge(key)], dtype=self.dtype, device=self.device)
-        return dist.P2POp(dist.irecv, buf, peer, self.group), buf
+    def flush(self) -> None:
+        if not self._ops:
+            return
+        if self._batched:
+            works = dist.batch_isend_irecv(self._ops)
+            if len(works) != len(self._ops):  # coalesced: one work for the whole batch
+                works = [works[-1]] * len(self._ops)
+        else:
+            works = [op.op(op.tensor, op.peer, op.group) for op in self._ops]
+        for work, handle in zip(works, self._handles, strict=True):
+            handle.work = work
+        self._ops, self._handles = [], []
+
+    def is_completed(self, handle: _Handle) -> bool:
+        return handle.work.is_completed()
+
+    def wait(self, handle: _Handle) -> torch.Tensor | None:
+        handle.work.wait(self.timeout)
+        return handle.tensor
+
+    def close(self) -> None:
+        pass
+
+    def _queue(self, op: dist.P2POp, handle: _Handle) -> None:
+        self._ops.append(op)
+        self._handles.append(handle)
 
     def _header(self, shape: torch.Size) -> torch.Tensor:
         if len(shape) > _HEADER_LEN - 1:
@@ -83,9 +139,189 @@ class Transport:
         values = [len(shape), *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def wait(self, work) -> None:
-        work.wait(self.timeout)
 
-    @staticmethod
-    def start(ops: list[dist.P2POp]) -> list:
-        return dist.batch_isend_irecv(ops) if ops else []
+# -- shared memory ---------------------------------------------------------------------------
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_MSG = struct.Struct("<11q")  # payload bytes, dtype code, ndim, 8 dims
+_CURSORS = struct.Struct("<2q")  # write, read
+_CURSOR = struct.Struct("<q")
+_DATA = 64  # ring data starts after the two cursors, cache-line aligned
+
+
+class _Ring:
+    """Single-producer single-consumer byte ring in shared memory. Cursors grow forever;
+    ``write`` publishes a message by advancing the write cursor after the bytes are in place
+    (x86 keeps stores in order). Copies go through memoryviews: one memcpy each, no torch op
+    overhead on the per-message path."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, capacity: int) -> None:
+        self.shm = shm
+        self.capacity = capacity
+        self.buf = shm.buf
+        # Touch every page now: first-touch page faults would otherwise cost more than the
+        # copy itself on every message of the ring's first lap.
+        torch.frombuffer(self.buf, dtype=torch.uint8)[_DATA::4096].fill_(0)
+
+    def cursors(self) -> tuple[int, int]:
+        return _CURSORS.unpack_from(self.buf, 0)
+
+    def zero(self) -> None:
+        _CURSORS.pack_into(self.buf, 0, 0, 0)
+
+    def _copy_in(self, pos: int, data: memoryview) -> None:
+        start = pos % self.capacity
+        first = min(len(data), self.capacity - start)
+        self.buf[_DATA + start : _DATA + start + first] = data[:first]
+        if first < len(data):
+            self.buf[_DATA : _DATA + len(data) - first] = data[first:]
+
+    def _copy_out(self, pos: int, out: memoryview) -> None:
+        start = pos % self.capacity
+        first = min(len(out), self.capacity - start)
+        out[:first] = self.buf[_DATA + start : _DATA + start + first]
+        if first < len(out):
+            out[first:] = self.buf[_DATA : _DATA + len(out) - first]
+
+    def free_space(self) -> int:
+        write, read = self.cursors()
+        return self.capacity - (write - read)
+
+    def available(self) -> bool:
+        write, read = self.cursors()
+        return write > read
+
+    def write(self, header: bytes, payload: memoryview) -> None:
+        pos = self.cursors()[0]
+        self._copy_in(pos, memoryview(header))
+        self._copy_in(pos + len(header), payload)
+        _CURSOR.pack_into(self.buf, 0, pos + _message_bytes(len(payload)))
+
+    def read(self) -> torch.Tensor:
+        pos = self.cursors()[1]
+        header = bytearray(_MSG.size)
+        self._copy_out(pos, memoryview(header))
+        nbytes, code, ndim, *dims = _MSG.unpack(header)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        self._copy_out(pos + _MSG.size, memoryview(out.numpy()))
+        _CURSOR.pack_into(self.buf, 8, pos + _message_bytes(nbytes))
+        return out.view(_DTYPES[code]).view(dims[:ndim])
+
+
+def _message_bytes(payload: int) -> int:
+    return _MSG.size + (payload + 7) // 8 * 8
+
+
+class ShmTransport:
+    """Same-host CPU transport. Collective to build: every rank of ``group`` calls it."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank_of_stage: Callable[[int], int],
+        peers: tuple[set[int], set[int]],
+        timeout_s: float,
+        capacity: int = 32 << 20,
+    ) -> None:
+        self.rank_of_stage = rank_of_stage
+        self.timeout_s = timeout_s
+        me = dist.get_rank(group)
+        run = [uuid.uuid4().hex[:12] if me == 0 else None]
+        dist.broadcast_object_list(
+            run, src=dist.get_global_rank(group, 0) if group else 0, group=group
+        )
+        senders, receivers = peers
+        self._owned = []
+        self._in: dict[int, tuple[_Ring, deque]] = {}
+        for src in sorted(senders):  # the receiver creates each inbound ring
+            shm = shared_memory.SharedMemory(
+                name=f"prt{run[0]}_{src}_{me}", create=True, size=_DATA + capacity
+            )
+            self._owned.append(shm)
+            ring = _Ring(shm, capacity)
+            ring.zero()
+            self._in[src] = (ring, deque())
+        dist.barrier(group=group)
+        self._out: dict[int, _Ring] = {}
+        for dst in sorted(receivers):
+            shm = shared_memory.SharedMemory(name=f"prt{run[0]}_{me}_{dst}")
+            resource_tracker.unregister(shm._name, "shared_memory")  # the creator owns it
+            self._out[dst] = _Ring(shm, capacity)
+        dist.barrier(group=group)
+        for shm in self._owned:  # all attached: the names can go, the memory stays mapped
+            shm.unlink()
+
+    def knows(self, key: tuple) -> bool:
+        return True  # every message carries its shape
+
+    def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
+        dst = self.rank_of_stage(key[2])
+        ring = self._out[dst]
+        payload = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        need = _message_bytes(len(payload))
+        if need > ring.capacity:
+            raise ValueError(
+                f"message of {len(payload)} bytes exceeds the shared-memory ring "
+                f"({ring.capacity} bytes); raise shm_capacity"
+            )
+        self._spin(lambda: ring.free_space() >= need, f"rank {dst} to make room")
+        dims = list(tensor.shape) + [0] * (8 - tensor.dim())
+        header = _MSG.pack(len(payload), _DTYPES.index(tensor.dtype), tensor.dim(), *dims)
+        ring.write(header, payload)
+        return _Handle(keep=None)
+
+    def recv(self, key: tuple) -> _Handle:
+        src = self.rank_of_stage(key[1])
+        handle = _Handle()
+        handle.work = src
+        self._in[src][1].append(handle)
+        self._drain(src)
+        return handle
+
+    def flush(self) -> None:
+        for src in self._in:
+            self._drain(src)
+
+    def is_completed(self, handle: _Handle) -> bool:
+        if handle.work is None:  # a send: done once written
+            return True
+        self._drain(handle.work)
+        return handle.tensor is not None
+
+    def wait(self, handle: _Handle) -> torch.Tensor | None:
+        if handle.work is not None:
+            src = handle.work
+            self._spin(
+                lambda: self._drain(src) or handle.tensor is not None, f"a message from rank {src}"
+            )
+        return handle.tensor
+
+    def close(self) -> None:
+        for ring in [*self._out.values(), *(r for r, _ in self._in.values())]:
+            ring.buf = None
+            ring.shm.close()
+
+    def _drain(self, src: int) -> bool:
+        """Copy out every message already in the ring for which a receive is posted."""
+        ring, pending = self._in[src]
+        while pending and ring.available():
+            pending.popleft().tensor = ring.read()
+        return False
+
+    def _spin(self, ready: Callable[[], bool], what: str) -> None:
+        """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has
+        nothing else to do, and sleeping would add a timer tick to every hop), then back off
+        with growing sleeps so a long wait costs no CPU, until ``timeout_s``."""
+        if ready():
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        pause = 1e-5
+        while not ready():
+            now = time.monotonic()
+            if now - start < 2e-3:
+                os.sched_yield()
+                continue
+            if now > deadline:
+                raise TimeoutError(f"timed out after {self.timeout_s:g} s waiting for {what}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
