@@ -36,7 +36,9 @@ def _mlp(hidden):
 def _runtime(world, rank, reuse, placement, args, trace=False):
     plan = build_plan(Placement(world, reuse, placement), args.microbatches)
     stages = build_stages(plan.placement, rank, _mlp(args.hidden), args.layers)
-    return PipelineRuntime(plan, stages, torch.nn.functional.mse_loss, trace=trace)
+    return PipelineRuntime(
+        plan, stages, torch.nn.functional.mse_loss, trace=trace, transport=args.transport
+    )
 
 
 def _timed_step(runtime, xs, ys) -> float:
@@ -117,7 +119,7 @@ def _overhead() -> dict:
     Linear, 32 micro-batches, vs the same forward/backward calls made directly."""
 
     class Args:
-        microbatches, hidden, layers = 32, 1, 8
+        microbatches, hidden, layers, transport = 32, 1, 8, "torch"
 
     group = dist.new_group([0])
     if dist.get_rank() != 0:
@@ -155,6 +157,7 @@ def main() -> None:
     parser.add_argument(
         "--configs", default="1:loop,2:loop,4:loop,4:wave", help="comma-separated R:placement"
     )
+    parser.add_argument("--transport", choices=("auto", "shm", "torch"), default="auto")
     parser.add_argument("--no-overhead", dest="overhead", action="store_false")
     args = parser.parse_args()
     results = all_ok(run_local(args.ranks, _worker, args, deadline_s=3000))
@@ -165,7 +168,7 @@ def main() -> None:
     no_comm = CostModel(layers=(layer,) * args.layers)
     with_comm = CostModel(layers=(layer,) * args.layers, p2p_latency=hop, p2p_cpu=cpu)
     print(
-        f"P={args.ranks} layers={args.layers} hidden={args.hidden} mb={args.mb_size} "
+        f"transport={args.transport} P={args.ranks} layers={args.layers} hidden={args.hidden} mb={args.mb_size} "
         f"m={args.microbatches} reps={args.reps}; profiled per layer: fwd {layer.fwd * 1e3:.2f} "
         f"ms, bwd {layer.bwd * 1e3:.2f} ms; per message: latency {hop * 1e3:.3f} ms, "
         f"cpu {cpu * 1e3:.3f} ms"
