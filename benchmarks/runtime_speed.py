@@ -168,7 +168,8 @@ def main() -> None:
     no_comm = CostModel(layers=(layer,) * args.layers)
     with_comm = CostModel(layers=(layer,) * args.layers, p2p_latency=hop, p2p_cpu=cpu)
     print(
-        f"transport={args.transport} P={args.ranks} layers={args.layers} hidden={args.hidden} mb={args.mb_size} "
+        f"transport={args.transport} P={args.ranks} layers={args.layers} "
+        f"hidden={args.hidden} mb={args.mb_size} "
         f"m={args.microbatches} reps={args.reps}; profiled per layer: fwd {layer.fwd * 1e3:.2f} "
         f"ms, bwd {layer.bwd * 1e3:.2f} ms; per message: latency {hop * 1e3:.3f} ms, "
         f"cpu {cpu * 1e3:.3f} ms"
