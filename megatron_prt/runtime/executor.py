@@ -17,6 +17,7 @@ Contract
 
 from __future__ import annotations
 
+import platform
 import socket
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from .errors import PipelineError, pipeline_error
 from .p2p import ShmTransport, TorchTransport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_TSO_MACHINES = ("x86_64", "AMD64", "i686")
 
 
 class PipelineRuntime:
@@ -97,14 +99,17 @@ class PipelineRuntime:
 
     def _make_transport(self, kind: str, shm_capacity: int):
         """``torch``: torch.distributed p2p. ``shm``: shared memory between CPU ranks on one
-        host. ``auto``: shm when every rank is a CPU process on this host, else torch."""
+        host. ``auto``: shm when every rank is a CPU process on this x86 host, else torch."""
         if kind not in ("auto", "torch", "shm"):
             raise ValueError(f"transport must be auto, torch or shm, got {kind!r}")
         placement = self.plan.placement
         if kind == "auto":
             hosts: list = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(hosts, socket.gethostname(), group=self._group)
-            kind = "shm" if self.device.type == "cpu" and len(set(hosts)) == 1 else "torch"
+            # The ring publishes a message with a plain store after the copy; only x86's
+            # store order makes that safe without a fence, so elsewhere auto means torch.
+            same_host_cpu = self.device.type == "cpu" and len(set(hosts)) == 1
+            kind = "shm" if same_host_cpu and platform.machine() in _TSO_MACHINES else "torch"
         if kind == "torch":
             return TorchTransport(
                 self._group, placement.rank_of, self.device, self.dtype, self.timeout_s

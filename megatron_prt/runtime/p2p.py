@@ -9,8 +9,8 @@ them), so they need no tags.
   CUDA); on NCCL each group of consecutive comm actions is one batch. Shapes are exchanged
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
   with its shape.
-* :class:`ShmTransport` (CPU ranks on one host) copies through one shared-memory ring per
-  (sender, receiver) pair: a message costs two memcpys instead of a trip through the
+* :class:`ShmTransport` (CPU ranks on one x86 host) copies through one shared-memory ring
+  per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
 
 The executor sees only ``send``/``recv`` (returning handles with ``is_completed``/``wait``)
