@@ -10,8 +10,9 @@ Contract
   losses, ``None`` where another rank computed them. Gradients accumulate into the local
   stages' ``.grad`` as ``d(mean of the m losses)/d(param)``, as a non-pipelined run of the
   whole batch would give.
-* Receives are posted where the lowered plan puts them (when the peer sends, ahead of need);
-  sends never block compute; only a compute action waits, and only for its own inputs.
+* Receives are posted where the lowered plan puts them (when the peer sends, ahead of need)
+  and, on gloo and shared memory, up to ``recv_lookahead`` further; sends never block
+  compute; only a compute action waits, and only for its own inputs.
 * Same-rank hand-offs (wave turns, bi stages sharing a rank) pass tensors directly.
 """
 
@@ -22,6 +23,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,14 @@ _TSO_MACHINES = ("x86_64", "AMD64", "i686")
 
 
 class PipelineRuntime:
-    """Runs a plan's actions for ``rank`` of the pipeline group ``group``."""
+    """Runs ``plan``'s actions for this process's rank in the pipeline group ``group``.
+
+    ``timeout_s`` bounds every wait for a peer (then :class:`PipelineError`);
+    ``deallocate_outputs`` frees a sent activation's data (its grad_fn is kept for backward);
+    ``trace`` records per-action spans (:meth:`trace`); ``transport`` is ``auto``, ``torch``
+    or ``shm`` (see :mod:`megatron_prt.runtime.p2p`). Construction is collective: it checks
+    that every rank holds the same plan and sets up the transport.
+    """
 
     def __init__(
         self,
@@ -331,7 +340,7 @@ def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    work.wait(_timedelta(timeout_s))
+    work.wait(timedelta(seconds=timeout_s))
     values = [int(t) for t in gathered]
     if len(set(values)) > 1:
         groups: dict[int, list[int]] = {}
@@ -347,9 +356,3 @@ def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -
         raise PipelineError(
             f"plan is for {plan.placement.ranks} pipeline ranks, the group has {world}"
         )
-
-
-def _timedelta(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

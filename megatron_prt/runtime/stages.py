@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,7 +47,3 @@ def build_stages(
         first, count = ranges[placement.model_stage(stage)]
         stages[stage] = torch.nn.Sequential(*(make_layer(i) for i in range(first, first + count)))
     return stages
-
-
-def clone_stage(module: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(module)
