@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineRuntime, build_stages
+from megatron_prt.runtime.cpu import keep_freed_memory
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
@@ -97,6 +98,8 @@ def _message_costs(rank, world, args) -> tuple[float, float]:
 
 
 def _worker(rank, world, args):
+    if args.keep_freed_memory:
+        keep_freed_memory()
     torch.manual_seed(0)
     xs = [torch.randn(args.mb_size, args.hidden) for _ in range(args.microbatches)]
     ys = [torch.randn(args.mb_size, args.hidden) for _ in range(args.microbatches)]
@@ -159,6 +162,12 @@ def main() -> None:
     )
     parser.add_argument("--transport", choices=("auto", "shm", "torch"), default="auto")
     parser.add_argument("--no-overhead", dest="overhead", action="store_false")
+    parser.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="leave glibc's default of returning large freed blocks to the OS",
+    )
     args = parser.parse_args()
     results = all_ok(run_local(args.ranks, _worker, args, deadline_s=3000))
     res = results[0]

@@ -22,6 +22,7 @@ from megatron_prt.runtime import (
     reduce_replica_grads,
     sync_replicas,
 )
+from megatron_prt.runtime.cpu import keep_freed_memory
 from megatron_prt.runtime.trace import gather_spans, write_measured
 
 
@@ -43,7 +44,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        keep_freed_memory()  # no page-fault churn from re-allocating activations
 
     placement = Placement(world, args.reuse, args.placement, args.direction)
     plan = build_plan(placement, args.microbatches)
@@ -78,6 +81,8 @@ def main() -> None:
         spans = gather_spans(runtime)
         if rank == 0:
             print("wrote", *write_measured(args.trace, spans, runtime))
+    runtime.close()
+    dist.barrier()  # nobody tears the group down while a peer still writes its trace
     dist.destroy_process_group()
 
 

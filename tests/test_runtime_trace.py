@@ -70,3 +70,15 @@ def test_readme_example_runs_under_torchrun(tmp_path):
     ]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert (tmp_path / "t.json").exists()
+
+
+def test_keep_freed_memory_takes_effect_on_glibc():
+    import platform
+
+    from megatron_prt.runtime.cpu import keep_freed_memory
+
+    code = "from megatron_prt.runtime.cpu import keep_freed_memory as k; assert k()"
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        assert keep_freed_memory() in (True, False)
+        return
+    subprocess.run([sys.executable, "-c", code], check=True)  # process-wide: not in pytest

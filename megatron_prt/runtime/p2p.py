@@ -296,9 +296,20 @@ class ShmTransport:
         return handle.tensor
 
     def close(self) -> None:
-        for ring in [*self._out.values(), *(r for r, _ in self._in.values())]:
-            ring.buf = None
+        rings, self._out, self._in = (
+            [*self._out.values(), *(r for r, _ in self._in.values())],
+            {},
+            {},
+        )
+        for ring in rings:
+            ring.buf = None  # drop our view first: shm.close() refuses while views exist
             ring.shm.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _drain(self, src: int) -> bool:
         """Copy out every message already in the ring for which a receive is posted."""
