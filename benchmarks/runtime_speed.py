@@ -34,8 +34,12 @@ def _mlp(hidden):
     return make
 
 
-def _runtime(world, rank, reuse, placement, args, trace=False):
-    plan = build_plan(Placement(world, reuse, placement), args.microbatches)
+def _runtime(world, rank, reuse, placement, args, trace=False, layer=None):
+    """A runtime for this configuration; with ``layer`` costs the plan is generated for them
+    (what a user does after profiling), else for uniform stages with backward = 2 x forward."""
+    pl = Placement(world, reuse, placement)
+    times = CostModel(layers=(layer,) * args.layers).stage_times(pl) if layer else None
+    plan = build_plan(pl, args.microbatches, times=times)
     stages = build_stages(plan.placement, rank, _mlp(args.hidden), args.layers)
     return PipelineRuntime(
         plan, stages, torch.nn.functional.mse_loss, trace=trace, transport=args.transport
@@ -104,7 +108,8 @@ def _worker(rank, world, args):
     xs = [torch.randn(args.mb_size, args.hidden) for _ in range(args.microbatches)]
     ys = [torch.randn(args.mb_size, args.hidden) for _ in range(args.microbatches)]
     configs = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.configs.split(",")]
-    runtimes = {c: _runtime(world, rank, c[0], c[1], args) for c in configs}
+    profiled = _profile_layer_costs(world, rank, args, xs, ys) if args.profiled_plans else None
+    runtimes = {c: _runtime(world, rank, c[0], c[1], args, layer=profiled) for c in configs}
     for runtime in runtimes.values():  # warm-up: shapes exchanged, allocator primed
         runtime.step(xs, ys)
     times = {c: [] for c in configs}
@@ -163,6 +168,11 @@ def main() -> None:
     parser.add_argument("--transport", choices=("auto", "shm", "torch"), default="auto")
     parser.add_argument("--no-overhead", dest="overhead", action="store_false")
     parser.add_argument(
+        "--profiled-plans",
+        action="store_true",
+        help="generate the plans from costs profiled first (default: uniform-cost plans)",
+    )
+    parser.add_argument(
         "--no-keep-freed-memory",
         dest="keep_freed_memory",
         action="store_false",
@@ -190,7 +200,9 @@ def main() -> None:
     base = None
     for (reuse, placement), samples in res["times"].items():
         measured = statistics.median(samples)
-        plan = build_plan(Placement(args.ranks, reuse, placement), args.microbatches)
+        pl = Placement(args.ranks, reuse, placement)
+        times = no_comm.stage_times(pl) if args.profiled_plans else None
+        plan = build_plan(pl, args.microbatches, times=times)  # the plan the run executed
         a, b = simulate(plan, no_comm).makespan, simulate(plan, with_comm).makespan
         if base is None:
             base, base_a, base_b = measured, a, b
