@@ -32,3 +32,21 @@ def test_core_sources_import_only_stdlib():
                     top = name.split(".")[0]
                     # matplotlib is imported lazily, only for PNG output
                     assert top in allowed_roots or top == "matplotlib", f"{path}: imports {name}"
+
+
+def test_only_the_megatron_package_imports_megatron():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1] / "megatron_prt"
+    for path in root.rglob("*.py"):
+        if path.parent.name == "megatron":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.split(".")[0] == "megatron" for n in names), f"{path} imports {names}"

@@ -1,0 +1,1 @@
+"""megatron-core integration: the only package of megatron-prt that imports megatron."""
