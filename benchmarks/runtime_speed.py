@@ -116,7 +116,7 @@ def _worker(rank, world, args):
     for _ in range(args.reps):
         for c in configs:
             times[c].append(_timed_step(runtimes[c], xs, ys))
-    layer = _profile_layer_costs(world, rank, args, xs, ys)
+    layer = profiled or _profile_layer_costs(world, rank, args, xs, ys)
     hop = _message_costs(rank, world, args)
     overhead = _overhead() if args.overhead else None
     return {"times": times, "layer": layer, "hop": hop, "overhead": overhead}

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 from parity_models import batch, loss_fn, make_layer
 
@@ -75,10 +76,7 @@ def test_readme_example_runs_under_torchrun(tmp_path):
 def test_keep_freed_memory_takes_effect_on_glibc():
     import platform
 
-    from megatron_prt.runtime.cpu import keep_freed_memory
-
-    code = "from megatron_prt.runtime.cpu import keep_freed_memory as k; assert k()"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        assert keep_freed_memory() in (True, False)
-        return
+        pytest.skip("mallopt is glibc's")
+    code = "from megatron_prt.runtime.cpu import keep_freed_memory as k; assert k()"
     subprocess.run([sys.executable, "-c", code], check=True)  # process-wide: not in pytest

@@ -76,8 +76,7 @@ class Plan:
 
     def forward_only(self) -> Plan:
         """The compute plan without backward (evaluation); lower it again before running."""
-        keep = lambda a: a.op is Op.F  # noqa: E731
-        ranks = tuple(tuple(a for a in acts if keep(a)) for acts in self.ranks)
+        ranks = tuple(tuple(a for a in acts if a.op is Op.F) for acts in self.ranks)
         return replace(self, ranks=ranks, lowered=False)
 
     def compute_only(self) -> Plan:

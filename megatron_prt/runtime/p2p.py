@@ -37,10 +37,11 @@ _HEADER_LEN = 9  # ndim + up to 8 dims
 class _Handle:
     """Completion of one message; ``tensor`` is the received data (recv handles)."""
 
-    __slots__ = ("keep", "tensor", "work")
+    __slots__ = ("keep", "peer", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor | None = None, keep: object = None):
         self.tensor, self.keep, self.work = tensor, keep, None
+        self.peer: int | None = None  # shared memory: the rank a receive drains from
 
 
 class TorchTransport:
@@ -272,7 +273,7 @@ class ShmTransport:
     def recv(self, key: tuple) -> _Handle:
         src = self.rank_of_stage(key[1])
         handle = _Handle()
-        handle.work = src
+        handle.peer = src
         self._in[src][1].append(handle)
         self._drain(src)
         return handle
@@ -282,17 +283,13 @@ class ShmTransport:
             self._drain(src)
 
     def is_completed(self, handle: _Handle) -> bool:
-        if handle.work is None:  # a send: done once written
+        if handle.peer is None:  # a send: done once written
             return True
-        self._drain(handle.work)
+        self._drain(handle.peer)
         return handle.tensor is not None
 
     def wait(self, handle: _Handle) -> torch.Tensor | None:
-        if handle.work is not None:
-            src = handle.work
-            self._spin(
-                lambda: self._drain(src) or handle.tensor is not None, f"a message from rank {src}"
-            )
+        self._spin(lambda: self.is_completed(handle), f"a message from rank {handle.peer}")
         return handle.tensor
 
     def close(self) -> None:
@@ -311,12 +308,11 @@ class ShmTransport:
         except Exception:
             pass
 
-    def _drain(self, src: int) -> bool:
+    def _drain(self, src: int) -> None:
         """Copy out every message already in the ring for which a receive is posted."""
         ring, pending = self._in[src]
         while pending and ring.available():
             pending.popleft().tensor = ring.read()
-        return False
 
     def _spin(self, ready: Callable[[], bool], what: str) -> None:
         """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has
