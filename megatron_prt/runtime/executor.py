@@ -149,8 +149,16 @@ class PipelineRuntime:
         for name, data in (("inputs", inputs), ("targets", targets)):
             if data is not None and len(data) != m:
                 raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
+        self._inputs, self._targets = inputs, targets
+        self._run(forward_only)
+        losses, self._losses = self._losses, None
+        return losses
+
+    def _run(self, forward_only: bool) -> None:
+        """Run this rank's program once; subclasses supply the stage computations through
+        :meth:`_stage_forward`, :meth:`_loss_grad` and :meth:`_stage_backward`."""
         lowered, program, self._recv_order = self._programs[forward_only]
-        self._begin(inputs, targets, forward_only)
+        self._begin(forward_only)
         self._prepost()
         t0 = time.perf_counter()
         step = 0
@@ -176,16 +184,13 @@ class PipelineRuntime:
             raise pipeline_error(
                 lowered, self.rank, step, action, _describe(exc, action, self.plan)
             ) from exc
-        losses, self._losses = self._losses, None
-        return losses
 
     def trace(self) -> list[tuple[Action, float, float]]:
         """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""
         return list(self.spans)
 
     # -- step state ------------------------------------------------------------------------
-    def _begin(self, inputs, targets, forward_only: bool) -> None:
-        self._inputs, self._targets = inputs, targets
+    def _begin(self, forward_only: bool) -> None:
         self._forward_only = forward_only
         self._saved_inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -224,7 +229,7 @@ class PipelineRuntime:
         placement = self.plan.placement
         prev = placement.prev_stage(stage)
         if prev is None:
-            x = self._inputs[mb].to(self.device)
+            x = None
         else:
             if placement.rank_of(prev) == self.rank:
                 x = self._outputs[(prev, mb)]
@@ -235,12 +240,9 @@ class PipelineRuntime:
             x = x.detach().requires_grad_(not self._forward_only)
         self._ready_at = time.perf_counter()
         with torch.set_grad_enabled(not self._forward_only):
-            out = self.stages[stage](x)
-            if placement.next_stage(stage) is None:
-                out = self.loss_fn(out, self._targets[mb].to(self.device))
-                self._losses[mb] = out.detach()
+            out = self._stage_forward(stage, mb, x)
         if not self._forward_only:
-            self._saved_inputs[(stage, mb)] = x if prev is not None else None
+            self._saved_inputs[(stage, mb)] = x
         if placement.next_stage(stage) is not None or not self._forward_only:
             self._outputs[(stage, mb)] = out
 
@@ -250,16 +252,36 @@ class PipelineRuntime:
         out = self._outputs.pop((stage, mb))
         nxt = placement.next_stage(stage)
         if nxt is None:
-            grad = torch.full_like(out, 1.0 / self.plan.num_microbatches)
+            grad = self._loss_grad(stage, mb, out)
         elif placement.rank_of(nxt) == self.rank:
             grad = self._input_grads.pop((nxt, mb))
         else:
             grad = self._take_received(message_key(Action(nxt, Op.B, mb)))
         self._ready_at = time.perf_counter()
-        _run_backward(out, grad)
+        self._stage_backward(stage, mb, out, grad)
         x = self._saved_inputs.pop((stage, mb))
         if x is not None:
             self._input_grads[(stage, mb)] = x.grad
+
+    # -- what a stage computes (overridden by the megatron-core integration) -------------------
+    def _stage_forward(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+        """Stage output for ``mb`` (``x`` is None at a first stage); at a last stage the loss."""
+        if x is None:
+            x = self._inputs[mb].to(self.device)
+        out = self.stages[stage](x)
+        if self.plan.placement.next_stage(stage) is None:
+            out = self.loss_fn(out, self._targets[mb].to(self.device))
+            self._losses[mb] = out.detach()
+        return out
+
+    def _loss_grad(self, stage: int, mb: int, loss: torch.Tensor) -> torch.Tensor | None:
+        """Gradient that seeds a last stage's backward: the mean over micro-batches."""
+        return torch.full_like(loss, 1.0 / self.plan.num_microbatches)
+
+    def _stage_backward(
+        self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None
+    ) -> None:
+        run_backward(out, grad)
 
     # -- communication -----------------------------------------------------------------------
     def _communicate(self, actions: list[Action]) -> None:
@@ -295,8 +317,11 @@ class PipelineRuntime:
                 free.data = torch.empty((1,), device=free.device, dtype=free.dtype)
 
 
-def _run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
-    """Backward from ``out`` whose data may have been freed (shape then differs from grad)."""
+def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward from ``out`` whose data may have been freed (shape then differs from grad);
+    ``grad`` None: ``out`` is a scalar loss."""
+    if grad is None:
+        grad = torch.ones_like(out)
     if out.shape == grad.shape:
         torch.autograd.backward(out, grad)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import traceback
 from datetime import timedelta
@@ -27,7 +28,9 @@ def _entry(fn, rank, world, store, queue, args):
             world_size=world,
             timeout=timedelta(seconds=60),
         )
-        result = fn(rank, world, *args)
+        # Plain pickle copies tensors into the message; the queue's own pickler would share
+        # their storage by file descriptor, which dies with this process at os._exit below.
+        result = pickle.dumps(fn(rank, world, *args))
         queue.put((rank, "ok", result))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -58,7 +61,7 @@ def run_local(
         try:
             while not wait_for <= set(results):
                 rank, status, payload = queue.get(timeout=deadline_s)
-                results[rank] = (status, payload)
+                results[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
         except Exception:
             pass
         for rank, p in enumerate(procs):

@@ -35,69 +35,84 @@ def _unflat(flat: torch.Tensor, tensors) -> None:
         offset += t.numel()
 
 
-def _exchange(placement, stages, group, payload, apply, both_ways: bool) -> None:
+def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> None:
+    """For every ``(a, b)`` stage pair: ``b`` receives ``payload(a)`` and, ``both_ways``,
+    ``a`` receives ``payload(b)``; then ``apply(stage, received, own_payload)`` on the receiver.
+    Pairs on one rank exchange in place; the rest go as one batch per rank (no pair order
+    to deadlock on). ``rank_of`` maps a stage to its rank in ``group``."""
     rank = dist.get_rank(group)
     ops, pending = [], []
-    for owner_stage, replica_stage in _pairs(placement):
-        owner, replica = placement.rank_of(owner_stage), placement.rank_of(replica_stage)
-        if owner == replica == rank:
-            mine, theirs = payload(stages[owner_stage]), payload(stages[replica_stage])
-            apply(stages[replica_stage], mine.clone(), theirs)
+    for a, b in pairs:
+        if rank_of(a) == rank_of(b) == rank:
+            mine, theirs = payload(a).clone(), payload(b).clone()  # payloads may be views
+            apply(b, mine, theirs)
             if both_ways:
-                apply(stages[owner_stage], theirs, mine)
+                apply(a, theirs, mine)
             continue
-        for here, there, sends in (
-            (owner_stage, replica_stage, True),
-            (replica_stage, owner_stage, both_ways),
-        ):
-            if placement.rank_of(here) != rank:
+        for here, there, sends in ((a, b, True), (b, a, both_ways)):
+            if rank_of(here) != rank:
                 continue
-            peer = placement.rank_of(there)
+            peer = rank_of(there)
             peer_global = peer if group is None else dist.get_global_rank(group, peer)
-            flat = payload(stages[here])
+            flat = payload(here)
             if sends:
                 ops.append(dist.P2POp(dist.isend, flat, peer_global, group))
-            if here == replica_stage or both_ways:
+            if here == b or both_ways:
                 buf = torch.empty_like(flat)
                 ops.append(dist.P2POp(dist.irecv, buf, peer_global, group))
-                pending.append((stages[here], buf, flat))
+                pending.append((here, buf, flat))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-    for module, received, own in pending:
-        apply(module, received, own)
+    for stage, received, own in pending:
+        apply(stage, received, own)
 
 
 def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
     """Pipeline-1 replicas take pipeline 0's parameters (and buffers)."""
 
-    def payload(module):
-        return _flat([t.detach() for t in (*module.parameters(), *module.buffers())])
+    def tensors(stage):
+        return [t.detach() for t in (*stages[stage].parameters(), *stages[stage].buffers())]
 
-    def apply(module, received, _own):
+    def apply(stage, received, _own):
         with torch.no_grad():
-            _unflat(received, [*module.parameters(), *module.buffers()])
+            _unflat(received, tensors(stage))
 
-    _exchange(placement, stages, group, payload, apply, both_ways=False)
+    exchange_pairs(
+        _pairs(placement),
+        placement.rank_of,
+        group,
+        lambda stage: _flat(tensors(stage)),
+        apply,
+        both_ways=False,
+    )
 
 
 def reduce_replica_grads(
-    placement: Placement, stages: Mapping[int, torch.nn.Module], group=None
+    placement: Placement,
+    stages: Mapping[int, torch.nn.Module],
+    group=None,
+    grad_attr: str = "grad",
 ) -> None:
-    """Both replicas of every model stage end with the sum of their gradients."""
+    """Both replicas of every model stage end with the sum of their gradients, read from and
+    written to each parameter's ``grad_attr`` (``main_grad`` under megatron-core's DDP)."""
 
-    def params(module):
-        return [p for p in module.parameters() if p.requires_grad]
+    def params(stage):
+        return [p for p in stages[stage].parameters() if p.requires_grad]
 
-    def payload(module):
-        return _flat(
-            [p.grad if p.grad is not None else torch.zeros_like(p) for p in params(module)]
-        )
+    def grads(stage):
+        for p in params(stage):
+            if getattr(p, grad_attr, None) is None:
+                setattr(p, grad_attr, torch.zeros_like(p))
+        return [getattr(p, grad_attr) for p in params(stage)]
 
-    def apply(module, received, own):
-        total = own + received
-        for p in params(module):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        _unflat(total, [p.grad for p in params(module)])
+    def apply(stage, received, own):
+        _unflat(own + received, grads(stage))
 
-    _exchange(placement, stages, group, payload, apply, both_ways=True)
+    exchange_pairs(
+        _pairs(placement),
+        placement.rank_of,
+        group,
+        lambda stage: _flat(grads(stage)),
+        apply,
+        both_ways=True,
+    )

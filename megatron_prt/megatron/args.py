@@ -1,0 +1,326 @@
+"""``--pipeline-reuse*`` flags for Megatron-LM: parse, refuse impossible settings, translate.
+
+Imports neither torch nor megatron, so flags are checked (and tested) before megatron loads.
+Line numbers below are Megatron-LM at tag ``core_v0.16.1``.
+
+Contract:
+
+1. Pass :func:`add_arguments` as ``extra_args_provider``; ``parse_args`` calls it on its
+   parser (``megatron/training/arguments.py`` l.95-96).
+2. Call :func:`validate_args` once ``args`` are final (after ``parse_args`` and, with
+   ``--use-checkpoint-args``, after ``load_args_from_checkpoint``) and **before** Megatron's
+   ``validate_args(args, defaults)``: in ``initialize_megatron``, right before its call at
+   ``megatron/training/initialize.py`` l.92. Called after it, it raises.
+
+Why before: with no virtual-pipeline flag, Megatron's ``validate_args`` asserts ``num_layers``
+divisible by P (arguments.py l.555-571), which refuses valid PRT configs such as 6 layers on
+P=4. We set ``--num-virtual-stages-per-pipeline-rank`` to the chunks per rank first; Megatron
+then takes its l.551-554 branch, which copies it into ``virtual_pipeline_model_parallel_size``
+(1 becomes ``None``) without any layer-count check, and ``get_model`` (training.py
+l.1181-1204), the per-chunk data iterators (training.py l.978) and
+``initialize_model_parallel`` (initialize.py l.367) build that many chunks per rank. After
+Megatron's ``validate_args`` the assert has already fired and the chunk count is fixed.
+Nothing we need comes from it: the data-parallel size (arguments.py l.327-328) and the default
+global batch (l.497-498) are recomputed here the way Megatron does.
+
+Tied embeddings are supported; the model-building code handles them, nothing here refuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
+from .config import ReuseConfig
+
+PARTITIONS = ("uniform", "balanced")
+
+# Defaults of the flags that only mean something with --pipeline-reuse (dest -> default).
+_DEPENDENT_DEFAULTS = {
+    "pipeline_reuse_placement": "loop",
+    "pipeline_reuse_direction": "uni",
+    "pipeline_reuse_partition": "uniform",
+    "pipeline_reuse_stage_layers": None,
+    "pipeline_reuse_trace": None,
+}
+
+# Megatron settings that also decide which layers go where; PRT owns the layer layout.
+# ``virtual_pipeline_model_parallel_size`` has no flag: only code can have set it.
+_LAYOUT_SETTINGS = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "pipeline_model_parallel_layout",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "virtual_pipeline_model_parallel_size",
+)
+
+# Encoder-decoder stacks (T5-style): PRT splits one stack of --num-layers layers.
+_ENCODER_DECODER_SETTINGS = ("encoder_num_layers", "decoder_num_layers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the PRT flags to ``parser`` and return it (Megatron's ``extra_args_provider``)."""
+    group = parser.add_argument_group(title="pipeline reuse (megatron-prt)")
+    group.add_argument(
+        "--pipeline-reuse",
+        type=int,
+        default=None,
+        metavar="R",
+        help="Reuse each pipeline rank R times: a micro-batch crosses R * "
+        "pipeline-model-parallel-size stages. Replaces Megatron's pipeline schedule. "
+        "Default None: off.",
+    )
+    group.add_argument(
+        "--pipeline-reuse-placement",
+        choices=PLACEMENTS,
+        default=_DEPENDENT_DEFAULTS["pipeline_reuse_placement"],
+        help="Stage order over ranks: loop (0..P-1 every pass) or wave (passes alternate "
+        "direction).",
+    )
+    group.add_argument(
+        "--pipeline-reuse-direction",
+        choices=DIRECTIONS,
+        default=_DEPENDENT_DEFAULTS["pipeline_reuse_direction"],
+        help="uni: one pipeline. bi: two counter-flowing pipelines over the same ranks "
+        "(2R chunks per rank, >= 2 micro-batches).",
+    )
+    group.add_argument(
+        "--pipeline-reuse-partition",
+        choices=PARTITIONS,
+        default=_DEPENDENT_DEFAULTS["pipeline_reuse_partition"],
+        help="Layers per stage: uniform (earlier stages take the remainder) or balanced "
+        "(cost model; not available yet).",
+    )
+    group.add_argument(
+        "--pipeline-reuse-stage-layers",
+        type=_layer_counts,
+        default=None,
+        metavar="N,N,...",
+        help="Transformer layers of each of the R*P model stages in flow order; must sum to "
+        "--num-layers. Overrides --pipeline-reuse-partition.",
+    )
+    group.add_argument(
+        "--pipeline-reuse-trace",
+        default=None,
+        metavar="PATH",
+        help="Write a Chrome trace of a traced iteration to PATH.json (and PATH.png).",
+    )
+    return parser
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """argparse type of ``--pipeline-reuse-stage-layers``: ``"2,3,3"`` -> ``(2, 3, 3)``."""
+    try:
+        return tuple(int(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 2,3,3,2, got {text!r}"
+        ) from None
+
+
+def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
+    """Check the PRT flags against Megatron's and translate them onto Megatron's settings.
+
+    Returns ``None`` when ``--pipeline-reuse`` is absent (then nothing is changed). Otherwise
+    returns the :class:`ReuseConfig`, stores it as ``args.pipeline_reuse_config`` and sets the
+    Megatron attributes of :func:`_translate_to_megatron`. Raises :class:`ConfigError` naming
+    the flag and the fix for any impossible combination; makes no collective call. Must run
+    before Megatron's ``validate_args`` (see the module docstring); a repeated call returns
+    the stored config.
+    """
+    if getattr(args, "pipeline_reuse", None) is None:
+        _refuse_flags_without_reuse(args)
+        return None
+    if getattr(args, "pipeline_reuse_config", None) is not None:
+        return args.pipeline_reuse_config
+    _refuse_late_call(args)
+    _check_reuse_and_pipeline(args)
+    _refuse_balanced_partition(args)
+    _refuse_megatron_layouts(args)
+    config = _reuse_config(args)
+    _check_microbatches(args, config.placement)
+    _check_grad_overlap(args, config.placement)
+    if config.trace_path is not None:
+        _check_trace_path(config.trace_path)
+    _translate_to_megatron(args, config)
+    return config
+
+
+def _translate_to_megatron(args: argparse.Namespace, config: ReuseConfig) -> None:
+    """Set what Megatron reads so that it builds ``chunks_per_rank`` model chunks per rank."""
+    chunks = config.placement.chunks_per_rank
+    # Megatron's validate_args copies this into virtual_pipeline_model_parallel_size
+    # (arguments.py l.551-554) and then skips its num_layers % P assert.
+    args.num_virtual_stages_per_pipeline_rank = chunks
+    # What Megatron will derive, set now for code that reads args before its validate_args.
+    args.virtual_pipeline_model_parallel_size = chunks if chunks > 1 else None
+    if chunks > 1:
+        # With chunks and no p2p overlap Megatron demands P > 2 (arguments.py l.578-582), a
+        # limit of its interleaved schedule; PRT does its own p2p and ignores the flag.
+        args.overlap_p2p_comm = True
+    args.pipeline_reuse_config = config
+
+
+def _refuse_flags_without_reuse(args: argparse.Namespace) -> None:
+    # A flag left at its default cannot be told from an absent one; it is harmless anyway.
+    given = [
+        _flag(dest)
+        for dest, default in _DEPENDENT_DEFAULTS.items()
+        if getattr(args, dest, default) != default
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} given without --pipeline-reuse; add --pipeline-reuse R "
+            "(R=1 for plain 1F1B) or drop them"
+        )
+
+
+def _refuse_late_call(args: argparse.Namespace) -> None:
+    # Megatron's validate_args sets this attribute first thing (arguments.py l.325).
+    if hasattr(args, "transformer_pipeline_model_parallel_size"):
+        raise ConfigError(
+            "--pipeline-reuse was validated after Megatron's validate_args, which has already "
+            "fixed the virtual-pipeline size; call megatron_prt.megatron.args.validate_args "
+            "before it"
+        )
+
+
+def _check_reuse_and_pipeline(args: argparse.Namespace) -> None:
+    if args.pipeline_reuse < 1:
+        raise ConfigError(
+            f"--pipeline-reuse must be >= 1, got {args.pipeline_reuse}; "
+            "use 1 for plain 1F1B, 2 or more to reuse each rank"
+        )
+    ranks = getattr(args, "pipeline_model_parallel_size", 1)
+    if ranks < 2:
+        raise ConfigError(
+            f"--pipeline-reuse needs a pipeline, but --pipeline-model-parallel-size is "
+            f"{ranks}; use --pipeline-model-parallel-size 2 or more, or drop --pipeline-reuse"
+        )
+
+
+def _refuse_balanced_partition(args: argparse.Namespace) -> None:
+    # The cost-model partitioner is not in yet; refusing beats silently splitting uniformly.
+    if args.pipeline_reuse_partition == "balanced":
+        raise ConfigError(
+            "--pipeline-reuse-partition balanced is not available yet; use "
+            "--pipeline-reuse-partition uniform or give --pipeline-reuse-stage-layers"
+        )
+
+
+def _refuse_megatron_layouts(args: argparse.Namespace) -> None:
+    layouts = [_flag(name) for name in _LAYOUT_SETTINGS if _is_set(args, name)]
+    if layouts:
+        raise ConfigError(
+            f"{', '.join(layouts)} conflict with --pipeline-reuse, which owns the layer layout; "
+            "drop them and give uneven stages with --pipeline-reuse-stage-layers"
+        )
+    stacks = [_flag(name) for name in _ENCODER_DECODER_SETTINGS if _is_set(args, name)]
+    if stacks:
+        raise ConfigError(
+            f"{', '.join(stacks)} conflict with --pipeline-reuse, which splits a single "
+            "stack; give its layers with --num-layers instead"
+        )
+
+
+def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers is None:
+        raise ConfigError("--pipeline-reuse needs --num-layers (the layers split into stages)")
+    placement = Placement(
+        ranks=args.pipeline_model_parallel_size,
+        reuse=args.pipeline_reuse,
+        placement=args.pipeline_reuse_placement,
+        direction=args.pipeline_reuse_direction,
+    )
+    return ReuseConfig(
+        placement=placement,
+        num_layers=num_layers,
+        stage_layers=args.pipeline_reuse_stage_layers,
+        trace_path=args.pipeline_reuse_trace,
+    )
+
+
+def _check_microbatches(args: argparse.Namespace, placement: Placement) -> None:
+    if placement.num_pipelines < 2:
+        return  # uni runs any number of micro-batches
+    count = _microbatches_per_iteration(args)
+    # Unknown count (no micro batch or data-parallel size yet): skipped here; the plan
+    # builder refuses bi with fewer than 2 micro-batches when the schedule is built.
+    if count is not None and count < 2:
+        raise ConfigError(
+            f"--pipeline-reuse-direction bi needs >= 2 micro-batches per iteration (one per "
+            f"pipeline), got {count} = global batch // (--micro-batch-size * data-parallel "
+            "size); raise --global-batch-size (and any --rampup-batch-size start), lower "
+            "--micro-batch-size, or use --pipeline-reuse-direction uni"
+        )
+
+
+def _microbatches_per_iteration(args: argparse.Namespace) -> int | None:
+    """Megatron's count, global batch // (micro batch * data-parallel size), for the
+    smallest global batch of the run; ``None`` when not yet known."""
+    micro = getattr(args, "micro_batch_size", None)
+    data_parallel = _data_parallel_size(args)
+    if not micro or data_parallel is None:
+        return None
+    per_step = micro * data_parallel
+    # Megatron's default global batch is one micro-batch per replica (arguments.py l.497-498).
+    global_batch = getattr(args, "global_batch_size", None) or per_step
+    rampup = getattr(args, "rampup_batch_size", None)
+    if rampup:  # [start, increment, samples]: the ramp starts at the smallest batch
+        global_batch = min(global_batch, int(rampup[0]))
+    return global_batch // per_step
+
+
+def _data_parallel_size(args: argparse.Namespace) -> int | None:
+    known = getattr(args, "data_parallel_size", None)
+    if known is not None:
+        return known
+    # Before Megatron's validate_args: derive it as Megatron will (arguments.py l.327-328).
+    world = getattr(args, "world_size", None)
+    model_size = 1
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        model_size *= getattr(args, name, None) or 1
+    if world is None or world % model_size:
+        return None  # Megatron's own world-size check refuses the indivisible case
+    return world // model_size
+
+
+def _check_grad_overlap(args: argparse.Namespace, placement: Placement) -> None:
+    if placement.num_pipelines == 2 and getattr(args, "overlap_grad_reduce", False):
+        raise ConfigError(
+            "--overlap-grad-reduce cannot run with --pipeline-reuse-direction bi: the two "
+            "weight replicas' gradients are summed after the schedule, before the "
+            "data-parallel reduce; drop --overlap-grad-reduce or use "
+            "--pipeline-reuse-direction uni"
+        )
+
+
+def _check_trace_path(path: str) -> None:
+    """The trace files go next to ``path``: its directory must exist, or be one mkdir away."""
+    directory = os.path.dirname(os.path.abspath(path))
+    existing = directory if os.path.isdir(directory) else os.path.dirname(directory)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--pipeline-reuse-trace {path}: directory {directory} neither exists nor can be "
+            "created (its parent is missing or not writable); create it or choose another PATH"
+        )
+
+
+def _is_set(args: argparse.Namespace, name: str) -> bool:
+    value = getattr(args, name, None)
+    return value is not None and value is not False
+
+
+def _flag(dest: str) -> str:
+    if dest == "virtual_pipeline_model_parallel_size":  # no command-line flag exists
+        return "virtual_pipeline_model_parallel_size (set in code)"
+    return "--" + dest.replace("_", "-")

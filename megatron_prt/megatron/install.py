@@ -1,0 +1,69 @@
+"""Swap megatron's pipeline schedule for PRT wherever megatron looks it up.
+
+megatron-core resolves the schedule with ``get_forward_backward_func()``, bound by name in
+``megatron.core.pipeline_parallel``, its ``schedules`` module and (Megatron-LM)
+``megatron.training.training``; :func:`install` replaces all three, :func:`uninstall` puts
+the originals back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .config import ReuseConfig
+from .schedule import make_forward_backward_func
+
+_SITES = (
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.training.training",
+)
+_ORIGINALS: dict[str, object] = {}
+_INSTALLED: dict[str, object] = {}
+
+
+def install(reuse: ReuseConfig | None, timeout_s: float = 600.0) -> bool:
+    """Use PRT for ``reuse`` (``None``: PRT not configured, nothing changes). Idempotent;
+    installing another config replaces the previous one. Returns whether PRT is installed."""
+    if reuse is None:
+        return bool(_INSTALLED)
+    current = _INSTALLED.get("reuse")
+    if current == reuse:
+        return True
+    forward_backward = make_forward_backward_func(reuse, timeout_s)
+
+    def get_forward_backward_func(pp_size=None, vp_size=None):
+        return forward_backward
+
+    get_forward_backward_func.reuse = reuse  # type: ignore[attr-defined]
+    for name in _sites():
+        module = sys.modules[name]
+        _ORIGINALS.setdefault(name, module.get_forward_backward_func)
+        module.get_forward_backward_func = get_forward_backward_func
+    _INSTALLED.update(reuse=reuse, func=forward_backward)
+    return True
+
+
+def uninstall() -> None:
+    """Restore megatron's own schedule lookup (no-op when not installed)."""
+    for name, original in _ORIGINALS.items():
+        sys.modules[name].get_forward_backward_func = original
+    _ORIGINALS.clear()
+    _INSTALLED.clear()
+
+
+def installed() -> ReuseConfig | None:
+    return _INSTALLED.get("reuse")
+
+
+def _sites() -> list[str]:
+    """Sites that import here; Megatron-LM's training module is optional (megatron-core alone
+    has none), and is not imported just to be patched."""
+    found = []
+    for name in _SITES:
+        if name not in sys.modules and name.startswith("megatron.core"):
+            importlib.import_module(name)
+        if name in sys.modules:
+            found.append(name)
+    return found

@@ -1,0 +1,236 @@
+"""Model chunks for a PRT placement: building, preparing, and the weights they share.
+
+* :func:`model_provider` wraps a megatron ``model_provider`` so chunk ``vp_stage`` of this
+  rank gets ``pre_process`` / ``post_process`` from the placement and the layer layout of
+  :class:`~megatron_prt.megatron.layout.ReuseLayout`.
+* :func:`prepare_model` (once, after building, before the optimizer): ``bi`` replica chunks
+  copy pipeline 0's weights and are marked ``shared`` so the gradient norm counts each
+  weight once; tied output weights copy the word embedding; mixed-precision casts move to
+  the real first and last stages.
+* :func:`tie_grads` (after each backward): the word embedding and its tied output weight
+  both end with the sum of their gradients.
+
+Tied weights are summed by megatron-prt, not by megatron's embedding group (which assumes the
+last stage sits on pipeline rank P-1): initialise model parallel with
+``get_embedding_ranks=embedding_ranks`` so that group holds one rank and stays idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+from ..runtime.replicas import exchange_pairs, sync_replicas
+from .config import ReuseConfig
+from .layout import ReuseLayout, chunk_roles
+
+_PREPARED = "_megatron_prt_prepared"
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("megatron_prt_chunk", default=None)
+
+
+@contextlib.contextmanager
+def running_chunk(pre_process: bool, post_process: bool) -> Iterator[None]:
+    """While a chunk computes, megatron's ``parallel_state.is_pipeline_first_stage`` /
+    ``is_pipeline_last_stage`` answer for that chunk's stage (they test pipeline rank 0 /
+    P-1, which under ``wave`` or ``bi`` is not where the first and last stages are: BERT
+    computes position ids and user ``get_batch`` functions load labels by them)."""
+    _answer_stage_queries_by_chunk()
+    token = _RUNNING.set((pre_process, post_process))
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
+def _answer_stage_queries_by_chunk() -> None:
+    for name, index in (("is_pipeline_first_stage", 0), ("is_pipeline_last_stage", 1)):
+        original = getattr(parallel_state, name)
+        if getattr(original, "megatron_prt", False):
+            continue
+
+        def query(*args, _original=original, _index=index, **kwargs):
+            running = _RUNNING.get()
+            return _original(*args, **kwargs) if running is None else running[_index]
+
+        query.megatron_prt = True  # type: ignore[attr-defined]
+        setattr(parallel_state, name, query)
+
+
+def embedding_ranks(pp_ranks: list[int], vp_size: int | None = None) -> list[int]:
+    """``get_embedding_ranks`` for megatron's ``initialize_model_parallel``: only the first
+    pipeline rank, so megatron's tied-embedding all-reduce never runs (megatron-prt sums)."""
+    return [pp_ranks[0]]
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
+    """Wrap ``provider(pre_process, post_process, vp_stage=..., config=..., ...)``: the
+    placement decides pre/post; a ``config`` passed on gets the PRT layout."""
+
+    @functools.wraps(provider)
+    def build(pre_process=True, post_process=True, vp_stage=None, **kwargs):
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        role = chunk_roles(reuse, rank)[vp_stage or 0]
+        config = kwargs.get("config")
+        if config is not None and not isinstance(
+            config.pipeline_model_parallel_layout, ReuseLayout
+        ):
+            raise ValueError(
+                "the model config must carry the PRT layout: pipeline_model_parallel_layout="
+                "ReuseLayout(reuse) (see megatron_prt.megatron.transformer_config_kwargs)"
+            )
+        model = provider(
+            pre_process=role.pre_process,
+            post_process=role.post_process,
+            vp_stage=vp_stage,
+            **kwargs,
+        )
+        model.vp_stage = vp_stage
+        return model
+
+    return build
+
+
+def transformer_config_kwargs(reuse: ReuseConfig) -> dict:
+    """The ``TransformerConfig`` fields a PRT model needs (merge into the config's kwargs)."""
+    placement = reuse.placement
+    chunks = placement.chunks_per_rank
+    return {
+        "num_layers": reuse.num_layers,
+        "pipeline_model_parallel_size": placement.ranks,
+        "virtual_pipeline_model_parallel_size": chunks if chunks > 1 else None,
+        "pipeline_model_parallel_layout": ReuseLayout(reuse),
+    }
+
+
+def chunk_stages(reuse: ReuseConfig, rank: int, model: list) -> dict[int, torch.nn.Module]:
+    """Plan stage -> model chunk of ``rank``."""
+    return {role.stage: model[role.chunk] for role in chunk_roles(reuse, rank)}
+
+
+def is_prepared(model: list) -> bool:
+    return all(getattr(chunk, _PREPARED, False) for chunk in model)
+
+
+def prepare_model(model: list, reuse: ReuseConfig, group=None) -> None:
+    """Make a freshly built model consistent across ranks (collective over the pipeline
+    group ``group``, default megatron's). Idempotent per model list."""
+    if is_prepared(model):
+        return
+    group = group or parallel_state.get_pipeline_model_parallel_group()
+    _check_embedding_group(model)
+    rank = dist.get_rank(group)
+    stages = chunk_stages(reuse, rank, model)
+    placement = reuse.placement
+    if placement.direction == "bi":
+        sync_replicas(placement, {s: unwrap(m) for s, m in stages.items()}, group)
+        for stage, chunk in stages.items():
+            if placement.pipeline_of(stage) == 1:
+                for param in chunk.parameters():
+                    param.shared = True  # the pipeline-0 copy is counted in the grad norm
+    _copy_tied_weights(reuse, stages, group)
+    for role in chunk_roles(reuse, rank):
+        _place_casts(model[role.chunk], role.pre_process, role.post_process)
+    for chunk in model:
+        setattr(chunk, _PREPARED, True)
+
+
+def _check_embedding_group(model: list) -> None:
+    if not any(_shares_embeddings(unwrap(c)) for c in model):
+        return
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    if group is not None and dist.get_world_size(group) > 1:
+        raise RuntimeError(
+            "tied embeddings under megatron-prt: initialise model parallel with "
+            "get_embedding_ranks=megatron_prt.megatron.embedding_ranks (megatron's embedding "
+            "group assumes the last stage on pipeline rank P-1 and would sum gradients twice)"
+        )
+
+
+def _shares_embeddings(module) -> bool:
+    return bool(getattr(module, "share_embeddings_and_output_weights", False))
+
+
+def _tied_pairs(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module]):
+    """(first stage, last stage) of each pipeline whose model ties its embeddings."""
+    placement = reuse.placement
+    pairs = [(p[0], p[-1]) for p in placement.pipelines]
+    any_module = next(iter(stages.values()))
+    return pairs if _shares_embeddings(unwrap(any_module)) else []
+
+
+def _tied_weight(module: torch.nn.Module) -> torch.nn.Parameter:
+    return unwrap(module).shared_embedding_or_output_weight()
+
+
+def _copy_tied_weights(reuse, stages, group) -> None:
+    def apply(stage, received, _own):
+        with torch.no_grad():
+            _tied_weight(stages[stage]).copy_(received.view_as(_tied_weight(stages[stage])))
+
+    exchange_pairs(
+        _tied_pairs(reuse, stages),
+        reuse.placement.rank_of,
+        group,
+        lambda stage: _tied_weight(stages[stage]).detach().reshape(-1),
+        apply,
+        both_ways=False,
+    )
+
+
+def tie_grads(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module], group, grad_attr) -> None:
+    """Word embedding and tied output weight both end with the sum of their gradients."""
+
+    def grad(stage):
+        weight = _tied_weight(stages[stage])
+        if getattr(weight, grad_attr, None) is None:
+            setattr(weight, grad_attr, torch.zeros_like(weight))
+        return getattr(weight, grad_attr)
+
+    def apply(stage, received, own):
+        grad(stage).copy_((own + received).view_as(grad(stage)))
+
+    exchange_pairs(
+        _tied_pairs(reuse, stages),
+        reuse.placement.rank_of,
+        group,
+        lambda stage: grad(stage).reshape(-1),
+        apply,
+        both_ways=True,
+    )
+
+
+class _StageFloat16Module(Float16Module):
+    """Float16Module whose casts follow the placement: inputs to half precision at the model's
+    first stage, outputs back to fp32 at its last (megatron tests pipeline rank 0 / P-1)."""
+
+    def forward(self, *inputs, fp32_output=True, **kwargs):
+        if self.prt_first_stage:
+            inputs = fp32_to_float16(inputs, self.float16_convertor)
+        outputs = self.module(*inputs, **kwargs)
+        if self.prt_last_stage and fp32_output is True:
+            outputs = float16_to_fp32(outputs)
+        return outputs
+
+
+def _place_casts(chunk: torch.nn.Module, first: bool, last: bool) -> None:
+    module = chunk
+    while module is not None:
+        if isinstance(module, Float16Module):
+            module.__class__ = _StageFloat16Module
+            module.prt_first_stage, module.prt_last_stage = first, last
+            return
+        module = getattr(module, "module", None)

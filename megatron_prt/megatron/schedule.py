@@ -1,0 +1,366 @@
+"""megatron-core's pipeline forward-backward function, run as a PRT plan.
+
+:func:`make_forward_backward_func` returns a function with megatron-core 0.16.1's keyword
+contract (``forward_step_func, data_iterator, model, num_microbatches, seq_length,
+micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data, first_val_step,
+adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) and semantics:
+
+* ``forward_step_func(data_iterator, model_chunk) -> (output, loss_func)`` is called through
+  megatron's own ``schedules.forward_step`` (loss protocol, per-token loss, MoE/MTP loss
+  scales, autocast, timers), once per (chunk, micro-batch) the plan runs. Each chunk's
+  iterator yields one batch per micro-batch, in micro-batch order, as megatron's interleaved
+  schedule assumes; the function sees the batch of the micro-batch being computed.
+* Returns megatron's ``forward_data_store`` (one entry per micro-batch, in order) on pipeline
+  rank P-1, where megatron's training loop reads losses, even when a last stage runs on
+  another rank (``wave`` with even R, ``bi``); ``[]`` elsewhere.
+* Hooks: ``no_sync_func`` holds gradient reduction until a chunk's last backward, then
+  ``grad_sync_func`` starts it; ``param_sync_func`` runs before a chunk's first forward;
+  after the schedule, ``bi`` replica gradients and tied embedding/output gradients are summed
+  and ``finalize_model_grads_func`` runs (data-parallel reduce, per-token scaling);
+  ``grad_scale_func`` scales the loss before backward; ``deallocate_pipeline_outputs`` frees
+  sent activations; ``pipeline_dtype`` is the wire dtype.
+
+The model must have been prepared once with :func:`megatron_prt.megatron.prepare_model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import get_model_config
+
+from ..core.actions import Op
+from ..core.schedules import build_plan
+from ..runtime.executor import PipelineRuntime, run_backward
+from ..runtime.replicas import reduce_replica_grads
+from .config import ReuseConfig
+from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
+
+
+class _ChunkData:
+    """Batches of one chunk's iterator by micro-batch. ``for_mb(mb)`` is an iterator whose
+    single ``next`` returns batch ``mb``, reading ahead (and keeping) what lies between."""
+
+    def __init__(self, source: Iterator | None, chunk: int) -> None:
+        self.source, self.chunk = source, chunk
+        self.read = 0  # batches taken from ``source`` this iteration
+        self.ahead: dict[int, object] = {}
+
+    def for_mb(self, mb: int) -> Iterator:
+        data = self
+
+        class _One:
+            used = False
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                if self.used:
+                    raise RuntimeError(
+                        f"forward_step_func drew a second batch for micro-batch {mb} of chunk "
+                        f"{data.chunk}; each call must draw at most one"
+                    )
+                self.used = True
+                return data.take(mb)
+
+        return _One()
+
+    def take(self, mb: int):
+        if self.source is None:
+            raise RuntimeError(f"chunk {self.chunk} has no data iterator")
+        while self.read <= mb:
+            self.ahead[self.read] = next(self.source)
+            self.read += 1
+        if mb not in self.ahead:
+            raise RuntimeError(f"batch of micro-batch {mb} was already used (chunk {self.chunk})")
+        return self.ahead.pop(mb)
+
+    def finish(self, num_microbatches: int) -> None:
+        """A chunk that drew data ends the iteration at batch ``m`` (``bi`` chunks draw every
+        other batch); one that drew none leaves its iterator alone."""
+        while 0 < self.read < num_microbatches:
+            next(self.source)
+            self.read += 1
+        self.read, self.ahead = 0, {}
+
+
+class MegatronPipeline(PipelineRuntime):
+    """The executor with megatron's stage computations (see the module docstring)."""
+
+    def __init__(self, plan, model: list, config, group, device, timeout_s: float) -> None:
+        self.config = config
+        self.chunks = list(model)
+        rank = dist.get_rank(group)
+        self.stage_chunk = {s: c for c, s in enumerate(plan.placement.rank_stages[rank])}
+        stages = {s: self.chunks[c] for s, c in self.stage_chunk.items()}
+        super().__init__(
+            plan,
+            stages,
+            loss_fn=None,
+            group=group,
+            device=device,
+            dtype=config.pipeline_dtype or torch.float32,
+            timeout_s=timeout_s,
+            deallocate_outputs=bool(config.deallocate_pipeline_outputs),
+        )
+        actions = self.plan.ranks[self.rank]
+        self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
+
+    def run(self, forward_step_func, data, forward_only, collect_non_loss_data, first_val_step):
+        """One iteration: ``{mb: forward_data_store entry}`` of this rank's last stages and
+        the number of tokens they counted (per-token loss)."""
+        self._step_fn, self._data = forward_step_func, data
+        self._collect_non_loss_data = collect_non_loss_data
+        self._first_val_step = first_val_step
+        self._store: dict[int, object] = {}
+        self._num_tokens = torch.zeros([], dtype=torch.int)
+        self._forwarded: set[int] = set()
+        self._sync_stack = contextlib.ExitStack()
+        with self._sync_stack:
+            if not forward_only:
+                self._hold_grad_sync()
+            self._run(forward_only)
+        for d in data:
+            d.finish(self.plan.num_microbatches)
+        return self._store, self._num_tokens
+
+    # -- gradient and parameter sync hooks ----------------------------------------------------
+    def _per_chunk(self, hook):
+        if hook is None or isinstance(hook, list):
+            return hook
+        return [hook] * len(self.chunks)
+
+    def _hold_grad_sync(self) -> None:
+        no_sync = self.config.no_sync_func
+        if isinstance(no_sync, list):
+            self._chunk_sync = [contextlib.ExitStack() for _ in self.chunks]
+            for stack, func in zip(self._chunk_sync, no_sync, strict=True):
+                stack.enter_context(func())
+                self._sync_stack.push(stack.__exit__)
+        else:  # one context for the whole model: released after the schedule
+            self._chunk_sync = None
+            if no_sync is not None:
+                self._sync_stack.enter_context(no_sync())
+
+    def _release_grad_sync(self, chunk: int) -> None:
+        """Before a chunk's last backward: let its gradients reduce as they become ready
+        (megatron's overlap); ``bi`` holds them until replicas are summed."""
+        if self.plan.placement.direction == "bi" or self._chunk_sync is None:
+            return
+        self._chunk_sync[chunk].close()
+
+    # -- stage computations ---------------------------------------------------------------
+    def _stage_forward(self, stage, mb, x):
+        chunk = self.stage_chunk[stage]
+        first = chunk not in self._forwarded
+        if first:
+            self._forwarded.add(chunk)
+            param_sync = self._per_chunk(self.config.param_sync_func)
+            if param_sync is not None and not self._forward_only:
+                param_sync[chunk](self.chunks[chunk].parameters())
+        store: list = []
+        placement = self.plan.placement
+        is_last = placement.next_stage(stage) is None
+        with running_chunk(placement.prev_stage(stage) is None, is_last):
+            out, num_tokens = self._megatron_forward(chunk, mb, x, store, first, is_last)
+        if is_last:
+            self._num_tokens += num_tokens.cpu()
+            if store:
+                self._store[mb] = store[0]
+        return out
+
+    def _megatron_forward(self, chunk, mb, x, store, first, is_last):
+        return schedules.forward_step(
+            self._step_fn,
+            self._data[chunk].for_mb(mb),
+            self.chunks[chunk],
+            self.plan.num_microbatches,
+            x,
+            store,
+            self.config,
+            parallel_state.get_context_parallel_world_size(),
+            collect_non_loss_data=self._collect_non_loss_data,
+            is_first_microbatch=schedules.check_first_val_step(
+                self._first_val_step, self._forward_only, first
+            ),
+            current_microbatch=mb,
+            vp_stage=getattr(unwrap(self.chunks[chunk]), "vp_stage", None),
+            is_last_stage=is_last,
+        )
+
+    def _loss_grad(self, stage, mb, loss):
+        return None  # the loss is already scaled by 1/m (or per token) in forward_step
+
+    def _stage_backward(self, stage, mb, out, grad):
+        chunk = self.stage_chunk[stage]
+        last = self._last_backward[stage] == mb
+        if last:
+            self._release_grad_sync(chunk)
+        config = self.config
+        if config.timers is not None:
+            config.timers("backward-compute", log_level=2).start()
+        if grad is None and config.grad_scale_func is not None:
+            out = config.grad_scale_func(out)
+        if out.requires_grad:
+            run_backward(out, grad)
+        if config.timers is not None:
+            config.timers("backward-compute").stop()
+        grad_sync = self._per_chunk(config.grad_sync_func)
+        if last and grad_sync is not None and self.plan.placement.direction != "bi":
+            grad_sync[chunk](self.chunks[chunk].parameters())
+
+
+def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> Callable:
+    """megatron's forward-backward function for ``reuse`` (see the module docstring).
+    ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`."""
+    pipelines: dict[tuple, MegatronPipeline] = {}
+
+    def forward_backward_pipelining_with_reuse(
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ):
+        model = model if isinstance(model, list) else [model]
+        config = get_model_config(model[0])
+        _check_call(reuse, model, config, adjust_tensor_shapes_fn)
+        group = pg_collection.pp if pg_collection is not None else None
+        group = group or parallel_state.get_pipeline_model_parallel_group()
+        key = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length, id(model[0]))
+        if key not in pipelines:
+            plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
+            device = _device_of(model[0])
+            pipelines[key] = MegatronPipeline(plan, model, config, group, device, timeout_s)
+        pipeline = pipelines[key]
+        data = _chunk_data(data_iterator, len(model))
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(
+                barrier=config.barrier_with_L1_time
+            )
+        store, num_tokens = pipeline.run(
+            forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
+        )
+        store, num_tokens = _gather_on_last_rank(reuse, group, store, num_tokens, pipeline.device)
+        if not forward_only:
+            _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return store
+
+    forward_backward_pipelining_with_reuse.reuse = reuse  # type: ignore[attr-defined]
+    return forward_backward_pipelining_with_reuse
+
+
+def _check_call(reuse: ReuseConfig, model: list, config, adjust_tensor_shapes_fn) -> None:
+    placement = reuse.placement
+    if len(model) != placement.chunks_per_rank:
+        raise ValueError(
+            f"{len(model)} model chunks given; {placement} needs {placement.chunks_per_rank} "
+            "per rank (build them with megatron_prt.megatron.model_provider)"
+        )
+    if not is_prepared(model):
+        raise RuntimeError(
+            "call megatron_prt.megatron.prepare_model(model) once after building the model "
+            "chunks and before building the optimizer"
+        )
+    if config.variable_seq_lengths:
+        raise NotImplementedError("megatron-prt needs a fixed sequence length per run")
+    if adjust_tensor_shapes_fn is not None:
+        raise NotImplementedError("megatron-prt does not support adjust_tensor_shapes_fn")
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _chunk_data(data_iterator, chunks: int) -> list[_ChunkData]:
+    if not isinstance(data_iterator, list):
+        data_iterator = [data_iterator] * chunks if chunks == 1 else data_iterator
+    if not isinstance(data_iterator, list) or len(data_iterator) != chunks:
+        raise ValueError(f"data_iterator must be a list of {chunks} iterators, one per chunk")
+    shared = [it for it in data_iterator if it is not None]
+    if len({id(it) for it in shared}) != len(shared):
+        raise ValueError(
+            "each model chunk needs its own data iterator (megatron builds one per chunk); "
+            "the same iterator object was given for several chunks"
+        )
+    return [_ChunkData(it, c) for c, it in enumerate(data_iterator)]
+
+
+def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, device):
+    """megatron reads losses on pipeline rank P-1: bring every last stage's entries there."""
+    placement = reuse.placement
+    last_rank = placement.ranks - 1
+    senders = sorted({placement.rank_of(p[-1]) for p in placement.pipelines} - {last_rank})
+    rank = dist.get_rank(group)
+    if senders and rank in senders:
+        payload = [(_to_cpu(store), num_tokens)]
+        dist.send_object_list(payload, dst=dist.get_global_rank(group, last_rank), group=group)
+        store = {}
+    elif senders and rank == last_rank:
+        for sender in senders:
+            payload = [None]
+            dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
+            theirs, tokens = payload[0]
+            store.update(_to_device(theirs, device))
+            num_tokens = num_tokens + tokens
+    entries = [store[mb] for mb in sorted(store)] if rank == last_rank else []
+    return entries, num_tokens.to(device)
+
+
+def _to_cpu(obj):
+    return _map_tensors(obj, lambda t: t.detach().cpu())
+
+
+def _to_device(obj, device):
+    return _map_tensors(obj, lambda t: t.to(device))
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce):
+    """Replica sums (bi), tied embedding sums, then megatron's finalize (data-parallel reduce,
+    per-token scaling). Sums are linear, so their order against the DP reduce is free."""
+    stages = chunk_stages(reuse, pipeline.rank, model)
+    grad_attr = "main_grad" if _uses_main_grad(model) else "grad"
+    if reuse.placement.direction == "bi":
+        reduce_replica_grads(reuse.placement, stages, pipeline._group, grad_attr)
+    tie_grads(reuse, stages, pipeline._group, grad_attr)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            model,
+            num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
+        )
+
+
+def _uses_main_grad(model: list) -> bool:
+    return any(hasattr(p, "main_grad") for chunk in model for p in chunk.parameters())

@@ -1,0 +1,459 @@
+"""``--pipeline-reuse*`` flags: parsing, every refusal, and the translation onto Megatron.
+
+Pure argparse: a small stand-in of Megatron-LM's parser holds the settings validate_args
+reads, so these tests need neither torch nor megatron.
+"""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from megatron_prt.core.placement import ConfigError, Placement
+from megatron_prt.megatron.args import add_arguments, validate_args
+
+
+def megatron_like_parser() -> argparse.ArgumentParser:
+    """The flags of Megatron-LM's parse_args (core_v0.16.1) that validate_args reads, with
+    Megatron's names, dests and defaults."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add = parser.add_argument
+    for name in (
+        "--num-layers",
+        "--encoder-num-layers",
+        "--decoder-num-layers",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+    ):
+        add(name, type=int, default=None)
+    for name in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+    ):
+        add(name, type=int, default=1)
+    add("--rampup-batch-size", type=int, nargs=3, default=None)
+    add("--pipeline-model-parallel-layout", default=None)
+    for name in (
+        "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+        "--overlap-grad-reduce",
+        "--untie-embeddings-and-output-weights",
+    ):
+        add(name, action="store_true")
+    add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    return parser
+
+
+def parse(*argv, world_size=8) -> argparse.Namespace:
+    args = add_arguments(megatron_like_parser()).parse_args([str(a) for a in argv])
+    args.world_size = world_size  # Megatron's parse_args reads it from WORLD_SIZE
+    return args
+
+
+# A valid PRT run: 8 ranks = DP 2 x PP 4, 8 layers, 4 micro-batches per iteration.
+BASE = (
+    "--num-layers",
+    8,
+    "--pipeline-model-parallel-size",
+    4,
+    "--micro-batch-size",
+    1,
+    "--global-batch-size",
+    8,
+)
+
+
+def refusal(*argv, world_size=8) -> str:
+    with pytest.raises(ConfigError) as caught:
+        validate_args(parse(*argv, world_size=world_size))
+    return str(caught.value)
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def test_flags_parse_with_megatron_style_names():
+    args = parse(
+        "--pipeline-reuse",
+        3,
+        "--pipeline-reuse-placement",
+        "wave",
+        "--pipeline-reuse-direction",
+        "bi",
+        "--pipeline-reuse-partition",
+        "balanced",
+        "--pipeline-reuse-stage-layers",
+        "1,2,0,3",
+        "--pipeline-reuse-trace",
+        "t/x",
+    )
+    assert (
+        args.pipeline_reuse,
+        args.pipeline_reuse_placement,
+        args.pipeline_reuse_direction,
+        args.pipeline_reuse_partition,
+        args.pipeline_reuse_stage_layers,
+        args.pipeline_reuse_trace,
+    ) == (3, "wave", "bi", "balanced", (1, 2, 0, 3), "t/x")
+
+
+def test_defaults_leave_prt_off():
+    args = parse()
+    assert (
+        args.pipeline_reuse,
+        args.pipeline_reuse_placement,
+        args.pipeline_reuse_direction,
+        args.pipeline_reuse_partition,
+        args.pipeline_reuse_stage_layers,
+        args.pipeline_reuse_trace,
+    ) == (None, "loop", "uni", "uniform", None, None)
+
+
+def test_flags_live_in_their_own_help_group():
+    parser = add_arguments(argparse.ArgumentParser())
+    group = next(g for g in parser._action_groups if g.title == "pipeline reuse (megatron-prt)")
+    assert {a.dest for a in group._group_actions} == {
+        "pipeline_reuse",
+        "pipeline_reuse_placement",
+        "pipeline_reuse_direction",
+        "pipeline_reuse_partition",
+        "pipeline_reuse_stage_layers",
+        "pipeline_reuse_trace",
+    }
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--pipeline-reuse-stage-layers", "2,x"),
+        ("--pipeline-reuse-placement", "zigzag"),
+        ("--pipeline-reuse-direction", "both"),
+        ("--pipeline-reuse", "two"),
+    ],
+)
+def test_malformed_values_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_importing_args_loads_neither_torch_nor_megatron():
+    code = (
+        "import sys, megatron_prt.megatron.args\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- off ------------------------------------------------------------------------------------
+
+
+def test_off_returns_none_and_changes_nothing():
+    args = parse(*BASE)
+    before = vars(args).copy()
+    assert validate_args(args) is None
+    assert vars(args) == before
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (("--pipeline-reuse-placement", "wave"), "--pipeline-reuse-placement"),
+        (("--pipeline-reuse-direction", "bi"), "--pipeline-reuse-direction"),
+        (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition"),
+        (("--pipeline-reuse-stage-layers", "4,4"), "--pipeline-reuse-stage-layers"),
+        (("--pipeline-reuse-trace", "trace"), "--pipeline-reuse-trace"),
+    ],
+)
+def test_reuse_flags_without_pipeline_reuse_are_refused(argv, flag):
+    message = refusal(*BASE, *argv)
+    assert flag in message and "given without --pipeline-reuse" in message
+    assert "add --pipeline-reuse R" in message
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reuse", [0, -2])
+def test_reuse_below_one(reuse):
+    message = refusal(*BASE, "--pipeline-reuse", reuse)
+    assert f"--pipeline-reuse must be >= 1, got {reuse}" in message
+    assert "use 1 for plain 1F1B" in message
+
+
+def test_no_pipeline():
+    message = refusal("--num-layers", 8, "--pipeline-model-parallel-size", 1, "--pipeline-reuse", 2)
+    assert "--pipeline-model-parallel-size is 1" in message
+    assert "use --pipeline-model-parallel-size 2 or more" in message
+
+
+def test_balanced_partition_is_not_available_yet():
+    message = refusal(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
+    assert "--pipeline-reuse-partition balanced is not available yet" in message
+    assert "--pipeline-reuse-partition uniform" in message
+    assert "--pipeline-reuse-stage-layers" in message
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--num-layers-per-virtual-pipeline-stage", 1),
+        ("--num-virtual-stages-per-pipeline-rank", 2),
+        ("--pipeline-model-parallel-layout", "E|t*2|t*2|t*2|t*2,L"),
+        ("--decoder-first-pipeline-num-layers", 1),
+        ("--decoder-last-pipeline-num-layers", 1),
+        ("--account-for-embedding-in-pipeline-split",),
+        ("--account-for-loss-in-pipeline-split",),
+    ],
+)
+def test_megatron_layout_flags_conflict(argv):
+    message = refusal(*BASE, "--pipeline-reuse", 2, *argv)
+    assert f"{argv[0]} conflict with --pipeline-reuse" in message
+    assert "--pipeline-reuse-stage-layers" in message
+
+
+def test_virtual_pipeline_size_set_in_code_conflicts():
+    args = parse(*BASE, "--pipeline-reuse", 2)
+    args.virtual_pipeline_model_parallel_size = 2
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_model_parallel_size \(set in code"):
+        validate_args(args)
+
+
+def test_all_conflicting_layout_flags_are_named_at_once():
+    message = refusal(
+        *BASE,
+        "--pipeline-reuse",
+        2,
+        "--decoder-first-pipeline-num-layers",
+        1,
+        "--decoder-last-pipeline-num-layers",
+        1,
+    )
+    assert "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers" in message
+
+
+@pytest.mark.parametrize("flag", ["--encoder-num-layers", "--decoder-num-layers"])
+def test_encoder_decoder_stacks_conflict(flag):
+    message = refusal(*BASE, "--pipeline-reuse", 2, flag, 4)
+    assert f"{flag} conflict with --pipeline-reuse" in message
+    assert "--num-layers instead" in message
+
+
+def test_num_layers_missing():
+    message = refusal("--pipeline-model-parallel-size", 4, "--pipeline-reuse", 2)
+    assert "--pipeline-reuse needs --num-layers" in message
+
+
+def test_too_few_layers_for_the_depth():
+    message = refusal("--num-layers", 7, "--pipeline-model-parallel-size", 4, "--pipeline-reuse", 2)
+    assert "--num-layers 7 cannot fill D = R*P = 8 stages" in message
+    assert "lower --pipeline-reuse" in message
+
+
+@pytest.mark.parametrize("counts", ["2,2,2", "2,2,2,1", "-1,3,3,3"])
+def test_stage_layers_of_wrong_count_or_sum(counts):
+    message = refusal(
+        "--num-layers",
+        8,
+        "--pipeline-model-parallel-size",
+        2,
+        "--pipeline-reuse",
+        2,
+        f"--pipeline-reuse-stage-layers={counts}",
+    )
+    assert f"--pipeline-reuse-stage-layers {counts}" in message
+    assert "D = R*P = 4 counts >= 0 that sum to --num-layers 8" in message
+
+
+BI = ("--pipeline-reuse", 2, "--pipeline-reuse-direction", "bi")
+
+
+@pytest.mark.parametrize(
+    "batch_argv, world_size",
+    [
+        (("--micro-batch-size", 4, "--global-batch-size", 8), 8),  # 8 // (4 * DP 2) = 1
+        (("--micro-batch-size", 1), 8),  # Megatron's default global batch: 1 micro-batch
+        (("--micro-batch-size", 1, "--global-batch-size", 8, "--rampup-batch-size", 2, 2, 100), 8),
+        (("--micro-batch-size", 1, "--global-batch-size", 1), 4),  # DP 1
+    ],
+)
+def test_bi_with_fewer_than_two_microbatches(batch_argv, world_size):
+    message = refusal(
+        "--num-layers",
+        8,
+        "--pipeline-model-parallel-size",
+        4,
+        *BI,
+        *batch_argv,
+        world_size=world_size,
+    )
+    assert "--pipeline-reuse-direction bi needs >= 2 micro-batches per iteration" in message
+    assert "got 1" in message
+    assert "raise --global-batch-size" in message
+    assert "or use --pipeline-reuse-direction uni" in message
+
+
+def test_bi_microbatches_use_a_known_data_parallel_size():
+    args = parse(*BASE, *BI)  # 8 // (1 * 2) = 4 from the world size ...
+    args.data_parallel_size = 8  # ... but a known size wins: 8 // (1 * 8) = 1
+    with pytest.raises(ConfigError, match="got 1"):
+        validate_args(args)
+
+
+@pytest.mark.parametrize("world_size", [None, 6])  # unknown, or not a multiple of TP*PP*CP
+def test_bi_microbatch_check_is_skipped_without_a_data_parallel_size(world_size):
+    args = parse(
+        "--num-layers",
+        8,
+        "--pipeline-model-parallel-size",
+        4,
+        *BI,
+        "--micro-batch-size",
+        1,
+        world_size=world_size,
+    )
+    assert validate_args(args).placement.direction == "bi"
+
+
+def test_bi_with_overlapped_grad_reduce():
+    message = refusal(*BASE, *BI, "--overlap-grad-reduce")
+    assert "--overlap-grad-reduce cannot run with --pipeline-reuse-direction bi" in message
+    assert "summed after the schedule, before the data-parallel reduce" in message
+    assert "drop --overlap-grad-reduce or use --pipeline-reuse-direction uni" in message
+
+
+def test_trace_directory_must_exist_or_be_creatable(tmp_path):
+    path = tmp_path / "missing" / "deeper" / "trace"
+    message = refusal(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-trace", path)
+    assert f"--pipeline-reuse-trace {path}" in message
+    assert "create it or choose another PATH" in message
+
+
+def test_validating_after_megatron_is_refused():
+    args = parse(*BASE, "--pipeline-reuse", 2)
+    args.transformer_pipeline_model_parallel_size = 4  # what Megatron's validate_args sets
+    with pytest.raises(ConfigError, match="before it"):
+        validate_args(args)
+
+
+# -- valid configurations ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks, reuse, placement, direction, layers, per_stage",
+    [
+        (4, 1, "loop", "uni", 6, (2, 2, 1, 1)),  # 6 layers on P=4: Megatron alone refuses it
+        (2, 3, "wave", "uni", 6, (1,) * 6),
+        (2, 2, "loop", "bi", 6, (2, 2, 1, 1)),
+        (4, 2, "wave", "bi", 9, (2, 1, 1, 1, 1, 1, 1, 1)),
+    ],
+)
+def test_valid_configs_resolve_and_translate(ranks, reuse, placement, direction, layers, per_stage):
+    args = parse(
+        "--num-layers",
+        layers,
+        "--pipeline-model-parallel-size",
+        ranks,
+        "--pipeline-reuse",
+        reuse,
+        "--pipeline-reuse-placement",
+        placement,
+        "--pipeline-reuse-direction",
+        direction,
+        "--micro-batch-size",
+        1,
+        "--global-batch-size",
+        8,
+        world_size=2 * ranks,
+    )
+    config = validate_args(args)
+    expected = Placement(ranks=ranks, reuse=reuse, placement=placement, direction=direction)
+    assert config.placement == expected
+    assert config.layers_per_stage() == per_stage
+    assert args.pipeline_reuse_config is config
+    chunks = expected.chunks_per_rank
+    assert args.num_virtual_stages_per_pipeline_rank == chunks
+    assert args.virtual_pipeline_model_parallel_size == (chunks if chunks > 1 else None)
+
+
+def test_stage_layers_set_the_split():
+    args = parse(
+        "--num-layers",
+        7,
+        "--pipeline-model-parallel-size",
+        2,
+        "--pipeline-reuse",
+        2,
+        "--pipeline-reuse-placement",
+        "wave",
+        "--pipeline-reuse-stage-layers",
+        "1,3,2,1",
+    )
+    assert validate_args(args).layers_per_stage() == (1, 3, 2, 1)
+
+
+def test_chunks_turn_on_p2p_overlap_so_megatron_accepts_two_ranks():
+    args = parse(
+        *BASE,
+        "--pipeline-model-parallel-size",
+        2,
+        "--pipeline-reuse",
+        2,
+        "--no-overlap-p2p-communication",
+    )
+    validate_args(args)
+    assert args.overlap_p2p_comm is True
+
+
+def test_one_chunk_leaves_p2p_overlap_alone():
+    args = parse(*BASE, "--pipeline-reuse", 1, "--no-overlap-p2p-communication")
+    validate_args(args)
+    assert args.overlap_p2p_comm is False
+    assert args.virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize("untie", [(), ("--untie-embeddings-and-output-weights",)])
+def test_tied_and_untied_embeddings_are_accepted(untie):
+    assert validate_args(parse(*BASE, "--pipeline-reuse", 2, *untie)) is not None
+
+
+def test_uni_runs_a_single_microbatch():
+    args = parse(
+        "--num-layers",
+        8,
+        "--pipeline-model-parallel-size",
+        4,
+        "--pipeline-reuse",
+        2,
+        "--micro-batch-size",
+        1,
+    )
+    assert validate_args(args).placement.direction == "uni"
+
+
+def test_uni_allows_overlapped_grad_reduce():
+    assert validate_args(parse(*BASE, "--pipeline-reuse", 2, "--overlap-grad-reduce"))
+
+
+def test_bi_with_two_microbatches():
+    args = parse(*BASE, *BI, "--global-batch-size", 4)  # 4 // (1 * DP 2) = 2
+    assert validate_args(args).placement.chunks_per_rank == 4
+
+
+def test_trace_path_in_a_creatable_directory_is_kept(tmp_path):
+    path = str(tmp_path / "traces" / "iter")
+    args = parse(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-trace", path)
+    assert validate_args(args).trace_path == path
+    assert not (tmp_path / "traces").exists()  # checking creates nothing
+
+
+def test_a_repeated_call_returns_the_stored_config():
+    args = parse(*BASE, "--pipeline-reuse", 2)
+    assert validate_args(args) is validate_args(args)
