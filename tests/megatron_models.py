@@ -34,7 +34,7 @@ def setup_megatron(pp: int, vp: int | None):
     model_parallel_cuda_manual_seed(1234)
 
 
-def transformer_config(num_layers: int, **extra):
+def transformer_config(num_layers: int, dtype: torch.dtype = DTYPE, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = dict(
@@ -44,8 +44,8 @@ def transformer_config(num_layers: int, **extra):
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=DTYPE,
-        pipeline_dtype=DTYPE,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -59,7 +59,7 @@ def transformer_config(num_layers: int, **extra):
 def build_model(kind: str, config, pre_process=True, post_process=True, vp_stage=None):
     """``gpt`` (tied), ``gpt-untied``, ``bert`` (tied, binary head), ``bert-nobinary``."""
     default = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPE)  # the torch-norm fallback ignores params_dtype
+    torch.set_default_dtype(config.params_dtype)  # the torch-norm fallback ignores params_dtype
     try:
         return _build_model(kind, config, pre_process, post_process, vp_stage)
     finally:
@@ -98,11 +98,11 @@ def _build_model(kind, config, pre_process, post_process, vp_stage):
     )
 
 
-def batches(num: int):
+def batches(num: int, step: int = 0):
     """Deterministic micro-batches (dicts of tensors), one per micro-batch."""
     out = []
     for mb in range(num):
-        g = torch.Generator().manual_seed(100 + mb)
+        g = torch.Generator().manual_seed(100 + 1000 * step + mb)
         tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
         out.append(
             {
@@ -133,7 +133,7 @@ def loss_func(kind, per_token, batch, output):
     binary = None
     if isinstance(output, tuple):  # BERT: (token losses, binary logits or None)
         output, binary = output
-    token_loss = output.float() if DTYPE == torch.float32 else output
+    token_loss = output
     mask = batch["mask"].to(token_loss.dtype)
     total = (token_loss * mask).sum()
     tokens = mask.sum()
@@ -251,3 +251,83 @@ def run_prt(rank, world, kind, m, reuse, ref_state, forward_only=False, per_toke
         dist.broadcast(tokens, src=placement.ranks - 1)  # megatron's finalize does this
         grads = {n: [g / tokens for g in gs] for n, gs in grads.items()}
     return {"losses": [s["lm loss"] for s in store], "grads": grads}
+
+
+STEPS, LR, CLIP = 3, 1e-3, 1.0
+# Adam's update of a weight with an exactly zero gradient (the attention key bias) is fp32
+# rounding noise over eps; a larger eps keeps that noise far below the tolerance.
+EPS = 1e-6
+
+
+def train(rank, world, kind, m, reuse, ref_state):
+    """STEPS steps of megatron's DDP + Adam (clip 1.0) in fp32, PRT when ``reuse`` is given,
+    else megatron's no-pipelining schedule on one rank: per-step losses (on rank P-1), grad
+    norms, final parameters and the sharded-state-dict keys, by global name."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    if reuse is None:
+        setup_megatron(1, None)
+        config = transformer_config(LAYERS_TRAIN, torch.float32)
+        model = [build_model(kind, config)]
+        forward_backward = forward_backward_no_pipelining
+    else:
+        setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank)
+        config = transformer_config(dtype=torch.float32, **transformer_config_kwargs(reuse))
+        roles = chunk_roles(reuse, rank)
+        model = [build_model(kind, config, r.pre_process, r.post_process, r.chunk) for r in roles]
+        forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    load_global(model, ref_state, is_tied(kind))
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
+    if reuse is not None:
+        prepare_model(model, reuse)
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+    config.finalize_model_grads_func = finalize_model_grads
+    if len(model) == 1:
+        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=LR, clip_grad=CLIP, weight_decay=0.0, adam_eps=EPS),
+        model,
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = forward_backward(
+            forward_step_func=partial(forward_step, kind, False),
+            data_iterator=[iter(batches(m, step)) for _ in model],
+            model=model,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
+        ok, norm, _ = optimizer.step()
+        assert ok
+        losses.append([float(s["lm loss"]) for s in store])
+        norms.append(norm)
+    keys = set()
+    for chunk in model:
+        for value in chunk.module.sharded_state_dict().values():
+            if "_extra_state" not in value.key:  # checkpoint key and global position
+                keys.add((value.key, tuple(getattr(value, "global_offset", ()))))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params_by_name(model, is_tied(kind)),
+        "keys": keys,
+    }
+
+
+LAYERS_TRAIN = 8

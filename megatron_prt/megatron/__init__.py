@@ -22,8 +22,8 @@ _LAZY = {
     "model_provider": "model",
     "prepare_model": "model",
     "transformer_config_kwargs": "model",
-    "install": "install",
-    "uninstall": "install",
+    "install": "installer",
+    "uninstall": "installer",
     "make_forward_backward_func": "schedule",
 }
 

@@ -1,0 +1,206 @@
+"""Training with megatron-core's DDP and optimizer under PRT tracks the unpipelined run;
+checkpoint keys, install/uninstall and refused calls."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from functools import partial
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch
+import torch.distributed as dist
+from megatron_models import (
+    LAYERS_TRAIN,
+    MBS,
+    SEQ,
+    batches,
+    build_model,
+    forward_step,
+    reference,
+    setup_megatron,
+    train,
+    transformer_config,
+)
+
+from megatron_prt.core import Placement
+from megatron_prt.megatron.config import ReuseConfig
+from megatron_prt.runtime.local import all_ok, run_local
+
+M = 4
+# fp32: the runs differ only in summation order (micro-batch gradient accumulation, the tied
+# and replica sums), measured ~1e-7 relative on losses and norms; a lost micro-batch or an
+# unsummed tied gradient moves them by >1e-3 and parameters by a full Adam step (1e-3).
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def _unpipelined(kind: str):
+    state = all_ok(run_local(1, reference, kind, LAYERS_TRAIN, M))[0]["state"]
+    return state, all_ok(run_local(1, train, kind, M, None, state))[0]
+
+
+@pytest.mark.parametrize(
+    "kind,reuse",
+    [
+        ("gpt", ReuseConfig(Placement(2, 2, "wave", "bi"), LAYERS_TRAIN)),
+        ("bert", ReuseConfig(Placement(2, 3, "loop", "uni"), LAYERS_TRAIN, (2, 1, 1, 2, 1, 1))),
+    ],
+    ids=["gpt-wave-bi-R2", "bert-loop-uni-R3-uneven"],
+)
+def test_three_training_steps_track_the_reference(kind, reuse):
+    state, want = _unpipelined(kind)
+    results = all_ok(run_local(reuse.placement.ranks, train, kind, M, reuse, state))
+    got = results[-1]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TOL)
+    for rank, result in enumerate(results):
+        # megatron all-reduces the norm over the pipeline: every rank reports the same one
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]), torch.tensor(want["norms"]), **TOL
+        )
+        for name, values in result["params"].items():
+            for value in values:
+                torch.testing.assert_close(
+                    value, want["params"][name][0], **TOL, msg=f"rank {rank}: {name}"
+                )
+    assert max(want["norms"]) > 1.0, "gradient clipping is not exercised"
+    # checkpoint keys and global positions: PRT chunks together are the unpipelined model
+    assert set().union(*(r["keys"] for r in results)) == want["keys"]
+
+
+def _install_roundtrip():
+    import megatron.core.pipeline_parallel as pp
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_prt.megatron import install, uninstall
+
+    originals = (pp.get_forward_backward_func, schedules.get_forward_backward_func)
+    assert install(None) is False and pp.get_forward_backward_func is originals[0]
+    reuse = ReuseConfig(Placement(2, 2), 4)
+    assert install(reuse) and install(reuse)  # idempotent
+    func = pp.get_forward_backward_func()
+    assert func.reuse == reuse and schedules.get_forward_backward_func() is func
+    other = ReuseConfig(Placement(2, 2, "wave"), 4)
+    install(other)
+    assert pp.get_forward_backward_func().reuse == other
+    uninstall()
+    assert (pp.get_forward_backward_func, schedules.get_forward_backward_func) == originals
+    uninstall()  # no-op
+    return "megatron.training.training" in sys.modules
+
+
+def test_install_swaps_every_lookup_and_uninstall_restores():
+    assert all_ok(run_local(1, lambda rank, world: _install_roundtrip()))[0] is False
+
+
+def _refusals(rank, world):
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    reuse = ReuseConfig(Placement(2, 2, "wave"), 4)
+    setup_megatron(2, 2)
+    config = transformer_config(**transformer_config_kwargs(reuse))
+    model = [
+        build_model("gpt-untied", config, r.pre_process, r.post_process, r.chunk)
+        for r in chunk_roles(reuse, rank)
+    ]
+    func = make_forward_backward_func(reuse, timeout_s=30)
+
+    def call(**overrides):
+        kwargs = dict(
+            forward_step_func=partial(forward_step, "gpt-untied", False),
+            data_iterator=[iter(batches(M)) for _ in model],
+            model=model,
+            num_microbatches=M,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
+        kwargs.update(overrides)
+        try:
+            func(**kwargs)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            return str(exc)
+        return None
+
+    messages = {"unprepared": call()}
+    prepare_model(model, reuse)
+    messages["chunks"] = call(model=model[:1])
+    shared = iter(batches(M))
+    messages["shared iterator"] = call(data_iterator=[shared, shared])
+    config.variable_seq_lengths = True
+    messages["variable"] = call()
+    config.variable_seq_lengths = False
+    dist.barrier()
+    return messages
+
+
+def test_refused_calls_name_the_fix():
+    for messages in all_ok(run_local(2, _refusals)):
+        assert "prepare_model(model)" in messages["unprepared"]
+        assert "1 model chunks given" in messages["chunks"] and "needs 2" in messages["chunks"]
+        assert "its own data iterator" in messages["shared iterator"]
+        assert "fixed sequence length" in messages["variable"]
+
+
+def _default_embedding_group(rank, world):
+    from megatron.core import parallel_state
+
+    from megatron_prt.megatron import cpu, prepare_model
+    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    cpu.enable()
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    reuse = ReuseConfig(Placement(2, 2), 4)
+    config = transformer_config(**transformer_config_kwargs(reuse))
+    model = [
+        build_model("gpt", config, r.pre_process, r.post_process, r.chunk)
+        for r in chunk_roles(reuse, rank)
+    ]
+    try:
+        prepare_model(model, reuse)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_tied_embeddings_refuse_megatrons_embedding_group():
+    for message in all_ok(run_local(2, _default_embedding_group)):
+        assert message and "get_embedding_ranks=megatron_prt.megatron.embedding_ranks" in message
+
+
+def _casts(rank, world):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_prt.megatron.model import _place_casts
+
+    setup_megatron(1, None)
+    config = transformer_config(2, torch.float32, bf16=True)
+
+    class Echo(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    seen = {}
+    for first, last in [(True, False), (False, True), (False, False), (True, True)]:
+        chunk = Float16Module(config, Echo())
+        _place_casts(chunk, first, last)
+        seen[(first, last)] = (chunk(torch.ones(2)).dtype, chunk(torch.ones(2).bfloat16()).dtype)
+    return seen
+
+
+def test_mixed_precision_casts_follow_the_placement():
+    """Half precision in at the model's first stage, fp32 out at its last, whichever rank and
+    chunk they sit on; nothing in between (megatron tests pipeline rank 0 / P-1 instead)."""
+    seen = all_ok(run_local(1, _casts))[0]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert seen[(True, False)] == (bf16, bf16)
+    assert seen[(False, True)] == (fp32, fp32)
+    assert seen[(False, False)] == (fp32, bf16)
+    assert seen[(True, True)] == (fp32, fp32)
