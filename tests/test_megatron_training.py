@@ -204,3 +204,23 @@ def test_mixed_precision_casts_follow_the_placement():
     assert seen[(False, True)] == (fp32, fp32)
     assert seen[(False, False)] == (fp32, bf16)
     assert seen[(True, True)] == (fp32, fp32)
+
+
+def test_trace_flag_writes_the_measured_timeline(tmp_path):
+    """--pipeline-reuse-trace: the first training iteration as a Chrome trace (+ PNG)."""
+    import json
+
+    from megatron_models import run_prt
+
+    prefix = tmp_path / "sub" / "prt"
+    reuse = ReuseConfig(Placement(2, 2, "wave", "bi"), 8, trace_path=str(prefix))
+    state = all_ok(run_local(1, reference, "gpt", 8, M))[0]["state"]
+    all_ok(run_local(2, run_prt, "gpt", M, reuse, state))
+    events = json.loads((tmp_path / "sub" / "prt.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = [e for e in events if e.get("ph") == "X"]
+    # every F and B of every stage: 2 pipelines x D stages x their m/2 micro-batches x 2
+    assert len(spans) == 2 * reuse.placement.depth * M
+    assert {e["tid"] for e in spans} == {0, 1}  # one timeline row per pipeline rank
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "sub" / "prt.png").stat().st_size > 0

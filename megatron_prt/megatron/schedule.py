@@ -26,6 +26,7 @@ The model must have been prepared once with :func:`megatron_prt.megatron.prepare
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,6 +39,7 @@ from ..core.actions import Op
 from ..core.schedules import build_plan
 from ..runtime.executor import PipelineRuntime, run_backward
 from ..runtime.replicas import reduce_replica_grads
+from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
 from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
 
@@ -93,7 +95,9 @@ class _ChunkData:
 class MegatronPipeline(PipelineRuntime):
     """The executor with megatron's stage computations (see the module docstring)."""
 
-    def __init__(self, plan, model: list, config, group, device, timeout_s: float) -> None:
+    def __init__(
+        self, plan, model: list, config, group, device, timeout_s: float, trace: bool = False
+    ) -> None:
         self.config = config
         self.chunks = list(model)
         rank = dist.get_rank(group)
@@ -108,6 +112,7 @@ class MegatronPipeline(PipelineRuntime):
             dtype=config.pipeline_dtype or torch.float32,
             timeout_s=timeout_s,
             deallocate_outputs=bool(config.deallocate_pipeline_outputs),
+            trace=trace,
         )
         actions = self.plan.ranks[self.rank]
         self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
@@ -220,6 +225,7 @@ def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> 
     """megatron's forward-backward function for ``reuse`` (see the module docstring).
     ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`."""
     pipelines: dict[tuple, MegatronPipeline] = {}
+    traced = []  # the first training iteration is written to reuse.trace_path
 
     def forward_backward_pipelining_with_reuse(
         *,
@@ -247,7 +253,9 @@ def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> 
         if key not in pipelines:
             plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
             device = _device_of(model[0])
-            pipelines[key] = MegatronPipeline(plan, model, config, group, device, timeout_s)
+            pipelines[key] = MegatronPipeline(
+                plan, model, config, group, device, timeout_s, trace=bool(reuse.trace_path)
+            )
         pipeline = pipelines[key]
         data = _chunk_data(data_iterator, len(model))
         if config.timers is not None:
@@ -260,12 +268,29 @@ def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> 
         store, num_tokens = _gather_on_last_rank(reuse, group, store, num_tokens, pipeline.device)
         if not forward_only:
             _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce)
+            if reuse.trace_path and not traced:
+                traced.append(_write_trace(reuse.trace_path, pipeline, group))
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return store
 
     forward_backward_pipelining_with_reuse.reuse = reuse  # type: ignore[attr-defined]
     return forward_backward_pipelining_with_reuse
+
+
+def _write_trace(path_prefix: str, pipeline: MegatronPipeline, group) -> list[str]:
+    """Collective over the pipeline group: one rank per model replica writes
+    ``<prefix>.json`` (Chrome trace) and ``<prefix>.png`` of this iteration, in seconds."""
+    spans = gather_spans(pipeline, group)
+    writer = (
+        dist.get_rank(group) == 0
+        and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    if not writer:
+        return []
+    os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
+    return write_measured(path_prefix, spans, pipeline)
 
 
 def _check_call(reuse: ReuseConfig, model: list, config, adjust_tensor_shapes_fn) -> None:
