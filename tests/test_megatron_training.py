@@ -4,6 +4,9 @@ checkpoint keys, install/uninstall and refused calls."""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
 import sys
 from functools import partial
 
@@ -224,3 +227,29 @@ def test_trace_flag_writes_the_measured_timeline(tmp_path):
     assert {e["tid"] for e in spans} == {0, 1}  # one timeline row per pipeline rank
     pytest.importorskip("matplotlib")
     assert (tmp_path / "sub" / "prt.png").stat().st_size > 0
+
+
+EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "megatron_gpt.py"
+
+
+def test_megatron_example_trains_under_torchrun():
+    """The README's megatron-core example: flags -> validate_args -> install -> training."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        str(EXAMPLE), "--pipeline-model-parallel-size", "2", "--pipeline-reuse", "2",
+        "--pipeline-reuse-placement", "wave", "--pipeline-reuse-direction", "bi",
+        "--train-iters", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[4]) for line in proc.stdout.splitlines() if "lm loss" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_megatron_example_refuses_impossible_flags_in_one_line():
+    cmd = [sys.executable, str(EXAMPLE), "--pipeline-model-parallel-size", "2",
+           "--pipeline-reuse", "5"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "cannot fill D = R*P = 10 stages" in proc.stderr.splitlines()[-1]

@@ -1,0 +1,197 @@
+"""Train a megatron-core GPT with PRT: the megatron-core API of megatron-prt.
+
+    torchrun --nproc-per-node 2 examples/megatron_gpt.py \\
+        --pipeline-model-parallel-size 2 --pipeline-reuse 2 --pipeline-reuse-placement wave
+
+Megatron-LM flag names and meanings; the model, DDP, optimizer, gradient clipping and
+finalize step are megatron-core's own; megatron-prt supplies the layer layout, the chunks'
+roles, and the forward-backward function megatron looks up. On CPU (the default here) it runs
+with gloo through :mod:`megatron_prt.megatron.cpu`; with ``--device cuda`` on NCCL.
+Without ``--pipeline-reuse`` the same script runs megatron's own schedule for comparison
+(``--pipeline-model-parallel-size 1`` on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_argument_group("model and training (Megatron-LM names)")
+    group.add_argument("--num-layers", type=int, default=8)
+    group.add_argument("--hidden-size", type=int, default=64)
+    group.add_argument("--num-attention-heads", type=int, default=4)
+    group.add_argument("--seq-length", type=int, default=32)
+    group.add_argument("--vocab-size", type=int, default=128)
+    group.add_argument("--micro-batch-size", type=int, default=2)
+    group.add_argument("--global-batch-size", type=int, default=8)
+    group.add_argument("--train-iters", type=int, default=5)
+    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    from megatron_prt.core import ConfigError
+    from megatron_prt.megatron.args import add_arguments, validate_args
+
+    add_arguments(parser)
+    args = parser.parse_args()
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    args.tensor_model_parallel_size = args.context_parallel_size = 1
+    try:
+        args.reuse = validate_args(args)  # impossible settings stop here, before any collective
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def build(args, reuse):
+    """This rank's model chunks: megatron's own GPTModel, chunk roles from the placement."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_prt.megatron import transformer_config_kwargs
+    from megatron_prt.megatron.layout import chunk_roles
+
+    fields = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        use_cpu_initialization=args.device == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pipeline_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=args.device == "cuda",
+        masked_softmax_fusion=args.device == "cuda",
+        bias_dropout_fusion=args.device == "cuda",
+        persist_layer_norm=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    if reuse is not None:
+        fields.update(transformer_config_kwargs(reuse))
+    config = TransformerConfig(**fields)
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    roles = chunk_roles(reuse, rank) if reuse is not None else [None]
+    return config, [
+        GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.seq_length,
+            pre_process=role.pre_process if role else True,
+            post_process=role.post_process if role else True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            vp_stage=role.chunk if role else None,
+        )
+        for role in roles
+    ]
+
+
+def data(args, microbatches: int, step: int):
+    """A synthetic language: each token is the previous one plus one (learnable quickly)."""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, args.vocab_size, (microbatches, args.micro_batch_size, 1), generator=g)
+    tokens = (start + torch.arange(args.seq_length + 1)) % args.vocab_size
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+
+
+def forward_step(args, device, data_iterator, model):
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    pos = torch.arange(args.seq_length, device=device).expand_as(tokens)
+    out = model(tokens, pos, None, labels=labels)
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return out, loss_func
+
+
+def main() -> None:
+    args = parse_args()
+    reuse = args.reuse
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        from megatron_prt.megatron import cpu
+
+        cpu.enable()
+    from megatron.core import parallel_state, pipeline_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_prt.megatron as prt
+
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size
+        if reuse
+        else None,
+        get_embedding_ranks=prt.embedding_ranks if reuse else None,
+    )
+    model_parallel_cuda_manual_seed(1234)
+    config, model = build(args, reuse)
+    model = [chunk.to(device) for chunk in model]
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
+    if reuse is not None:
+        prt.prepare_model(model, reuse)  # replicas, tied weights, precision casts
+        prt.install(reuse)  # megatron's get_forward_backward_func now returns PRT's
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+    if len(model) == 1:  # megatron's convention for one chunk
+        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad), model
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    forward_backward = pipeline_parallel.get_forward_backward_func()  # looked up after install
+    last_rank = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    for step in range(args.train_iters):
+        start = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        batches = data(args, microbatches, step)
+        losses = forward_backward(
+            forward_step_func=lambda it, m: forward_step(args, device, it, m),
+            data_iterator=[iter(batches) for _ in model],
+            model=model,
+            num_microbatches=microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+        )
+        _, grad_norm, _ = optimizer.step()
+        if last_rank and parallel_state.get_data_parallel_rank() == 0:
+            loss = sum(float(x["lm loss"]) for x in losses) / len(losses)
+            print(
+                f"iteration {step + 1}/{args.train_iters}: lm loss {loss:.6f} "
+                f"grad norm {grad_norm:.4f} time {time.perf_counter() - start:.3f} s",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
