@@ -317,11 +317,12 @@ def train(rank, world, kind, m, reuse, ref_state):
         assert ok
         losses.append([float(s["lm loss"]) for s in store])
         norms.append(norm)
-    keys = set()
+    keys = []
     for chunk in model:
         for value in chunk.module.sharded_state_dict().values():
-            if "_extra_state" not in value.key:  # checkpoint key and global position
-                keys.add((value.key, tuple(getattr(value, "global_offset", ()))))
+            if "_extra_state" not in value.key:  # checkpoint key, global position, main copy
+                main = not any(value.replica_id)
+                keys.append((value.key, tuple(getattr(value, "global_offset", ())), main))
     return {
         "losses": losses,
         "norms": norms,

@@ -51,8 +51,9 @@ def _unpipelined(kind: str):
     [
         ("gpt", ReuseConfig(Placement(2, 2, "wave", "bi"), LAYERS_TRAIN)),
         ("bert", ReuseConfig(Placement(2, 3, "loop", "uni"), LAYERS_TRAIN, (2, 1, 1, 2, 1, 1))),
+        ("gpt", ReuseConfig(Placement(2, 2, "wave", "uni"), LAYERS_TRAIN)),
     ],
-    ids=["gpt-wave-bi-R2", "bert-loop-uni-R3-uneven"],
+    ids=["gpt-wave-bi-R2", "bert-loop-uni-R3-uneven", "gpt-wave-uni-R2"],
 )
 def test_three_training_steps_track_the_reference(kind, reuse):
     state, want = _unpipelined(kind)
@@ -70,8 +71,10 @@ def test_three_training_steps_track_the_reference(kind, reuse):
                     value, want["params"][name][0], **TOL, msg=f"rank {rank}: {name}"
                 )
     assert max(want["norms"]) > 1.0, "gradient clipping is not exercised"
-    # checkpoint keys and global positions: PRT chunks together are the unpipelined model
-    assert set().union(*(r["keys"] for r in results)) == want["keys"]
+    # checkpoint keys and global positions: PRT chunks together are the unpipelined model,
+    # and each tensor has exactly one main copy (the one a checkpoint save writes)
+    mains = [key[:2] for r in results for key in r["keys"] if key[2]]
+    assert sorted(mains) == sorted(key[:2] for key in want["keys"])
 
 
 def _install_roundtrip():

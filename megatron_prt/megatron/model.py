@@ -141,11 +141,31 @@ def prepare_model(model: list, reuse: ReuseConfig, group=None) -> None:
             if placement.pipeline_of(stage) == 1:
                 for param in chunk.parameters():
                     param.shared = True  # the pipeline-0 copy is counted in the grad norm
+                _mark_checkpoint_replica(unwrap(chunk))
     _copy_tied_weights(reuse, stages, group)
     for role in chunk_roles(reuse, rank):
         _place_casts(model[role.chunk], role.pre_process, role.post_process)
     for chunk in model:
         setattr(chunk, _PREPARED, True)
+
+
+def _mark_checkpoint_replica(module: torch.nn.Module) -> None:
+    """A ``bi`` replica chunk saves nothing of its own: its sharded tensors become non-main
+    replicas (first replica-id entry 1), so a checkpoint writes pipeline 0's copy once."""
+    original = module.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(*args, **kwargs):
+        state = original(*args, **kwargs)
+        for value in state.values():
+            replica = getattr(value, "replica_id", None)
+            if isinstance(replica, tuple) and replica:
+                value.replica_id = (1, *replica[1:])
+            elif isinstance(replica, int):
+                value.replica_id = replica + 1
+        return state
+
+    module.sharded_state_dict = sharded_state_dict
 
 
 def _check_embedding_group(model: list) -> None:
