@@ -98,18 +98,20 @@ def _build_model(kind, config, pre_process, post_process, vp_stage):
     )
 
 
-def batches(num: int, step: int = 0):
-    """Deterministic micro-batches (dicts of tensors), one per micro-batch."""
+def batches(num: int, step: int = 0, variable: bool = False):
+    """Deterministic micro-batches (dicts of tensors), one per micro-batch; ``variable``:
+    sequence lengths differ between micro-batches."""
     out = []
     for mb in range(num):
         g = torch.Generator().manual_seed(100 + 1000 * step + mb)
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        seq = SEQ - 3 * (mb // 2 % 2) if variable else SEQ  # varies on every edge, bi too
+        tokens = torch.randint(0, VOCAB, (MBS, seq), generator=g)
         out.append(
             {
                 "tokens": tokens,
                 "labels": torch.roll(tokens, -1, dims=1),
-                "mask": (torch.rand(MBS, SEQ, generator=g) > 0.2).long(),
-                "types": torch.randint(0, 2, (MBS, SEQ), generator=g),
+                "mask": (torch.rand(MBS, seq, generator=g) > 0.2).long(),
+                "types": torch.randint(0, 2, (MBS, seq), generator=g),
                 "sentence_order": torch.randint(0, 2, (MBS,), generator=g),
             }
         )
@@ -120,7 +122,7 @@ def forward_step(kind: str, per_token: bool, data_iterator, model):
     """megatron's forward_step_func contract: ``(output, loss_func)``."""
     batch = next(data_iterator)
     if kind.startswith("gpt"):
-        pos = torch.arange(SEQ).expand(MBS, SEQ)
+        pos = torch.arange(batch["tokens"].shape[1]).expand_as(batch["tokens"])
         out = model(batch["tokens"], pos, None, labels=batch["labels"])
     else:
         out = model(
@@ -193,7 +195,7 @@ def is_tied(kind: str) -> bool:
     return kind != "gpt-untied"
 
 
-def reference(rank, world, kind, num_layers, m, per_token=False):
+def reference(rank, world, kind, num_layers, m, per_token=False, variable=False):
     """One rank, megatron's no-pipelining schedule: losses, grads and initial weights."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -201,10 +203,11 @@ def reference(rank, world, kind, num_layers, m, per_token=False):
     torch.manual_seed(7)
     config = transformer_config(num_layers, calculate_per_token_loss=per_token)
     model = build_model(kind, config)
+    config.variable_seq_lengths = variable
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     store = forward_backward_no_pipelining(
         forward_step_func=partial(forward_step, kind, per_token),
-        data_iterator=iter(batches(m)),
+        data_iterator=iter(batches(m, variable=variable)),
         model=[model],
         num_microbatches=m,
         seq_length=SEQ,
@@ -217,7 +220,18 @@ def reference(rank, world, kind, num_layers, m, per_token=False):
     return {"state": state, "grads": grads, "losses": [s["lm loss"] for s in store]}
 
 
-def run_prt(rank, world, kind, m, reuse, ref_state, forward_only=False, per_token=False):
+def run_prt(
+    rank,
+    world,
+    kind,
+    m,
+    reuse,
+    ref_state,
+    forward_only=False,
+    per_token=False,
+    variable=False,
+    transport="auto",
+):
     """This rank's PRT run of ``reuse``: losses (on rank P-1) and grads by global name."""
     from megatron_prt.megatron import make_forward_backward_func, prepare_model
     from megatron_prt.megatron.layout import chunk_roles
@@ -229,16 +243,17 @@ def run_prt(rank, world, kind, m, reuse, ref_state, forward_only=False, per_toke
     config = transformer_config(
         calculate_per_token_loss=per_token, **transformer_config_kwargs(reuse)
     )
+    config.variable_seq_lengths = variable  # set late: the constructor checks MoE settings
     model = [
         build_model(kind, config, role.pre_process, role.post_process, role.chunk)
         for role in chunk_roles(reuse, rank)
     ]
     load_global(model, ref_state, is_tied(kind))
     prepare_model(model, reuse)
-    forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    forward_backward = make_forward_backward_func(reuse, timeout_s=60, transport=transport)
     store = forward_backward(
         forward_step_func=partial(forward_step, kind, per_token),
-        data_iterator=[iter(batches(m)) for _ in model],
+        data_iterator=[iter(batches(m, variable=variable)) for _ in model],
         model=model,
         num_microbatches=m,
         seq_length=SEQ,

@@ -31,8 +31,8 @@ KINDS = ("gpt", "gpt-untied", "bert", "bert-nobinary")
 
 
 @functools.cache
-def _reference(kind: str, m: int, per_token: bool = False):
-    return all_ok(run_local(1, reference, kind, LAYERS, m, per_token))[0]
+def _reference(kind: str, m: int, per_token: bool = False, variable: bool = False):
+    return all_ok(run_local(1, reference, kind, LAYERS, m, per_token, variable))[0]
 
 
 def _reuse(p, r, placement, direction, uneven):
@@ -40,11 +40,23 @@ def _reuse(p, r, placement, direction, uneven):
     return ReuseConfig(Placement(p, r, placement, direction), LAYERS, counts)
 
 
-def _check(kind, reuse, m=M, forward_only=False, per_token=False):
-    ref = _reference(kind, m, per_token)
+def _check(kind, reuse, m=M, forward_only=False, per_token=False, variable=False, transport="auto"):
+    ref = _reference(kind, m, per_token, variable)
     p = reuse.placement.ranks
     results = all_ok(
-        run_local(p, run_prt, kind, m, reuse, ref["state"], forward_only, per_token, deadline_s=120)
+        run_local(
+            p,
+            run_prt,
+            kind,
+            m,
+            reuse,
+            ref["state"],
+            forward_only,
+            per_token,
+            variable,
+            transport,
+            deadline_s=120,
+        )
     )
     losses = results[-1]["losses"]
     assert len(losses) == m, f"rank P-1 holds {len(losses)} loss entries for {m} micro-batches"
@@ -104,3 +116,9 @@ def test_forward_only_matches_and_leaves_no_grads(kind, direction):
 def test_per_token_loss_and_odd_microbatch_count(direction):
     """(loss, num_tokens, dict) losses; token counts reach rank P-1 from every last stage."""
     _check("gpt", _reuse(2, 2, "wave", direction, True), m=5, per_token=True)
+
+
+@pytest.mark.parametrize("kind,transport", [("bert", "torch"), ("gpt", "shm")])
+def test_variable_sequence_lengths(kind, transport):
+    """config.variable_seq_lengths: activation shapes differ between micro-batches."""
+    _check(kind, _reuse(2, 2, "wave", "bi", False), variable=True, transport=transport)

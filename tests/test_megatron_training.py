@@ -137,9 +137,6 @@ def _refusals(rank, world):
     messages["chunks"] = call(model=model[:1])
     shared = iter(batches(M))
     messages["shared iterator"] = call(data_iterator=[shared, shared])
-    config.variable_seq_lengths = True
-    messages["variable"] = call()
-    config.variable_seq_lengths = False
     dist.barrier()
     return messages
 
@@ -149,7 +146,6 @@ def test_refused_calls_name_the_fix():
         assert "prepare_model(model)" in messages["unprepared"]
         assert "1 model chunks given" in messages["chunks"] and "needs 2" in messages["chunks"]
         assert "its own data iterator" in messages["shared iterator"]
-        assert "fixed sequence length" in messages["variable"]
 
 
 def _default_embedding_group(rank, world):

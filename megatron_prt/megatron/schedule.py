@@ -18,7 +18,8 @@ adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) an
   after the schedule, ``bi`` replica gradients and tied embedding/output gradients are summed
   and ``finalize_model_grads_func`` runs (data-parallel reduce, per-token scaling);
   ``grad_scale_func`` scales the loss before backward; ``deallocate_pipeline_outputs`` frees
-  sent activations; ``pipeline_dtype`` is the wire dtype.
+  sent activations; ``pipeline_dtype`` is the wire dtype; ``variable_seq_lengths`` sends
+  every activation's shape with it.
 
 The model must have been prepared once with :func:`megatron_prt.megatron.prepare_model`.
 """
@@ -96,7 +97,15 @@ class MegatronPipeline(PipelineRuntime):
     """The executor with megatron's stage computations (see the module docstring)."""
 
     def __init__(
-        self, plan, model: list, config, group, device, timeout_s: float, trace: bool = False
+        self,
+        plan,
+        model: list,
+        config,
+        group,
+        device,
+        timeout_s: float,
+        trace: bool = False,
+        transport: str = "auto",
     ) -> None:
         self.config = config
         self.chunks = list(model)
@@ -113,6 +122,8 @@ class MegatronPipeline(PipelineRuntime):
             timeout_s=timeout_s,
             deallocate_outputs=bool(config.deallocate_pipeline_outputs),
             trace=trace,
+            variable_shapes=bool(config.variable_seq_lengths),
+            transport=transport,
         )
         actions = self.plan.ranks[self.rank]
         self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
@@ -221,9 +232,12 @@ class MegatronPipeline(PipelineRuntime):
             grad_sync[chunk](self.chunks[chunk].parameters())
 
 
-def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> Callable:
+def make_forward_backward_func(
+    reuse: ReuseConfig, timeout_s: float = 600.0, transport: str = "auto"
+) -> Callable:
     """megatron's forward-backward function for ``reuse`` (see the module docstring).
-    ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`."""
+    ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``:
+    see :class:`megatron_prt.runtime.PipelineRuntime`."""
     pipelines: dict[tuple, MegatronPipeline] = {}
     traced = []  # the first training iteration is written to reuse.trace_path
 
@@ -254,7 +268,14 @@ def make_forward_backward_func(reuse: ReuseConfig, timeout_s: float = 600.0) -> 
             plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
             device = _device_of(model[0])
             pipelines[key] = MegatronPipeline(
-                plan, model, config, group, device, timeout_s, trace=bool(reuse.trace_path)
+                plan,
+                model,
+                config,
+                group,
+                device,
+                timeout_s,
+                trace=bool(reuse.trace_path),
+                transport=transport,
             )
         pipeline = pipelines[key]
         data = _chunk_data(data_iterator, len(model))
@@ -305,8 +326,6 @@ def _check_call(reuse: ReuseConfig, model: list, config, adjust_tensor_shapes_fn
             "call megatron_prt.megatron.prepare_model(model) once after building the model "
             "chunks and before building the optimizer"
         )
-    if config.variable_seq_lengths:
-        raise NotImplementedError("megatron-prt needs a fixed sequence length per run")
     if adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("megatron-prt does not support adjust_tensor_shapes_fn")
 

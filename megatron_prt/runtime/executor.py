@@ -46,8 +46,9 @@ class PipelineRuntime:
     ``timeout_s`` bounds every wait for a peer (then :class:`PipelineError`);
     ``deallocate_outputs`` frees a sent activation's data (its grad_fn is kept for backward);
     ``trace`` records per-action spans (:meth:`trace`); ``transport`` is ``auto``, ``torch``
-    or ``shm`` (see :mod:`megatron_prt.runtime.p2p`). Construction is collective: it checks
-    that every rank holds the same plan and sets up the transport.
+    or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); ``variable_shapes``: activation shapes
+    may differ between micro-batches (each message then carries its shape). Construction is
+    collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class PipelineRuntime:
         recv_lookahead: int | None = None,
         transport: str = "auto",
         shm_capacity: int = 32 << 20,
+        variable_shapes: bool = False,
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
@@ -82,6 +84,7 @@ class PipelineRuntime:
         self.timeout_s = timeout_s
         self.deallocate_outputs = deallocate_outputs
         self.trace_enabled = trace
+        self.variable_shapes = variable_shapes
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
         # stream, where an early receive could block a send the peer waits for: there the
@@ -121,7 +124,12 @@ class PipelineRuntime:
             kind = "shm" if same_host_cpu and platform.machine() in _TSO_MACHINES else "torch"
         if kind == "torch":
             return TorchTransport(
-                self._group, placement.rank_of, self.device, self.dtype, self.timeout_s
+                self._group,
+                placement.rank_of,
+                self.device,
+                self.dtype,
+                self.timeout_s,
+                self.variable_shapes,
             )
         senders, receivers = set(), set()
         for lowered, _, _ in self._programs.values():

@@ -8,7 +8,8 @@ them), so they need no tags.
 * :class:`TorchTransport` uses ``torch.distributed`` isend/irecv (gloo on CPU, NCCL on
   CUDA); on NCCL each group of consecutive comm actions is one batch. Shapes are exchanged
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
-  with its shape.
+  with its shape (every message, with ``variable_shapes``; such receives wait for their
+  header where the plan receives, the position the plan's deadlock check proves safe).
 * :class:`ShmTransport` (CPU ranks on one x86 host) copies through one shared-memory ring
   per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
@@ -54,8 +55,10 @@ class TorchTransport:
         device: torch.device,
         dtype: torch.dtype,
         timeout_s: float,
+        variable_shapes: bool = False,
     ) -> None:
         self.group = group
+        self.variable_shapes = variable_shapes
         self.rank_of_stage = rank_of_stage
         self.device = device
         self.dtype = dtype
@@ -78,13 +81,13 @@ class TorchTransport:
         return self._global[rank]
 
     def knows(self, key: tuple) -> bool:
-        """Whether the edge's shape is known, so a receive can be posted without waiting."""
-        return key[:3] in self.shapes
+        """Whether the message's shape is known, so a receive can be posted without waiting."""
+        return key[:3] in self.shapes and not self.variable_shapes
 
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
         peer = self._peer(key[2])
         header = None
-        if key[:3] not in self.shapes:
+        if not self.knows(key):
             self.shapes[key[:3]] = tensor.shape
             header = _Handle(keep=self._header(tensor.shape))
             self._queue(dist.P2POp(dist.isend, header.keep, peer, self.group), header)
@@ -96,7 +99,7 @@ class TorchTransport:
 
     def recv(self, key: tuple) -> _Handle:
         peer = self._peer(key[1])
-        if key[:3] not in self.shapes:  # first message on this edge: learn its shape
+        if not self.knows(key):  # first message on this edge (or any, if shapes vary)
             self.flush()
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             dist.irecv(header, peer, self.group).wait(self.timeout)
