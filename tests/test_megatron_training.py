@@ -180,7 +180,7 @@ def test_tied_embeddings_refuse_megatrons_embedding_group():
 def _casts(rank, world):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_prt.megatron.model import _place_casts
+    from megatron_prt.megatron.model import running_chunk
 
     setup_megatron(1, None)
     config = transformer_config(2, torch.float32, bf16=True)
@@ -189,11 +189,15 @@ def _casts(rank, world):
         def forward(self, x):
             return x
 
+    chunk = Float16Module(config, Echo())
     seen = {}
     for first, last in [(True, False), (False, True), (False, False), (True, True)]:
-        chunk = Float16Module(config, Echo())
-        _place_casts(chunk, first, last)
-        seen[(first, last)] = (chunk(torch.ones(2)).dtype, chunk(torch.ones(2).bfloat16()).dtype)
+        with running_chunk(first, last):
+            seen[(first, last)] = (
+                chunk(torch.ones(2)).dtype,
+                chunk(torch.ones(2).bfloat16()).dtype,
+            )
+    seen["outside"] = chunk(torch.ones(2)).dtype  # megatron's own answer: one stage, fp32 out
     return seen
 
 
@@ -206,6 +210,7 @@ def test_mixed_precision_casts_follow_the_placement():
     assert seen[(False, True)] == (fp32, fp32)
     assert seen[(False, False)] == (fp32, bf16)
     assert seen[(True, True)] == (fp32, fp32)
+    assert seen["outside"] == fp32
 
 
 def test_trace_flag_writes_the_measured_timeline(tmp_path):

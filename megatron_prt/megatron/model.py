@@ -3,10 +3,13 @@
 * :func:`model_provider` wraps a megatron ``model_provider`` so chunk ``vp_stage`` of this
   rank gets ``pre_process`` / ``post_process`` from the placement and the layer layout of
   :class:`~megatron_prt.megatron.layout.ReuseLayout`.
-* :func:`prepare_model` (once, after building, before the optimizer): ``bi`` replica chunks
-  copy pipeline 0's weights and are marked ``shared`` so the gradient norm counts each
-  weight once; tied output weights copy the word embedding; mixed-precision casts move to
-  the real first and last stages.
+* :func:`prepare_model` (once, after building, before the optimizer) or
+  :func:`prepare_chunk` (per chunk, from a model provider): ``bi`` replica chunks copy
+  pipeline 0's weights and are marked ``shared`` (the gradient norm counts each weight once)
+  and as non-main checkpoint replicas; tied output weights copy the word embedding.
+* :func:`running_chunk`: while a chunk computes, megatron's first/last-stage queries answer
+  for that chunk's stage (so ``Float16Module`` casts at the model's real first and last
+  stages, BERT computes position ids where the embedding is).
 * :func:`tie_grads` (after each backward): the word embedding and its tied output weight
   both end with the sum of their gradients.
 
@@ -25,9 +28,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
 
-from ..runtime.replicas import exchange_pairs, sync_replicas
+from ..runtime.replicas import copy_stages, exchange_pairs
 from .config import ReuseConfig
 from .layout import ReuseLayout, chunk_roles
 
@@ -50,17 +52,31 @@ def running_chunk(pre_process: bool, post_process: bool) -> Iterator[None]:
 
 
 def _answer_stage_queries_by_chunk() -> None:
-    for name, index in (("is_pipeline_first_stage", 0), ("is_pipeline_last_stage", 1)):
-        original = getattr(parallel_state, name)
+    """Patch (once) the stage queries megatron code makes while a chunk runs. With no chunk
+    running they answer as megatron's do. ``pipeline_parallel.utils``'s rank/vp pair is what
+    ``Float16Module`` casts by: inside a chunk the vp half answers True and the rank half
+    for the chunk, so inputs go to half precision at the model's first stage and outputs back
+    to fp32 at its last, wherever those sit."""
+    from megatron.core.pipeline_parallel import utils
+
+    for module, name, answer in (
+        (parallel_state, "is_pipeline_first_stage", lambda first, last: first),
+        (parallel_state, "is_pipeline_last_stage", lambda first, last: last),
+        (utils, "is_pp_first_stage", lambda first, last: first),
+        (utils, "is_pp_last_stage", lambda first, last: last),
+        (utils, "is_vp_first_stage", lambda first, last: True),
+        (utils, "is_vp_last_stage", lambda first, last: True),
+    ):
+        original = getattr(module, name)
         if getattr(original, "megatron_prt", False):
             continue
 
-        def query(*args, _original=original, _index=index, **kwargs):
+        def query(*args, _original=original, _answer=answer, **kwargs):
             running = _RUNNING.get()
-            return _original(*args, **kwargs) if running is None else running[_index]
+            return _original(*args, **kwargs) if running is None else _answer(*running)
 
         query.megatron_prt = True  # type: ignore[attr-defined]
-        setattr(parallel_state, name, query)
+        setattr(module, name, query)
 
 
 def embedding_ranks(pp_ranks: list[int], vp_size: int | None = None) -> list[int]:
@@ -122,31 +138,47 @@ def chunk_stages(reuse: ReuseConfig, rank: int, model: list) -> dict[int, torch.
 
 
 def is_prepared(model: list) -> bool:
-    return all(getattr(chunk, _PREPARED, False) for chunk in model)
+    return all(getattr(unwrap(chunk), _PREPARED, False) for chunk in model)
 
 
 def prepare_model(model: list, reuse: ReuseConfig, group=None) -> None:
     """Make a freshly built model consistent across ranks (collective over the pipeline
-    group ``group``, default megatron's). Idempotent per model list."""
-    if is_prepared(model):
+    group ``group``, default megatron's). Idempotent."""
+    for built in range(1, len(model) + 1):
+        prepare_chunk(model[:built], reuse, group)
+
+
+def prepare_chunk(model: list, reuse: ReuseConfig, group=None) -> None:
+    """Prepare the newest chunk ``model[-1]`` (chunks are built in order 0, 1, ... on every
+    rank, as megatron's ``get_model`` does): every replica and tied-weight copy whose two
+    chunks now exist runs now, so a model provider can call this per chunk, before any
+    wrapper or optimizer sees the weights. Collective over the pipeline group."""
+    if getattr(unwrap(model[-1]), _PREPARED, False):
         return
     group = group or parallel_state.get_pipeline_model_parallel_group()
-    _check_embedding_group(model)
-    rank = dist.get_rank(group)
-    stages = chunk_stages(reuse, rank, model)
     placement = reuse.placement
-    if placement.direction == "bi":
-        sync_replicas(placement, {s: unwrap(m) for s, m in stages.items()}, group)
-        for stage, chunk in stages.items():
-            if placement.pipeline_of(stage) == 1:
-                for param in chunk.parameters():
-                    param.shared = True  # the pipeline-0 copy is counted in the grad norm
-                _mark_checkpoint_replica(unwrap(chunk))
-    _copy_tied_weights(reuse, stages, group)
-    for role in chunk_roles(reuse, rank):
-        _place_casts(model[role.chunk], role.pre_process, role.post_process)
-    for chunk in model:
-        setattr(chunk, _PREPARED, True)
+    rank, chunk = dist.get_rank(group), len(model) - 1
+    stages = {
+        role.stage: unwrap(model[role.chunk])
+        for role in chunk_roles(reuse, rank)
+        if role.chunk <= chunk
+    }
+    if chunk == 0:
+        _check_embedding_group(model)
+
+    def completes_now(pair):
+        return max(placement.stage_to_chunk[s] for s in pair) == chunk
+
+    replicas = [(k, placement.depth + k) for k in range(placement.depth)]
+    replicas = [pair for pair in replicas if placement.direction == "bi" and completes_now(pair)]
+    copy_stages(replicas, placement.rank_of, stages, group)  # before ties: they copy from these
+    tied = [pair for pair in _tied_pairs(reuse, stages) if completes_now(pair)]
+    _copy_tied_weights(reuse, stages, tied, group)
+    if placement.pipeline_of(placement.rank_stages[rank][chunk]) == 1:
+        for param in model[chunk].parameters():
+            param.shared = True  # the pipeline-0 copy is counted in the grad norm
+        _mark_checkpoint_replica(unwrap(model[chunk]))
+    setattr(unwrap(model[chunk]), _PREPARED, True)
 
 
 def _mark_checkpoint_replica(module: torch.nn.Module) -> None:
@@ -196,13 +228,13 @@ def _tied_weight(module: torch.nn.Module) -> torch.nn.Parameter:
     return unwrap(module).shared_embedding_or_output_weight()
 
 
-def _copy_tied_weights(reuse, stages, group) -> None:
+def _copy_tied_weights(reuse, stages, pairs, group) -> None:
     def apply(stage, received, _own):
         with torch.no_grad():
             _tied_weight(stages[stage]).copy_(received.view_as(_tied_weight(stages[stage])))
 
     exchange_pairs(
-        _tied_pairs(reuse, stages),
+        pairs,
         reuse.placement.rank_of,
         group,
         lambda stage: _tied_weight(stages[stage]).detach().reshape(-1),
@@ -231,26 +263,3 @@ def tie_grads(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module], group, 
         apply,
         both_ways=True,
     )
-
-
-class _StageFloat16Module(Float16Module):
-    """Float16Module whose casts follow the placement: inputs to half precision at the model's
-    first stage, outputs back to fp32 at its last (megatron tests pipeline rank 0 / P-1)."""
-
-    def forward(self, *inputs, fp32_output=True, **kwargs):
-        if self.prt_first_stage:
-            inputs = fp32_to_float16(inputs, self.float16_convertor)
-        outputs = self.module(*inputs, **kwargs)
-        if self.prt_last_stage and fp32_output is True:
-            outputs = float16_to_fp32(outputs)
-        return outputs
-
-
-def _place_casts(chunk: torch.nn.Module, first: bool, last: bool) -> None:
-    module = chunk
-    while module is not None:
-        if isinstance(module, Float16Module):
-            module.__class__ = _StageFloat16Module
-            module.prt_first_stage, module.prt_last_stage = first, last
-            return
-        module = getattr(module, "module", None)

@@ -67,8 +67,9 @@ def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> No
         apply(stage, received, own)
 
 
-def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
-    """Pipeline-1 replicas take pipeline 0's parameters (and buffers)."""
+def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=None) -> None:
+    """For every ``(a, b)`` stage pair, stage ``b`` takes stage ``a``'s parameters and buffers
+    (same structure). Collective over ``group``; ``stages`` holds this rank's stages."""
 
     def tensors(stage):
         return [t.detach() for t in (*stages[stage].parameters(), *stages[stage].buffers())]
@@ -77,14 +78,12 @@ def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], g
         with torch.no_grad():
             _unflat(received, tensors(stage))
 
-    exchange_pairs(
-        _pairs(placement),
-        placement.rank_of,
-        group,
-        lambda stage: _flat(tensors(stage)),
-        apply,
-        both_ways=False,
-    )
+    exchange_pairs(pairs, rank_of, group, lambda stage: _flat(tensors(stage)), apply, False)
+
+
+def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
+    """Pipeline-1 replicas take pipeline 0's parameters (and buffers)."""
+    copy_stages(_pairs(placement), placement.rank_of, stages, group)
 
 
 def reduce_replica_grads(
