@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden bench
+.PHONY: install test test-all lint format clean golden bench docker docker-demo gpu-smoke
 
 install: $(STAMP)
 
@@ -22,10 +22,12 @@ test-all: install
 	$(PY) -m pytest -q -m "slow or not slow"
 
 lint: install
-	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples
+	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples scripts
+	$(VENV)/bin/hadolint Dockerfile
+	bash -n scripts/gpu_smoke.sh
 
 format: install
-	$(VENV)/bin/ruff format megatron_prt tests benchmarks examples
+	$(VENV)/bin/ruff format megatron_prt tests benchmarks examples scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
@@ -36,3 +38,19 @@ golden: install
 # Measured runtime speed on this machine vs the simulator (a benchmark, not a test).
 bench: install
 	$(PY) benchmarks/runtime_speed.py
+
+# GPU servers (docs/gpu.md): the NGC-based image with Megatron-LM + patches/ + megatron-prt.
+IMAGE ?= megatron-prt
+DOCKER_RUN := docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm
+docker:
+	docker build -t $(IMAGE) .
+
+# The megatron-core GPT example with PRT on every GPU of this machine (inside the image).
+docker-demo: docker
+	$(DOCKER_RUN) $(IMAGE) bash -c 'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
+	  torchrun --standalone --nproc-per-node $$n /opt/megatron-prt/examples/megatron_gpt.py \
+	  --device cuda --pipeline-model-parallel-size $$n --num-layers $$((4 * n)) \
+	  --pipeline-reuse 2 --pipeline-reuse-placement wave --train-iters 20'
+
+gpu-smoke:
+	scripts/gpu_smoke.sh

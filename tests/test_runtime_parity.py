@@ -22,9 +22,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
 
 
-def _check_config(rank, kind, p, r, placement, direction, m, refs, transport):
+def _check_config(rank, kind, p, r, placement, direction, m, refs, transport, device="cpu"):
+    """Errors of one configuration on this rank; ``device`` cuda runs it on NCCL ranks
+    (scripts/gpu_parity.py). References live on the CPU."""
     plan = build_plan(Placement(p, r, placement, direction), m)
     stages = build_stages(plan.placement, rank, lambda i: make_layer(kind, i), NUM_LAYERS)
+    stages = {stage: module.to(device) for stage, module in stages.items()}
     if direction == "bi":  # replicas start different; sync must make them equal
         with torch.no_grad():
             for stage, module in stages.items():
@@ -33,7 +36,13 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs, transport):
                         param.add_(1.0)
         sync_replicas(plan.placement, stages)
     runtime = PipelineRuntime(
-        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, transport=transport
+        plan,
+        stages,
+        loss_fn,
+        dtype=torch.float64,
+        timeout_s=30,
+        transport=transport,
+        device=device,
     )
     params = [q for module in stages.values() for q in module.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -63,13 +72,13 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs, transport):
                     for got, want in zip(
                         layer.parameters(), ref_grads[first + offset], strict=True
                     ):
-                        err["grad"] = max(err["grad"], _rel(got.grad, want))
+                        err["grad"] = max(err["grad"], _rel(got.grad.cpu(), want))
         opt.step()
     for stage, module in stages.items():
         first, _ = ranges[plan.placement.model_stage(stage)]
         for offset, layer in enumerate(module):
             for got, want in zip(layer.parameters(), ref_params[first + offset], strict=True):
-                err["param"] = max(err["param"], _rel(got.detach(), want))
+                err["param"] = max(err["param"], _rel(got.detach().cpu(), want))
     return err, seen
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# First thing to run on a GPU machine: megatron-prt's CUDA paths, with a short report.
+#   one GPU:     the runtime on one CUDA rank (a plain-PyTorch plan with R=4 chunks) against
+#                the unpipelined losses, and the cost profiler on CUDA
+#   several GPUs: the runtime parity grid over NCCL (scripts/gpu_parity.py) and the
+#                megatron-core GPT example with PRT on all GPUs
+# Usage: scripts/gpu_smoke.sh [--full]   (from the repository root or inside the image)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+report=()
+step() {  # step NAME COMMAND...: run, time, record ok/FAIL
+    local name=$1; shift
+    local start=$SECONDS
+    echo "== $name: $*" >&2
+    if "$@"; then report+=("ok    $name ($((SECONDS - start)) s)")
+    else report+=("FAIL  $name ($((SECONDS - start)) s)"); fi
+}
+echo "GPUs: $gpus; torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')" >&2
+if [ "$gpus" -lt 1 ]; then echo "no CUDA GPU visible" >&2; exit 2; fi
+
+step "runtime, 1 rank, R=4 on CUDA" $PY - <<'PY'
+import torch, torch.distributed as dist
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.runtime import PipelineRuntime, build_stages
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+torch.cuda.set_device(0)
+plan = build_plan(Placement(1, 4), 8)
+make = lambda i: (torch.manual_seed(i), torch.nn.Linear(256, 256))[1]
+stages = {s: m.cuda() for s, m in build_stages(plan.placement, 0, make, 8).items()}
+runtime = PipelineRuntime(plan, stages, torch.nn.functional.mse_loss, device="cuda")
+xs = [torch.randn(32, 256) for _ in range(8)]
+losses = runtime.step(xs, [torch.zeros(32, 256)] * 8)
+ref = torch.nn.Sequential(*[make(i) for i in range(8)]).cuda()
+want = [torch.nn.functional.mse_loss(ref(x.cuda()), torch.zeros(32, 256, device="cuda")) for x in xs]
+assert all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(losses, want)), (losses, want)
+print("runtime on CUDA matches the unpipelined losses")
+PY
+
+if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
+    step "profiler on CUDA" $PY -m megatron_prt profile --model bert --num-layers 4 \
+        --hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 \
+        --vocab-size 1024 --device cuda -o /tmp/prt-costs.json
+fi
+
+if [ "$gpus" -ge 2 ]; then
+    step "runtime parity over NCCL, P=$gpus" torchrun --standalone --nproc-per-node "$gpus" \
+        scripts/gpu_parity.py "$@"
+    step "megatron-core GPT with PRT, P=$gpus" torchrun --standalone --nproc-per-node "$gpus" \
+        examples/megatron_gpt.py --device cuda --pipeline-model-parallel-size "$gpus" \
+        --num-layers $((4 * gpus)) --pipeline-reuse 2 --pipeline-reuse-placement wave
+fi
+
+printf '%s\n' "" "gpu_smoke report ($gpus GPU(s)):" "${report[@]}"
+! printf '%s\n' "${report[@]}" | grep -q FAIL
