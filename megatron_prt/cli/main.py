@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reuse", type=int, default=2, help="R for the reuse variants")
     c.add_argument("--json", action="store_true")
     _cost_flags(c)
+
+    from . import profile
+
+    profile.add_parser(sub)
     return parser
 
 
@@ -235,7 +239,7 @@ COMMANDS = {"plan": cmd_plan, "simulate": cmd_simulate, "compare": cmd_compare}
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args) if args.command in COMMANDS else args.func(args)
     except ConfigError as exc:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import socket
 import time
@@ -34,6 +35,7 @@ from ..core.lower import lower, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
 from .errors import PipelineError, pipeline_error
+from .memory import ActivationMeter
 from .p2p import ShmTransport, TorchTransport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,8 +49,11 @@ class PipelineRuntime:
     ``deallocate_outputs`` frees a sent activation's data (its grad_fn is kept for backward);
     ``trace`` records per-action spans (:meth:`trace`); ``transport`` is ``auto``, ``torch``
     or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); ``variable_shapes``: activation shapes
-    may differ between micro-batches (each message then carries its shape). Construction is
-    collective: it checks that every rank holds the same plan and sets up the transport.
+    may differ between micro-batches (each message then carries its shape);
+    ``measure_memory``: count the activation bytes this rank holds for backward during each
+    step (:meth:`memory_stats`; the attribute may also be switched between steps).
+    Construction is collective: it checks that every rank holds the same plan and sets up
+    the transport.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class PipelineRuntime:
         transport: str = "auto",
         shm_capacity: int = 32 << 20,
         variable_shapes: bool = False,
+        measure_memory: bool = False,
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
@@ -85,6 +91,8 @@ class PipelineRuntime:
         self.deallocate_outputs = deallocate_outputs
         self.trace_enabled = trace
         self.variable_shapes = variable_shapes
+        self.measure_memory = measure_memory
+        self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
         # stream, where an early receive could block a send the peer waits for: there the
@@ -197,6 +205,18 @@ class PipelineRuntime:
         """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""
         return list(self.spans)
 
+    def memory_stats(self) -> dict:
+        """Activation memory of the last step, in bytes (see :mod:`megatron_prt.runtime.memory`
+        for what counts): ``peak_bytes``, ``held_bytes`` (at the end), ``timeline`` (label of
+        each compute action, bytes held after it), ``allocator_peak_bytes`` on CUDA."""
+        if self._memory is None:
+            raise RuntimeError("no step measured: construct with measure_memory=True and step")
+        return self._memory.stats()
+
+    def memory_peak(self) -> int:
+        """Most activation bytes this rank held for backward during the last step."""
+        return self.memory_stats()["peak_bytes"]
+
     # -- step state ------------------------------------------------------------------------
     def _begin(self, forward_only: bool) -> None:
         self._forward_only = forward_only
@@ -210,6 +230,10 @@ class PipelineRuntime:
         self._next_recv = 0  # receives posted so far, in the plan's receive order
         self._plan_recvs = 0  # RECV actions the plan has reached
         self.spans = []
+        self._memory = None
+        if self.measure_memory:
+            params = [p for module in self.stages.values() for p in module.parameters()]
+            self._memory = ActivationMeter(params, self.device)
 
     def _take_received(self, key: tuple) -> torch.Tensor:
         return self.transport.wait(self._received.pop(key))
@@ -247,12 +271,14 @@ class PipelineRuntime:
                 x = self._take_received(message_key(Action(prev, Op.F, mb)))
             x = x.detach().requires_grad_(not self._forward_only)
         self._ready_at = time.perf_counter()
-        with torch.set_grad_enabled(not self._forward_only):
+        with torch.set_grad_enabled(not self._forward_only), self._saving(stage, mb):
             out = self._stage_forward(stage, mb, x)
         if not self._forward_only:
             self._saved_inputs[(stage, mb)] = x
         if placement.next_stage(stage) is not None or not self._forward_only:
             self._outputs[(stage, mb)] = out
+        if self._memory is not None:
+            self._count_kept(stage, mb, x, out)
 
     def _backward(self, action: Action) -> None:
         stage, _, mb = action
@@ -270,6 +296,36 @@ class PipelineRuntime:
         x = self._saved_inputs.pop((stage, mb))
         if x is not None:
             self._input_grads[(stage, mb)] = x.grad
+            prev = placement.prev_stage(stage)
+            if self.deallocate_outputs and placement.rank_of(prev) == self.rank:
+                # A same-rank hand-off: once its consumer's backward ran, the producer's
+                # output data is dead (its backward needs only the grad_fn), as for a send.
+                _free_data(self._outputs[(prev, mb)])
+        if self._memory is not None:
+            self._memory.release((stage, mb))
+            self._memory.mark(str(action))
+
+    # -- activation memory (measure_memory) ---------------------------------------------------
+    def _saving(self, stage: int, mb: int):
+        """Around a stage's forward: what autograd saves is held by ``(stage, mb)``."""
+        if self._memory is None or self._forward_only:
+            return contextlib.nullcontext()
+        return self._memory.saving((stage, mb))
+
+    def _count_kept(self, stage: int, mb: int, x: torch.Tensor | None, out) -> None:
+        """After a stage's forward: the executor keeps the input for its gradient, and an
+        output until this stage's backward unless it is sent and ``deallocate_outputs``
+        frees its data once sent."""
+        if not self._forward_only:
+            if x is not None:
+                self._memory.hold((stage, mb), x)
+            nxt = self.plan.placement.next_stage(stage)
+            local = nxt is not None and self.plan.placement.rank_of(nxt) == self.rank
+            if local and self.deallocate_outputs:  # freed by the consumer's backward
+                self._memory.hold((nxt, mb), out)
+            elif nxt is not None and (local or not self.deallocate_outputs):
+                self._memory.hold((stage, mb), out)
+        self._memory.mark(f"{stage}F{mb}")
 
     # -- what a stage computes (overridden by the megatron-core integration) -------------------
     def _stage_forward(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
@@ -320,9 +376,13 @@ class PipelineRuntime:
                 return
             self._sends.popleft()
             if free is not None:
-                # Megatron's trick: a sent output's data is not needed for its backward
-                # (autograd holds what it saved), only its grad_fn; free the storage.
-                free.data = torch.empty((1,), device=free.device, dtype=free.dtype)
+                _free_data(free)
+
+
+def _free_data(out: torch.Tensor) -> None:
+    """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
+    holds what it saved), only its grad_fn; drop the storage."""
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:

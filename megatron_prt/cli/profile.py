@@ -1,0 +1,130 @@
+"""``megatron-prt profile``: measure a megatron-core model's per-layer costs as cost JSON.
+
+Flags follow Megatron-LM's names. The JSON (see :mod:`megatron_prt.megatron.profile`) goes
+to ``-o FILE`` (a summary table to stdout) or, without ``-o``, to stdout (the summary to
+stderr). Progress goes to stderr. Needs torch and megatron-core; they are imported only
+when the command runs, so the rest of the CLI stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+LAYER_ROWS = 8  # more layers are summarised by their mean
+SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``profile`` on an ``add_subparsers()`` object; returns its parser."""
+    p = subparsers.add_parser(
+        "profile",
+        help="measure per-layer time, activation and parameter bytes of a megatron-core model",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    p.add_argument("--num-layers", type=int, required=True)
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--num-attention-heads", type=int, required=True)
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, required=True)
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bfloat16 parameters (CUDA)")
+    precision.add_argument("--fp16", action="store_true", help="float16 parameters (CUDA)")
+    p.add_argument("--reps", type=int, default=5, help="timed passes (median); default 5")
+    p.add_argument(
+        "--profile-layers",
+        type=int,
+        default=None,
+        help="profile only this many layers and repeat the last one's costs (big models)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1, as each CPU pipeline rank runs)",
+    )
+    p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, write the JSON, print the summary; 0, or 2 with one error line."""
+    try:
+        costs = _profile(args)
+    except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"megatron-prt profile: error: {message}", file=sys.stderr)
+        return 2
+    text = json.dumps(costs, indent=1) + "\n"
+    summary = sys.stderr
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        summary = sys.stdout
+    else:
+        sys.stdout.write(text)
+    print(format_summary(costs), file=summary)
+    if args.out:
+        print(f"wrote {args.out}", file=summary)
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> dict:
+    from ..megatron.profile import profile_model
+    from ..runtime.cpu import keep_freed_memory
+
+    if args.device == "cpu":
+        keep_freed_memory()  # as CPU ranks run: no page faults from re-allocating activations
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    return profile_model(
+        args.model,
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        args.micro_batch_size,
+        args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        dtype=dtype,
+        device=args.device,
+        reps=args.reps,
+        profile_layers=args.profile_layers,
+        threads=args.threads if args.device == "cpu" else None,
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+
+
+def format_summary(costs: dict) -> str:
+    """Embedding, layers (one row each up to :data:`LAYER_ROWS`, else their mean), head
+    and the whole model; times in ms, sizes in MiB."""
+    layers = costs["layers"]
+    if len(layers) <= LAYER_ROWS:
+        rows = [(f"layer {i}", layer) for i, layer in enumerate(layers)]
+    else:
+        mean = {key: sum(layer[key] for layer in layers) / len(layers) for key in layers[0]}
+        rows = [(f"layer x{len(layers)}", mean)]
+    rows = [("embedding", costs["embedding"]), *rows, ("head", costs["head"])]
+    total = {
+        "fwd": costs["fwd_time"],
+        "bwd": costs["bwd_time"],
+        "act": costs["activation_bytes"],
+        "param": costs["param_bytes"],
+    }
+    rule = "-" * len(SUMMARY_HEADER)
+    lines = [SUMMARY_HEADER, rule, *(_row(name, part) for name, part in rows), rule]
+    lines.append(_row("total", total))
+    lines.append(f"message between stages: {costs['message_bytes'] / 2**20:.3f} MiB")
+    return "\n".join(lines)
+
+
+def _row(name: str, part: dict) -> str:
+    return (
+        f"{name:<10} {part['fwd'] * 1e3:>9.3f} {part['bwd'] * 1e3:>9.3f} "
+        f"{part['act'] / 2**20:>10.3f} {part['param'] / 2**20:>10.3f}"
+    )

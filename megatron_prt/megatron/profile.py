@@ -1,0 +1,488 @@
+"""Profile a megatron-core model into a cost model: time, activation and parameter bytes.
+
+:func:`profile_model` builds a megatron-core GPT (``gpt``: ``GPTModel``, local spec, tied
+embeddings) or BERT (``bert``: ``BertModel``, local spec, tied embeddings, binary head) on
+one rank, runs whole forward + backward passes of one micro-batch through megatron's own
+``schedules.forward_step`` (so the loss is computed as in training), and reports per part
+of the model: every transformer layer, the embedding (what the first stage adds) and the
+head (final layer norm, output layer, cross-entropy and loss function; for BERT also the
+LM head, pooler and binary head: what the last stage adds). The result is the cost JSON
+the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`)::
+
+    {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes}, ...],
+     "embedding": {...the same four keys}, "head": {...},
+     "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
+     "activation_bytes": bytes, "param_bytes": bytes}
+
+* ``fwd`` / ``bwd``: seconds, median over ``reps`` passes (after one warm-up pass), timed by
+  hooks at the part boundaries (forward hooks on the embedding and the layers; gradient
+  hooks on their outputs), so the parts add up to the whole pass. A layer's forward runs
+  from its start to the next layer's start; the head's from the last layer's end to the
+  loss; the embedding's includes megatron's forward_step overhead before the first layer.
+* ``act``: bytes held for backward for one micro-batch, as
+  :mod:`megatron_prt.runtime.memory` defines them (distinct non-parameter storages that
+  autograd saves). Each storage is attributed to the first part that saves it: a layer's
+  input is saved by its first layer norm, so it belongs to that layer (the embedding output
+  to layer 0, the last layer's output to the head), matching a pipeline stage, whose
+  input is saved by its first layer. Storages saved again by the next micro-batch are
+  caches, not activations (megatron's causal mask) and are left out: two passes are
+  measured (both held at once, so profiling needs memory for two micro-batches) and their
+  common storages removed. BERT's padding mask is built once per model chunk and saved by
+  every layer of it; it is attributed to layer 0 only (``seq**2 * mbs`` bytes, missed on
+  later stages).
+* ``param``: parameter bytes including gradient and optimizer state, ``parameters *``
+  :func:`state_bytes_per_param` (megatron's Adam without distributed optimizer). With tied
+  embeddings the head also counts the output weight (vocab x hidden): in a pipeline the
+  last stage keeps its own copy of the word embedding.
+* ``message_bytes``: one activation between stages, ``seq * mbs * hidden * dtype size``.
+* the totals are the whole model (layers, embedding and head), one micro-batch.
+
+Every layer is measured unless ``profile_layers`` is smaller than ``num_layers``: then a
+model of ``profile_layers`` layers is profiled and the last profiled layer's costs are
+repeated for the rest (megatron's layers are identical, so only timing noise differs).
+
+The numbers are for the local (non-Transformer-Engine) spec, which materialises the
+``mbs * heads * seq**2`` attention scores; fused / flash attention would not save those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.memory import ActivationMeter
+
+KINDS = ("gpt", "bert")
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+Progress = Callable[[str], None]
+
+
+def state_bytes_per_param(dtype: torch.dtype) -> int:
+    """Bytes a parameter costs in megatron training with Adam (no distributed optimizer):
+
+    ========  =============================================================  =====
+    params    what is kept                                                   bytes
+    ========  =============================================================  =====
+    float32   param 4 + main_grad 4 + exp_avg 4 + exp_avg_sq 4                  16
+    bfloat16  param 2 + fp32 main_grad 4 (Megatron-LM accumulates bf16 grads
+              in fp32) + fp32 main param 4 + exp_avg 4 + exp_avg_sq 4          18
+    float16   param 2 + main_grad 2 + fp32 main param 4 + exp_avg 4
+              + exp_avg_sq 4                                                    16
+    float64   param, grad and both Adam moments in float64                     32
+    ========  =============================================================  =====
+    """
+    table = {torch.float32: 16, torch.bfloat16: 18, torch.float16: 16, torch.float64: 32}
+    if dtype not in table:
+        raise ValueError(f"no parameter-state size for {dtype}; known: {sorted(map(str, table))}")
+    return table[dtype]
+
+
+def profile_model(
+    kind: str,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    micro_batch_size: int,
+    vocab_size: int,
+    *,
+    ffn_hidden_size: int | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    reps: int = 5,
+    profile_layers: int | None = None,
+    bytes_per_param: float | None = None,
+    threads: int | None = None,
+    seed: int = 1234,
+    progress: Progress | None = None,
+) -> dict:
+    """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
+    times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
+    ``bytes_per_param`` overrides :func:`state_bytes_per_param`; ``threads``: torch's CPU
+    threads while profiling (a CPU pipeline rank runs one; ``None`` keeps the setting);
+    ``progress`` receives one line per pass.
+
+    Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
+    (re)initialises megatron's model-parallel state with one pipeline stage, so call it
+    before, not inside, a multi-rank run. On CPU it installs
+    :func:`megatron_prt.megatron.cpu.enable` (process-wide)."""
+    sizes = {
+        "--num-layers": num_layers,
+        "--hidden-size": hidden_size,
+        "--num-attention-heads": num_attention_heads,
+        "--seq-length": seq_length,
+        "--micro-batch-size": micro_batch_size,
+        "--vocab-size": vocab_size,
+        "--reps": reps,
+        "--profile-layers": profile_layers,
+        "--threads": threads,
+    }
+    _check(kind, sizes, dtype, device)
+    torch_dtype = DTYPES[dtype]
+    layers_built = min(num_layers, profile_layers or num_layers)
+    say = progress or (lambda message: None)
+    with _single_rank(device, seed), _cpu_threads(threads):
+        config = _transformer_config(
+            layers_built, hidden_size, num_attention_heads, ffn_hidden_size, torch_dtype, device
+        )
+        model = _build_model(kind, config, vocab_size, seq_length)
+        model.to(device=device, dtype=torch_dtype)
+        shape = (seq_length, micro_batch_size, vocab_size)
+        step = partial(_forward_step, kind, config, model, shape, torch.device(device))
+        parts = _Parts(model, kind)
+        try:
+            fwd, bwd = _time_passes(step, parts, reps, say)
+            act = _activation_bytes(step, parts, model)
+        finally:
+            parts.remove()
+        params = _param_counts(model, parts)
+    per_param = bytes_per_param or state_bytes_per_param(torch_dtype)
+    costs = {
+        name: {"fwd": fwd[name], "bwd": bwd[name], "act": act[name], "param": n * per_param}
+        for name, n in params.items()
+    }
+    layers = [costs[i] for i in range(layers_built)]
+    layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
+    return _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+
+
+def _check(kind: str, sizes: dict, dtype: str, device: str) -> None:
+    """Refuse bad settings before anything starts (flag names as the CLI spells them)."""
+    if kind not in KINDS:
+        raise ValueError(f"--model must be one of {', '.join(KINDS)}, got {kind!r}")
+    for flag, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+    if device == "cpu" and dtype in ("bfloat16", "float16"):
+        raise ValueError("on CPU megatron runs in float32 (or float64) here; drop --bf16/--fp16")
+
+
+def _with_totals(layers: list[dict], embedding: dict, head: dict, message_bytes: int) -> dict:
+    parts = [*layers, embedding, head]
+    return {
+        "layers": layers,
+        "embedding": embedding,
+        "head": head,
+        "message_bytes": message_bytes,
+        "fwd_time": sum(p["fwd"] for p in parts),
+        "bwd_time": sum(p["bwd"] for p in parts),
+        "activation_bytes": sum(p["act"] for p in parts),
+        "param_bytes": sum(p["param"] for p in parts),
+    }
+
+
+# -- one-rank megatron -----------------------------------------------------------------------
+@contextlib.contextmanager
+def _single_rank(device: str, seed: int) -> Iterator[None]:
+    """A one-rank process group (started here unless one exists) and megatron's parallel
+    state with one stage; the CPU shim on CPU."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    started = not dist.is_initialized()
+    with tempfile.TemporaryDirectory() as tmp:
+        if started:
+            dist.init_process_group(
+                "gloo" if device == "cpu" else "nccl",
+                init_method=f"file://{os.path.join(tmp, 'store')}",
+                rank=0,
+                world_size=1,
+                timeout=timedelta(seconds=60),
+            )
+        elif dist.get_world_size() != 1:
+            raise ValueError(
+                f"profile_model runs on one rank; this process group has {dist.get_world_size()}"
+            )
+        try:
+            if device == "cpu":
+                from . import cpu
+
+                cpu.enable()
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(pipeline_model_parallel_size=1)
+            model_parallel_cuda_manual_seed(seed)
+            torch.manual_seed(seed)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if started:
+                dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _transformer_config(num_layers, hidden, heads, ffn_hidden, dtype, device):
+    """The test models' settings: no dropout, no fused kernels (they need apex / TE)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn_hidden,
+        num_attention_heads=heads,
+        use_cpu_initialization=device == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _build_model(kind: str, config, vocab_size: int, seq_length: int) -> torch.nn.Module:
+    if kind == "gpt":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=vocab_size,
+            max_sequence_length=seq_length,
+            share_embeddings_and_output_weights=True,
+        )
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    return BertModel(
+        config=config,
+        num_tokentypes=2,
+        transformer_layer_spec=bert_layer_local_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        share_embeddings_and_output_weights=True,
+        add_binary_head=True,
+    )
+
+
+# -- one training micro-batch ------------------------------------------------------------------
+def _forward_step(kind, config, model, shape, device) -> torch.Tensor:
+    """One micro-batch through megatron's ``schedules.forward_step`` (as in training):
+    the loss, scaled as megatron scales it. Fresh inputs every call."""
+    from megatron.core.pipeline_parallel import schedules
+
+    batch = _batch(kind, shape, device)
+    loss, _ = schedules.forward_step(
+        partial(_model_step, kind),
+        iter([batch]),
+        model,
+        1,
+        None,
+        [],
+        config,
+        1,
+        is_last_stage=True,
+    )
+    return loss
+
+
+def _batch(kind: str, shape: tuple[int, int, int], device: torch.device) -> dict:
+    seq, mbs, vocab = shape
+    tokens = torch.randint(0, vocab, (mbs, seq), device=device)
+    batch = {
+        "tokens": tokens,
+        "labels": torch.roll(tokens, -1, dims=1),
+        "loss_mask": torch.ones(mbs, seq, device=device),
+    }
+    if kind == "bert":
+        batch["padding_mask"] = torch.ones(mbs, seq, dtype=torch.long, device=device)
+        batch["types"] = torch.randint(0, 2, (mbs, seq), device=device)
+        batch["sentence_order"] = torch.randint(0, 2, (mbs,), device=device)
+    return batch
+
+
+def _model_step(kind: str, data_iterator, model):
+    """megatron's ``forward_step_func`` contract: ``(output, loss_func)``."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    if kind == "gpt":
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        output = model(tokens, positions, None, labels=batch["labels"])
+    else:
+        output = model(
+            tokens,
+            batch["padding_mask"],
+            tokentype_ids=batch["types"],
+            lm_labels=batch["labels"],
+        )
+    return output, partial(_loss, batch)
+
+
+def _loss(batch: dict, output):
+    """Masked mean of the token losses (Megatron-LM's GPT and BERT pretraining losses),
+    plus the sentence-order loss for BERT's binary head."""
+    sentence_logits = None
+    if isinstance(output, tuple):
+        output, sentence_logits = output
+    mask = batch["loss_mask"].reshape(-1).float()
+    loss = (output.float().reshape(-1) * mask).sum() / mask.sum()
+    if sentence_logits is not None:
+        order = batch["sentence_order"]
+        loss = loss + torch.nn.functional.cross_entropy(sentence_logits.float(), order)
+    return loss, {"lm loss": loss.detach()}
+
+
+# -- the parts of the model ------------------------------------------------------------------
+class _Parts:
+    """Hooks that tell which part of the model runs (``"embedding"``, layer index,
+    ``"head"``), for attributing saved tensors, and stamp the times at part boundaries."""
+
+    def __init__(self, model: torch.nn.Module, kind: str) -> None:
+        block = model.decoder if kind == "gpt" else model.encoder
+        self.embedding = model.embedding
+        self.layers = list(block.layers)
+        self.cuda = next(model.parameters()).is_cuda
+        self.current: object = "embedding"
+        self.stamps: dict[tuple, float] = {}
+        self._handles = [self.embedding.register_forward_hook(self._embedding_done)]
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(partial(self._layer_start, i)))
+            self._handles.append(layer.register_forward_hook(partial(self._layer_done, i)))
+
+    def names(self) -> list:
+        return ["embedding", *range(len(self.layers)), "head"]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def now(self) -> float:
+        if self.cuda:  # kernels run asynchronously: a boundary is where they have finished
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def stamp(self, *event) -> None:
+        self.stamps[event] = self.now()
+
+    def _embedding_done(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._grad_hook("embedding"))
+
+    def _layer_start(self, i, module, args) -> None:
+        self.current = i
+        self.stamp("fwd", i)
+
+    def _layer_done(self, i, module, args, output) -> None:
+        self.current = "head"
+        self.stamp("fwd_end", i)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            hidden.register_hook(self._grad_hook(i))
+
+    def _grad_hook(self, part):
+        def hook(grad):
+            self.stamp("grad", part)  # the gradient reached this part's output
+
+        return hook
+
+
+def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, dict]:
+    """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
+    samples: list[tuple[dict, dict]] = []
+    for rep in range(reps + 1):
+        parts.current = "embedding"
+        parts.stamp("start")
+        loss = step()
+        parts.stamp("fwd_done")
+        loss.backward()
+        parts.stamp("bwd_done")
+        if rep > 0:
+            samples.append(_durations(parts))
+        say(f"profile: pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
+    fwd = {name: statistics.median(s[0][name] for s in samples) for name in parts.names()}
+    bwd = {name: statistics.median(s[1][name] for s in samples) for name in parts.names()}
+    return fwd, bwd
+
+
+def _durations(parts: _Parts) -> tuple[dict, dict]:
+    """Forward and backward seconds of each part in the pass just stamped."""
+    t = parts.stamps
+    n = len(parts.layers)
+    fwd = {"embedding": t[("fwd", 0)] - t[("start",)]}
+    for i in range(n):
+        end = t[("fwd", i + 1)] if i + 1 < n else t[("fwd_end", i)]
+        fwd[i] = end - t[("fwd", i)]
+    fwd["head"] = t[("fwd_done",)] - t[("fwd_end", n - 1)]
+    # Backward runs head, layer n-1, ..., layer 0, embedding; a part's backward ends when
+    # the gradient reaches the output of the part before it.
+    reached = [t[("grad", "embedding")]] + [t[("grad", i)] for i in range(n)]
+    bwd = {"head": reached[n] - t[("fwd_done",)], "embedding": t[("bwd_done",)] - reached[0]}
+    for i in range(n):
+        bwd[i] = reached[i] - reached[i + 1]
+    return fwd, bwd
+
+
+def _activation_bytes(step, parts: _Parts, model: torch.nn.Module) -> dict:
+    """Bytes each part saves for backward in one micro-batch (first part to save a storage
+    owns it; storages a second micro-batch saves again are caches and left out)."""
+    params = list(model.parameters())
+    meters, losses = [], []
+    for _ in range(2):  # both graphs stay alive, so no address is reused between them
+        meter = ActivationMeter(params)
+        parts.current = "embedding"
+        with meter.saving_for(lambda: parts.current):
+            losses.append(step())
+        meters.append(meter)
+    first, second = meters
+    cached = {key for name in parts.names() for key in second.storages(name)}
+    seen: set = set()
+    act = {}
+    for name in parts.names():
+        excluded = seen | cached
+        mine = {k: b for k, b in first.storages(name).items() if k not in excluded}
+        seen |= set(mine)
+        act[name] = sum(mine.values())
+    return act
+
+
+def _param_counts(model: torch.nn.Module, parts: _Parts) -> dict:
+    """Parameters per part; the head also counts a tied output weight's copy."""
+    counts: dict = {"embedding": _numel(parts.embedding)}
+    for i, layer in enumerate(parts.layers):
+        counts[i] = _numel(layer)
+    counts["head"] = _numel(model) - sum(counts.values())
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        counts["head"] += model.shared_embedding_or_output_weight().numel()
+    return counts
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
