@@ -106,6 +106,7 @@ class MegatronPipeline(PipelineRuntime):
         timeout_s: float,
         trace: bool = False,
         transport: str = "auto",
+        measure_memory: bool = False,
     ) -> None:
         self.config = config
         self.chunks = list(model)
@@ -124,6 +125,7 @@ class MegatronPipeline(PipelineRuntime):
             trace=trace,
             variable_shapes=bool(config.variable_seq_lengths),
             transport=transport,
+            measure_memory=measure_memory,
         )
         actions = self.plan.ranks[self.rank]
         self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
@@ -233,12 +235,17 @@ class MegatronPipeline(PipelineRuntime):
 
 
 def make_forward_backward_func(
-    reuse: ReuseConfig, timeout_s: float = 600.0, transport: str = "auto"
+    reuse: ReuseConfig,
+    timeout_s: float = 600.0,
+    transport: str = "auto",
+    measure_memory: bool = False,
 ) -> Callable:
     """megatron's forward-backward function for ``reuse`` (see the module docstring).
-    ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``:
-    see :class:`megatron_prt.runtime.PipelineRuntime`."""
+    ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``
+    and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
+    function's ``memory_stats()`` gives the last call's activation memory on this rank."""
     pipelines: dict[tuple, MegatronPipeline] = {}
+    last: list[MegatronPipeline] = []
     traced = []  # the first training iteration is written to reuse.trace_path
 
     def forward_backward_pipelining_with_reuse(
@@ -276,8 +283,10 @@ def make_forward_backward_func(
                 timeout_s,
                 trace=bool(reuse.trace_path),
                 transport=transport,
+                measure_memory=measure_memory,
             )
         pipeline = pipelines[key]
+        last[:] = [pipeline]
         data = _chunk_data(data_iterator, len(model))
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(
@@ -296,6 +305,9 @@ def make_forward_backward_func(
         return store
 
     forward_backward_pipelining_with_reuse.reuse = reuse  # type: ignore[attr-defined]
+    forward_backward_pipelining_with_reuse.memory_stats = (  # type: ignore[attr-defined]
+        lambda: last[0].memory_stats()
+    )
     return forward_backward_pipelining_with_reuse
 
 
