@@ -379,10 +379,17 @@ class PipelineRuntime:
                 _free_data(free)
 
 
+_DEAD: dict[tuple, torch.Tensor] = {}  # one shared placeholder per (device, dtype)
+
+
 def _free_data(out: torch.Tensor) -> None:
     """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
-    holds what it saved), only its grad_fn; drop the storage."""
-    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+    holds what it saved), only its grad_fn; drop the storage. Every freed output points at
+    one shared 1-element placeholder, never read."""
+    key = (out.device, out.dtype)
+    if key not in _DEAD:
+        _DEAD[key] = torch.empty((1,), device=out.device, dtype=out.dtype)
+    out.data = _DEAD[key]
 
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
