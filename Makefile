@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden bench docker docker-demo gpu-smoke
+.PHONY: install test test-all lint format clean golden bench demo docker docker-demo gpu-smoke
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ golden: install
 # Measured runtime speed on this machine vs the simulator (a benchmark, not a test).
 bench: install
 	$(PY) benchmarks/runtime_speed.py
+
+# BERT pretraining on 4 CPU ranks (torchrun, one thread each): PRT R=2 wave against 1F1B
+# (--pipeline-reuse 1), side by side, with PNG timelines in out/demo/ (examples/demo.py).
+# 4 ranks, or one per core when there are fewer: ranks sharing a core time-slice, which
+# hides the bubble PRT removes (override: make demo DEMO_RANKS=4).
+DEMO_RANKS ?= $(shell n=$$(nproc 2>/dev/null || echo 4); [ $$n -ge 4 ] && echo 4 || echo $$n)
+demo: install
+	OMP_NUM_THREADS=1 $(PY) examples/demo.py --out out/demo --ranks $(DEMO_RANKS)
 
 # GPU servers (docs/gpu.md): the NGC-based image with Megatron-LM + patches/ + megatron-prt.
 IMAGE ?= megatron-prt

@@ -308,6 +308,11 @@ def make_forward_backward_func(
     forward_backward_pipelining_with_reuse.memory_stats = (  # type: ignore[attr-defined]
         lambda: last[0].memory_stats()
     )
+    # The runtime of the last call (None before the first): its trace_enabled /
+    # measure_memory switches and trace() / memory_stats() for tools and examples.
+    forward_backward_pipelining_with_reuse.pipeline = (  # type: ignore[attr-defined]
+        lambda: last[0] if last else None
+    )
     return forward_backward_pipelining_with_reuse
 
 

@@ -1,0 +1,226 @@
+"""examples/pretrain_bert.py and examples/demo.py: BERT pretraining with PRT under torchrun.
+
+* End to end on 2 CPU ranks with the embedded corpus (prepared once into a temporary cache):
+  PRT wave R=2 trains with finite, decreasing loss, reports a measured bubble and per-rank
+  activation memory, and writes the first iteration's timeline; PRT bi R=2 runs too.
+* A run stopped at iteration 3 (checkpoint) and resumed gives exactly the numbers of the
+  uninterrupted run (fp32 on CPU, dropout on: RNG states are part of the checkpoint).
+* Unsupported flags stop before anything starts: exit status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pretrain_bert.py"
+# A tiny BERT: a launch takes about 15 s on 2 cores, most of it imports.
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --log-interval 1 --eval-iters 1"
+).split()
+WAVE = ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
+BI = ["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"]
+LINE = re.compile(
+    r"iteration +(\d+)/\d+ \| lm loss (\S+) \| sop loss (\S+) \| lr (\S+) \| grad norm (\S+)"
+)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+pretrain_bert = _load("pretrain_bert")
+demo = _load("demo")  # examples/demo.py: summaries and the comparison table
+
+
+def launch(*flags: str, ranks: int = 2) -> str:
+    """Run the example under torchrun on CPU; its output (stdout and stderr)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), str(EXAMPLE), *TINY, *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+def progress(output: str) -> list[tuple]:
+    """(iteration, lm loss, sop loss, lr, grad norm) of every progress line, as printed."""
+    return [match.groups() for match in LINE.finditer(output)]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    pytest.importorskip("megatron.core")
+    return str(tmp_path_factory.mktemp("bert_cache"))
+
+
+@pytest.fixture(scope="module")
+def wave_run(data_cache, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "wave"
+    flags = ["--pipeline-model-parallel-size", "2", *WAVE, "--data-cache-path", data_cache]
+    flags += ["--train-iters", "8", "--eval-interval", "4", "--pipeline-reuse-trace", str(trace)]
+    return launch(*flags), trace
+
+
+def bi_flags(data_cache: str, *extra: str) -> list[str]:
+    flags = ["--pipeline-model-parallel-size", "2", *BI, "--data-cache-path", data_cache]
+    return [*flags, "--train-iters", "6", "--eval-interval", "3", *extra]
+
+
+@pytest.fixture(scope="module")
+def bi_run(data_cache):
+    return launch(*bi_flags(data_cache))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_wave_trains_with_decreasing_loss_and_measures_the_pipeline(wave_run):
+    output, trace = wave_run
+    lines = progress(output)
+    assert [int(line[0]) for line in lines] == list(range(1, 9))
+    lm = [float(line[1]) for line in lines]
+    assert all(math.isfinite(x) for x in lm)
+    assert sum(lm[-3:]) / 3 < sum(lm[:3]) / 3 - 0.05, lm
+    valid = re.findall(r"validation at iteration \d+: lm loss (\S+)", output)
+    assert len(valid) == 2 and float(valid[1]) < float(valid[0])
+    summary = demo.summary_of(output.splitlines())
+    assert summary["schedule"] == "PRT R=2 wave/uni" and summary["iteration"] == 8
+    assert 0.0 <= summary["bubble"] < 1.0 and summary["predicted_bubble"] > 0
+    assert len(summary["peak_activation_bytes"]) == 2
+    assert all(b > 0 for b in summary["peak_activation_bytes"])
+    assert summary["trace"] == [f"{trace}.json", f"{trace}.png"]
+    assert Path(f"{trace}.json").is_file() and Path(f"{trace}.png").is_file()
+    assert f"timeline of iteration 1: {trace}.json, {trace}.png" in output
+
+
+def test_bi_trains(bi_run):
+    lines = progress(bi_run)
+    assert [int(line[0]) for line in lines] == list(range(1, 7))
+    assert all(math.isfinite(float(line[1])) for line in lines)
+    summary = demo.summary_of(bi_run.splitlines())
+    assert summary["schedule"] == "PRT R=2 loop/bi" and summary["num_microbatches"] == 4
+
+
+def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
+    save = str(tmp_path / "ckpt")
+    first = launch(*bi_flags(data_cache, "--save", save, "--save-interval", "3",
+                             "--exit-interval", "3"))  # fmt: skip
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "3"
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir()) == [
+        "rank_00.pt",
+        "rank_01.pt",
+    ]
+    resumed = launch(*bi_flags(data_cache, "--load", save))
+    assert "resumed from" in resumed
+    full = progress(bi_run)
+    assert progress(first) == full[:3]
+    assert progress(resumed) == full[3:]
+    want, got = demo.summary_of(bi_run.splitlines()), demo.summary_of(resumed.splitlines())
+    for key in ("lm_loss", "sop_loss", "valid", "iteration"):
+        assert got[key] == want[key], key
+
+
+# -------------------------------------------------------------------------------- refusals
+
+
+def test_refused_flag_exits_2_with_one_line():
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--tensor-model-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "--tensor-model-parallel-size 2 is not supported" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        (["--fp16"], 1, "--fp16 needs --device cuda"),
+        (["--bf16"], 1, "--bf16 needs --device cuda"),
+        (["--pipeline-model-parallel-size", "2"], 2, "--pipeline-reuse 1 for 1F1B"),
+        (["--pipeline-reuse", "2"], 1, "--pipeline-reuse needs a pipeline"),
+        (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
+        (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
+    ],
+)
+def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        pretrain_bert.parse_args(flags)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(pretrain_bert, "_tensorboard_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        pretrain_bert.parse_args(["--tensorboard-dir", "tb"])
+    assert "pip install tensorboard" in capsys.readouterr().err
+
+
+def test_help_names_the_1f1b_baseline(capsys):
+    with pytest.raises(SystemExit):
+        pretrain_bert.parse_args(["--help"])
+    assert "--pipeline-reuse 1 (PRT's 1F1B-equivalent plan)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ pure parts
+
+
+def test_measured_bubble_from_spans():
+    # rank 0 busy 0..1 and 2..3, rank 1 busy 1..2: 3 of 2 x 3 seconds busy.
+    spans = [[("a", 0.0, 1.0), ("b", 2.0, 3.0)], [("c", 1.0, 2.0)]]
+    assert pretrain_bert.measured_bubble(spans) == pytest.approx(0.5)
+    assert pretrain_bert.measured_bubble([[], []]) is None
+
+
+def test_sampler_gives_each_data_parallel_rank_its_slice():
+    dataset = [{"text": [i], "types": [0], "labels": [i], "loss_mask": [1],
+                "padding_mask": [1], "is_random": i % 2} for i in range(10)]  # fmt: skip
+    ranks = [pretrain_bert.MicroBatchSampler(dataset, 2, r, 2) for r in range(2)]
+    batches = [s.next_global_batch(2) for s in ranks]
+    texts = [[b["text"].flatten().tolist() for b in rank] for rank in batches]
+    assert texts == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert [s.consumed for s in ranks] == [8, 8]
+    assert ranks[0].next_global_batch(1)[0]["text"].flatten().tolist() == [8, 9]
+    assert ranks[1].next_global_batch(1)[0]["text"].flatten().tolist() == [0, 1]  # wraps
+
+
+def test_compare_summaries_table():
+    base = {"schedule": "PRT R=1 (1F1B)", "world_size": 4, "device": "cpu", "cpu_count": 2,
+            "pipeline_model_parallel_size": 4, "data_parallel_size": 1, "num_microbatches": 8,
+            "iteration": 30, "ms_per_iteration": 200.0, "bubble": 0.4, "predicted_bubble": 0.27,
+            "peak_activation_bytes": [2**20, 2**19], "lm_loss": 6.0, "sop_loss": 0.7,
+            "valid": {"lm loss": 5.9}, "trace": None}  # fmt: skip
+    run = dict(base, schedule="PRT R=2 wave/uni", ms_per_iteration=160.0, bubble=0.2)
+    table = demo.compare_summaries(run, base)
+    assert re.search(r"speedup vs baseline +1\.250x +1\.000x", table)
+    assert re.search(r"bubble, measured +20\.0% +40\.0%", table)
+    assert "1.00 0.50" in table
+    assert "time-share 2 CPU cores" in table
+    assert json.loads(json.dumps(run)) == run  # summaries are plain JSON
