@@ -91,3 +91,17 @@ def test_bad_flags_exit_nonzero_with_one_line(argv, match):
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert match in proc.stderr
+
+
+def test_partition_and_profile_are_subcommands(run_cli, tmp_path):
+    import json
+
+    costs = tmp_path / "c.json"
+    layer = {"fwd": 1.0, "bwd": 2.0, "act": 3.0, "param": 1.0}
+    costs.write_text(json.dumps({"layers": [layer] * 6, "head": {**layer, "act": 9.0}}))
+    code, out, err = run_cli("partition", "--pp", 2, "--reuse", 2, "--microbatches", 4,
+                             "--costs", costs)  # fmt: skip
+    assert code == 0, err
+    assert "uniform" in out and "balanced" in out
+    code, _, err = run_cli("profile", "--num-layers", 0)
+    assert code == 2 and err.count("\n") == 1

@@ -124,6 +124,8 @@ def test_flags_live_in_their_own_help_group():
         "pipeline_reuse_direction",
         "pipeline_reuse_partition",
         "pipeline_reuse_stage_layers",
+        "pipeline_reuse_costs",
+        "pipeline_reuse_memory_budget",
         "pipeline_reuse_trace",
     }
 
@@ -194,11 +196,71 @@ def test_no_pipeline():
     assert "use --pipeline-model-parallel-size 2 or more" in message
 
 
-def test_balanced_partition_is_not_available_yet():
+def test_balanced_partition_needs_costs():
     message = refusal(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
-    assert "--pipeline-reuse-partition balanced is not available yet" in message
-    assert "--pipeline-reuse-partition uniform" in message
-    assert "--pipeline-reuse-stage-layers" in message
+    assert "balanced needs --pipeline-reuse-costs FILE" in message
+    assert "megatron-prt profile" in message
+
+
+def test_balanced_partition_and_explicit_stage_layers_conflict(tmp_path):
+    message = refusal(
+        *BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced",
+        "--pipeline-reuse-costs", tmp_path / "c.json", "--pipeline-reuse-stage-layers",
+        "1,1,1,1,1,1,1,1",
+    )  # fmt: skip
+    assert "give one of them" in message
+
+
+@pytest.mark.parametrize("flag", ["--pipeline-reuse-costs", "--pipeline-reuse-memory-budget"])
+def test_cost_flags_need_the_balanced_partition(flag):
+    value = "1GiB" if flag.endswith("budget") else "c.json"
+    message = refusal(*BASE, "--pipeline-reuse", 2, flag, value)
+    assert "read only with --pipeline-reuse-partition balanced" in message
+
+
+def _costs(tmp_path, layers, act=None):
+    import json
+
+    act = act or [1.0] * layers
+    path = tmp_path / "costs.json"
+    path.write_text(
+        json.dumps(
+            {
+                "layers": [{"fwd": 1.0, "bwd": 2.0, "act": a, "param": 1.0} for a in act],
+                "embedding": {"fwd": 0.1, "bwd": 0.2, "act": 1.0, "param": 6.0},
+                "head": {"fwd": 0.5, "bwd": 1.0, "act": 2.0, "param": 6.0},
+            }
+        )
+    )
+    return str(path)
+
+
+def test_balanced_costs_must_describe_the_model(tmp_path):
+    message = refusal(
+        *BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced",
+        "--pipeline-reuse-costs", _costs(tmp_path, 5),
+    )  # fmt: skip
+    assert "describes 5 layers, --num-layers is 8" in message
+    message = refusal(
+        *BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced",
+        "--pipeline-reuse-costs", tmp_path / "missing.json",
+    )  # fmt: skip
+    assert "--pipeline-reuse-costs" in message and "missing.json" in message
+
+
+def test_balanced_partition_comes_from_the_partitioner(tmp_path):
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.sim.partition import partition
+
+    costs = _costs(tmp_path, 8)
+    args = parse(
+        *BASE, "--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced",
+        "--pipeline-reuse-costs", costs, "--pipeline-reuse-memory-budget", "1TiB",
+    )  # fmt: skip
+    config = validate_args(args)
+    want = partition(CostModel.load(costs), config.placement, 4, budget_bytes=2**40)
+    assert config.stage_layers == want.balanced.stage_layers
+    assert sum(config.layers_per_stage()) == 8
 
 
 @pytest.mark.parametrize(

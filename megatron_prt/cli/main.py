@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     _cost_flags(c)
 
-    from . import profile
+    from . import partition, profile
 
+    partition.add_parser(sub).set_defaults(func=partition.run)
     profile.add_parser(sub)
     return parser
 

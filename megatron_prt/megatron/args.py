@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from .config import ReuseConfig
@@ -42,6 +43,8 @@ _DEPENDENT_DEFAULTS = {
     "pipeline_reuse_direction": "uni",
     "pipeline_reuse_partition": "uniform",
     "pipeline_reuse_stage_layers": None,
+    "pipeline_reuse_costs": None,
+    "pipeline_reuse_memory_budget": None,
     "pipeline_reuse_trace": None,
 }
 
@@ -93,7 +96,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=PARTITIONS,
         default=_DEPENDENT_DEFAULTS["pipeline_reuse_partition"],
         help="Layers per stage: uniform (earlier stages take the remainder) or balanced "
-        "(cost model; not available yet).",
+        "(least peak memory per rank within a small slack of the fastest split, from "
+        "--pipeline-reuse-costs).",
+    )
+    group.add_argument(
+        "--pipeline-reuse-costs",
+        default=None,
+        metavar="FILE",
+        help="Cost JSON of the model (megatron-prt profile) for the balanced partition.",
+    )
+    group.add_argument(
+        "--pipeline-reuse-memory-budget",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="Balanced partition: per-rank limit on activations + weights (e.g. 60GiB); "
+        "the fastest split within it.",
     )
     group.add_argument(
         "--pipeline-reuse-stage-layers",
@@ -110,6 +128,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Write a Chrome trace of a traced iteration to PATH.json (and PATH.png).",
     )
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # fmt: skip
+
+
+def _bytes(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    try:
+        return float(match.group(1)) * _UNITS[match.group(2).upper()]
+    except (AttributeError, ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 24GiB)") from None
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:
@@ -139,7 +169,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
         return args.pipeline_reuse_config
     _refuse_late_call(args)
     _check_reuse_and_pipeline(args)
-    _refuse_balanced_partition(args)
+    _check_balanced_partition(args)
     _refuse_megatron_layouts(args)
     config = _reuse_config(args)
     _check_microbatches(args, config.placement)
@@ -203,13 +233,52 @@ def _check_reuse_and_pipeline(args: argparse.Namespace) -> None:
         )
 
 
-def _refuse_balanced_partition(args: argparse.Namespace) -> None:
-    # The cost-model partitioner is not in yet; refusing beats silently splitting uniformly.
-    if args.pipeline_reuse_partition == "balanced":
+def _check_balanced_partition(args: argparse.Namespace) -> None:
+    """``balanced`` needs costs to balance by; explicit stage layers override it."""
+    balanced = args.pipeline_reuse_partition == "balanced"
+    costs = getattr(args, "pipeline_reuse_costs", None)
+    budget = getattr(args, "pipeline_reuse_memory_budget", None)
+    if balanced and args.pipeline_reuse_stage_layers is not None:
         raise ConfigError(
-            "--pipeline-reuse-partition balanced is not available yet; use "
-            "--pipeline-reuse-partition uniform or give --pipeline-reuse-stage-layers"
+            "--pipeline-reuse-partition balanced and --pipeline-reuse-stage-layers both set "
+            "the layers per stage; give one of them"
         )
+    if balanced and costs is None:
+        raise ConfigError(
+            "--pipeline-reuse-partition balanced needs --pipeline-reuse-costs FILE (a cost "
+            "JSON: `megatron-prt profile --model bert ... -o FILE` measures one)"
+        )
+    if not balanced and (costs is not None or budget is not None):
+        raise ConfigError(
+            "--pipeline-reuse-costs and --pipeline-reuse-memory-budget are read only with "
+            "--pipeline-reuse-partition balanced"
+        )
+
+
+def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tuple[int, ...]:
+    """Layers per model stage from the cost-model partitioner (deterministic, so every rank
+    computes the same split without communicating)."""
+    from ..sim.cost import CostModel
+    from ..sim.partition import partition
+
+    try:
+        cost = CostModel.load(args.pipeline_reuse_costs)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--pipeline-reuse-costs {args.pipeline_reuse_costs}: {exc}") from exc
+    if len(cost.layers) != args.num_layers:
+        raise ConfigError(
+            f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "
+            f"layers, --num-layers is {args.num_layers}; profile the model you train"
+        )
+    microbatches = _microbatches_per_iteration(args)
+    if microbatches is None:
+        raise ConfigError(
+            "--pipeline-reuse-partition balanced needs the micro-batches per iteration: give "
+            "--micro-batch-size and --global-batch-size"
+        )
+    budget = getattr(args, "pipeline_reuse_memory_budget", None)
+    result = partition(cost, placement, microbatches, budget_bytes=budget)
+    return result.balanced.stage_layers
 
 
 def _refuse_megatron_layouts(args: argparse.Namespace) -> None:
@@ -237,10 +306,13 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
         placement=args.pipeline_reuse_placement,
         direction=args.pipeline_reuse_direction,
     )
+    stage_layers = args.pipeline_reuse_stage_layers
+    if args.pipeline_reuse_partition == "balanced":
+        stage_layers = _balanced_stage_layers(args, placement)
     return ReuseConfig(
         placement=placement,
         num_layers=num_layers,
-        stage_layers=args.pipeline_reuse_stage_layers,
+        stage_layers=stage_layers,
         trace_path=args.pipeline_reuse_trace,
     )
 

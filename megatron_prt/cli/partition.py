@@ -1,0 +1,212 @@
+"""``megatron-prt partition``: choose per-stage layer counts from a cost model.
+
+Prints the chosen (``balanced``) partition next to the uniform one: layers per model stage,
+and per rank the predicted busy time, peak activation bytes, parameter bytes and their sum.
+``--json`` prints the same as data. Errors: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
+from ..core.schedules import SCHEDULES
+from ..sim.cost import CostModel
+from ..sim.partition import (
+    DEFAULT_SLACK,
+    PartitionResult,
+    PartitionStats,
+    format_bytes,
+    partition,
+)
+from ..sim.simulate import RankStats
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> float:
+    """``24GiB``, ``24G`` (both 2**30-based), ``24GB`` (10**9), ``512MiB``, ``2.5e10``."""
+    match = _BYTES_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes such as 24GiB, 512MiB, 24GB or 2.5e10, got {text!r}"
+        )
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def parse_fraction(text: str) -> float:
+    """``0.03`` or ``3%``."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction such as 0.03 or 3%, got {text!r}"
+        ) from None
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``partition`` on an ``add_subparsers()`` object; returns its parser."""
+    p = subparsers.add_parser(
+        "partition",
+        help="choose layers per stage from per-layer costs (memory-balanced)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--reuse", type=int, default=1, help="virtual stages per rank R")
+    p.add_argument("--placement", choices=PLACEMENTS, default="loop")
+    p.add_argument("--direction", choices=DIRECTIONS, default="uni")
+    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches m")
+    p.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        required=True,
+        help='cost model JSON with a per-layer "layers" list (+ "embedding", "head")',
+    )
+    p.add_argument(
+        "--budget",
+        type=parse_bytes,
+        metavar="BYTES",
+        help="per-rank limit on peak activations + parameters (24GiB, 24GB, 2.5e10): "
+        "the fastest partition within it. Without it: the least peak memory within "
+        "--slack of the fastest",
+    )
+    p.add_argument(
+        "--slack",
+        type=parse_fraction,
+        default=DEFAULT_SLACK,
+        help=f"time given up for memory without --budget (default {DEFAULT_SLACK:g} = "
+        f"{DEFAULT_SLACK:.0%})",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand; returns the exit status (2: bad configuration, one line)."""
+    try:
+        cost = _load(args.costs)
+        placement = Placement(args.pp, args.reuse, args.placement, args.direction)
+        result = partition(
+            cost,
+            placement,
+            args.microbatches,
+            budget_bytes=args.budget,
+            slack=args.slack,
+            schedule=args.schedule,
+        )
+    except ConfigError as exc:
+        print(f"megatron-prt: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"config": _config(args, cost), **result.to_dict()}, indent=1))
+    else:
+        print(format_result(result, placement, args.microbatches, len(cost.layers)))
+    return 0
+
+
+def _load(path: str) -> CostModel:
+    try:
+        return CostModel.load(path)
+    except ConfigError as exc:
+        raise ConfigError(f"--costs {path}: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"--costs {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--costs {path}: not JSON ({exc})") from exc
+    except (TypeError, AttributeError, ValueError) as exc:  # JSON of the wrong shape
+        raise ConfigError(f"--costs {path}: not a cost model ({exc})") from exc
+
+
+def _config(args: argparse.Namespace, cost: CostModel) -> dict:
+    return {
+        "pp": args.pp,
+        "reuse": args.reuse,
+        "placement": args.placement,
+        "direction": args.direction,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "layers": len(cost.layers),
+    }
+
+
+# -- text --------------------------------------------------------------------------------------
+def format_result(
+    result: PartitionResult, placement: Placement, num_microbatches: int, num_layers: int
+) -> str:
+    """The text report: header, totals, layers per stage, per-rank table."""
+    uni, bal = result.uniform, result.balanced
+    lines = [
+        f"partition: P={placement.ranks} R={placement.reuse} {placement.placement}/"
+        f"{placement.direction} m={num_microbatches}, {num_layers} layers over "
+        f"D={placement.depth} stages",
+        *_objective(result),
+        "",
+        f"{'':<16}{'uniform':>12}{'balanced':>12}",
+        f"{'makespan':<16}{uni.makespan:>12.6g}{bal.makespan:>12.6g}"
+        f"  ({_change(bal.makespan, uni.makespan)})",
+        f"{'peak memory':<16}{format_bytes(uni.peak_bytes):>12}"
+        f"{format_bytes(bal.peak_bytes):>12}"
+        f"  ({_change(bal.peak_bytes, uni.peak_bytes)}, max over ranks)",
+        "",
+        f"layers per model stage 0..{placement.depth - 1}:",
+        f"  uniform   {' '.join(map(str, uni.stage_layers))}",
+        f"  balanced  {' '.join(map(str, bal.stage_layers))}",
+        "",
+        *_rank_table(uni, bal),
+    ]
+    return "\n".join(lines)
+
+
+def _objective(result: PartitionResult) -> list[str]:
+    if result.objective == "time":
+        goal = f"fastest within the budget of {format_bytes(result.budget_bytes)} per rank"
+    else:
+        goal = (
+            f"least peak memory within {result.slack:.1%} of the fastest found "
+            f"(makespan {result.fastest_makespan:.6g})"
+        )
+    how = "exact, every partition" if result.exact else "heuristic"
+    return [f"objective: {goal}", f"search:    {how}, {result.simulated} simulated"]
+
+
+def _rank_table(uni: PartitionStats, bal: PartitionStats) -> list[str]:
+    cols = f"{'busy':>10}{'act':>11}{'params':>11}{'peak':>11}"
+    width = len(cols)
+    out = [
+        f"{'':<4} | {' uniform '.center(width, '-')} | {' balanced '.center(width, '-')}",
+        f"{'rank':<4} | {cols} | {cols}",
+    ]
+    for u, b in zip(uni.per_rank, bal.per_rank, strict=True):
+        out.append(f"{u.rank:<4} | {_rank_cells(u)} | {_rank_cells(b)}")
+    return out
+
+
+def _rank_cells(stats: RankStats) -> str:
+    act, params = stats.peak_activation_bytes, stats.param_bytes
+    sizes = "".join(f"{format_bytes(b):>11}" for b in (act, params, act + params))
+    return f"{stats.busy:>10.5g}{sizes}"
+
+
+def _change(new: float, old: float) -> str:
+    return f"{new / old - 1:+.1%}" if old else "n/a"
