@@ -53,12 +53,11 @@ DOCKER_RUN := docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stac
 docker:
 	docker build -t $(IMAGE) .
 
-# The megatron-core GPT example with PRT on every GPU of this machine (inside the image).
+# BERT pretraining with PRT (wave, R=2) against 1F1B on every GPU of this machine, inside the
+# image: examples/demo.py with --device cuda (timelines in /workspace/out/demo).
 docker-demo: docker
 	$(DOCKER_RUN) $(IMAGE) bash -c 'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
-	  torchrun --standalone --nproc-per-node $$n /opt/megatron-prt/examples/megatron_gpt.py \
-	  --device cuda --pipeline-model-parallel-size $$n --num-layers $$((4 * n)) \
-	  --pipeline-reuse 2 --pipeline-reuse-placement wave --train-iters 20'
+	  python /opt/megatron-prt/examples/demo.py --device cuda --ranks $$n --out /workspace/out/demo'
 
 gpu-smoke:
 	scripts/gpu_smoke.sh

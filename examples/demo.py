@@ -31,7 +31,7 @@ VOCAB_SIZE = 1024  # a small output layer keeps the last stage from dominating t
 
 # Small enough for 4 ranks on 2 cores in about a minute per run; 8 layers fill R*P = 8 stages.
 MODEL_ARGS = (
-    "--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 64 "
+    "--hidden-size 128 --num-attention-heads 4 --seq-length 64 "
     "--micro-batch-size 4 --global-batch-size 32 --lr 1e-3 --lr-warmup-iters 2 "
     "--min-lr 1e-4 --lr-decay-style cosine --eval-interval 10 --eval-iters 1 --log-interval 5"
 ).split()
@@ -155,7 +155,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     compare.add_argument("run")
     compare.add_argument("baseline")
     parser.add_argument("--out", default="out/demo", help="data, logs and timelines go here")
-    parser.add_argument("--ranks", type=int, default=4, help="CPU ranks = pipeline size")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks = pipeline size")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="one GPU per rank")
     parser.add_argument("--train-iters", type=int, default=30)
     return parser.parse_args(argv)
 
@@ -177,6 +178,10 @@ def demo(args: argparse.Namespace) -> None:
             str(args.ranks),
             "--train-iters",
             str(args.train_iters),
+            "--device",
+            args.device,
+            "--num-layers",  # at least R*P = 2 * ranks stages to fill
+            str(max(8, 2 * args.ranks)),
         ),
         *("--data-path", prefix, "--vocab-file", vocab, *MODEL_ARGS),
     ]
