@@ -19,7 +19,6 @@ from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
-    reduce_replica_grads,
     sync_replicas,
 )
 from megatron_prt.runtime.cpu import keep_freed_memory
@@ -70,7 +69,7 @@ def main() -> None:
     for step in range(args.steps):
         opt.zero_grad()
         losses = runtime.step(xs, ys)
-        reduce_replica_grads(placement, stages)
+        runtime.reduce_replica_grads()  # bi: sum replica gradients
         opt.step()
         mine = [float(v) for v in losses if v is not None]
         total = torch.tensor([sum(mine), len(mine)], dtype=torch.float64)

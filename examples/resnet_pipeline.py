@@ -47,7 +47,6 @@ from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
-    reduce_replica_grads,
     sync_replicas,
 )
 from megatron_prt.runtime.cpu import keep_freed_memory
@@ -517,7 +516,7 @@ def train_step(
     xs, ys = batches.next()
     runtime.step(xs, ys)
     # bi: both replicas get the whole batch's gradient, so equal steps keep them equal
-    reduce_replica_grads(runtime.plan.placement, stages)
+    runtime.reduce_replica_grads()
     optimizer.step()
 
 

@@ -10,7 +10,7 @@ import torch
 from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
 
 from megatron_prt.core import Placement, build_plan
-from megatron_prt.runtime import PipelineRuntime, build_stages, reduce_replica_grads, sync_replicas
+from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.stages import layer_ranges
 
@@ -58,7 +58,7 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs, transport, de
     for step in range(STEPS):
         opt.zero_grad()
         losses = runtime.step(xs, ys)
-        reduce_replica_grads(plan.placement, stages)
+        runtime.reduce_replica_grads()
         for mb, loss in enumerate(losses):
             if loss is not None:
                 seen.add(mb)

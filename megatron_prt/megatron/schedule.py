@@ -39,7 +39,6 @@ from megatron.core.utils import get_model_config
 from ..core.actions import Op
 from ..core.schedules import build_plan
 from ..runtime.executor import PipelineRuntime, run_backward
-from ..runtime.replicas import reduce_replica_grads
 from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
 from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
@@ -412,7 +411,7 @@ def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_a
     stages = chunk_stages(reuse, pipeline.rank, model)
     grad_attr = "main_grad" if _uses_main_grad(model) else "grad"
     if reuse.placement.direction == "bi":
-        reduce_replica_grads(reuse.placement, stages, pipeline._group, grad_attr)
+        pipeline.reduce_replica_grads(grad_attr)
     tie_grads(reuse, stages, pipeline._group, grad_attr)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(

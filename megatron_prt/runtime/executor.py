@@ -37,6 +37,7 @@ from ..core.validate import validate
 from .errors import PipelineError, pipeline_error
 from .memory import ActivationMeter
 from .p2p import ShmTransport, TorchTransport
+from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
@@ -146,6 +147,9 @@ class PipelineRuntime:
                     senders.add(placement.rank_of(message_key(a)[1]))
                 elif a.op in (Op.SEND_F, Op.SEND_B):
                     receivers.add(placement.rank_of(message_key(a)[2]))
+        mirrors = replica_peers(placement, self.rank)  # bi: gradient sums go both ways
+        senders |= mirrors
+        receivers |= mirrors
         return ShmTransport(
             self._group, placement.rank_of, (senders, receivers), self.timeout_s, shm_capacity
         )
@@ -200,6 +204,17 @@ class PipelineRuntime:
             raise pipeline_error(
                 lowered, self.rank, step, action, _describe(exc, action, self.plan)
             ) from exc
+
+    def reduce_replica_grads(self, grad_attr: str = "grad") -> None:
+        """Direction ``bi``: both replicas of every model stage end with the sum of their
+        gradients (read from and written to each parameter's ``grad_attr``). Collective over
+        the pipeline group; through shared memory when that is the transport, else
+        torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
+        placement = self.plan.placement
+        if isinstance(self.transport, ShmTransport):
+            reduce_replica_grads_shm(placement, self.stages, self.transport, self.rank, grad_attr)
+        else:
+            reduce_replica_grads(placement, self.stages, self._group, grad_attr)
 
     def trace(self) -> list[tuple[Action, float, float]]:
         """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""

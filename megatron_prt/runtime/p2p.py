@@ -228,6 +228,7 @@ class ShmTransport:
     ) -> None:
         self.rank_of_stage = rank_of_stage
         self.timeout_s = timeout_s
+        self.capacity = capacity  # bytes of each ring
         me = dist.get_rank(group)
         run = [uuid.uuid4().hex[:12] if me == 0 else None]
         dist.broadcast_object_list(

@@ -115,3 +115,61 @@ def reduce_replica_grads(
         apply,
         both_ways=True,
     )
+
+
+def replica_peers(placement: Placement, rank: int) -> set[int]:
+    """Ranks holding a replica of a stage on ``rank`` (empty for ``uni``)."""
+    peers = set()
+    for a, b in _pairs(placement):
+        ranks = {placement.rank_of(a), placement.rank_of(b)}
+        if rank in ranks:
+            peers |= ranks - {rank}
+    return peers
+
+
+def reduce_replica_grads_shm(
+    placement: Placement,
+    stages: Mapping[int, torch.nn.Module],
+    transport,
+    rank: int,
+    grad_attr: str = "grad",
+) -> None:
+    """:func:`reduce_replica_grads` through a shared-memory transport whose rings include
+    the replica peers (:func:`replica_peers`): a memcpy each way instead of a trip through
+    the network stack. Both sides walk the replica pairs in the same order and send each
+    pair's flat gradient in chunks of at most a quarter ring, one chunk ahead of their
+    receive, so neither ring can fill while its reader waits. ``rank``: this process's
+    pipeline rank."""
+
+    def grads(stage):
+        params = [p for p in stages[stage].parameters() if p.requires_grad]
+        for p in params:
+            if getattr(p, grad_attr, None) is None:
+                setattr(p, grad_attr, torch.zeros_like(p))
+        return [getattr(p, grad_attr) for p in params]
+
+    for a, b in _pairs(placement):
+        here = [s for s in (a, b) if placement.rank_of(s) == rank]
+        if len(here) == 2:
+            mine, theirs = _flat(grads(a)), _flat(grads(b))
+            total = mine + theirs
+            _unflat(total, grads(a))
+            _unflat(total, grads(b))
+        elif here:
+            mine_stage = here[0]
+            peer_stage = b if mine_stage == a else a
+            own = _flat(grads(mine_stage))
+            _unflat(own + _exchange_flat(transport, own, mine_stage, peer_stage), grads(mine_stage))
+
+
+def _exchange_flat(transport, flat: torch.Tensor, mine: int, peer: int) -> torch.Tensor:
+    """Send ``flat`` from stage ``mine`` to stage ``peer``'s rank and receive the peer's
+    equally long tensor, chunk by chunk (keys ``("R", from, to, chunk)``)."""
+    chunk = max(1, transport.capacity // 4 // flat.element_size())
+    received = torch.empty_like(flat)
+    for index, start in enumerate(range(0, flat.numel(), chunk)):
+        piece = flat[start : start + chunk]
+        transport.send(("R", mine, peer, index), piece)
+        handle = transport.recv(("R", peer, mine, index))
+        received[start : start + piece.numel()] = transport.wait(handle)
+    return received
