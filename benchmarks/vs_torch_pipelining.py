@@ -45,7 +45,6 @@ from megatron_prt.core.schedules import one_f_one_b
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
-    reduce_replica_grads,
     sync_replicas,
 )
 from megatron_prt.runtime.cpu import keep_freed_memory
@@ -170,7 +169,7 @@ class PrtRunner:
         self.runtime.step(self.xs, self.ys)
         if self.placement.direction == "bi":  # part of a bi training step: sum the replicas
             start = time.perf_counter()
-            reduce_replica_grads(self.placement, self.modules)
+            self.runtime.reduce_replica_grads()  # over the runtime's own transport
             self.replica_sum_s.append(time.perf_counter() - start)
 
     def peak_bytes(self) -> int:
@@ -737,8 +736,9 @@ def replica_sum_md(rows: list[dict]) -> list[str]:
     if not sums:
         return []
     return [
-        "Of the bi rows' measured time, summing the replica gradients over gloo "
-        f"(`reduce_replica_grads`, not in the simulation) took a median {', '.join(sums)}.",
+        "Of the bi rows' measured time, summing the replica gradients over the row's wire "
+        f"(`runtime.reduce_replica_grads()`, not in the simulation) took a median "
+        f"{', '.join(sums)}.",
         "",
     ]
 
@@ -801,7 +801,7 @@ def notes_md() -> list[str]:
         "buffer per micro-batch and stage) are not counted.",
         "* PRT plans are generated from the profiled costs (what a user does after "
         "profiling). PRT wave/bi R=2 holds two weight replicas per rank; its time includes "
-        "summing the replica gradients (`reduce_replica_grads`).",
+        "summing the replica gradients (`runtime.reduce_replica_grads()`).",
         "* n/a: the schedule refused the configuration; its own message is shown.",
     ]
 
