@@ -35,6 +35,7 @@ from .layout import ReuseLayout, chunk_roles
 
 _PREPARED = "_megatron_prt_prepared"
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("megatron_prt_chunk", default=None)
+_QUERIES_PATCHED = False  # megatron's stage queries consult _RUNNING (patched once)
 
 
 @contextlib.contextmanager
@@ -43,7 +44,8 @@ def running_chunk(pre_process: bool, post_process: bool) -> Iterator[None]:
     ``is_pipeline_last_stage`` answer for that chunk's stage (they test pipeline rank 0 /
     P-1, which under ``wave`` or ``bi`` is not where the first and last stages are: BERT
     computes position ids and user ``get_batch`` functions load labels by them)."""
-    _answer_stage_queries_by_chunk()
+    if not _QUERIES_PATCHED:
+        _answer_stage_queries_by_chunk()
     token = _RUNNING.set((pre_process, post_process))
     try:
         yield
@@ -77,6 +79,8 @@ def _answer_stage_queries_by_chunk() -> None:
 
         query.megatron_prt = True  # type: ignore[attr-defined]
         setattr(module, name, query)
+    global _QUERIES_PATCHED
+    _QUERIES_PATCHED = True
 
 
 def embedding_ranks(pp_ranks: list[int], vp_size: int | None = None) -> list[int]:
