@@ -122,3 +122,11 @@ def test_per_token_loss_and_odd_microbatch_count(direction):
 def test_variable_sequence_lengths(kind, transport):
     """config.variable_seq_lengths: activation shapes differ between micro-batches."""
     _check(kind, _reuse(2, 2, "wave", "bi", False), variable=True, transport=transport)
+
+
+@pytest.mark.parametrize(
+    "counts,placement,direction", [((3, 0, 3, 2), "loop", "uni"), ((3, 2, 0, 3), "wave", "bi")]
+)
+def test_a_stage_without_layers(counts, placement, direction):
+    """Partitions may leave a middle stage empty: it only hands its input on."""
+    _check("bert", ReuseConfig(Placement(2, 2, placement, direction), LAYERS, counts))

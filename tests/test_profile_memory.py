@@ -142,6 +142,38 @@ def test_measured_activation_peak_equals_the_simulators():
                 assert peak <= 1.1 * want
 
 
+def _measure_with_empty_stage(rank, world, stage_layers):
+    xs, ys = _data(M)
+    plan = build_plan(Placement(world, 2, "loop", "uni"), M)
+    stages = build_stages(plan.placement, rank, _mlp_layer, sum(stage_layers), stage_layers)
+    runtime = PipelineRuntime(
+        plan, stages, torch.nn.functional.mse_loss, dtype=torch.float64, measure_memory=True
+    )
+    runtime.step(xs, ys)
+    runtime.close()
+    return runtime.memory_peak()
+
+
+def test_an_empty_middle_stage_still_holds_its_input():
+    """A stage without layers passes its input on but keeps it for backward: one message
+    per micro-batch in flight, which the cost model counts (``empty_stage_act``)."""
+    layer = _mlp_layer(0)
+    x = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    out, act = saved_activation_bytes(lambda: layer(x), layer.parameters())
+    _, head_act = saved_activation_bytes(lambda: torch.nn.functional.mse_loss(out, x.detach()))
+    stage_layers = (2, 0, 1, 1)  # stage 1 (rank 1, chunk 0) is empty
+    layers = [{"fwd": 1.0, "bwd": 2.0, "act": act, "param": 0.0}] * sum(stage_layers)
+    head = {"fwd": 0.0, "bwd": 0.0, "act": head_act, "param": 0.0}
+    cost = CostModel.from_dict(
+        {"layers": layers, "head": head, "stage_layers": list(stage_layers),
+         "message_bytes": B * H * F64}
+    )  # fmt: skip
+    predicted = simulate(build_plan(Placement(2, 2), M), cost).per_rank
+    measured = all_ok(run_local(2, _measure_with_empty_stage, stage_layers))
+    for rank in range(2):
+        assert measured[rank] == predicted[rank].peak_activation_bytes, rank
+
+
 # -- megatron-core: profile, then measure a pipelined step ----------------------------------
 def _profile(rank, world, kind, num_layers, dtype, reps=1):
     from megatron_models import HIDDEN, MBS, SEQ, VOCAB

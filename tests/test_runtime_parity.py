@@ -135,3 +135,30 @@ def test_parity_subset(p, transport):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_parity_full_grid(p, transport):
     assert _run_grid(p, full=True, transport=transport) > 0
+
+
+def _empty_stage_worker(rank, world):
+    plan = build_plan(Placement(world, 2), 3)
+    counts = (5, 0, 4, 3)  # stage 1 hands its input on
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 12, counts)
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=30)
+    xs, ys = batch("mlp", 3)
+    losses = runtime.step(xs, ys)
+    grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in stages.items()}
+    return losses, grads
+
+
+def test_a_stage_without_layers_passes_values_and_gradients():
+    ref_losses, ref_grads, _ = reference("mlp", 3, steps=1)
+    results = all_ok(run_local(2, _empty_stage_worker))
+    ranges = layer_ranges(NUM_LAYERS, 4, (5, 0, 4, 3))
+    for rank, (losses, grads) in enumerate(results):
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                assert _rel(loss, torch.tensor(ref_losses[0][mb], dtype=torch.float64)) <= TOL
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage]
+            want = [g for layer in ref_grads[first : first + count] for g in layer]
+            assert len(stage_grads) == len(want), (rank, stage)
+            for got, ref in zip(stage_grads, want, strict=True):
+                assert _rel(got, ref) <= TOL, (rank, stage)

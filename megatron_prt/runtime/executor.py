@@ -288,6 +288,11 @@ class PipelineRuntime:
         self._ready_at = time.perf_counter()
         with torch.set_grad_enabled(not self._forward_only), self._saving(stage, mb):
             out = self._stage_forward(stage, mb, x)
+            if out is x and x is not None:
+                # A stage without layers hands on its own input: give the output a grad_fn
+                # of its own, so freeing the sent output's data cannot free the input and
+                # its backward routes the gradient into x.grad.
+                out = x.view_as(x)
         if not self._forward_only:
             self._saved_inputs[(stage, mb)] = x
         if placement.next_stage(stage) is not None or not self._forward_only:

@@ -133,7 +133,19 @@ class CostModel:
             out[0] += getattr(self.embedding, attr)
         if self.head is not None:
             out[-1] += getattr(self.head, attr)
+        if attr == "act" and self.layers:
+            counts = self.layer_counts(depth)
+            out = [a + self.empty_stage_act(k, counts[k], depth) for k, a in enumerate(out)]
         return tuple(out)
+
+    def empty_stage_act(self, stage: int, count: int, depth: int) -> float:
+        """Activation bytes a stage with no layer keeps anyway: a runtime holds every
+        stage's input for its backward, which a layer's ``act`` already includes (the
+        profiler gives a layer its input) but an empty pass-through stage has nothing to
+        carry. Stage 0 holds the data, the head its own input."""
+        if count or stage == 0 or (stage == depth - 1 and self.head is not None):
+            return 0.0
+        return self.message_bytes
 
     def stage_times(self, placement: Placement) -> StageTimes:
         d = placement.depth

@@ -300,6 +300,11 @@ class _Problem:
             values = [prefix[starts[k + 1]] - prefix[starts[k]] for k in range(self.depth)]
             values[0] += self.ends[attr][0]
             values[-1] += self.ends[attr][1]
+            if attr == "act":
+                values = [
+                    v + self.cost.empty_stage_act(k, counts[k], self.depth)
+                    for k, v in enumerate(values)
+                ]
             out[attr] = values
         return _Costs(out["fwd"], out["bwd"], out["act"], out["param"])
 
