@@ -1,0 +1,113 @@
+"""benchmarks/paper_scale.py: its FLOP/byte calculators agree with published model sizes,
+and its --quick mode runs end to end with the rows the report promises (no timing is
+checked: the numbers are simulator predictions, the benchmark's business, not a test's)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_scale.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("paper_scale", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench()
+
+
+@pytest.fixture(scope="module")
+def quick_report(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("paper_scale") / "paper_scale.md"
+    assert bench.main(["--quick", "--jobs", "1", "--out", str(out)]) == 0
+    return out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("depth", "params", "gmacs"),
+    # torchvision's published figures for resnet50/101/152 (IMAGENET1K weights tables)
+    [(50, 25_557_032, 4.09), (101, 44_549_160, 7.80), (152, 60_192_808, 11.51)],
+)
+def test_resnet_calculator_matches_torchvision(bench, depth, params, gmacs):
+    model = bench.resnet(depth, efficiency=1.0, batch=1)
+    assert model.params == params
+    macs = sum(u.fwd_flops for u in model.units) / 2
+    assert macs / 1e9 == pytest.approx(gmacs, abs=0.01)
+    assert len(model.layers) == sum(bench.RESNET_BLOCKS[depth])
+
+
+def test_bert_calculator_matches_bert_base(bench):
+    """bert-base-uncased's encoder + embeddings + pooler hold 109,482,240 parameters."""
+    model = bench.bert("BERT-base", bench.BERT_BASE, efficiency=1.0)
+    classifier_only = bench.BERT_BASE.hidden * bench.BERT_BASE.classes + bench.BERT_BASE.classes
+    assert model.params - classifier_only == 109_482_240
+
+
+def test_bert_layer_formulas(bench):
+    """Narayanan et al.'s FLOPs and Korthikanti et al.'s activation bytes, by hand."""
+    c = bench.BertShape(layers=1, hidden=64, heads=4, seq=32, batch=2)
+    assert bench.bert_layer_flops(c) == 24 * 2 * 32 * 64**2 + 4 * 2 * 32**2 * 64
+    assert bench.bert_layer_act_bytes(c) == 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)
+
+
+def test_efficiencies_are_fractions_of_peak(bench):
+    for calibration in (bench.bert_calibration(), bench.resnet_calibration()):
+        assert 0.05 < calibration.efficiency < 0.6
+
+
+def test_cut_messages_follow_the_partition(bench):
+    """A cut sends the output of the last unit before it; an empty stage passes it on."""
+    model = bench.models()["ResNet-50"]
+    cuts = bench.cut_bytes(model, (0, 3, 0, 13))
+    assert cuts == [
+        model.embedding.out_bytes,
+        model.layers[2].out_bytes,
+        model.layers[2].out_bytes,
+    ]
+    assert model.layers[2].out_bytes == 8 * model.layers[-1].out_bytes  # 256x56² vs 2048x7²
+
+
+def test_closed_form_reuse_inverts_the_uni_formula(bench):
+    m, p, r = 8, 8, 4
+    gain = ((m + p - 1) / m) / ((r * m + p - 1) / (r * m)) - 1
+    assert bench.closed_form_reuse(gain, m, p) == pytest.approx(r)
+    assert bench.closed_form_reuse(10.0, m, p) == float("inf")
+
+
+def test_crossings_interpolate_in_log_m(bench):
+    gains = {2: 0.0, 8: 0.5, 32: 0.1}
+    low, high = bench.crossings(gains, 0.25)
+    assert 2 < low < 8 < high < 32
+    assert bench.matching_m(gains, 0.9).startswith("never (largest +50.0%, at m = 8)")
+
+
+def test_quick_report_has_every_row(bench, quick_report):
+    assert "--quick --jobs 1" in quick_report
+    for name in bench.models():
+        for direction in ("uni", "bi"):
+            assert f"| {name} | {direction} | " in quick_report  # paper comparison
+        assert f"| {name} | 8 | 1F1B | " in quick_report
+        assert f"| {name} | 8 | Chimera-style bi R=1 | " in quick_report
+        assert quick_report.count(f"| {name} | 8 | PRT R=") == 2  # best uni, best bi
+    for family in ("BERT", "ResNet"):
+        assert f"| uniform stages (vs {family}) | uni | " in quick_report
+    for paper in ("+54.78%", "+30.38%", "+76.59%", "+26.45%"):
+        assert paper in quick_report
+    assert "## Summary" in quick_report and "## Assumptions" in quick_report
+
+
+def test_quick_closed_form_row_matches_theory(quick_report):
+    """At m = P = 8, R = 4, equal stages and free communication PRT loop/uni meets
+    docs/theory.md: T = (Rm + P - 1)(f + b) against 1F1B's (m + P - 1)(f + b)."""
+    expected = (15 / 8) / (39 / 32) - 1
+    prefix = "| uniform stages (vs BERT) | uni"
+    row = next(line for line in quick_report.splitlines() if line.startswith(prefix))
+    assert f"{expected:+.1%}" in row
