@@ -87,3 +87,21 @@ def test_bi_splits_micro_batches_unevenly_when_m_is_odd():
 def test_refused_configurations(placement, m, schedule, match):
     with pytest.raises(ConfigError, match=match):
         build_plan(placement, m, schedule)
+
+
+@pytest.mark.parametrize("placement", ["loop", "wave"])
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_prt_with_message_costs_is_never_worse_than_the_free_message_plan(placement, direction):
+    """A hop makes the greedy choose differently; the plan for free messages and equal
+    stages competes, so costs can only help the planner."""
+    from megatron_prt.core.replay import replay
+    from megatron_prt.core.schedules import prt
+    from megatron_prt.core.timing import StageTimes
+
+    place = Placement(4, 2, placement, direction)
+    d = place.depth
+    for hop in (0.001, 0.05, 0.5):
+        times = StageTimes(tuple(1.0 + 0.1 * k for k in range(d)), (2.0,) * d, hop)
+        with_costs = replay(prt(place, 8, times), times).makespan
+        free = replay(prt(place, 8), times).makespan
+        assert with_costs <= free, (hop, with_costs, free)

@@ -22,6 +22,7 @@ from .actions import Action, Op
 from .greedy import ListResult, Policy, list_schedule
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
+from .replay import replay
 from .timing import StageTimes
 
 Generator = Callable[[Placement, int, StageTimes], Plan]
@@ -134,8 +135,30 @@ def _portfolio(placement: Placement, times: StageTimes, num_actions: int):
 
 
 def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
-    """PRT schedule: the best of a policy portfolio, stopping early at the lower bound."""
-    times = times or StageTimes.uniform(placement.depth)
+    """PRT schedule: the best of a policy portfolio, stopping early at the lower bound.
+
+    With message costs or unequal stages the greedy orders can come out worse than the
+    orders planned for free messages or equal stages (a hop makes a ready action look late
+    and the greedy fills the gap with the wrong one), so those plans compete too, replayed
+    under ``times``; ties keep the plan made for ``times``."""
+    uniform = StageTimes.uniform(placement.depth)
+    times = times or uniform
+    best = _prt_portfolio(placement, num_microbatches, times)
+    alternatives = []
+    if times.p2p or times.p2p_cpu:
+        alternatives.append(StageTimes(times.fwd, times.bwd))
+    if times.fwd != uniform.fwd or times.bwd != uniform.bwd or times.p2p or times.p2p_cpu:
+        alternatives.append(uniform)
+    best_makespan = replay(best, times).makespan
+    for other_times in alternatives:
+        other = _prt_portfolio(placement, num_microbatches, other_times)
+        makespan = replay(other, times).makespan
+        if makespan < best_makespan:
+            best, best_makespan = other, makespan
+    return best
+
+
+def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTimes) -> Plan:
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     bound = makespan_lower_bound(placement, mb_pipeline, times)
     best: ListResult | None = None
