@@ -89,19 +89,24 @@ def test_refused_configurations(placement, m, schedule, match):
         build_plan(placement, m, schedule)
 
 
-@pytest.mark.parametrize("placement", ["loop", "wave"])
-@pytest.mark.parametrize("direction", ["uni", "bi"])
-def test_prt_with_message_costs_is_never_worse_than_the_free_message_plan(placement, direction):
-    """A hop makes the greedy choose differently; the plan for free messages and equal
-    stages competes, so costs can only help the planner."""
+@pytest.mark.parametrize(
+    "pp,reuse,placement,direction",
+    [(8, 4, "loop", "bi"), (4, 2, "wave", "bi"), (4, 2, "loop", "uni")],
+)
+def test_prt_with_message_costs_is_never_worse_than_the_free_message_plan(
+    pp, reuse, placement, direction
+):
+    """A hop makes the greedy choose differently (for P=8, R=4 loop/bi it alone gives a 21%
+    longer step); the plan for free messages and equal stages competes, so costs can only
+    help the planner."""
     from megatron_prt.core.replay import replay
     from megatron_prt.core.schedules import prt
     from megatron_prt.core.timing import StageTimes
 
-    place = Placement(4, 2, placement, direction)
+    place = Placement(pp, reuse, placement, direction)
     d = place.depth
     for hop in (0.001, 0.05, 0.5):
-        times = StageTimes(tuple(1.0 + 0.1 * k for k in range(d)), (2.0,) * d, hop)
+        times = StageTimes((1.0,) * d, (2.0,) * d, hop)
         with_costs = replay(prt(place, 8, times), times).makespan
         free = replay(prt(place, 8), times).makespan
         assert with_costs <= free, (hop, with_costs, free)
