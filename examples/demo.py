@@ -31,7 +31,7 @@ VOCAB_SIZE = 1024  # a small output layer keeps the last stage from dominating t
 
 # Small enough for 4 ranks on 2 cores in about a minute per run; 8 layers fill R*P = 8 stages.
 MODEL_ARGS = (
-    "--hidden-size 128 --num-attention-heads 4 --seq-length 64 "
+    "--hidden-size 256 --num-attention-heads 4 --seq-length 64 "
     "--micro-batch-size 4 --global-batch-size 32 --lr 1e-3 --lr-warmup-iters 2 "
     "--min-lr 1e-4 --lr-decay-style cosine --eval-interval 10 --eval-iters 1 --log-interval 5"
 ).split()
