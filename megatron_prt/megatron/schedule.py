@@ -128,6 +128,8 @@ class MegatronPipeline(PipelineRuntime):
         )
         actions = self.plan.ranks[self.rank]
         self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
+        # megatron checks a chunk's vp_stage against the one passed; read it once, not per mb
+        self._vp_stage = [getattr(unwrap(chunk), "vp_stage", None) for chunk in self.chunks]
 
     def run(self, forward_step_func, data, forward_only, collect_non_loss_data, first_val_step):
         """One iteration: ``{mb: forward_data_store entry}`` of this rank's last stages and
@@ -207,7 +209,7 @@ class MegatronPipeline(PipelineRuntime):
                 self._first_val_step, self._forward_only, first
             ),
             current_microbatch=mb,
-            vp_stage=getattr(unwrap(self.chunks[chunk]), "vp_stage", None),
+            vp_stage=self._vp_stage[chunk],
             is_last_stage=is_last,
         )
 
@@ -228,9 +230,8 @@ class MegatronPipeline(PipelineRuntime):
             run_backward(out, grad)
         if config.timers is not None:
             config.timers("backward-compute").stop()
-        grad_sync = self._per_chunk(config.grad_sync_func)
-        if last and grad_sync is not None and self.plan.placement.direction != "bi":
-            grad_sync[chunk](self.chunks[chunk].parameters())
+        if last and config.grad_sync_func is not None and self.plan.placement.direction != "bi":
+            self._per_chunk(config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
 
 
 def make_forward_backward_func(
