@@ -6,7 +6,9 @@
 Megatron-LM flag names and meanings; the model, DDP, optimizer, gradient clipping and
 finalize step are megatron-core's own; megatron-prt supplies the layer layout, the chunks'
 roles, and the forward-backward function megatron looks up. On CPU (the default here) it runs
-with gloo through :mod:`megatron_prt.megatron.cpu`; with ``--device cuda`` on NCCL.
+with gloo through :mod:`megatron_prt.megatron.cpu`; with ``--device cuda`` on NCCL, one GPU
+per rank (``--distributed-backend gloo`` lets several ranks share a GPU: rank i uses GPU i mod
+the GPU count, and activations cross through host shared memory).
 Without ``--pipeline-reuse`` the same script runs megatron's own schedule for comparison
 (``--pipeline-model-parallel-size 1`` on CPU).
 """
@@ -37,6 +39,11 @@ def parse_args() -> argparse.Namespace:
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    group.add_argument(
+        "--distributed-backend",
+        choices=("nccl", "gloo"),
+        help="default: nccl with --device cuda, gloo on CPU",
+    )
     from megatron_prt.core import ConfigError
     from megatron_prt.megatron.args import add_arguments, validate_args
 
@@ -122,9 +129,15 @@ def main() -> None:
     args = parse_args()
     reuse = args.reuse
     device = torch.device(args.device)
+    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        )
+        torch.cuda.set_device(device)
+    elif backend != "gloo":
+        raise SystemExit("--device cpu needs --distributed-backend gloo")
+    dist.init_process_group(backend)
     if device.type == "cpu":
         torch.set_num_threads(1)
         from megatron_prt.megatron import cpu

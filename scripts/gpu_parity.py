@@ -1,11 +1,15 @@
-"""Runtime parity on CUDA ranks over NCCL: the tests' grid, one process per GPU.
+"""Runtime parity on CUDA ranks: the tests' grid, one process per GPU over NCCL, or several
+processes sharing GPUs over gloo.
 
     torchrun --standalone --nproc-per-node N scripts/gpu_parity.py [--full]
+    torchrun --standalone --nproc-per-node 4 scripts/gpu_parity.py --backend gloo  # 1 GPU
 
 Every rank runs each configuration of tests/test_runtime_parity.py's grid for P = N on its
-GPU and compares losses, gradients and parameters after three SGD steps with the
-non-pipelined reference computed on the CPU (float64, 1e-10 relative). Exit status 1 on any
-mismatch; one line per configuration on rank 0.
+GPU (rank i on GPU i mod the GPU count) and compares losses, gradients and parameters after
+three SGD steps with the non-pipelined reference computed on the CPU (float64, 1e-10
+relative). NCCL refuses two ranks on one GPU; with ``--backend gloo`` activations and
+gradients cross through host shared memory (the runtime's ``auto`` transport). Exit status 1
+on any mismatch; one line per configuration on rank 0.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ from test_runtime_parity import STEPS, TOL, _check_config, grid
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the whole grid, not the CI subset")
+    parser.add_argument(
+        "--backend", choices=("nccl", "gloo"), default="nccl", help="gloo: ranks may share a GPU"
+    )
     args = parser.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
+    dist.init_process_group(args.backend)
+    transport = "torch" if args.backend == "nccl" else "auto"
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local)
     failures, refs = 0, {}
@@ -37,9 +45,10 @@ def main() -> int:
         if (kind, m) not in refs:
             refs[(kind, m)] = reference(kind, m, STEPS)
         err, _ = _check_config(
-            rank, kind, p, r, placement, direction, m, refs[(kind, m)], "torch", device
+            rank, kind, p, r, placement, direction, m, refs[(kind, m)], transport, device
         )
-        worst = torch.tensor([max(err.values())], dtype=torch.float64, device=device)
+        wire = device if args.backend == "nccl" else "cpu"
+        worst = torch.tensor([max(err.values())], dtype=torch.float64, device=wire)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         ok = float(worst) <= TOL
         failures += not ok

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # First thing to run on a GPU machine: megatron-prt's CUDA paths, with a short report.
-#   one GPU:     the runtime on one CUDA rank (a plain-PyTorch plan with R=4 chunks) against
-#                the unpipelined losses, and the cost profiler on CUDA
-#   several GPUs: the runtime parity grid over NCCL (scripts/gpu_parity.py) and the
-#                megatron-core GPT example with PRT on all GPUs
+#   any GPU:     the runtime on one CUDA rank (a plain-PyTorch plan with R=4 chunks) against
+#                the unpipelined losses; the runtime parity grid (scripts/gpu_parity.py) and
+#                the megatron-core parity subset (scripts/gpu_megatron_parity.py) with 2 and
+#                4 ranks sharing the GPUs over gloo (activations through host shared
+#                memory); the cost profiler on CUDA
+#   several GPUs: both parity checks over NCCL, one rank per GPU, and the megatron-core GPT
+#                example with PRT (megatron's DDP, Adam) on all GPUs. The example needs NCCL:
+#                megatron's DDP all-reduces coalesced CUDA buffers, which gloo refuses.
 # Usage: scripts/gpu_smoke.sh [--full]   (from the repository root or inside the image)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +42,17 @@ assert all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(losses, want)), (loss
 print("runtime on CUDA matches the unpipelined losses")
 PY
 
+RUN="$PY -m torch.distributed.run --standalone"
+megatron=$($PY -c "import megatron.core" 2>/dev/null && echo yes)
+for p in 2 4; do
+    step "runtime parity, P=$p ranks sharing $gpus GPU(s) over gloo" $RUN \
+        --nproc-per-node $p scripts/gpu_parity.py --backend gloo "$@"
+    if [ -n "$megatron" ]; then
+        step "megatron-core parity, P=$p ranks sharing $gpus GPU(s) over gloo" $RUN \
+            --nproc-per-node $p scripts/gpu_megatron_parity.py --backend gloo "$@"
+    fi
+done
+
 if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
     step "profiler on CUDA" $PY -m megatron_prt profile --model bert --num-layers 4 \
         --hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 \
@@ -45,9 +60,11 @@ if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
 fi
 
 if [ "$gpus" -ge 2 ]; then
-    step "runtime parity over NCCL, P=$gpus" torchrun --standalone --nproc-per-node "$gpus" \
+    step "runtime parity over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \
         scripts/gpu_parity.py "$@"
-    step "megatron-core GPT with PRT, P=$gpus" torchrun --standalone --nproc-per-node "$gpus" \
+    step "megatron-core parity over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \
+        scripts/gpu_megatron_parity.py "$@"
+    step "megatron-core GPT with PRT, P=$gpus" $RUN --nproc-per-node "$gpus" \
         examples/megatron_gpt.py --device cuda --pipeline-model-parallel-size "$gpus" \
         --num-layers $((4 * gpus)) --pipeline-reuse 2 --pipeline-reuse-placement wave
 fi

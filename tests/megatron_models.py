@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 VOCAB, SEQ, MBS, HIDDEN = 64, 8, 2, 16
 DTYPE = torch.float64
+# Where models and batches live: the CPU (through megatron_prt.megatron.cpu) in the tests;
+# scripts/gpu_megatron_parity.py sets a GPU.
+DEVICE = torch.device("cpu")
 
 
 def setup_megatron(pp: int, vp: int | None):
@@ -23,7 +26,8 @@ def setup_megatron(pp: int, vp: int | None):
 
     from megatron_prt.megatron import cpu, embedding_ranks
 
-    cpu.enable()
+    if DEVICE.type == "cpu":
+        cpu.enable()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -61,7 +65,7 @@ def build_model(kind: str, config, pre_process=True, post_process=True, vp_stage
     default = torch.get_default_dtype()
     torch.set_default_dtype(config.params_dtype)  # the torch-norm fallback ignores params_dtype
     try:
-        return _build_model(kind, config, pre_process, post_process, vp_stage)
+        return _build_model(kind, config, pre_process, post_process, vp_stage).to(DEVICE)
     finally:
         torch.set_default_dtype(default)
 
@@ -120,9 +124,9 @@ def batches(num: int, step: int = 0, variable: bool = False):
 
 def forward_step(kind: str, per_token: bool, data_iterator, model):
     """megatron's forward_step_func contract: ``(output, loss_func)``."""
-    batch = next(data_iterator)
+    batch = {key: value.to(DEVICE) for key, value in next(data_iterator).items()}
     if kind.startswith("gpt"):
-        pos = torch.arange(batch["tokens"].shape[1]).expand_as(batch["tokens"])
+        pos = torch.arange(batch["tokens"].shape[1], device=DEVICE).expand_as(batch["tokens"])
         out = model(batch["tokens"], pos, None, labels=batch["labels"])
     else:
         out = model(

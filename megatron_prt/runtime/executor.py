@@ -36,7 +36,7 @@ from ..core.plan import Plan
 from ..core.validate import validate
 from .errors import PipelineError, pipeline_error
 from .memory import ActivationMeter
-from .p2p import ShmTransport, TorchTransport
+from .p2p import ShmTransport, TorchTransport, wire_device
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,8 +119,9 @@ class PipelineRuntime:
         }
 
     def _make_transport(self, kind: str, shm_capacity: int):
-        """``torch``: torch.distributed p2p. ``shm``: shared memory between CPU ranks on one
-        host. ``auto``: shm when every rank is a CPU process on this x86 host, else torch."""
+        """``torch``: torch.distributed p2p. ``shm``: shared memory between ranks on one
+        host. ``auto``: shm when every rank is on this x86 host and either computes on the
+        CPU or shares GPUs over gloo (which has no CUDA send/recv); else torch."""
         if kind not in ("auto", "torch", "shm"):
             raise ValueError(f"transport must be auto, torch or shm, got {kind!r}")
         placement = self.plan.placement
@@ -129,8 +130,9 @@ class PipelineRuntime:
             dist.all_gather_object(hosts, socket.gethostname(), group=self._group)
             # The ring publishes a message with a plain store after the copy; only x86's
             # store order makes that safe without a fence, so elsewhere auto means torch.
-            same_host_cpu = self.device.type == "cpu" and len(set(hosts)) == 1
-            kind = "shm" if same_host_cpu and platform.machine() in _TSO_MACHINES else "torch"
+            staged = self.device.type == "cpu" or dist.get_backend(self._group) == "gloo"
+            same_host = len(set(hosts)) == 1 and platform.machine() in _TSO_MACHINES
+            kind = "shm" if staged and same_host else "torch"
         if kind == "torch":
             return TorchTransport(
                 self._group,
@@ -151,7 +153,12 @@ class PipelineRuntime:
         senders |= mirrors
         receivers |= mirrors
         return ShmTransport(
-            self._group, placement.rank_of, (senders, receivers), self.timeout_s, shm_capacity
+            self._group,
+            placement.rank_of,
+            (senders, receivers),
+            self.timeout_s,
+            shm_capacity,
+            self.device,
         )
 
     def close(self) -> None:
@@ -456,7 +463,7 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
 def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -> None:
     """Refuse to start unless every rank holds the same plan (compares a hash)."""
     digest = int(plan.fingerprint(), 16) & ((1 << 62) - 1)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64, device=wire_device(group, device))
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)

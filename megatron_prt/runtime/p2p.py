@@ -10,9 +10,12 @@ them), so they need no tags.
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
   with its shape (every message, with ``variable_shapes``; such receives wait for their
   header where the plan receives, the position the plan's deadlock check proves safe).
-* :class:`ShmTransport` (CPU ranks on one x86 host) copies through one shared-memory ring
+* :class:`ShmTransport` (ranks on one x86 host) copies through one shared-memory ring
   per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
+  Ranks whose tensors live on a GPU stage each message through host memory (a device to
+  host copy on send, host to device on receive): the way several ranks share one GPU,
+  where NCCL refuses two ranks on the same device and gloo has no CUDA send/recv.
 
 The executor sees only ``send``/``recv`` (returning handles with ``is_completed``/``wait``)
 and ``flush`` (issue what was queued).
@@ -33,6 +36,12 @@ import torch
 import torch.distributed as dist
 
 _HEADER_LEN = 9  # ndim + up to 8 dims
+
+
+def wire_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where ``group``'s collectives and p2p take tensors for ranks computing on ``device``:
+    the host under gloo (it has no CUDA send/recv or all_gather), else ``device``."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
 
 
 class _Handle:
@@ -216,7 +225,8 @@ def _message_bytes(payload: int) -> int:
 
 
 class ShmTransport:
-    """Same-host CPU transport. Collective to build: every rank of ``group`` calls it."""
+    """Same-host transport. Collective to build: every rank of ``group`` calls it.
+    Received tensors are on ``device`` (messages cross through host memory)."""
 
     def __init__(
         self,
@@ -225,10 +235,12 @@ class ShmTransport:
         peers: tuple[set[int], set[int]],
         timeout_s: float,
         capacity: int = 32 << 20,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.rank_of_stage = rank_of_stage
         self.timeout_s = timeout_s
         self.capacity = capacity  # bytes of each ring
+        self.device = torch.device(device)
         me = dist.get_rank(group)
         run = [uuid.uuid4().hex[:12] if me == 0 else None]
         dist.broadcast_object_list(
@@ -261,7 +273,8 @@ class ShmTransport:
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
         dst = self.rank_of_stage(key[2])
         ring = self._out[dst]
-        payload = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        payload = memoryview(flat.cpu().numpy())  # .cpu(): a GPU tensor's copy to the host
         need = _message_bytes(len(payload))
         if need > ring.capacity:
             raise ValueError(
@@ -316,7 +329,7 @@ class ShmTransport:
         """Copy out every message already in the ring for which a receive is posted."""
         ring, pending = self._in[src]
         while pending and ring.available():
-            pending.popleft().tensor = ring.read()
+            pending.popleft().tensor = ring.read().to(self.device)
 
     def _spin(self, ready: Callable[[], bool], what: str) -> None:
         """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.placement import Placement
+from .p2p import wire_device
 
 
 def _pairs(placement: Placement):
@@ -42,6 +43,7 @@ def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> No
     to deadlock on). ``rank_of`` maps a stage to its rank in ``group``."""
     rank = dist.get_rank(group)
     ops, pending = [], []
+    wire = None
     for a, b in pairs:
         if rank_of(a) == rank_of(b) == rank:
             mine, theirs = payload(a).clone(), payload(b).clone()  # payloads may be views
@@ -54,17 +56,19 @@ def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> No
                 continue
             peer = rank_of(there)
             peer_global = peer if group is None else dist.get_global_rank(group, peer)
-            flat = payload(here)
+            own = payload(here)
+            wire = wire or wire_device(group, own.device)
+            flat = own.to(wire)
             if sends:
                 ops.append(dist.P2POp(dist.isend, flat, peer_global, group))
             if here == b or both_ways:
                 buf = torch.empty_like(flat)
                 ops.append(dist.P2POp(dist.irecv, buf, peer_global, group))
-                pending.append((here, buf, flat))
+                pending.append((here, buf, own))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     for stage, received, own in pending:
-        apply(stage, received, own)
+        apply(stage, received.to(own.device), own)
 
 
 def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=None) -> None:
