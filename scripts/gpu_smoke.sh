@@ -4,7 +4,8 @@
 #                the unpipelined losses; the runtime parity grid (scripts/gpu_parity.py) and
 #                the megatron-core parity subset (scripts/gpu_megatron_parity.py) with 2 and
 #                4 ranks sharing the GPUs over gloo (activations through host shared
-#                memory); the cost profiler on CUDA
+#                memory); activation memory measured on CUDA against the simulator
+#                (scripts/gpu_memory.py); the cost profiler on CUDA
 #   several GPUs: both parity checks over NCCL, one rank per GPU, and the megatron-core GPT
 #                example with PRT (megatron's DDP, Adam) on all GPUs. The example needs NCCL:
 #                megatron's DDP all-reduces coalesced CUDA buffers, which gloo refuses.
@@ -52,6 +53,10 @@ for p in 2 4; do
             --nproc-per-node $p scripts/gpu_megatron_parity.py --backend gloo "$@"
     fi
 done
+if [ -n "$megatron" ]; then
+    step "activation memory on CUDA vs the simulator, 2 ranks over gloo" $RUN \
+        --nproc-per-node 2 scripts/gpu_memory.py --backend gloo
+fi
 
 if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
     step "profiler on CUDA" $PY -m megatron_prt profile --model bert --num-layers 4 \
