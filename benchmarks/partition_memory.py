@@ -55,7 +55,9 @@ from megatron_prt.sim.partition import DEFAULT_SLACK, partition, uniform_layers
 from megatron_prt.sim.simulate import simulate
 
 MIB = 2**20
-THROUGHPUT_TARGET = 0.95  # wave + balanced: at least this fraction of the best uniform PRT
+THROUGHPUT_TARGET = (
+    0.95  # wave + balanced: >= this fraction of the best uniform PRT (same direction)
+)
 BALANCE_TARGET = 1.15  # wave + balanced: per-rank peak max/min at most this
 AGREEMENT_TARGET = 0.10  # measured activation peak within this fraction of the prediction
 REUSES = (2, 3, 4)
@@ -172,13 +174,25 @@ def uniform_prt_configs(ranks: int, num_layers: int) -> list[Config]:
     ]
 
 
-def best_uniform(costs: dict, ranks: int, microbatches: int) -> tuple[Config, Prediction]:
-    """The uniform PRT configuration with the smallest simulated makespan."""
+def best_uniform(
+    costs: dict, ranks: int, microbatches: int, direction: str | None = None
+) -> tuple[Config, Prediction]:
+    """The uniform PRT configuration with the smallest simulated makespan (of ``direction``
+    only, when given)."""
     scored = [
         (c, predict(costs, c, microbatches))
         for c in uniform_prt_configs(ranks, len(costs["layers"]))
+        if direction in (None, c.placement.direction)
     ]
     return min(scored, key=lambda cp: cp[1].makespan)
+
+
+def best_by_direction(costs: dict, ranks: int, microbatches: int) -> dict:
+    """``{"uni": best uniform uni, "bi": best uniform bi}``: the throughput yardsticks. A
+    wave + balanced pick is held against the best uniform PRT of its own direction: bi keeps
+    two weight replicas per rank (a different memory class), so the fastest bi plan is not
+    what a uni partition trades against."""
+    return {d: best_uniform(costs, ranks, microbatches, d) for d in ("uni", "bi")}
 
 
 def balanced_config(
@@ -213,7 +227,8 @@ def pick_wave(
     candidates: Sequence[tuple[Config, Prediction]], best_makespan: float
 ) -> tuple[Config, Prediction]:
     """The rule for "the R we pick": among the candidates whose simulated throughput is at
-    least :data:`THROUGHPUT_TARGET` of the best uniform PRT, the smallest largest per-rank
+    least :data:`THROUGHPUT_TARGET` of ``best_makespan`` (the best uniform PRT of the
+    candidates' direction), the smallest largest per-rank
     peak; if none is, the fastest (the throughput target is then missed whatever we pick)."""
     fast = [cp for cp in candidates if best_makespan / cp[1].makespan >= THROUGHPUT_TARGET]
     if fast:
@@ -235,12 +250,16 @@ class Plan:
     """Step 2's answer: every configuration measured, with its prediction."""
 
     f1b: tuple[Config, Prediction]
-    best_uniform: tuple[Config, Prediction]
+    best_uniform: tuple[Config, Prediction]  # any direction
+    best: dict[str, tuple[Config, Prediction]]  # by direction: each pick's yardstick
     picks: dict[str, Pick]  # by direction, "uni" and "bi"
     wave_candidates: tuple[tuple[Config, Prediction], ...]
 
+    def best_makespan(self, direction: str) -> float:
+        return self.best[direction][1].makespan
+
     def measured(self) -> list[tuple[Config, Prediction]]:
-        out = [self.f1b, self.best_uniform]
+        out = [self.f1b, self.best_uniform, *self.best.values()]
         for pick in self.picks.values():
             out += [pick.uniform, pick.balanced]
         return out
@@ -249,7 +268,7 @@ class Plan:
 def make_plan(costs: dict, ranks: int, microbatches: int) -> Plan:
     num_layers = len(costs["layers"])
     f1b = uniform_config(Placement(ranks, 1, "loop", "uni"), num_layers)
-    best = best_uniform(costs, ranks, microbatches)
+    best = best_by_direction(costs, ranks, microbatches)
     candidates = []
     for placement in wave_placements(ranks):
         config = balanced_config(costs, placement, microbatches)
@@ -257,12 +276,13 @@ def make_plan(costs: dict, ranks: int, microbatches: int) -> Plan:
     picks = {}
     for direction in ("uni", "bi"):
         mine = [cp for cp in candidates if cp[0].placement.direction == direction]
-        picked = pick_wave(mine, best[1].makespan)
+        picked = pick_wave(mine, best[direction][1].makespan)
         same = uniform_config(picked[0].placement, num_layers)
         picks[direction] = Pick((same, predict(costs, same, microbatches)), picked)
     return Plan(
         f1b=(f1b, predict(costs, f1b, microbatches)),
-        best_uniform=best,
+        best_uniform=min(best.values(), key=lambda cp: cp[1].makespan),
+        best=best,
         picks=picks,
         wave_candidates=tuple(candidates),
     )
@@ -539,19 +559,23 @@ def per_rank_table(rows: Rows, model_act: float) -> list[str]:
     return lines
 
 
-def summary_table(rows: Rows, best_makespan: float, f1b_max: float) -> list[str]:
-    """One row per configuration: stage layers, time, largest peaks and balance."""
+def summary_table(rows: Rows, plan: Plan) -> list[str]:
+    """One row per configuration: stage layers, time (against the best uniform PRT of its
+    direction and of any), largest peaks and balance."""
+    f1b_max = plan.f1b[1].max_total
     lines = [
-        "| configuration | stage layers | sim makespan s | throughput vs best uniform PRT "
-        "| max total pred MiB | max/min pred | max total meas MiB | max/min meas "
-        "| max pred vs 1F1B |",
-        "|" + "---|" * 9,
+        "| configuration | stage layers | sim makespan s | throughput vs best uniform PRT, "
+        "same direction | vs best uniform, any direction | max total pred MiB | max/min pred "
+        "| max total meas MiB | max/min meas | max pred vs 1F1B |",
+        "|" + "---|" * 10,
     ]
     for config, pred, ranks in rows:
         totals = [m.total for m in ranks]
+        same = plan.best_makespan(config.placement.direction)
         lines.append(
             f"| {config.label} | {layers_text(config)} | {pred.makespan:.3f} "
-            f"| {best_makespan / pred.makespan:.3f} | {mib(pred.max_total)} "
+            f"| {same / pred.makespan:.3f} "
+            f"| {plan.best_uniform[1].makespan / pred.makespan:.3f} | {mib(pred.max_total)} "
             f"| {pred.balance:.3f} | {mib(max(totals))} | {spread(totals):.3f} "
             f"| {pred.max_total / f1b_max:.3f} |"
         )
@@ -588,15 +612,15 @@ def targets_table(plan: Plan, measured: dict[Config, list[Measured]], rows: Rows
     names = [
         f"per-rank peak (act + state) max/min <= {BALANCE_TARGET} (pred / meas)",
         "max peak below uniform 1F1B's max, MiB (pred / meas)",
-        f"simulated throughput >= {THROUGHPUT_TARGET} x best uniform PRT "
-        f"({plan.best_uniform[0].label})",
+        f"simulated throughput >= {THROUGHPUT_TARGET} x best uniform PRT of the same direction "
+        f"({'; '.join(plan.best[d][0].label for d in plan.picks)})",
     ]
     f1b_config, f1b_pred = plan.f1b
     columns = [
         target_cells(
-            pick, measured, measured[f1b_config], plan.best_uniform[1].makespan, f1b_pred.max_total
+            pick, measured, measured[f1b_config], plan.best_makespan(d), f1b_pred.max_total
         )
-        for pick in plan.picks.values()
+        for d, pick in plan.picks.items()
     ]
     labels = [pick.balanced[0].label for pick in plan.picks.values()]
     lines = [f"| target | {' | '.join(labels)} |", "|" + "---|" * (1 + len(labels))]
@@ -611,6 +635,12 @@ def targets_table(plan: Plan, measured: dict[Config, list[Measured]], rows: Rows
     )
     cells = [f"{worst:.2%}: {verdict}"] + [""] * (len(labels) - 1)
     lines.append(f"| {name} | {' | '.join(cells)} |")
+    best_any = plan.best_uniform
+    cells = [f"{best_any[1].makespan / p.balanced[1].makespan:.3f}" for p in plan.picks.values()]
+    lines.append(
+        f"| for comparison: simulated throughput vs the best uniform PRT of any direction "
+        f"({best_any[0].label}) | {' | '.join(cells)} |"
+    )
     return lines
 
 
@@ -648,14 +678,14 @@ def _has_pass_through_stage(config: Config) -> bool:
 
 def candidate_table(plan: Plan) -> list[str]:
     """Every wave + balanced candidate of the picks, simulated."""
-    best = plan.best_uniform[1].makespan
     f1b_max = plan.f1b[1].max_total
     lines = [
-        "| candidate | stage layers | throughput vs best uniform | max MiB | max/min "
-        "| max vs 1F1B |",
+        "| candidate | stage layers | throughput vs best uniform, same direction | max MiB "
+        "| max/min | max vs 1F1B |",
         "|" + "---|" * 6,
     ]
     for config, pred in plan.wave_candidates:
+        best = plan.best_makespan(config.placement.direction)
         lines.append(
             f"| {config.label} | {layers_text(config)} | {best / pred.makespan:.3f} "
             f"| {mib(pred.max_total)} | {pred.balance:.3f} | {pred.max_total / f1b_max:.3f} |"
@@ -680,13 +710,15 @@ def lever_placements(ranks: int) -> list[Placement]:
 
 
 def lever_rows(
-    costs: dict, ranks: int, microbatches: int, best_makespan: float, f1b_max: float
+    costs: dict, ranks: int, microbatches: int, best: dict[str, float], f1b_max: float
 ) -> list[LeverRow]:
     """Per placement (R, loop/wave, uni/bi): the partitioner at slack 3%, 10%, 30%, at any
     speed, at the slack that just meets the throughput target, and with 1F1B's largest
-    per-rank peak as a memory budget (fastest partition within it)."""
+    per-rank peak as a memory budget (fastest partition within it). ``best``: the best
+    uniform PRT makespan per direction."""
     rows = []
     for placement in lever_placements(ranks):
+        best_makespan = best[placement.direction]
         make = partial(balanced_config, costs, placement, microbatches)
         variants = [(f"slack {s:.0%}", partial(make, slack=s)) for s in (DEFAULT_SLACK, 0.1, 0.3)]
         variants.append(("any speed", partial(make, slack=LEAST_MEMORY_SLACK)))
@@ -710,9 +742,10 @@ def _lever_row(costs, placement, microbatches, variant, build) -> LeverRow:
     return LeverRow(placement, variant, config, predict(costs, config, microbatches))
 
 
-def lever_table(rows: Sequence[LeverRow], best_makespan: float, f1b_max: float) -> list[str]:
+def lever_table(rows: Sequence[LeverRow], best: dict[str, float], f1b_max: float) -> list[str]:
     lines = [
-        "| placement | partition | stage layers | throughput vs best uniform | max MiB "
+        "| placement | partition | stage layers | throughput vs best uniform, same direction "
+        "| max MiB "
         "| max/min | max vs 1F1B |",
         "|" + "---|" * 7,
     ]
@@ -724,18 +757,18 @@ def lever_table(rows: Sequence[LeverRow], best_makespan: float, f1b_max: float) 
         pred = row.pred
         lines.append(
             f"| {where} | {row.variant} | {layers_text(row.config)} "
-            f"| {best_makespan / pred.makespan:.3f} | {mib(pred.max_total)} "
+            f"| {best[row.placement.direction] / pred.makespan:.3f} | {mib(pred.max_total)} "
             f"| {pred.balance:.3f} | {pred.max_total / f1b_max:.3f} |"
         )
     return lines
 
 
-def lever_findings(rows: Sequence[LeverRow], best_makespan: float, f1b_max: float) -> list[str]:
+def lever_findings(rows: Sequence[LeverRow], best: dict[str, float], f1b_max: float) -> list[str]:
     """What the levers reach, in three lines."""
     done = [r for r in rows if r.config is not None]
 
     def thr(row):
-        return best_makespan / row.pred.makespan
+        return best[row.placement.direction] / row.pred.makespan
 
     def name(row):
         return f"{placement_label(row.placement)} at {row.variant}"
@@ -746,10 +779,11 @@ def lever_findings(rows: Sequence[LeverRow], best_makespan: float, f1b_max: floa
     lines = [f"- Rows meeting all three simulated targets: {len(all_three)}"]
     lines[-1] += (": " + "; ".join(name(r) for r in all_three) + ".") if all_three else "."
     if small:
-        best = max(small, key=thr)
+        fastest = max(small, key=thr)
         lines.append(
-            f"- Fastest partition below 1F1B's max: {name(best)}, throughput {thr(best):.3f} "
-            f"of the best uniform PRT, max {best.pred.max_total / f1b_max:.3f} x 1F1B."
+            f"- Fastest partition below 1F1B's max: {name(fastest)}, throughput "
+            f"{thr(fastest):.3f} of the best uniform PRT of its direction, max "
+            f"{fastest.pred.max_total / f1b_max:.3f} x 1F1B."
         )
     if fast:
         least = min(fast, key=lambda r: r.pred.max_total)
@@ -771,7 +805,7 @@ class Regime:
     microbatches: int
     layer_act_per_param: float
     f1b: Prediction
-    best_makespan: float
+    best_makespan: dict[str, float]  # per direction
     picked: dict[str, tuple[Config, Prediction]]
     least: dict[str, tuple[Config, Prediction] | None]
 
@@ -788,19 +822,20 @@ def regimes(model: Bert, ranks: int, shapes: Sequence[tuple[int, int, int]], bas
 
 def _regime(model: Bert, costs: dict, ranks: int, microbatches: int) -> Regime:
     f1b = uniform_config(Placement(ranks, 1, "loop", "uni"), len(costs["layers"]))
-    best = best_uniform(costs, ranks, microbatches)[1].makespan
+    best = {d: cp[1].makespan for d, cp in best_by_direction(costs, ranks, microbatches).items()}
     picked, least = {}, {}
     for direction in ("uni", "bi"):
+        yardstick = best[direction]
         default, targeted = [], []
         for placement in [p for p in wave_placements(ranks) if p.direction == direction]:
             config = balanced_config(costs, placement, microbatches)
             default.append((config, predict(costs, config, microbatches)))
-            slack = target_slack(costs, placement, microbatches, best / THROUGHPUT_TARGET)
+            slack = target_slack(costs, placement, microbatches, yardstick / THROUGHPUT_TARGET)
             if slack >= 0:
                 config = balanced_config(costs, placement, microbatches, slack=slack)
                 targeted.append((config, predict(costs, config, microbatches)))
-        picked[direction] = pick_wave(default, best)
-        fast = [cp for cp in targeted if best / cp[1].makespan >= THROUGHPUT_TARGET]
+        picked[direction] = pick_wave(default, yardstick)
+        fast = [cp for cp in targeted if yardstick / cp[1].makespan >= THROUGHPUT_TARGET]
         least[direction] = min(fast, key=lambda cp: cp[1].max_total) if fast else None
     layer = costs["layers"][-1]
     return Regime(
@@ -831,20 +866,56 @@ def regime_table(found: Sequence[Regime]) -> list[str]:
                 mib(regime.f1b.max_total),
             ]
             for choice in (regime.picked[direction], regime.least[direction]):
-                cells += _regime_cells(regime, choice)
+                cells += _regime_cells(regime.best_makespan[direction], regime, choice)
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _regime_cells(regime: Regime, choice) -> list[str]:
+def _regime_cells(best_makespan: float, regime: Regime, choice) -> list[str]:
     if choice is None:
         return ["unreachable", "", "", ""]
     config, pred = choice
     return [
         config.label.removesuffix(" balanced"),
-        f"{regime.best_makespan / pred.makespan:.3f}",
+        f"{best_makespan / pred.makespan:.3f}",
         f"{pred.balance:.3f}",
         f"{pred.max_total / regime.f1b.max_total:.3f}",
+    ]
+
+
+def inflight(depth: int, microbatches: int) -> float:
+    """Micro-batches held through the whole model, summed over a 1F1B-shaped pipeline of
+    ``depth`` equal stages: stage s keeps min(m, depth - s) in flight, each 1/depth of it."""
+    return sum(min(microbatches, depth - s) for s in range(depth)) / depth
+
+
+def inflight_reading(ranks: int, microbatches: int) -> list[str]:
+    """Why the number of micro-batches decides whether PRT can go below 1F1B's peak."""
+    rows = [
+        "| m | 1F1B total | 1F1B rank 0 | R=2 total | R=2 per rank (mean) | R=4 per rank (mean) |"
+    ]
+    rows.append("|" + "---|" * 6)
+    for m in sorted({microbatches, ranks, 2 * ranks, 4 * ranks}):
+        f1b, r2, r4 = (inflight(r * ranks, m) for r in (1, 2, 4))
+        rows.append(
+            f"| {m} | {f1b:.2f} | {min(m, ranks) / ranks:.2f} | {r2:.2f} | {r2 / ranks:.2f} "
+            f"| {r4 / ranks:.2f} |"
+        )
+    return [
+        "Why the number of micro-batches decides it: in a pipeline of D equal stages run "
+        "1F1B-style, stage s keeps min(m, D - s) micro-batches in flight, each through 1/D of "
+        "the model. Summed, in micro-batches through the whole model (equal stages, no "
+        f"embedding or head; P = {ranks}):",
+        "",
+        *rows,
+        "",
+        "1F1B's rank 0 holds min(m, P)/P of a model's activations and sets 1F1B's max. With "
+        "m >= 2P the equal-stage mean per rank of a uni PRT pipeline (D = R x P stages) is "
+        "above that, so a partition under 1F1B's max must shift layers onto the late stages "
+        "(fewer micro-batches in flight) and pay in time, within the slack at best (the "
+        "regimes table). With m <= P, R=2's mean per rank is below 1F1B's rank 0: a balanced "
+        "partition sits below 1F1B's max at full speed, the regime where PRT's memory "
+        "balance pays.",
     ]
 
 
@@ -871,7 +942,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller model, main tables only")
     p.add_argument("--out", help=f"markdown results file (default {DEFAULT_OUT}; none if --quick)")
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks P")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument(
+        "--microbatches", "-m", type=int, help="micro-batches per iteration (default: P)"
+    )
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--seq", type=int)
@@ -881,6 +954,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.out is None and not args.quick:
         args.out = DEFAULT_OUT
+    if args.microbatches is None:
+        args.microbatches = args.ranks
     return args
 
 
@@ -930,7 +1005,6 @@ def main(argv: list[str] | None = None) -> int:
 def report(argv: list[str], args, model: Bert, costs: dict, plan: Plan, measured) -> list[str]:
     """Steps 1-4 as markdown; ``argv`` the command's arguments."""
     rows = measured_rows(plan, measured)
-    best = plan.best_uniform[1].makespan
     picks = ", ".join(p.balanced[0].label for p in plan.picks.values())
     return [
         "# Memory-balanced stage assignment: predicted vs measured",
@@ -949,10 +1023,14 @@ def report(argv: list[str], args, model: Bert, costs: dict, plan: Plan, measured
         *costs_lines(costs),
         "",
         f"Best uniform PRT (smallest simulated makespan over R in {{2,3,4}}, loop/wave, "
-        f"uni/bi, even layers): {plan.best_uniform[0].label}. Wave + balanced picks: {picks} "
-        f"(per direction, among R in {{2,3,4}} partitioned at the default "
+        f"even layers), per direction: {plan.best['uni'][0].label} and "
+        f"{plan.best['bi'][0].label}; of any direction {plan.best_uniform[0].label}. Each "
+        "pick is held against the best uniform PRT of its own direction: bi keeps two weight "
+        "replicas per rank, a different memory class from uni. Wave + balanced picks: "
+        f"{picks} (per direction, among R in {{2,3,4}} partitioned at the default "
         f"{DEFAULT_SLACK:.0%} slack: the smallest max peak with throughput >= "
-        f"{THROUGHPUT_TARGET} of the best uniform PRT, else the fastest). Candidates:",
+        f"{THROUGHPUT_TARGET} of the best uniform PRT of that direction, else the fastest). "
+        "Candidates:",
         "",
         *candidate_table(plan),
         "",
@@ -966,7 +1044,7 @@ def report(argv: list[str], args, model: Bert, costs: dict, plan: Plan, measured
         "",
         *per_rank_table(rows, costs["activation_bytes"]),
         "",
-        *summary_table(rows, best, plan.f1b[1].max_total),
+        *summary_table(rows, plan),
         "",
         "## Targets",
         "",
@@ -978,12 +1056,12 @@ def report(argv: list[str], args, model: Bert, costs: dict, plan: Plan, measured
 
 def investigation(args, model: Bert, costs: dict, plan: Plan) -> list[str]:
     """The levers tried on the same profile, and other shapes and micro-batch counts."""
-    best = plan.best_uniform[1].makespan
+    best = {d: plan.best_makespan(d) for d in plan.best}
     f1b_max = plan.f1b[1].max_total
     rows = lever_rows(costs, args.ranks, args.microbatches, best, f1b_max)
     m = args.microbatches
     shapes = [(64, 1, m), (model.seq, 1, m), (model.seq, model.mbs, m), (model.seq, 4, m)]
-    shapes += [(model.seq, model.mbs, 2 * m), (model.seq, model.mbs, 4 * m)]
+    shapes += [(model.seq, model.mbs, k * m) for k in (2, 4, 8)]
     return [
         "",
         "## Levers (simulated, same profile)",
@@ -1008,11 +1086,13 @@ def investigation(args, model: Bert, costs: dict, plan: Plan) -> list[str]:
         "and with them the partitions a slack admits; the memory of a given partition is "
         "exact accounting and does not move.",
         "",
+        *inflight_reading(args.ranks, m),
+        "",
         "## Regimes (simulated; other shapes profiled with 2 layers, the rest repeated)",
         "",
         "Layer act/param: one micro-batch's activation bytes in one layer over that layer's "
         "parameter bytes (16 per parameter); small means weights dominate. Throughput is "
-        "against the best uniform PRT of the same regime.",
+        "against the best uniform PRT of the same regime and direction.",
         "",
         *regime_table(regimes(model, args.ranks, shapes, costs)),
     ]

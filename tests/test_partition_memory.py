@@ -78,3 +78,27 @@ def test_measured_peaks_match_predictions(costs):
             assert m.act_held_after == 0, where  # every backward released its activations
             assert m.act_peak == pytest.approx(pred.act[rank], rel=AGREEMENT), where
             assert m.state == pytest.approx(pred.state[rank], rel=STATE_AGREEMENT), where
+
+
+def test_inflight_counts_by_hand():
+    """Stage s of D keeps min(m, D - s) micro-batches, each through 1/D of the model."""
+    assert bench.inflight(4, 4) == (4 + 3 + 2 + 1) / 4
+    assert bench.inflight(8, 4) == (4 * 5 + 3 + 2 + 1) / 8
+    assert bench.inflight(8, 16) == sum(range(1, 9)) / 8
+
+
+def test_picks_are_held_against_their_own_direction(costs):
+    """Each wave + balanced pick meets the throughput target against the best uniform PRT
+    of its direction, or is the fastest candidate of that direction (target unreachable)."""
+    plan = bench.make_plan(costs, RANKS, MICROBATCHES)
+    assert {d: cp[0].placement.direction for d, cp in plan.best.items()} == {
+        "uni": "uni",
+        "bi": "bi",
+    }
+    assert plan.best_uniform in plan.best.values()
+    for direction, pick in plan.picks.items():
+        config, pred = pick.balanced
+        assert config.placement.direction == direction
+        mine = [cp for cp in plan.wave_candidates if cp[0].placement.direction == direction]
+        if plan.best_makespan(direction) / pred.makespan < bench.THROUGHPUT_TARGET:
+            assert pred.makespan == min(cp[1].makespan for cp in mine)
