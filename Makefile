@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden bench demo docker docker-demo gpu-smoke
+.PHONY: install test test-all lint format clean golden bench bench-runtime demo docker docker-demo gpu-smoke
 
 install: $(STAMP)
 
@@ -35,8 +35,16 @@ clean:
 golden: install
 	MEGATRON_PRT=$(CURDIR)/$(VENV)/bin/megatron-prt tests/golden/regenerate.sh
 
-# Measured runtime speed on this machine vs the simulator (a benchmark, not a test).
+# Measured side by side on local CPU ranks (a benchmark, not a test): megatron-prt's 1F1B and
+# PRT variants, torch.distributed.pipelining's schedules (layer stack) and megatron-core BERT,
+# with the simulator's predictions; report, chart and data in $(BENCH_OUT) (megatron-prt bench).
+BENCH_OUT ?= docs/benchmarks
+BENCH_FLAGS ?=
 bench: install
+	$(VENV)/bin/megatron-prt bench --out $(BENCH_OUT) $(BENCH_FLAGS)
+
+# Runtime speed vs the simulator, R = 1, 2, 4 on shared memory (benchmarks/runtime_speed.py).
+bench-runtime: install
 	$(PY) benchmarks/runtime_speed.py
 
 # BERT pretraining on 4 CPU ranks (torchrun, one thread each): PRT R=2 wave against 1F1B

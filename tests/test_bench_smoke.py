@@ -1,59 +1,168 @@
-"""benchmarks/vs_torch_pipelining.py runs end to end in its tiny --smoke mode (no timings
+"""``megatron-prt bench`` runs end to end in its tiny --smoke mode, both sections (no timings
 are checked: this machine is shared and timing is the benchmark's job, not a test's)."""
 
-import importlib.util
+import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_prt.bench.flags import add_flags, command_line, finish
+from megatron_prt.cli.main import main as cli
+
 pytest.importorskip("matplotlib")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_torch_pipelining.py"
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("vs_torch_pipelining", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    bench = _load_bench()
     out = tmp_path_factory.mktemp("bench")
-    bench.main(["--smoke", "--microbatches", "1,2", "--out", str(out)])
-    data = json.loads((out / "vs_torch_pipelining.json").read_text())
-    return bench, out, data
+    assert cli(["bench", "--smoke", "--microbatches", "1,2", "--out", str(out)]) == 0
+    return out
 
 
-def test_writes_report_chart_and_data(smoke_run):
-    bench, out, data = smoke_run
-    report = (out / "vs_torch_pipelining.md").read_text()
-    assert (out / "vs_torch_pipelining.png").read_bytes()[:4] == b"\x89PNG"
-    assert "--smoke --microbatches 1,2" in report
-    for cfg in bench.all_configs():
-        assert f"| {cfg.label} |" in report
+def _rows(out: Path, name: str, m: str) -> dict:
+    data = json.loads((out / f"{name}.json").read_text())
     assert sorted(data["rows"]) == ["1", "2"]
+    return {row["key"]: row for row in data["rows"][m]}
+
+
+@pytest.mark.parametrize("name", ["vs_torch_pipelining", "megatron_bert"])
+def test_writes_report_chart_and_data(smoke_run, name):
+    report = (smoke_run / f"{name}.md").read_text()
+    assert (smoke_run / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "megatron-prt bench --microbatches 1,2 --out " in report
+    assert "--smoke" in report and "Machine: " in report
+    assert report.count("## m = ") == 2
+
+
+def test_layer_stack_report_has_every_configuration(smoke_run):
+    from megatron_prt.bench.layer_stack import all_configs
+
+    report = (smoke_run / "vs_torch_pipelining.md").read_text()
+    for cfg in all_configs():
+        assert report.count(f"| {cfg.label} |") >= 2, cfg.label  # one row per m
+
+
+def test_bert_report_has_every_configuration(smoke_run):
+    from megatron_prt.bench.bert import labels
+
+    report = (smoke_run / "megatron_bert.md").read_text()
+    for label in labels():
+        assert report.count(f"| {label} |") == 2, label
+    rows = _rows(smoke_run, "megatron_bert", "2")
+    for label in labels():
+        row = rows[label]
+        assert row["sim_s"] > 0 and len(row["samples_s"]) == 1
+        assert len(row["peak_bytes"]) == 2 and min(row["peak_bytes"]) > 0
+        assert row["wire_class"] == "ShmTransport"
+    assert rows["PRT 1F1B (R=1)"]["vs_1f1b"] == 1.0
+
+
+@pytest.mark.parametrize("m", ["1", "2"])
+def test_bert_rows_train_the_same_model(smoke_run, m):
+    """Every variant loads the same weights by global name and sees the same data: the
+    losses agree to float32 rounding (only the stage split differs)."""
+    rows = _rows(smoke_run, "megatron_bert", m).values()
+    losses = [row["mean_loss"] for row in rows if "na" not in row]
+    assert len(losses) >= 4
+    assert max(losses) - min(losses) <= 1e-5 * abs(max(losses))
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("vs_torch_pipelining", "PRT wave/bi R=2 [gloo]"),
+        ("vs_torch_pipelining", "PRT wave/bi R=2 [shm]"),
+        ("megatron_bert", "PRT wave/bi R=2"),
+    ],
+)
+def test_bi_predictions_include_the_calibrated_replica_sum(smoke_run, name, key):
+    data = json.loads((smoke_run / f"{name}.json").read_text())
+    cals = data["replica"].values() if name == "vs_torch_pipelining" else [data["replica"]]
+    for cal in cals:  # two timed points, the larger one reproduced by the fit
+        (small, large), (_, seconds) = cal["bytes"], cal["seconds"]
+        assert 0 < small < large
+        fitted = large * (cal["wire_s_per_byte"] + cal["add_s_per_byte"]) + cal["latency_s"]
+        assert fitted == pytest.approx(seconds, rel=1e-6)
+    row = {r["key"]: r for r in data["rows"]["2"]}[key]
+    assert row["sim_replica_s"] > 0
+    assert row["sim_s"] == pytest.approx(row["sim_no_sum_s"] + row["sim_replica_s"])
+    for other in data["rows"]["2"]:  # uni rows: nothing to sum
+        assert "sim_replica_s" not in other or "bi" in other["label"]
+
+
+def test_bert_same_plan_same_memory_as_simulated(smoke_run):
+    """1F1B's measured peak per rank is what the simulator predicts from profiled bytes."""
+    row = _rows(smoke_run, "megatron_bert", "2")["PRT 1F1B (R=1)"]
+    for measured, simulated in zip(row["peak_bytes"], row["sim_peak_bytes"], strict=True):
+        assert measured == pytest.approx(simulated, rel=0.1)
 
 
 def test_refusals_are_reported_not_raised(smoke_run):
-    _, _, data = smoke_run
-    rows = {row["key"]: row for row in data["rows"]["1"]}
+    rows = _rows(smoke_run, "vs_torch_pipelining", "1")
     assert rows["torch Schedule1F1B (1/rank) [gloo]"]["na"].startswith("n/a: ")
     assert rows["PRT wave/bi R=2 [shm]"]["na"].startswith("n/a: ")
     assert "median_s" in rows["torch ScheduleZBVZeroBubble (2/rank) [gloo]"]
+    assert _rows(smoke_run, "megatron_bert", "1")["PRT wave/bi R=2"]["na"].startswith("n/a: ")
 
 
 def test_same_schedule_same_memory_on_both_runtimes(smoke_run):
     """The meter hooked into torch's PipelineStage counts what PipelineRuntime counts: the
     same 1F1B order holds the same bytes on every rank."""
-    _, _, data = smoke_run
-    rows = {row["key"]: row for row in data["rows"]["2"]}
+    rows = _rows(smoke_run, "vs_torch_pipelining", "2")
     prt = rows["PRT 1F1B (R=1) [gloo]"]["peak_bytes"]
     assert prt == rows["torch Schedule1F1B (1/rank) [gloo]"]["peak_bytes"]
     assert prt == rows["PRT 1F1B (R=1) [shm]"]["peak_bytes"]
     assert min(prt) > 0
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return parser.parse_args(argv)
+
+
+def test_default_microbatches_cover_m_below_at_and_above_p():
+    args = finish(_args())
+    assert args.ranks == 2 and args.microbatches == [1, 2, 8]  # m < P, m = P, m = 4P
+
+
+def test_command_line_names_the_flags_that_differ():
+    args = _args("--reps", "5", "--model", "bert", "--no-keep-freed-memory")
+    assert command_line("megatron-prt bench", args) == (
+        "megatron-prt bench --model bert --reps 5 --no-keep-freed-memory"
+    )
+    assert command_line("megatron-prt bench", _args()) == "megatron-prt bench"
+
+
+def test_bad_flags_fail_before_any_rank_starts(capsys):
+    assert cli(["bench", "--microbatches", "1,x"]) == 2
+    assert "--microbatches" in capsys.readouterr().err
+
+
+def test_old_script_is_the_layer_stack_section():
+    help_text = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vs_torch_pipelining.py"), "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "--microbatches" in help_text and "--bert-layers" in help_text
+
+
+def test_replica_sum_fit_separates_latency_from_bandwidth():
+    from megatron_prt.bench.common import fit_replica_sum
+
+    # 2 ms + 1 ns per byte, of which 0.25 ns the add: two exact points give it back
+    line = [(n, 2e-3 + 1e-9 * n) for n in (1e4, 1e7)]
+    latency, wire, add = fit_replica_sum(*line, add_s_per_byte=0.25e-9)
+    assert (latency, wire, add) == pytest.approx((2e-3, 0.75e-9, 0.25e-9))
+    # noise: the small size slower than the line allows -> no negative latency, and the
+    # large size's time is still what the fit predicts
+    latency, wire, add = fit_replica_sum((1e4, 5e-3), (1e5, 1e-3), add_s_per_byte=1.0)
+    assert latency >= 0 and wire >= 0 and add >= 0
+    assert latency + 1e5 * (wire + add) == pytest.approx(1e-3)

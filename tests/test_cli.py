@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from megatron_prt.sim.simulate import simulate
+
 
 def test_plan_json_has_the_documented_keys(run_cli):
     code, out, _ = run_cli(
@@ -105,3 +107,84 @@ def test_partition_and_profile_are_subcommands(run_cli, tmp_path):
     assert "uniform" in out and "balanced" in out
     code, _, err = run_cli("profile", "--num-layers", 0)
     assert code == 2 and err.count("\n") == 1
+
+
+# -- the bi replica-gradient sum -----------------------------------------------------------
+def test_simulate_adds_the_replica_sync_to_bi(run_cli):
+    flags = ("simulate", "--pp", 2, "-m", 2, "--direction", "bi", "--fwd-time", 2, "--bwd-time", 4)
+    _, out, _ = run_cli(*flags, "--json")
+    base = json.loads(out)
+    code, out, _ = run_cli(*flags, "--replica-sync-time", 0.5, "--json")
+    data = json.loads(out)
+    assert code == 0 and base["makespan"] == pytest.approx(6.0)  # both ranks end at 6
+    assert data["makespan"] == pytest.approx(6.5) and data["replica_sync_time"] == 0.5
+    assert [r["replica_sync"] for r in data["per_rank"]] == [0.5, 0.5]
+    _, text, _ = run_cli(*flags, "--replica-sync-time", 0.5)
+    assert "replica sync    0.5 added to the makespan" in text and "replica_wait" in text
+    _, uni, _ = run_cli("simulate", "--pp", 2, "-m", 2, "--replica-sync-time", 0.5)
+    assert "replica" not in uni and "makespan        4.5" in uni
+
+
+def test_compare_shows_the_replica_sync_column_when_it_costs(run_cli):
+    _, free, _ = run_cli("compare", "--pp", 4, "-m", 8, "--reuse", 2)
+    code, paid, _ = run_cli("compare", "--pp", 4, "-m", 8, "--reuse", 2, "--replica-sync-time", 1)
+    assert code == 0 and "replica sync" not in free and "replica sync" in paid
+    rows = {line.split("  ")[0].strip(): line.split() for line in paid.splitlines()}
+    free_rows = {line.split("  ")[0].strip(): line.split() for line in free.splitlines()}
+    bi, uni = "PRT loop/bi R=2", "PRT loop/uni R=2"
+    # label (3 words), makespan, bubble, vs 1F1B, replica sync, ...
+    assert rows[uni][6] == "-" and rows[uni][3] == free_rows[uni][3]  # makespan unchanged
+    assert float(rows[bi][6]) > 0 and float(rows[bi][3]) > float(free_rows[bi][3])
+
+
+# -- which plan is predicted ---------------------------------------------------------------
+UNEQUAL = {"layers": [{"fwd": 3.0, "bwd": 6.0}] + [{"fwd": 1.0, "bwd": 2.0}] * 3}
+
+
+@pytest.mark.parametrize(
+    "flags, costs",
+    [
+        (["--pp", 2, "--reuse", 2, "-m", 3], {**UNEQUAL, "p2p_latency": 0.3}),
+        (["--pp", 2, "--reuse", 2, "-m", 5, "--direction", "bi"], UNEQUAL),
+    ],
+)
+def test_simulate_predicts_the_plan_the_runtime_runs(run_cli, tmp_path, flags, costs):
+    """The runtime's callers (the megatron integration, the examples) build
+    ``build_plan(placement, m, schedule)``; ``--plan-from-costs`` plans for the costs."""
+    from megatron_prt.core import Placement, Plan, build_plan
+    from megatron_prt.sim.cost import CostModel
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(costs))
+    args = ["plan", *flags, "--costs", path, "--format", "json"]
+    placement = Placement(2, 2, "loop", "bi" if "bi" in flags else "uni")
+    m = flags[flags.index("-m") + 1]
+    runtime_plan = build_plan(placement, m, "prt")
+    cost_plan = build_plan(placement, m, "prt", CostModel.from_dict(costs).stage_times(placement))
+    assert runtime_plan.ranks != cost_plan.ranks  # the case tells the two apart
+    _, out, _ = run_cli(*args)
+    assert Plan.from_json(out) == runtime_plan
+    _, out, _ = run_cli(*args, "--plan-from-costs")
+    assert Plan.from_json(out) == cost_plan
+    _, out, _ = run_cli("simulate", *flags, "--costs", path, "--json")
+    cost = CostModel.from_dict(costs)
+    assert json.loads(out)["makespan"] == pytest.approx(simulate(runtime_plan, cost).makespan)
+
+
+def test_the_megatron_integration_plans_for_equal_stages():
+    """``megatron_prt.megatron.schedule`` calls ``build_plan(placement, m, schedule=...)``
+    without stage times: the plan ``simulate`` predicts by default."""
+    import ast
+    import pathlib
+
+    import megatron_prt
+
+    source = pathlib.Path(megatron_prt.__file__).parent / "megatron" / "schedule.py"
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "build_plan"
+    ]
+    assert calls, "the megatron integration no longer calls build_plan"
+    for call in calls:
+        assert len(call.args) <= 2 and {k.arg for k in call.keywords} <= {"schedule"}

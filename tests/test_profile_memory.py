@@ -26,7 +26,7 @@ from megatron_prt.sim.simulate import simulate
 
 H, B, LAYERS, M = 32, 4, 8, 4
 F64 = 8  # bytes per float64 element
-COST_KEYS = {"fwd", "bwd", "act", "param"}
+COST_KEYS = {"fwd", "bwd", "act", "param", "grad"}
 
 
 def _mlp_layer(i: int) -> torch.nn.Module:
@@ -197,6 +197,7 @@ def test_profile_model_gives_the_cost_json():
         "bwd_time",
         "activation_bytes",
         "param_bytes",
+        "grad_bytes",
     }
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     assert len(costs["layers"]) == 3
@@ -213,6 +214,7 @@ def test_profile_model_gives_the_cost_json():
     # 12 h^2 + 13 h parameters per layer, 16 bytes each (fp32 param, grad, two Adam moments)
     assert all(layer["param"] == (12 * h * h + 13 * h) * 16 for layer in costs["layers"])
     assert costs["embedding"]["param"] == (VOCAB + SEQ) * h * 16
+    assert all(p["grad"] * 16 == p["param"] * 4 for p in parts)  # fp32 grads: 4 of the 16
     assert costs["head"]["param"] == (2 * h + VOCAB * h) * 16  # final LN + tied output copy
     assert costs["embedding"]["act"] == b * s * 8 + s * 8  # int64 token and position ids
     assert costs["message_bytes"] == s * b * h * f32
@@ -221,6 +223,7 @@ def test_profile_model_gives_the_cost_json():
         ("bwd_time", "bwd"),
         ("activation_bytes", "act"),
         ("param_bytes", "param"),
+        ("grad_bytes", "grad"),
     ):
         assert costs[total] == pytest.approx(sum(p[key] for p in parts))
     assert json.loads(json.dumps(costs)) == costs

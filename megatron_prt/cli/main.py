@@ -12,6 +12,7 @@ from ..core.lower import lower
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.plan import Plan
 from ..core.schedules import SCHEDULES, build_plan
+from ..core.timing import StageTimes
 from ..core.validate import validate
 from ..sim.cost import CostModel
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
@@ -36,21 +37,41 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fwd-time", type=float, default=None, help="forward time (default 1)")
     g.add_argument("--bwd-time", type=float, default=None, help="backward time (default 2)")
     g.add_argument("--p2p-time", type=float, default=None, help="time of one p2p hop (default 0)")
+    g.add_argument(
+        "--replica-sync-time",
+        type=float,
+        default=None,
+        help="bi: time two mirrored ranks take to exchange and sum their replica gradients "
+        "after the step (the cost file's replica_latency; default 0)",
+    )
     g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
+    p.add_argument(
+        "--plan-from-costs",
+        action="store_true",
+        help="plan from the costs' stage and message times instead of equal stages and free "
+        "messages; the runtime and the megatron integration do not run such a plan, so by "
+        "default the prediction is for the plan they run",
+    )
 
 
 def _cost(args) -> CostModel:
     data = CostModel.load(args.costs).to_dict() if args.costs else {}
-    if data.get("p2p_bandwidth") is None:
-        data.pop("p2p_bandwidth", None)
     for flag, key in (
         ("fwd_time", "fwd_time"),
         ("bwd_time", "bwd_time"),
         ("p2p_time", "p2p_latency"),
+        ("replica_sync_time", "replica_latency"),
     ):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     return CostModel.from_dict(data)
+
+
+def planning_times(args, cost: CostModel, placement: Placement) -> StageTimes | None:
+    """Stage times the plan is built for: ``None`` (equal stages, free messages, as
+    :class:`megatron_prt.runtime.PipelineRuntime` users and the megatron integration call
+    :func:`build_plan`) unless ``--plan-from-costs``."""
+    return cost.stage_times(placement) if args.plan_from_costs else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,12 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     partition.add_parser(sub).set_defaults(func=partition.run)
     profile.add_parser(sub)
+
+    from . import bench  # measured benchmark (torch loads only when it runs)
+
+    bench.add_parser(sub)
     return parser
 
 
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
-    plan = build_plan(placement, args.microbatches, args.schedule, cost.stage_times(placement))
+    times = planning_times(args, cost, placement)
+    plan = build_plan(placement, args.microbatches, args.schedule, times)
     validate(plan)
     return plan
 
@@ -96,7 +122,7 @@ def cmd_plan(args) -> int:
     cost = _cost(args)
     plan = _make_plan(args, cost)
     if args.lowered:
-        plan = lower(plan, cost.stage_times(plan.placement))
+        plan = lower(plan, planning_times(args, cost, plan.placement))
         validate(plan)
     fmt = args.format
     if fmt == "png":
@@ -151,19 +177,28 @@ def _plan_text(plan: Plan, cost: CostModel) -> str:
 
 
 def _metrics_text(result: SimResult) -> str:
+    bi = result.plan.placement.direction == "bi"
     rows = [
         _title(result.plan, result),
         f"makespan        {result.makespan:.6g}",
         f"bubble fraction {result.bubble_fraction:.4f}",
         f"p2p messages    {result.p2p_messages}  ({result.p2p_bytes:.6g} bytes)",
-        "",
-        "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes",
     ]
-    for r in result.per_rank:
+    if bi:
         rows.append(
-            f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
-            f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:.6g}"
+            f"replica sync    {result.replica_sync_time:.6g} added to the makespan  "
+            f"({result.replica_bytes:.6g} gradient bytes sent)"
         )
+    header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
+    rows += ["", header + ("     replica_wait  replica_sync" if bi else "")]
+    for r in result.per_rank:
+        row = (
+            f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
+            f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:<11.6g}"
+        )
+        if bi:
+            row += f"  {r.replica_wait:<13.6g} {r.replica_sync:.6g}"
+        rows.append(row.rstrip())
     return "\n".join(rows)
 
 
@@ -193,7 +228,8 @@ def cmd_compare(args) -> int:
     results = []
     for label, placement, schedule in compare_variants(args.pp, args.reuse):
         try:
-            plan = build_plan(placement, args.microbatches, schedule, cost.stage_times(placement))
+            times = planning_times(args, cost, placement)
+            plan = build_plan(placement, args.microbatches, schedule, times)
         except ConfigError as exc:
             results.append((label, None, str(exc)))
             continue
@@ -209,6 +245,7 @@ def cmd_compare(args) -> int:
         ]
         print(json.dumps(out, indent=1))
         return 0
+    sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
     print(
         f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
         f"hop={cost.hop_time:g}   (activation memory in units of one micro-batch through the"
@@ -216,7 +253,8 @@ def cmd_compare(args) -> int:
     )
     header = (
         f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
-        f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
+        + (f"{'replica sync':>12} " if sync else "")
+        + f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
     )
     print(header)
     print("-" * len(header))
@@ -226,9 +264,12 @@ def cmd_compare(args) -> int:
             continue
         peaks = [r.peak_activation_bytes / cost.activation_bytes for r in res.per_rank]
         ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
+        bi = res.plan.placement.direction == "bi"
         print(
             f"{label:<22} {res.makespan:>9.4g} {res.bubble_fraction:>7.1%} "
-            f"{base / res.makespan:>7.3f}x {max(peaks):>12.3f} {ratio:>7.2f}  "
+            f"{base / res.makespan:>7.3f}x "
+            + ((f"{res.replica_sync_time:>12.4g} " if bi else f"{'-':>12} ") if sync else "")
+            + f"{max(peaks):>12.3f} {ratio:>7.2f}  "
             + " ".join(f"{p:.2f}" for p in peaks)
         )
     return 0

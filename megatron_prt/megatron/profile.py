@@ -9,10 +9,10 @@ head (final layer norm, output layer, cross-entropy and loss function; for BERT 
 LM head, pooler and binary head: what the last stage adds). The result is the cost JSON
 the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`)::
 
-    {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes}, ...],
-     "embedding": {...the same four keys}, "head": {...},
+    {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes}, ...],
+     "embedding": {...the same five keys}, "head": {...},
      "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
-     "activation_bytes": bytes, "param_bytes": bytes}
+     "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes}
 
 * ``fwd`` / ``bwd``: seconds, median over ``reps`` passes (after one warm-up pass), timed by
   hooks at the part boundaries (forward hooks on the embedding and the layers; gradient
@@ -34,6 +34,8 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
   :func:`state_bytes_per_param` (megatron's Adam without distributed optimizer). With tied
   embeddings the head also counts the output weight (vocab x hidden): in a pipeline the
   last stage keeps its own copy of the word embedding.
+* ``grad``: the gradient bytes alone, ``parameters *`` :func:`grad_bytes_per_param` (what
+  direction ``bi`` sums between the two weight replicas of a stage).
 * ``message_bytes``: one activation between stages, ``seq * mbs * hidden * dtype size``.
 * the totals are the whole model (layers, embedding and head), one micro-batch.
 
@@ -88,6 +90,16 @@ def state_bytes_per_param(dtype: torch.dtype) -> int:
     table = {torch.float32: 16, torch.bfloat16: 18, torch.float16: 16, torch.float64: 32}
     if dtype not in table:
         raise ValueError(f"no parameter-state size for {dtype}; known: {sorted(map(str, table))}")
+    return table[dtype]
+
+
+def grad_bytes_per_param(dtype: torch.dtype) -> int:
+    """Bytes of one parameter's gradient as training accumulates it (``main_grad``): fp32
+    for float32 and bfloat16 parameters, the parameter's own size for float16 and float64
+    (the gradient rows of :func:`state_bytes_per_param`)."""
+    table = {torch.float32: 4, torch.bfloat16: 4, torch.float16: 2, torch.float64: 8}
+    if dtype not in table:
+        raise ValueError(f"no gradient size for {dtype}; known: {sorted(map(str, table))}")
     return table[dtype]
 
 
@@ -151,8 +163,15 @@ def profile_model(
             parts.remove()
         params = _param_counts(model, parts)
     per_param = bytes_per_param or state_bytes_per_param(torch_dtype)
+    grad_per_param = grad_bytes_per_param(torch_dtype)
     costs = {
-        name: {"fwd": fwd[name], "bwd": bwd[name], "act": act[name], "param": n * per_param}
+        name: {
+            "fwd": fwd[name],
+            "bwd": bwd[name],
+            "act": act[name],
+            "param": n * per_param,
+            "grad": n * grad_per_param,
+        }
         for name, n in params.items()
     }
     layers = [costs[i] for i in range(layers_built)]
@@ -190,6 +209,7 @@ def _with_totals(layers: list[dict], embedding: dict, head: dict, message_bytes:
         "bwd_time": sum(p["bwd"] for p in parts),
         "activation_bytes": sum(p["act"] for p in parts),
         "param_bytes": sum(p["param"] for p in parts),
+        "grad_bytes": sum(p["grad"] for p in parts),
     }
 
 

@@ -25,18 +25,43 @@ adds its time, activation and parameter bytes to that stage on top of the stage'
 
 Per entry: ``fwd``/``bwd`` the forward/backward time of one micro-batch, ``act`` the
 activation bytes one micro-batch keeps from its forward until its backward, ``param`` the
-bytes the weights cost while training (weights, gradients and optimizer state). Every key
-but ``fwd`` and ``bwd`` is optional; ``p2p_bandwidth`` ``null`` (or absent) means free.
+bytes the weights cost while training (weights, gradients and optimizer state), ``grad``
+the bytes of the gradients alone (what direction ``bi`` sums between the two replicas).
+Every key but ``fwd`` and ``bwd`` is optional; ``p2p_bandwidth`` ``null`` (or absent)
+means free.
+
+Replica-gradient sum (direction ``bi`` only). After the iteration's last backward, every
+rank sums its stages' gradients with their replicas on the mirrored rank ``P-1-r``
+(:mod:`megatron_prt.runtime.replicas`): each of the two ranks sends the gradients of all
+its stages and adds what it receives. The exchange of a rank pair starts when both have
+finished their step and costs both of them::
+
+    replica_latency + sent_bytes / replica_bandwidth + sent_bytes / replica_add_bandwidth
+
+where ``sent_bytes`` is the sum of ``grad`` over the rank's stages (the same both ways).
+With odd P the middle rank holds both replicas of its stages and only adds (no latency, no
+transfer). All three default to free, which leaves every prediction without the sum::
+
+    {"fwd_time": 3.0, "bwd_time": 6.0, "param_bytes": 1.6e9, "grad_bytes": 4e8,
+     "replica_latency": 0.02, "replica_bandwidth": 2e10, "replica_add_bandwidth": 5e10}
+
+``grad`` (``grad_bytes`` for the whole model) defaults to ``param / 4``
+(:data:`PARAM_BYTES_PER_GRAD_BYTE`): ``param`` counts 16 bytes per parameter in fp32 Adam
+(weight, gradient and two moments, 4 bytes each), of which the gradient is 4.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
+
+# fp32 Adam keeps weight, gradient and two moments (4 bytes each) per parameter: the
+# gradient is a quarter of ``param``. Used where no ``grad`` bytes are given.
+PARAM_BYTES_PER_GRAD_BYTE = 4.0
 
 
 @dataclass(frozen=True)
@@ -48,12 +73,26 @@ class LayerCost:
     bwd: float
     act: float = 0.0  # activation bytes kept for backward, one micro-batch
     param: float = 0.0  # parameter (+ grad + optimizer state) bytes
+    grad: float | None = None  # gradient bytes; None: param / PARAM_BYTES_PER_GRAD_BYTE
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "bwd", "act", "param"):
+        for name in ("fwd", "bwd", "act", "param", "grad"):
             value = getattr(self, name)
+            if name == "grad" and value is None:
+                continue
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"layer cost {name} must be a number >= 0, got {value!r}")
+
+    @property
+    def grad_bytes(self) -> float:
+        """Gradient bytes: ``grad``, or the fp32-Adam share of ``param`` when not given."""
+        return self.param / PARAM_BYTES_PER_GRAD_BYTE if self.grad is None else self.grad
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if self.grad is None:  # absent rather than null: older readers accept it
+            del data["grad"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> LayerCost:
@@ -64,7 +103,7 @@ class LayerCost:
         if set(data) - known or not {"fwd", "bwd"} <= set(data):
             raise ConfigError(
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
-                "act and param"
+                "act, param and grad"
             )
         return cls(**data)
 
@@ -83,6 +122,10 @@ class CostModel:
     stage_layers: tuple[int, ...] = field(default=())
     embedding: LayerCost | None = None  # on model stage 0, on top of its layers
     head: LayerCost | None = None  # LM head + loss, on model stage D-1
+    grad_bytes: float | None = None  # whole model (one replica); None: param_bytes / 4
+    replica_latency: float = 0.0  # bi: per exchange between two mirrored ranks
+    replica_bandwidth: float = math.inf  # bi: gradient bytes per time unit, each way
+    replica_add_bandwidth: float = math.inf  # bi: received gradient bytes summed per time unit
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,11 +135,15 @@ class CostModel:
             "p2p_cpu",
             "activation_bytes",
             "param_bytes",
+            "replica_latency",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cost {name} must be >= 0, got {getattr(self, name)}")
-        if self.p2p_bandwidth <= 0:
-            raise ConfigError("cost p2p_bandwidth must be > 0")
+        if self.grad_bytes is not None and self.grad_bytes < 0:
+            raise ConfigError(f"cost grad_bytes must be >= 0, got {self.grad_bytes}")
+        for name in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"cost {name} must be > 0")
         if self.stage_layers and min(self.stage_layers) < 0:
             raise ConfigError(f"stage_layers must be counts >= 0, got {list(self.stage_layers)}")
         if self.stage_layers and sum(self.stage_layers) != len(self.layers):
@@ -108,6 +155,37 @@ class CostModel:
     @property
     def hop_time(self) -> float:
         return self.p2p_latency + self.message_bytes / self.p2p_bandwidth
+
+    @property
+    def whole_grad_bytes(self) -> float:
+        """``grad_bytes``, or the fp32-Adam share of ``param_bytes`` when not given."""
+        if self.grad_bytes is None:
+            return self.param_bytes / PARAM_BYTES_PER_GRAD_BYTE
+        return self.grad_bytes
+
+    @property
+    def has_replica_cost(self) -> bool:
+        """Whether the bi replica-gradient sum takes any time."""
+        return bool(
+            self.replica_latency
+            or not math.isinf(self.replica_bandwidth)
+            or not math.isinf(self.replica_add_bandwidth)
+        )
+
+    def without_replica_sync(self) -> CostModel:
+        """This cost model with a free replica-gradient sum."""
+        return replace(
+            self, replica_latency=0.0, replica_bandwidth=math.inf, replica_add_bandwidth=math.inf
+        )
+
+    def replica_sync_time(self, sent_bytes: float, added_bytes: float, remote: bool) -> float:
+        """Time one rank spends on the bi replica-gradient sum: ``replica_latency`` when its
+        replicas are on another rank (``remote``), ``sent_bytes`` (also received) over
+        ``replica_bandwidth``, ``added_bytes`` summed at ``replica_add_bandwidth``."""
+        latency = self.replica_latency if remote else 0.0
+        return (
+            latency + sent_bytes / self.replica_bandwidth + added_bytes / self.replica_add_bandwidth
+        )
 
     def layer_counts(self, depth: int) -> tuple[int, ...]:
         if self.stage_layers:
@@ -162,14 +240,21 @@ class CostModel:
     def stage_param_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.param_bytes, "param")
 
+    def stage_grad_bytes(self, placement: Placement) -> tuple[float, ...]:
+        """Gradient bytes of each model stage ``0..D-1`` (one replica)."""
+        return self._per_stage(placement.depth, self.whole_grad_bytes, "grad_bytes")
+
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["layers"] = [asdict(layer) for layer in self.layers]
+        data["layers"] = [layer.to_dict() for layer in self.layers]
         data["stage_layers"] = list(self.stage_layers)
-        for end in ("embedding", "head"):  # absent rather than null: older readers accept it
-            if data[end] is None:
-                del data[end]
+        for end in ("embedding", "head"):
+            part = getattr(self, end)
+            data[end] = None if part is None else part.to_dict()
+        for key, default in _OPTIONAL_KEYS.items():  # absent: older readers accept the file
+            if data[key] == default:
+                del data[key]
         if math.isinf(self.p2p_bandwidth):
             data["p2p_bandwidth"] = None
         return data
@@ -189,11 +274,24 @@ class CostModel:
         for end in ("embedding", "head"):
             if data.get(end) is not None:
                 data[end] = LayerCost.from_dict(data[end], end)
-        if data.get("p2p_bandwidth") is None:
-            data.pop("p2p_bandwidth", None)
+        for key in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
+            if data.get(key) is None:  # null: free
+                data.pop(key, None)
         return cls(**data)
 
     @classmethod
     def load(cls, path: str) -> CostModel:
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+# Keys :meth:`CostModel.to_dict` leaves out at these values, so that a file without them
+# still reads in versions that do not know them.
+_OPTIONAL_KEYS = {
+    "embedding": None,
+    "head": None,
+    "grad_bytes": None,
+    "replica_latency": 0.0,
+    "replica_bandwidth": math.inf,
+    "replica_add_bandwidth": math.inf,
+}

@@ -25,9 +25,10 @@ costs. On one rank the order also fixes which (stage, micro-batch) activations a
 after every forward, so a rank's peak is the largest of a few in-flight count vectors
 dotted with its stages' activation sizes: the simulator's accounting (a forward allocates
 at its start, a backward frees at its end), without re-simulating. Every answer is checked
-with :func:`megatron_prt.sim.simulate.simulate`. (``megatron-prt simulate --costs`` builds
-its plan from the cost's stage times instead, so for unequal stages its makespan can
-differ a little from the one predicted here.)
+with :func:`megatron_prt.sim.simulate.simulate`, which ``megatron-prt simulate --costs``
+runs on the same plan (unless ``--plan-from-costs``). The bi replica-gradient sum
+(``replica_*`` costs) is left out, of the search and of the makespans reported: it comes
+after the step and depends on the partition only through the gradient bytes per rank.
 
 Zero-layer stages. With ``L >= D`` every stage keeps at least one layer, except that the
 embedding stage 0 and the head stage ``D-1`` may hold no transformer layer (the embedding
@@ -241,7 +242,8 @@ def _check_request(cost: CostModel, budget_bytes: float | None, slack: float) ->
 
 
 def _stats(plan: Plan, cost: CostModel, counts: Sequence[int]) -> PartitionStats:
-    result = simulate(plan, replace(cost, stage_layers=tuple(counts)))
+    """Simulated without the bi replica-gradient sum, like the search (module docstring)."""
+    result = simulate(plan, replace(cost.without_replica_sync(), stage_layers=tuple(counts)))
     return PartitionStats(tuple(counts), result.makespan, result.per_rank)
 
 

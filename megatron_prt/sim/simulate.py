@@ -4,17 +4,23 @@ Semantics: each rank runs its compute actions in plan order; an action starts wh
 is free and every producer has finished (plus one hop time per cross-rank edge). A forward
 allocates its stage's activation bytes when it starts; the backward frees them when it ends.
 Communication overlaps compute (a hop delays the consumer, not the sender).
+
+Direction ``bi`` ends with the replica-gradient sum (:mod:`megatron_prt.sim.replica_sync`):
+each rank pair starts it once both have finished their compute, and the makespan is the
+last rank's end of it. It is free unless the cost model sets the ``replica_*`` costs; its
+time counts as idle (not busy) in the per-rank stats and the bubble fraction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.actions import Op
 from ..core.deps import consumers_map
 from ..core.plan import Plan
 from ..core.replay import Timeline, replay
 from .cost import CostModel
+from .replica_sync import ReplicaSync, replica_syncs
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,9 @@ class RankStats:
     peak_inflight: int  # most (stage, mb) activations held at once
     peak_activation_bytes: float
     param_bytes: float  # weights of the stages (and replicas) on this rank
+    replica_wait: float = 0.0  # bi: from its last compute until its mirrored rank's
+    replica_sync: float = 0.0  # bi: exchanging and adding replica gradients
+    replica_bytes: float = 0.0  # bi: gradient bytes sent to the mirrored rank (and received)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -39,6 +48,8 @@ class SimResult:
     per_rank: tuple[RankStats, ...]
     p2p_messages: int
     p2p_bytes: float
+    replica_sync_time: float = 0.0  # bi: what the replica-gradient sum adds to the makespan
+    replica_bytes: float = 0.0  # bi: gradient bytes all ranks send to their mirrored ranks
 
     def to_dict(self) -> dict:
         return {
@@ -47,29 +58,53 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction,
             "p2p_messages": self.p2p_messages,
             "p2p_bytes": self.p2p_bytes,
+            "replica_sync_time": self.replica_sync_time,
+            "replica_bytes": self.replica_bytes,
             "per_rank": [r.to_dict() for r in self.per_rank],
         }
 
 
 def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
+    """Simulate ``plan`` (compute-only or lowered) under ``cost`` (default: forward 1,
+    backward 2 for the whole model, free communication). Times in the cost's unit."""
     cost = cost or CostModel()
     placement = plan.placement
     timeline = replay(plan, cost.stage_times(placement))
     act_bytes = cost.stage_activation_bytes(placement)
     param_bytes = cost.stage_param_bytes(placement)
-    makespan = timeline.makespan
+    acts = [plan.compute_actions(rank) for rank in range(placement.ranks)]
+    ready = [max((timeline.end[a] for a in mine), default=0.0) for mine in acts]
+    syncs = replica_syncs(placement, cost, ready)
+    makespan = max([timeline.makespan, *(sync.end for sync in syncs)])
     stats = []
-    for rank in range(placement.ranks):
-        acts = plan.compute_actions(rank)
-        busy = sum(timeline.end[a] - timeline.start[a] for a in acts)
-        peak_n, peak_b = _peak_memory(acts, timeline, act_bytes)
+    for rank, mine in enumerate(acts):
+        busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
+        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
-        stats.append(RankStats(rank, busy, makespan - busy, peak_n, peak_b, params))
+        stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
+        stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
     total_busy = sum(s.busy for s in stats)
     bubble = 1.0 - total_busy / (placement.ranks * makespan) if makespan > 0 else 0.0
     messages = _count_messages(plan, timeline)
     return SimResult(
-        plan, timeline, makespan, bubble, tuple(stats), messages, messages * cost.message_bytes
+        plan,
+        timeline,
+        makespan,
+        bubble,
+        tuple(stats),
+        messages,
+        messages * cost.message_bytes,
+        makespan - timeline.makespan,
+        sum(sync.sent_bytes for sync in syncs),
+    )
+
+
+def _with_sync(stat: RankStats, sync: ReplicaSync) -> RankStats:
+    return replace(
+        stat,
+        replica_wait=sync.start - sync.ready,
+        replica_sync=sync.end - sync.start,
+        replica_bytes=sync.sent_bytes,
     )
 
 
