@@ -33,6 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
 from itertools import pairwise
+from pathlib import Path
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.plan import Plan
@@ -77,12 +78,21 @@ LINKS = {
     "nvswitch": Link("nvswitch", "NVSwitch, 6 NVLink 2.0 links (150 GB/s, 10 us)", 150e9, 10e-6),
     "pcie": Link("pcie", "PCIe 3.0 x16 (15.75 GB/s, 20 us)", 15.75e9, 20e-6),
     "free": Link("free", "free (no communication cost)", math.inf, 0.0),
+    "nvlink4": Link(
+        "nvlink4", "NVLink 4 through NVSwitch, 18 links (450 GB/s, 10 us)", 450e9, 10e-6
+    ),
+    "pcie5": Link("pcie5", "PCIe 5.0 x16 (63 GB/s, 20 us)", 63.0e9, 20e-6),
 }
 MAIN_LINK = "nvlink"
 SENSITIVITY_LINKS = ("free", "nvswitch", "nvlink", "pcie")
+V100_LINKS = ("nvlink", "nvswitch", "pcie", "free")
+H200_MAIN_LINK = "nvlink4"
+H200_LINKS = ("free", "nvlink4", "pcie5")
 
 V100_PEAK_FLOPS = 125e12  # FP16 tensor-core peak, FLOP/s (NVIDIA)
 V100_MEMORY = 32 * GIB  # V100 SXM2 32GB (the DGX-1 32G of the calibration runs)
+H200_MEMORY = 141e9  # H200 SXM 141 GB HBM3e (NVIDIA)
+H200_HBM_BANDWIDTH = 4.8e12  # bytes/s (NVIDIA); summing replica gradients reads 2, writes 1
 
 
 # -- models: units of FLOPs and bytes -----------------------------------------------------------
@@ -416,6 +426,113 @@ def cost_model(model: Model, placement: Placement, link: Link) -> CostModel:
     )
 
 
+# -- H200: per-layer costs profiled on a GPU -----------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+BF16_STATE_BYTES = 18  # the profile's param: bf16 weight 2 + fp32 main grad, main weight, 2 moments
+BF16_GRAD_BYTES = 4  # fp32 main_grad: what megatron-core's DDP accumulates and what bi sums
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A cost file written by ``megatron-prt profile`` on one H200 for the BERT of ``shape``;
+    ``v100`` names the FLOP model of the same shape, ``path`` is relative to the repo."""
+
+    name: str
+    v100: str
+    shape: BertShape
+    path: str
+
+    @property
+    def command(self) -> str:
+        c = self.shape
+        return (
+            f"megatron-prt profile --model bert --num-layers {c.layers} --hidden-size "
+            f"{c.hidden} --num-attention-heads {c.heads} --seq-length {c.seq} "
+            f"--micro-batch-size {c.batch} --vocab-size {c.vocab} --bf16 --device cuda "
+            f"-o {self.path}"
+        )
+
+
+PROFILES = {
+    p.name: p
+    for p in (
+        Profile(
+            "BERT-base (H200)",
+            "BERT-base",
+            BERT_BASE,
+            "docs/benchmarks/costs/bert-base-h200-bf16.json",
+        ),
+        Profile(
+            "BERT-large (H200)",
+            "BERT-large",
+            BERT_LARGE,
+            "docs/benchmarks/costs/bert-large-h200-bf16.json",
+        ),
+    )
+}
+
+
+@cache
+def profiled(name: str) -> CostModel:
+    """The profile of ``name`` with times in ms and ``grad`` set on every part (the profile
+    predates the ``grad`` field: fp32 main grads, BF16_GRAD_BYTES / BF16_STATE_BYTES of
+    ``param``). Fails if the file is missing or does not describe the profile's shape."""
+    p = PROFILES[name]
+    path = REPO / p.path
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: H200 cost profile missing (it is committed; regenerate on a GPU with "
+            f"`{p.command}`)"
+        )
+    raw = CostModel.load(str(path))
+    c = p.shape
+    if len(raw.layers) != c.layers or raw.message_bytes != 2 * c.seq * c.batch * c.hidden:
+        raise ValueError(
+            f"{path}: {len(raw.layers)} layers, {raw.message_bytes:g}-byte messages; "
+            f"expected {c.layers} layers of bf16 {c.seq} x {c.batch} x {c.hidden} for {name}"
+        )
+
+    def in_ms(part: LayerCost) -> LayerCost:
+        grad = part.param * BF16_GRAD_BYTES / BF16_STATE_BYTES if part.grad is None else part.grad
+        return replace(part, fwd=1e3 * part.fwd, bwd=1e3 * part.bwd, grad=grad)
+
+    return replace(
+        raw,
+        fwd_time=1e3 * raw.fwd_time,
+        bwd_time=1e3 * raw.bwd_time,
+        layers=tuple(in_ms(u) for u in raw.layers),
+        embedding=in_ms(raw.embedding),
+        head=in_ms(raw.head),
+        grad_bytes=None,
+    )
+
+
+def state_bytes_per_param(name: str) -> float:
+    """The profile's ``param`` bytes of a transformer layer over its parameter count."""
+    return profiled(name).layers[0].param / bert_layer_params(PROFILES[name].shape)
+
+
+def profiled_cost(name: str, placement: Placement, link: Link, replica_sum: bool) -> CostModel:
+    """The profile on ``link``, the runtime's default even split of the layers. With
+    ``replica_sum`` (and a link that is not free) bi also pays the replica-gradient sum:
+    over the same link to the mirrored rank, the received gradients added at a third of
+    the H200's HBM bandwidth."""
+    cost = replace(
+        profiled(name),
+        p2p_latency=1e3 * link.latency,
+        p2p_bandwidth=link.bandwidth / 1e3,
+        stage_layers=uniform_layers(len(profiled(name).layers), placement.depth),
+    )
+    if not replica_sum or math.isinf(link.bandwidth):
+        return cost
+    return replace(
+        cost,
+        replica_latency=1e3 * link.latency,
+        replica_bandwidth=link.bandwidth / 1e3,
+        replica_add_bandwidth=H200_HBM_BANDWIDTH / 3 / 1e3,
+    )
+
+
 # -- variants and one simulation -----------------------------------------------------------------
 IDEAL = "uniform stages"  # pseudo-model: D equal stages, forward 1, backward 2 (whole model)
 IDEAL_LINK = "free"
@@ -457,12 +574,15 @@ def prt_variants(reuses: Sequence[int]) -> list[Variant]:
 
 @dataclass(frozen=True)
 class Job:
-    """One simulation: a model name (or :data:`IDEAL`), a :data:`LINKS` key, m, a variant."""
+    """One simulation: a model name (:func:`models`, :data:`PROFILES` or :data:`IDEAL`), a
+    :data:`LINKS` key, m, a variant; ``replica_sum``: bi pays the replica-gradient sum
+    (profiled models only)."""
 
     model: str
     link: str
     microbatches: int
     variant: Variant
+    replica_sum: bool = False
 
 
 @dataclass(frozen=True)
@@ -472,7 +592,8 @@ class Outcome:
     largest over smallest per-rank peak, ``hop_ms`` the time of one p2p hop, ``empty``
     model stages holding no layer, ``plan`` which plan was kept (see
     :func:`candidate_plans`), ``cost_aware_ms`` the makespan of the plan built for the real
-    costs (equal to ``ms`` unless the runtime's default plan was faster)."""
+    costs (equal to ``ms`` unless the runtime's default plan was faster), ``replica_ms``
+    what the bi replica-gradient sum adds to ``ms``."""
 
     job: Job
     ms: float
@@ -483,6 +604,7 @@ class Outcome:
     empty: int
     plan: str
     cost_aware_ms: float
+    replica_ms: float = 0.0
 
 
 @cache
@@ -494,6 +616,9 @@ def runtime_plan(placement: Placement, microbatches: int) -> Plan:
 def job_cost(job: Job) -> CostModel:
     if job.model == IDEAL:
         return CostModel()
+    if job.model in PROFILES:
+        link = LINKS[job.link]
+        return profiled_cost(job.model, job.variant.placement, link, job.replica_sum)
     return cost_model(models()[job.model], job.variant.placement, LINKS[job.link])
 
 
@@ -511,9 +636,21 @@ def candidate_plans(job: Job, cost: CostModel) -> list[tuple[str, Plan]]:
     return plans
 
 
-def run_job(job: Job) -> Outcome:
+def run_job(job: Job) -> list[tuple[Job, Outcome]]:
+    """The job's outcome; a bi job that pays the replica-gradient sum also gives the same
+    job without it, from the same plans (the sum changes no stage time, so no plan)."""
     cost = job_cost(job)
-    timed = [(simulate(plan, cost), name) for name, plan in candidate_plans(job, cost)]
+    plans = candidate_plans(job, cost)
+    out = [(job, best_outcome(job, cost, plans))]
+    free = cost.without_replica_sync()
+    if job.variant.direction == "bi" and free != cost:
+        unpaid = replace(job, replica_sum=False)
+        out.append((unpaid, best_outcome(unpaid, free, plans)))
+    return out
+
+
+def best_outcome(job: Job, cost: CostModel, plans: list[tuple[str, Plan]]) -> Outcome:
+    timed = [(simulate(plan, cost), name) for name, plan in plans]
     result, plan_name = min(timed, key=lambda t: t[0].makespan)
     peaks = [r.peak_activation_bytes + r.param_bytes for r in result.per_rank]
     cost_aware = timed[0][0].makespan  # the first candidate: textbook or cost-aware
@@ -527,15 +664,16 @@ def run_job(job: Job) -> Outcome:
         cost.layer_counts(job.variant.placement.depth).count(0) if cost.layers else 0,
         plan_name,
         cost_aware,
+        result.replica_sync_time,
     )
 
 
 def run_all(jobs: list[Job], workers: int) -> dict[Job, Outcome]:
     """Simulate every job, on ``workers`` processes (1: in this process)."""
     if workers <= 1:
-        return {job: run_job(job) for job in jobs}
+        return {j: o for job in jobs for j, o in run_job(job)}
     with ProcessPoolExecutor(workers) as pool:
-        return dict(zip(jobs, pool.map(run_job, jobs, chunksize=8), strict=True))
+        return {j: o for done in pool.map(run_job, jobs, chunksize=8) for j, o in done}
 
 
 # -- what the report asks for --------------------------------------------------------------------
@@ -563,14 +701,16 @@ class Comparison:
 class Results(dict):
     """Job -> Outcome, looked up by what the tables ask for."""
 
-    def at(self, name: str, link: str, m: int, variant: Variant) -> Outcome:
-        return self[Job(name, link, m, variant)]
+    def at(self, name: str, link: str, m: int, variant: Variant, replica_sum=False) -> Outcome:
+        return self[Job(name, link, m, variant, replica_sum)]
 
-    def compare(self, name: str, link: str, m: int, direction: str) -> Comparison:
+    def compare(
+        self, name: str, link: str, m: int, direction: str, replica_sum: bool = False
+    ) -> Comparison:
         here = [
             o
             for j, o in self.items()
-            if (j.model, j.link, j.microbatches) == (name, link, m)
+            if (j.model, j.link, j.microbatches, j.replica_sum) == (name, link, m, replica_sum)
             and j.variant.direction == direction
         ]
         base = next(o for o in here if o.job.variant.role == "baseline")
@@ -578,8 +718,10 @@ class Results(dict):
         ref = next((o for o in here if o.job.variant.role == "reference"), base)
         return Comparison(base, min(prts, key=lambda o: o.ms), ref, prts)
 
-    def gains(self, name: str, link: str, ms_: Sequence[int], direction: str) -> dict[int, float]:
-        return {m: self.compare(name, link, m, direction).gain for m in ms_}
+    def gains(
+        self, name: str, link: str, ms_: Sequence[int], direction: str, replica_sum=False
+    ) -> dict[int, float]:
+        return {m: self.compare(name, link, m, direction, replica_sum).gain for m in ms_}
 
 
 def crossings(gains: dict[int, float], target: float) -> list[float]:
@@ -603,8 +745,8 @@ def matching_m(gains: dict[int, float], target: float) -> str:
 
 
 # -- report --------------------------------------------------------------------------------------
-def fmt_gib(x: float) -> str:
-    flag = " (!)" if x * GIB > V100_MEMORY else ""
+def fmt_gib(x: float, limit: float = V100_MEMORY) -> str:
+    flag = " (!)" if x * GIB > limit else ""
     return f"{x:.1f}{flag}"
 
 
@@ -631,7 +773,7 @@ def model_rows(names: Sequence[str]) -> list[str]:
     return rows
 
 
-def main_table(results: Results, names, link: str, ms_) -> list[str]:
+def main_table(results: Results, names, link: str, ms_, replica_sum=False) -> list[str]:
     rows = [
         "| model | m | schedule | iteration ms | bubble | gain | reuse alone | vs 1F1B | "
         "hop ms | peak GiB/rank | max/min |",
@@ -639,9 +781,9 @@ def main_table(results: Results, names, link: str, ms_) -> list[str]:
     ]
     for name in names:
         for m in ms_:
-            one_f_one_b = results.compare(name, link, m, "uni").baseline.ms
+            one_f_one_b = results.compare(name, link, m, "uni", replica_sum).baseline.ms
             for direction in ("uni", "bi"):
-                c = results.compare(name, link, m, direction)
+                c = results.compare(name, link, m, direction, replica_sum)
                 rows.append(_outcome_row(c.baseline, "", "", one_f_one_b))
                 rows.append(
                     _outcome_row(c.best, f"**{pct(c.gain)}**", pct(c.reuse_gain), one_f_one_b)
@@ -657,7 +799,8 @@ def _outcome_row(o: Outcome, gain: str, reuse: str, one_f_one_b: float) -> str:
     return (
         f"| {o.job.model} | {o.job.microbatches} | {label} | {o.ms:.1f} | {o.bubble:.1%} | "
         f"{gain} | {reuse} | {one_f_one_b / o.ms:.3f}x | {o.hop_ms:.3f} | "
-        f"{fmt_gib(o.peak_gib)} | {o.balance:.2f} |"
+        f"{fmt_gib(o.peak_gib, H200_MEMORY if o.job.model in PROFILES else V100_MEMORY)} | "
+        f"{o.balance:.2f} |"
     )
 
 
@@ -668,7 +811,7 @@ def all_variants(reuses: Sequence[int]) -> list[Variant]:
     return [first, REFERENCE, *uni, chimera, *bi]
 
 
-def candidates_table(results: Results, names, link: str, ms_, reuses) -> list[str]:
+def candidates_table(results: Results, names, link: str, ms_, reuses, replica_sum=False):
     variants = all_variants(reuses)
     rows = [
         "| model | m | " + " | ".join(v.label for v in variants) + " |",
@@ -676,7 +819,7 @@ def candidates_table(results: Results, names, link: str, ms_, reuses) -> list[st
     ]
     for name in names:
         for m in ms_:
-            cells = [_ms_cell(results.at(name, link, m, v)) for v in variants]
+            cells = [_ms_cell(results.at(name, link, m, v, replica_sum)) for v in variants]
             rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
     return rows
 
@@ -755,7 +898,7 @@ def empty_stage_note(names: Sequence[str], reuses: Sequence[int]) -> str:
 
 def assumptions(s: Settings) -> list[str]:
     b, r = bert_calibration(), resnet_calibration()
-    link_lines = [f"  - `{k}`: {v.label}" for k, v in LINKS.items()]
+    link_lines = [f"  - `{k}`: {LINKS[k].label}" for k in V100_LINKS]
     return [
         "## Assumptions (all of them)",
         "",
@@ -836,9 +979,10 @@ def assumptions(s: Settings) -> list[str]:
         "order (uni: `R=1 loop/uni`; bi: Chimera-style, so equal to *gain*). *bubble* = "
         "idle share of P x iteration time, which includes idle time from unequal ranks, not "
         "only fill and drain.",
-        "- **Not modelled**: the optimizer step; the gradient all-reduce between the two "
-        "replicas of every bi stage (Chimera and PRT bi alike); data loading; kernel launch "
-        "gaps; smaller GEMMs running less efficiently; recomputation.",
+        "- **Not modelled**: the optimizer step; in the V100 rows the gradient sum between "
+        "the two replicas of every bi stage (Chimera and PRT bi alike; the H200 section "
+        "includes it); data loading; kernel launch gaps (the H200 profiles include their "
+        "own); smaller GEMMs running less efficiently (likewise); recomputation.",
     ]
 
 
@@ -850,12 +994,14 @@ class Settings:
     reuses: tuple[int, ...]
     sensitivity_links: tuple[str, ...]
     sensitivity_m: int
+    h200_names: tuple[str, ...] = tuple(PROFILES)
+    h200_links: tuple[str, ...] = H200_LINKS
 
 
 def settings_of(args) -> Settings:
     names = tuple(models())
     if args.quick:
-        return Settings(names, (8,), (8,), args.reuses, (), 8)
+        return Settings(names, (8,), (8,), args.reuses, (), 8, h200_links=(H200_MAIN_LINK,))
     curve = tuple(sorted(set(CURVE_MICROBATCHES) | set(args.microbatches)))
     return Settings(names, tuple(args.microbatches), curve, args.reuses, SENSITIVITY_LINKS, 8)
 
@@ -867,7 +1013,7 @@ def all_jobs(s: Settings) -> list[Job]:
     for link in s.sensitivity_links:
         if link != MAIN_LINK:
             jobs += [Job(n, link, s.sensitivity_m, v) for n in s.names for v in variants]
-    return jobs
+    return jobs + h200_jobs(s)
 
 
 def cpu_seconds() -> float:
@@ -929,6 +1075,7 @@ def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) ->
         "",
         *candidates_table(results, s.names, MAIN_LINK, s.microbatches, s.reuses),
         "",
+        *h200_section(results, s),
         *assumptions(s),
         "",
     ]
@@ -958,7 +1105,26 @@ def summary(results: Results, s: Settings) -> list[str]:
         lines.append("  (--quick: run without it for the causes, which need every m and link)")
     lines += memory_note(results, s, m8)
     lines += generator_note(results)
+    lines += h200_summary(results, s)
     return [*lines, ""]
+
+
+def h200_summary(results: Results, s: Settings) -> list[str]:
+    if not s.h200_names:
+        return []
+    m = 8 if 8 in s.microbatches else s.microbatches[0]
+    heads = " and ".join(
+        f"{work(profiled(n).head) / work(mean_layer(profiled(n))):.1f} ({PROFILES[n].v100})"
+        for n in s.h200_names
+    )
+    return [
+        f"- **With per-layer costs profiled on an H200** (section below; m = {m}, NVLink 4, "
+        f"the bi replica-gradient sum included): PRT uni gains "
+        f"{_both(results, s, H200_MAIN_LINK, m, 'uni')} over 1F1B and PRT bi "
+        f"{_both(results, s, H200_MAIN_LINK, m, 'bi')} over Chimera-style bi. Messages cost "
+        "little at 450 GB/s; what holds the gains down is the pretraining head the profile "
+        f"measured, as much work as {heads} layers and on one rank at every R.",
+    ]
 
 
 def agreement(results: Results, s: Settings, m8: int) -> list[str]:
@@ -1146,6 +1312,343 @@ def generator_note(results: Results) -> list[str]:
         f"{worst.cost_aware_ms / worst.ms - 1:.1%} ({worst.job.model}, {v.label}, "
         f"m = {worst.job.microbatches}): the greedy list scheduler, given a hop time, makes "
         "choices that cascade into a worse order. The tables keep the faster plan (†).",
+    ]
+
+
+# -- the H200 section: the profiled BERTs beside the FLOP model -----------------------------------
+def h200_jobs(s: Settings) -> list[Job]:
+    """Every variant on every H200 link with the replica-gradient sum (:func:`run_job` adds
+    the bi jobs without it)."""
+    variants = all_variants(s.reuses)
+    return [
+        Job(n, k, m, v, True)
+        for n in s.h200_names
+        for k in s.h200_links
+        for m in s.microbatches
+        for v in variants
+    ]
+
+
+def work(part: LayerCost) -> float:
+    return part.fwd + part.bwd
+
+
+def mean_layer(cost: CostModel) -> LayerCost:
+    n = len(cost.layers)
+    return LayerCost(
+        sum(u.fwd for u in cost.layers) / n,
+        sum(u.bwd for u in cost.layers) / n,
+        param=sum(u.param for u in cost.layers) / n,
+    )
+
+
+def v100_layer(name: str) -> tuple[LayerCost, LayerCost]:
+    """(a layer, the head) of the FLOP model of the same shape, in ms."""
+    model = models()[PROFILES[name].v100]
+    return layer_cost(model, model.layers[0]), layer_cost(model, model.head)
+
+
+def hop_ms(message_bytes: float, link: Link) -> float:
+    return 1e3 * (link.latency + message_bytes / link.bandwidth)
+
+
+def rank_imbalance(cost: CostModel, placement: Placement) -> float:
+    """Compute (forward + backward) of the busiest rank over the mean rank's."""
+    times = cost.stage_times(placement)
+    loads = [
+        sum(times.fwd[placement.model_stage(k)] + times.bwd[placement.model_stage(k)] for k in ks)
+        for ks in placement.rank_stages
+    ]
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def replica_mib(name: str, reuse: int) -> float:
+    """Gradient MiB the busiest rank sends its mirrored rank under bi (R = ``reuse``)."""
+    placement = Placement(RANKS, reuse, "loop", "bi")
+    cost = profiled_cost(name, placement, LINKS[H200_MAIN_LINK], True)
+    grads = cost.stage_grad_bytes(placement)
+    sent = [sum(grads[placement.model_stage(k)] for k in ks) for ks in placement.rank_stages]
+    return max(sent) / 2**20
+
+
+def profile_rows(names: Sequence[str]) -> list[str]:
+    k4, k5 = LINKS["nvlink4"], LINKS["pcie5"]
+    rows = [
+        "| model | layers | layer fwd / bwd ms | embedding fwd / bwd ms | head fwd / bwd ms | "
+        "head ÷ layer | message MiB | hop µs nvlink4 / pcie5 | hop ÷ layer fwd nvlink4 / "
+        "pcie5 | V100 rows: head ÷ layer, hop ÷ layer fwd (nvlink) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        cost, layer = profiled(name), mean_layer(profiled(name))
+        v_layer, v_head = v100_layer(name)
+        v_model = models()[PROFILES[name].v100]
+        v_hop = hop_ms(v_model.layers[0].out_bytes, LINKS[MAIN_LINK])
+        h4, h5 = (hop_ms(cost.message_bytes, k) for k in (k4, k5))
+        rows.append(
+            f"| {name} | {len(cost.layers)} | {layer.fwd:.2f} / {layer.bwd:.2f} | "
+            f"{cost.embedding.fwd:.2f} / {cost.embedding.bwd:.2f} | "
+            f"{cost.head.fwd:.2f} / {cost.head.bwd:.2f} | {work(cost.head) / work(layer):.2f} | "
+            f"{cost.message_bytes / 2**20:.0f} | {1e3 * h4:.0f} / {1e3 * h5:.0f} | "
+            f"{h4 / layer.fwd:.1%} / {h5 / layer.fwd:.1%} | "
+            f"{work(v_head) / work(v_layer):.3f}, {v_hop / v_layer.fwd:.1%} |"
+        )
+    return rows
+
+
+def side_by_side(results: Results, s: Settings) -> list[str]:
+    ms_ = s.microbatches
+    rows = [
+        "| model | direction | paper | "
+        + " | ".join(f"V100 FLOP model m={m}" for m in ms_)
+        + " | "
+        + " | ".join(f"H200 profile m={m}" for m in ms_)
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(ms_)),
+    ]
+    for name in s.h200_names:
+        v100 = PROFILES[name].v100
+        for direction in ("uni", "bi"):
+            flop = results.gains(v100, MAIN_LINK, ms_, direction)
+            prof = results.gains(name, H200_MAIN_LINK, ms_, direction, True)
+            cells = [pct(flop[m]) for m in ms_] + [pct(prof[m]) for m in ms_]
+            target = PAPER_GAINS[("BERT", direction)]
+            rows.append(f"| {v100} | {direction} | {target:+.2%} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def h200_link_table(results: Results, s: Settings) -> list[str]:
+    links = s.h200_links
+    rows = [
+        "| model | m | " + " | ".join(f"{k} uni | {k} bi" for k in links) + " |",
+        "|---|---|" + "---|---|" * len(links),
+    ]
+    for name in s.h200_names:
+        for m in s.microbatches:
+            cells = []
+            for k in links:
+                for direction in ("uni", "bi"):
+                    c = results.compare(name, k, m, direction, True)
+                    cells.append(f"{pct(c.gain)} ({_short(c.best)})")
+            rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def replica_table(results: Results, s: Settings) -> list[str]:
+    rows = [
+        "| model | link | m | Chimera-style bi ms: without → with (sum) | best PRT bi ms: "
+        "without → with (sum) | gain without | gain with |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in s.h200_names:
+        for k in s.h200_links:
+            if math.isinf(LINKS[k].bandwidth):
+                continue
+            for m in s.microbatches:
+                off, on = (results.compare(name, k, m, "bi", paid) for paid in (False, True))
+                rows.append(
+                    f"| {name} | {k} | {m} | {off.baseline.ms:.1f} → {on.baseline.ms:.1f} "
+                    f"({on.baseline.replica_ms:.2f}) | {off.best.ms:.1f} → {on.best.ms:.1f} "
+                    f"({on.best.replica_ms:.2f}, {_short(on.best)}) | {pct(off.gain)} | "
+                    f"{pct(on.gain)} |"
+                )
+    return rows
+
+
+def h200_section(results: Results, s: Settings) -> list[str]:
+    if not s.h200_names:
+        return []
+    link = LINKS[H200_MAIN_LINK]
+    files = "; ".join(f"`{PROFILES[n].path}`" for n in s.h200_names)
+    commands = "; ".join(f"`{PROFILES[n].command}`" for n in s.h200_names)
+    per_param = ", ".join(f"{n} {state_bytes_per_param(n):.2f}" for n in s.h200_names)
+    lines = [
+        "## BERT with per-layer costs profiled on an H200",
+        "",
+        "The rows above price every unit from FLOP and byte counts on a V100. Here BERT-base "
+        "and BERT-large are priced from costs measured by `megatron-prt profile` on one "
+        "NVIDIA H200 (torch 2.11+cu130, megatron-core 0.16.1, the local "
+        "non-Transformer-Engine spec, which materialises the attention scores, bf16, seq "
+        f"{BERT_BASE.seq}, {BERT_BASE.batch} sequences per micro-batch, vocabulary "
+        f"{BERT_BASE.vocab}): per layer, embedding and head, the measured forward and "
+        "backward times, the activation bytes kept for backward and the parameter bytes. "
+        f"Files: {files}, written by {commands}.",
+        "",
+        "What differs from the V100 rows, besides the times being measured:",
+        "",
+        "- **The head** is BERT's pretraining head as megatron-core builds it (LM transform, "
+        "the decoder over all tokens to the vocabulary, the binary head, both losses), "
+        "not the sequence classifier of the V100 rows; its parameters include the last "
+        "stage's copy of the tied word embedding. The embedding's time includes megatron's "
+        "forward_step overhead before the first layer.",
+        f"- **Parameter bytes**: the profile's `param` is {BF16_STATE_BYTES} bytes per "
+        "parameter (bf16 weight 2, fp32 main gradient 4, fp32 main weight 4, two fp32 Adam "
+        f"moments 8; checked: a layer's `param` over its 12h² + 13h parameters = "
+        f"{per_param}), against 16 in the V100 rows. The profiles predate the cost file's "
+        "`grad` field, so the gradient the two bi replicas sum is taken as "
+        f"{BF16_GRAD_BYTES} bytes per parameter (the fp32 `main_grad` megatron-core's DDP "
+        f"accumulates), {BF16_GRAD_BYTES}/{BF16_STATE_BYTES} of `param`.",
+        "- **The replica-gradient sum** of bi (Chimera-style and PRT alike) is simulated: "
+        "after its last backward each rank sends its stages' gradients to the mirrored rank "
+        "P−1−r over the same link as the pipeline's messages (one latency, bytes over the "
+        "link's bandwidth, no contention with other pairs) and adds what it receives at a "
+        f"third of the H200's {H200_HBM_BANDWIDTH / 1e12:g} TB/s HBM3e bandwidth (two reads, "
+        "one write); a pair starts when both ranks are done. On `free` it is free too. The "
+        "V100 rows leave it out.",
+        "- **Links** (per direction; latencies are our assumption):",
+        *(f"  - `{k}`: {LINKS[k].label}" for k in H200_LINKS),
+        "  NVLink 4 on an H100/H200 SXM is 900 GB/s in total both ways per GPU over 18 "
+        "links, i.e. 450 GB/s each way; through the NVSwitch of an 8-GPU HGX board one "
+        "pair of GPUs can use all of it. PCIe 5.0 x16 is 32 GT/s x 16 lanes with 128b/130b "
+        "encoding, 63 GB/s each way before protocol overheads (optimistic, as on V100).",
+        "- **Everything else** as above: P = 8, the runtime's even split of the layers, "
+        "the same baselines and plan candidates (`candidate_plans`); (!) marks a peak over "
+        f"the H200's {H200_MEMORY / 1e9:.0f} GB.",
+        "",
+        *h200_causes(results, s),
+        "",
+        "### Against the paper, beside the V100 FLOP model",
+        "",
+        f"Gains (uni: PRT over 1F1B; bi: PRT over Chimera-style bi); V100 on `{MAIN_LINK}`, "
+        f"H200 on `{H200_MAIN_LINK}` with the replica-gradient sum.",
+        "",
+        *side_by_side(results, s),
+        "",
+        "### The profiles",
+        "",
+        "Means over the layers; *head ÷ layer* compares forward + backward; a hop is one "
+        "message between neighbouring ranks.",
+        "",
+        *profile_rows(s.h200_names),
+        "",
+        f"### Iteration time, bubble and memory (P = 8, link: {link.label}, replica sum on)",
+        "",
+        *main_table(results, s.h200_names, H200_MAIN_LINK, s.microbatches, True),
+        "",
+    ]
+    if len(s.h200_links) > 1:
+        lines += [
+            "### Gain by link (replica sum on)",
+            "",
+            *h200_link_table(results, s),
+            "",
+        ]
+    lines += [
+        "### The replica-gradient sum",
+        "",
+        "bi iteration times without and with the sum (in brackets: what it adds, ms).",
+        "",
+        *replica_table(results, s),
+        "",
+        f"### Every candidate (iteration ms, `{H200_MAIN_LINK}`, replica sum on)",
+        "",
+        *candidates_table(results, s.h200_names, H200_MAIN_LINK, s.microbatches, s.reuses, True),
+        "",
+    ]
+    return lines
+
+
+def _h200_gain(results: Results, name: str, link: str, m: int, direction: str, paid=True):
+    if Job(name, link, m, REFERENCE, True) not in results:
+        return "n/a"
+    return pct(results.compare(name, link, m, direction, paid).gain)
+
+
+def _both(results: Results, s: Settings, link: str, m: int, direction: str) -> str:
+    """'BERT-base +x%, BERT-large +y%' for the profiled models."""
+    return ", ".join(
+        f"{PROFILES[n].v100} {_h200_gain(results, n, link, m, direction)}" for n in s.h200_names
+    )
+
+
+def _v100_both(results: Results, s: Settings, link: str, m: int, direction: str) -> str:
+    return ", ".join(
+        f"{PROFILES[n].v100} {_gain_at(results, PROFILES[n].v100, link, m, direction)}"
+        for n in s.h200_names
+    )
+
+
+def _link_chain(results: Results, s: Settings, name: str, m: int, direction: str) -> str:
+    gains = " → ".join(_h200_gain(results, name, k, m, direction) for k in s.h200_links)
+    return f"{PROFILES[name].v100} {direction} {gains}"
+
+
+def h200_causes(results: Results, s: Settings) -> list[str]:
+    m = 8 if 8 in s.microbatches else s.microbatches[0]
+    reuse = max(s.reuses)
+    first = PROFILES[s.h200_names[0]]
+    layer = mean_layer(profiled(first.name))
+    v_layer, _ = v100_layer(first.name)
+    k4, k5 = LINKS["nvlink4"], LINKS["pcie5"]
+    heads, spread = [], []
+    for n in s.h200_names:
+        cost = profiled(n)
+        heads.append(f"{work(cost.head) / work(mean_layer(cost)):.1f} ({PROFILES[n].v100})")
+        model = models()[PROFILES[n].v100]
+        one, many = Placement(RANKS, 1), Placement(RANKS, reuse)
+        mine = [rank_imbalance(profiled_cost(n, p, k4, False), p) for p in (one, many)]
+        flop = [rank_imbalance(cost_model(model, p, k4), p) for p in (one, many)]
+        spread.append(
+            f"{PROFILES[n].v100} {mine[0]:.2f} → {mine[1]:.2f} (V100 rows {flop[0]:.2f} → "
+            f"{flop[1]:.2f})"
+        )
+    _, v_head = v100_layer(first.name)
+    lines = [
+        f"Where the H200 costs change the picture (m = {m}):",
+        "",
+        f"- **The head weighs.** The profiled head costs as much as {' and '.join(heads)} "
+        f"layers (forward + backward); the V100 rows' classifier "
+        f"{work(v_head) / work(v_layer):.1g}. The even split puts it on stage D−1 with that "
+        "stage's layers, and reuse cannot split one unit: the busiest rank's compute over "
+        f"the mean rank's, 1F1B → R = {reuse} loop, is {'; '.join(spread)}. Every schedule "
+        "pays at least m times that rank's load, so there is less bubble for reuse to "
+        f"take: with free communication PRT uni gains {_both(results, s, 'free', m, 'uni')} "
+        f"over 1F1B, against {_v100_both(results, s, 'free', m, 'uni')} in the V100 rows.",
+        f"- **Messages are cheap on NVLink 4.** A {first.v100} hop is "
+        f"{1e3 * hop_ms(profiled(first.name).message_bytes, k4):.0f} µs, "
+        f"{hop_ms(profiled(first.name).message_bytes, k4) / layer.fwd:.1%} of a layer's "
+        "forward (V100 rows on one NVLink 2.0 link: "
+        f"{hop_ms(models()[first.v100].layers[0].out_bytes, LINKS[MAIN_LINK]) / v_layer.fwd:.1%}"
+        f"); on `pcie5` {hop_ms(profiled(first.name).message_bytes, k5) / layer.fwd:.1%}, "
+        "about the V100 NVLink ratio. Gains by link, "
+        f"{' → '.join(f'`{k}`' for k in s.h200_links)}: "
+        + "; ".join(_link_chain(results, s, n, m, d) for n in s.h200_names for d in ("uni", "bi"))
+        + ".",
+        *replica_note(results, s, m),
+        f"- **Against the V100 rows and the paper** (m = {m}, `{H200_MAIN_LINK}` with the "
+        f"replica sum): PRT uni {_both(results, s, H200_MAIN_LINK, m, 'uni')} over 1F1B "
+        f"(V100 rows on `{MAIN_LINK}`: {_v100_both(results, s, MAIN_LINK, m, 'uni')}; paper "
+        f"{PAPER_GAINS[('BERT', 'uni')]:+.2%}), PRT bi "
+        f"{_both(results, s, H200_MAIN_LINK, m, 'bi')} over Chimera-style bi (V100 rows: "
+        f"{_v100_both(results, s, MAIN_LINK, m, 'bi')}; paper "
+        f"{PAPER_GAINS[('BERT', 'bi')]:+.2%}). A partition that gave the head's stage fewer "
+        "layers would attack the busiest rank; it is not simulated here (every row uses the "
+        "runtime's even split).",
+    ]
+    return lines
+
+
+def replica_note(results: Results, s: Settings, m: int) -> list[str]:
+    paid = [k for k in s.h200_links if not math.isinf(LINKS[k].bandwidth)]
+    if not paid:
+        return []
+    sums, shifts = [], []
+    for n in s.h200_names:
+        for k in paid:
+            c = results.compare(n, k, m, "bi", True)
+            sums.append(
+                f"{c.baseline.replica_ms:.2f} ms ({c.baseline.replica_ms / c.baseline.ms:.1%} "
+                f"of Chimera-style bi's iteration; {PROFILES[n].v100}, `{k}`)"
+            )
+            for mb in s.microbatches:
+                on, off = (results.compare(n, k, mb, "bi", x).gain for x in (True, False))
+                shifts.append(abs(on - off))
+    mib = ", ".join(f"{replica_mib(n, 1):.0f} MiB ({PROFILES[n].v100})" for n in s.h200_names)
+    return [
+        "- **The replica-gradient sum is small.** The busiest rank sends its mirrored rank "
+        f"{mib} of fp32 gradients under Chimera-style bi; at m = {m} the sum adds "
+        f"{'; '.join(sums)}. Chimera-style and PRT bi both pay it, so it moves the PRT bi "
+        f"gain by at most {100 * max(shifts):.1f} points over every m and link below.",
     ]
 
 

@@ -111,3 +111,56 @@ def test_quick_closed_form_row_matches_theory(quick_report):
     prefix = "| uniform stages (vs BERT) | uni"
     row = next(line for line in quick_report.splitlines() if line.startswith(prefix))
     assert f"{expected:+.1%}" in row
+
+
+# -- the H200 section: committed profiles, per-layer costs in ms, the replica-gradient sum --------
+@pytest.mark.parametrize("name", ["BERT-base (H200)", "BERT-large (H200)"])
+def test_h200_profiles_load_in_ms_with_fp32_grads(bench, name):
+    import json
+
+    profile = bench.PROFILES[name]
+    raw = json.loads((bench.REPO / profile.path).read_text())
+    cost = bench.profiled(name)
+    assert len(cost.layers) == profile.shape.layers == len(raw["layers"])
+    for part, data in [*zip(cost.layers, raw["layers"], strict=True), (cost.head, raw["head"])]:
+        assert part.fwd == pytest.approx(1e3 * data["fwd"])  # seconds -> ms
+        assert part.bwd == pytest.approx(1e3 * data["bwd"])
+        assert part.grad == pytest.approx(part.param * 4 / 18)  # fp32 main_grad of 18 B/param
+    # the profile's param is 18 bytes per parameter: bf16 weight + fp32 grad, master, 2 moments
+    assert bench.state_bytes_per_param(name) == pytest.approx(18)
+
+
+def test_missing_h200_profile_fails_clearly(bench, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    bench.profiled.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="megatron-prt profile --model bert"):
+            bench.profiled("BERT-base (H200)")
+    finally:
+        monkeypatch.undo()
+        bench.profiled.cache_clear()
+
+
+def test_bi_job_gives_the_replica_sum_with_and_without(bench):
+    """A bi job that pays the sum also reports the same plans without it; uni has no sum."""
+    chimera = next(v for v in bench.baselines() if v.direction == "bi")
+    job = bench.Job("BERT-base (H200)", "pcie5", 8, chimera, True)
+    (paid_job, paid), (free_job, free) = bench.run_job(job)
+    assert paid_job == job and free_job.replica_sum is False
+    assert paid.replica_ms > 0 and free.replica_ms == 0
+    assert paid.ms == pytest.approx(free.ms + paid.replica_ms, rel=0.05)
+    uni = bench.Job("BERT-base (H200)", "pcie5", 8, bench.baselines()[0], True)
+    assert [j for j, _ in bench.run_job(uni)] == [uni]
+
+
+def test_quick_report_has_every_h200_row(bench, quick_report):
+    assert "## BERT with per-layer costs profiled on an H200" in quick_report
+    for name, profile in bench.PROFILES.items():
+        assert profile.path in quick_report
+        assert f"| {name} | 8 | 1F1B | " in quick_report
+        assert f"| {name} | 8 | Chimera-style bi R=1 | " in quick_report
+        assert quick_report.count(f"| {name} | 8 | PRT R=") == 2  # best uni, best bi
+        assert f"| {name} | nvlink4 | 8 | " in quick_report  # with/without the replica sum
+        for direction in ("uni", "bi"):  # beside the V100 FLOP model and the paper
+            target = bench.PAPER_GAINS[("BERT", direction)]
+            assert quick_report.count(f"| {profile.v100} | {direction} | {target:+.2%} | ") == 2
