@@ -324,22 +324,23 @@ def _measure_worker(rank, world, model: Bert, configs: list[Config], microbatche
     from megatron_prt.megatron import cpu
 
     cpu.enable()
-    return [_measure_one(rank, model, c.reuse(), microbatches) for c in configs]
+    return [_measure_one(model, c.reuse(), microbatches) for c in configs]
 
 
-def _measure_one(rank: int, model: Bert, reuse: ReuseConfig, microbatches: int) -> Measured:
+def _measure_one(model: Bert, reuse: ReuseConfig, microbatches: int) -> Measured:
     """One training step, as Megatron-LM's drives it; activations measured by the runtime
     during the step, training state after it."""
     from megatron_prt.megatron import make_forward_backward_func
+    from megatron_prt.megatron.pretrain import bert_forward_step, random_batches
 
-    chunks, optimizer = _training_setup(rank, model, reuse)
+    chunks, optimizer = _training_setup(model, reuse)
     forward_backward = make_forward_backward_func(reuse, timeout_s=300, measure_memory=True)
-    batches = _batches(model, microbatches)
+    batches = random_batches(microbatches, model.vocab, model.mbs, model.seq, seed=0)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_backward(
-        forward_step_func=_forward_step,
+        forward_step_func=bert_forward_step,
         data_iterator=[iter(batches) for _ in chunks],
         model=chunks,
         num_microbatches=microbatches,
@@ -353,134 +354,43 @@ def _measure_one(rank: int, model: Bert, reuse: ReuseConfig, microbatches: int) 
     return Measured(stats["peak_bytes"], stats["held_bytes"], params, grads, moments)
 
 
-def _training_setup(rank: int, model: Bert, reuse: ReuseConfig) -> tuple[list, object]:
+def _training_setup(model: Bert, reuse: ReuseConfig) -> tuple[list, object]:
     """This rank's chunks in megatron's DDP (no overlap, as on CPU) and megatron's Adam."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_prt.megatron import prepare_model
+    from megatron_prt.megatron import connect_model_hooks, prepare_model
 
     _init_parallel_state(reuse)
-    config, chunks = _build_chunks(model, reuse, rank)
+    config, chunks = _build_chunks(model, reuse)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
     chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     prepare_model(chunks, reuse)
-    config.no_sync_func = [chunk.no_sync for chunk in chunks]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
-    if len(chunks) == 1:  # megatron's convention for one chunk
-        config.no_sync_func, config.grad_sync_func = chunks[0].no_sync, chunks[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    connect_model_hooks(config, chunks)
     return chunks, get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4), chunks)
 
 
 def _init_parallel_state(reuse: ReuseConfig) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron_prt.megatron.pretrain import init_parallel_state
 
-    from megatron_prt.megatron import embedding_ranks
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
     chunks = reuse.placement.chunks_per_rank
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=reuse.placement.ranks,
-        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
-        get_embedding_ranks=embedding_ranks,
-    )
-    model_parallel_cuda_manual_seed(1234)
+    init_parallel_state(reuse.placement.ranks, chunks if chunks > 1 else None)
     torch.manual_seed(1234)
 
 
-def _build_chunks(model: Bert, reuse: ReuseConfig, rank: int):
+def _build_chunks(model: Bert, reuse: ReuseConfig):
     """This rank's BertModel chunks, configured as the profiler configures its model."""
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_prt.megatron import build_chunks, transformer_config_kwargs
+    from megatron_prt.megatron.pretrain import build_model, transformer_config
 
-    from megatron_prt.megatron.layout import chunk_roles
-    from megatron_prt.megatron.model import transformer_config_kwargs
-
-    config = TransformerConfig(
+    config = transformer_config(
         hidden_size=model.hidden,
         num_attention_heads=model.heads,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,  # as Megatron-LM runs: sent outputs are freed
         **transformer_config_kwargs(reuse),
     )
-    chunks = [
-        BertModel(
-            config=config,
-            num_tokentypes=2,
-            transformer_layer_spec=bert_layer_local_spec,
-            vocab_size=model.vocab,
-            max_sequence_length=model.seq,
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            share_embeddings_and_output_weights=True,
-            add_binary_head=True,
-            vp_stage=role.chunk,
-        )
-        for role in chunk_roles(reuse, rank)
-    ]
-    return config, chunks
-
-
-def _batches(model: Bert, microbatches: int) -> list[dict]:
-    """The profiler's batch shape: random tokens, every token in the loss, no padding."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(microbatches):
-        tokens = torch.randint(0, model.vocab, (model.mbs, model.seq), generator=g)
-        out.append(
-            {
-                "tokens": tokens,
-                "labels": torch.roll(tokens, -1, dims=1),
-                "loss_mask": torch.ones(model.mbs, model.seq),
-                "padding_mask": torch.ones(model.mbs, model.seq, dtype=torch.long),
-                "types": torch.randint(0, 2, (model.mbs, model.seq), generator=g),
-                "sentence_order": torch.randint(0, 2, (model.mbs,), generator=g),
-            }
-        )
-    return out
-
-
-def _forward_step(data_iterator, model):
-    """megatron's ``forward_step_func``: masked-LM token losses and the binary head."""
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["padding_mask"],
-        tokentype_ids=batch["types"],
-        lm_labels=batch["labels"],
-    )
-    return output, partial(_loss, batch)
-
-
-def _loss(batch: dict, output):
-    """Masked mean token loss plus the sentence-order loss (Megatron-LM's BERT loss)."""
-    sentence_logits = None
-    if isinstance(output, tuple):  # (token losses, binary logits)
-        output, sentence_logits = output
-    mask = batch["loss_mask"].reshape(-1)
-    loss = (output.float().reshape(-1) * mask).sum() / mask.sum()
-    if sentence_logits is not None:
-        loss = loss + torch.nn.functional.cross_entropy(
-            sentence_logits.float(), batch["sentence_order"]
-        )
-    return loss, {"lm loss": loss.detach()}
+    provider = partial(build_model, "bert", vocab_size=model.vocab, seq_length=model.seq)
+    return config, build_chunks(provider, reuse, config=config)
 
 
 def _state_bytes(chunks: list, optimizer) -> tuple[int, int, int]:

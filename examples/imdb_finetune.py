@@ -427,13 +427,10 @@ def forward_step(device, data_iterator, model) -> tuple:
 def build_model(args: argparse.Namespace, reuse, vocab_size: int) -> tuple:
     """``(config, chunks)``: this rank's BertModel chunks, roles from the PRT placement."""
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_prt.megatron import transformer_config_kwargs
-    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron import build_chunks, transformer_config_kwargs
+    from megatron_prt.megatron.pretrain import build_model
 
     on_cuda = args.device == "cuda"
     config = TransformerConfig(
@@ -450,22 +447,9 @@ def build_model(args: argparse.Namespace, reuse, vocab_size: int) -> tuple:
         persist_layer_norm=False,
         **transformer_config_kwargs(reuse),  # layers, pipeline size, PRT layer layout
     )
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = [
-        BertModel(
-            config=config,
-            num_tokentypes=2,  # BERT's own, so pretrained checkpoints fit
-            transformer_layer_spec=bert_layer_local_spec,
-            vocab_size=vocab_size,
-            max_sequence_length=args.seq_length,
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            share_embeddings_and_output_weights=True,
-            add_binary_head=True,
-            vp_stage=role.chunk,
-        )
-        for role in chunk_roles(reuse, rank)
-    ]
+    # BERT's own two token types and binary head, so pretrained checkpoints fit
+    provider = partial(build_model, "bert", vocab_size=vocab_size, seq_length=args.seq_length)
+    chunks = build_chunks(provider, reuse, config=config)
     return config, chunks
 
 
@@ -535,7 +519,6 @@ def _build_training(args: argparse.Namespace, vocab_size: int, device) -> tuple:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
-        finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -547,11 +530,7 @@ def _build_training(args: argparse.Namespace, vocab_size: int, device) -> tuple:
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
     prt.prepare_model(model, args.reuse)  # bi replicas, tied output weight, precision casts
     prt.install(args.reuse)  # get_forward_backward_func() now returns PRT's
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
-    if len(model) == 1:  # megatron's convention for one chunk
-        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    prt.connect_model_hooks(config, model)  # gradient sync per chunk, finalize
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(args, reuse):
-    """This rank's model chunks: megatron's own GPTModel, chunk roles from the placement."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    """This rank's model chunks: megatron's own GPTModel (local spec,
+    :func:`megatron_prt.megatron.pretrain.build_model`), chunk roles from the placement."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_prt.megatron import transformer_config_kwargs
-    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron import build_chunks, transformer_config_kwargs
+    from megatron_prt.megatron.pretrain import build_model
 
     fields = dict(
         num_layers=args.num_layers,
@@ -85,23 +85,9 @@ def build(args, reuse):
     if reuse is not None:
         fields.update(transformer_config_kwargs(reuse))
     config = TransformerConfig(**fields)
-    from megatron.core import parallel_state
-
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    roles = chunk_roles(reuse, rank) if reuse is not None else [None]
-    return config, [
-        GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.seq_length,
-            pre_process=role.pre_process if role else True,
-            post_process=role.post_process if role else True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            vp_stage=role.chunk if role else None,
-        )
-        for role in roles
-    ]
+    kind = "gpt-untied" if args.untie_embeddings_and_output_weights else "gpt"
+    provider = partial(build_model, kind, vocab_size=args.vocab_size, seq_length=args.seq_length)
+    return config, build_chunks(provider, reuse, config=config)
 
 
 def data(args, microbatches: int, step: int):
@@ -147,7 +133,6 @@ def main() -> None:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
-        finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -169,11 +154,7 @@ def main() -> None:
     if reuse is not None:
         prt.prepare_model(model, reuse)  # replicas, tied weights, precision casts
         prt.install(reuse)  # megatron's get_forward_backward_func now returns PRT's
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
-    if len(model) == 1:  # megatron's convention for one chunk
-        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    prt.connect_model_hooks(config, model)  # gradient sync per chunk, finalize
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad), model
     )

@@ -509,7 +509,8 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     import megatron_prt.megatron as prt
 
     config = transformer_config(args)
-    chunks = [_bert_chunk(args, config, vocab_size, role).to(device) for role in _roles(args)]
+    provider = partial(_bert_chunk, args, vocab_size)
+    chunks = [chunk.to(device) for chunk in prt.build_chunks(provider, args.reuse, config=config)]
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
@@ -560,18 +561,9 @@ def _has_fused_softmax() -> bool:
     return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
-def _roles(args: argparse.Namespace) -> list:
-    """This rank's chunk roles under PRT; ``[None]`` (the whole model) without it."""
-    from megatron.core import parallel_state
-
-    from megatron_prt.megatron.layout import chunk_roles
-
-    if args.reuse is None:
-        return [None]
-    return chunk_roles(args.reuse, parallel_state.get_pipeline_model_parallel_rank())
-
-
-def _bert_chunk(args: argparse.Namespace, config, vocab_size: int, role):
+def _bert_chunk(args: argparse.Namespace, vocab_size: int, config, **role):
+    """One BertModel chunk; ``role``: ``pre_process`` / ``post_process`` / ``vp_stage`` from
+    :func:`megatron_prt.megatron.build_chunks`."""
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
 
@@ -581,23 +573,10 @@ def _bert_chunk(args: argparse.Namespace, config, vocab_size: int, role):
         transformer_layer_spec=bert_layer_local_spec,
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        pre_process=role.pre_process if role else True,
-        post_process=role.post_process if role else True,
         share_embeddings_and_output_weights=True,
         add_binary_head=args.bert_binary_head,
-        vp_stage=role.chunk if role else None,
+        **role,
     )
-
-
-def connect_model_hooks(config, chunks: list) -> None:
-    """The config hooks megatron's training loop sets: grad sync per chunk, finalize."""
-    from megatron.core.distributed import finalize_model_grads
-
-    config.no_sync_func = [chunk.no_sync for chunk in chunks]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
-    if len(chunks) == 1:  # megatron's convention for one chunk
-        config.no_sync_func, config.grad_sync_func = chunks[0].no_sync, chunks[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
 
 
 def build_optimizer(args: argparse.Namespace, config, chunks: list):
@@ -1071,7 +1050,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
     config, chunks = build_model(args, vocab_size, device)
     if args.reuse is not None:
         prt.install(args.reuse)  # megatron's get_forward_backward_func() now returns PRT's
-    connect_model_hooks(config, chunks)
+    prt.connect_model_hooks(config, chunks)
     optimizer, scheduler = build_optimizer(args, config, chunks)
     forward_backward = pipeline_parallel.get_forward_backward_func()
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -47,7 +47,6 @@ def profile(device: torch.device) -> dict:
 def measure(reuse: ReuseConfig, device: torch.device) -> dict:
     """This rank's memory stats for one PRT iteration of megatron-core GPT."""
     from megatron_prt.megatron import prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
     from megatron_prt.megatron.schedule import MegatronPipeline, _ChunkData
 
@@ -59,11 +58,7 @@ def measure(reuse: ReuseConfig, device: torch.device) -> dict:
         deallocate_pipeline_outputs=True,  # as Megatron-LM runs: sent outputs are freed
         **transformer_config_kwargs(reuse),
     )
-    rank = dist.get_rank()
-    model = [
-        mm.build_model("gpt", config, role.pre_process, role.post_process, role.chunk)
-        for role in chunk_roles(reuse, rank)
-    ]
+    model = mm.model_chunks("gpt", config, reuse)
     prepare_model(model, reuse)
     plan = build_plan(placement, MICROBATCHES)
     pipeline = MegatronPipeline(plan, model, config, None, device, 120)

@@ -2,16 +2,18 @@
 
 A reference run (one rank, no pipelining, megatron's own no-pipelining schedule) and PRT runs
 of the same model with the same weights; parameters are compared by *global* name (layer
-numbers of the unpipelined model), so every chunk's parameters find their reference.
+numbers of the unpipelined model, :mod:`megatron_prt.megatron.weights`), so every chunk's
+parameters find their reference.
 """
 
 from __future__ import annotations
 
-import re
 from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from megatron_prt.megatron.weights import global_name, load_global
 
 VOCAB, SEQ, MBS, HIDDEN = 64, 8, 2, 16
 DTYPE = torch.float64
@@ -21,85 +23,37 @@ DEVICE = torch.device("cpu")
 
 
 def setup_megatron(pp: int, vp: int | None):
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron_prt.megatron.pretrain import init_parallel_state
 
-    from megatron_prt.megatron import cpu, embedding_ranks
-
-    if DEVICE.type == "cpu":
-        cpu.enable()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp,
-        get_embedding_ranks=embedding_ranks,
-    )
-    model_parallel_cuda_manual_seed(1234)
+    init_parallel_state(pp, vp, on_cpu=DEVICE.type == "cpu")
 
 
 def transformer_config(num_layers: int, dtype: torch.dtype = DTYPE, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_prt.megatron.pretrain import transformer_config as unfused_config
 
-    fields = dict(
-        num_layers=num_layers,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-    )
-    fields.update(extra)
-    return TransformerConfig(**fields)
+    fields = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=4)
+    return unfused_config(dtype, **{**fields, **extra})
 
 
 def build_model(kind: str, config, pre_process=True, post_process=True, vp_stage=None):
     """``gpt`` (tied), ``gpt-untied``, ``bert`` (tied, binary head), ``bert-nobinary``."""
+    from megatron_prt.megatron import pretrain
+
     default = torch.get_default_dtype()
     torch.set_default_dtype(config.params_dtype)  # the torch-norm fallback ignores params_dtype
     try:
-        return _build_model(kind, config, pre_process, post_process, vp_stage).to(DEVICE)
+        model = pretrain.build_model(kind, config, VOCAB, SEQ, pre_process, post_process, vp_stage)
+        return model.to(DEVICE)
     finally:
         torch.set_default_dtype(default)
 
 
-def _build_model(kind, config, pre_process, post_process, vp_stage):
-    if kind.startswith("gpt"):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
+def model_chunks(kind: str, config, reuse=None) -> list:
+    """This rank's chunks of ``kind`` for ``reuse`` (the whole model for ``None``), built by
+    :func:`megatron_prt.megatron.build_chunks`."""
+    from megatron_prt.megatron import build_chunks
 
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=VOCAB,
-            max_sequence_length=SEQ,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=kind == "gpt",
-            vp_stage=vp_stage,
-        )
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
-
-    return BertModel(
-        config=config,
-        num_tokentypes=2,
-        transformer_layer_spec=bert_layer_local_spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=True,
-        add_binary_head=kind == "bert",
-        vp_stage=vp_stage,
-    )
+    return build_chunks(partial(build_model, kind), reuse, config=config)
 
 
 def batches(num: int, step: int = 0, variable: bool = False):
@@ -151,23 +105,6 @@ def loss_func(kind, per_token, batch, output):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def global_name(model, name: str, tied: bool) -> str:
-    """Parameter name in the unpipelined model: local layer index -> global layer number - 1;
-    a tied output weight is the word embedding."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    name = name.removeprefix("module.").removeprefix("module.")
-    match = re.match(r"(decoder|encoder)\.layers\.(\d+)\.(.*)", name)
-    if match:
-        block = getattr(inner, match.group(1))
-        number = block.layers[int(match.group(2))].layer_number
-        return f"{match.group(1)}.layers.{number - 1}.{match.group(3)}"
-    if tied and name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    return name
-
-
 def grads_by_name(models, tied: bool) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     for model in models:
@@ -186,13 +123,6 @@ def params_by_name(models, tied: bool) -> dict[str, list[torch.Tensor]]:
         for name, p in model.named_parameters():
             out.setdefault(global_name(model, name, tied), []).append(p.detach().clone())
     return out
-
-
-def load_global(models, state: dict[str, torch.Tensor], tied: bool) -> None:
-    with torch.no_grad():
-        for model in models:
-            for name, p in model.named_parameters():
-                p.copy_(state[global_name(model, name, tied)])
 
 
 def is_tied(kind: str) -> bool:
@@ -238,20 +168,15 @@ def run_prt(
 ):
     """This rank's PRT run of ``reuse``: losses (on rank P-1) and grads by global name."""
     from megatron_prt.megatron import make_forward_backward_func, prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
 
     placement = reuse.placement
     setup_megatron(placement.ranks, placement.chunks_per_rank)
-    rank = dist.get_rank()
     config = transformer_config(
         calculate_per_token_loss=per_token, **transformer_config_kwargs(reuse)
     )
     config.variable_seq_lengths = variable  # set late: the constructor checks MoE settings
-    model = [
-        build_model(kind, config, role.pre_process, role.post_process, role.chunk)
-        for role in chunk_roles(reuse, rank)
-    ]
+    model = model_chunks(kind, config, reuse)
     load_global(model, ref_state, is_tied(kind))
     prepare_model(model, reuse)
     forward_backward = make_forward_backward_func(reuse, timeout_s=60, transport=transport)
@@ -285,36 +210,32 @@ def train(rank, world, kind, m, reuse, ref_state):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
-        finalize_model_grads,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_prt.megatron import make_forward_backward_func, prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
+    from megatron_prt.megatron import (
+        connect_model_hooks,
+        make_forward_backward_func,
+        prepare_model,
+    )
     from megatron_prt.megatron.model import transformer_config_kwargs
 
     if reuse is None:
         setup_megatron(1, None)
         config = transformer_config(LAYERS_TRAIN, torch.float32)
-        model = [build_model(kind, config)]
         forward_backward = forward_backward_no_pipelining
     else:
         setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank)
         config = transformer_config(dtype=torch.float32, **transformer_config_kwargs(reuse))
-        roles = chunk_roles(reuse, rank)
-        model = [build_model(kind, config, r.pre_process, r.post_process, r.chunk) for r in roles]
         forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    model = model_chunks(kind, config, reuse)
     load_global(model, ref_state, is_tied(kind))
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
     if reuse is not None:
         prepare_model(model, reuse)
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
-    config.finalize_model_grads_func = finalize_model_grads
-    if len(model) == 1:
-        config.no_sync_func, config.grad_sync_func = model[0].no_sync, model[0].start_grad_sync
+    connect_model_hooks(config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=LR, clip_grad=CLIP, weight_decay=0.0, adam_eps=EPS),
         model,

@@ -21,8 +21,8 @@ from megatron_models import (
     MBS,
     SEQ,
     batches,
-    build_model,
     forward_step,
+    model_chunks,
     reference,
     setup_megatron,
     train,
@@ -104,16 +104,12 @@ def test_install_swaps_every_lookup_and_uninstall_restores():
 
 def _refusals(rank, world):
     from megatron_prt.megatron import make_forward_backward_func, prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
 
     reuse = ReuseConfig(Placement(2, 2, "wave"), 4)
     setup_megatron(2, 2)
     config = transformer_config(**transformer_config_kwargs(reuse))
-    model = [
-        build_model("gpt-untied", config, r.pre_process, r.post_process, r.chunk)
-        for r in chunk_roles(reuse, rank)
-    ]
+    model = model_chunks("gpt-untied", config, reuse)
     func = make_forward_backward_func(reuse, timeout_s=30)
 
     def call(**overrides):
@@ -152,7 +148,6 @@ def _default_embedding_group(rank, world):
     from megatron.core import parallel_state
 
     from megatron_prt.megatron import cpu, prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
 
     cpu.enable()
@@ -161,10 +156,7 @@ def _default_embedding_group(rank, world):
     )
     reuse = ReuseConfig(Placement(2, 2), 4)
     config = transformer_config(**transformer_config_kwargs(reuse))
-    model = [
-        build_model("gpt", config, r.pre_process, r.post_process, r.chunk)
-        for r in chunk_roles(reuse, rank)
-    ]
+    model = model_chunks("gpt", config, reuse)
     try:
         prepare_model(model, reuse)
     except RuntimeError as exc:

@@ -21,6 +21,10 @@ def test_bi_mirrors_pipeline_zero():
         r1, c1 = bi.locate(8 + j)
         assert r1 == 3 - r0 and c1 == c0 + 2
         assert bi.model_stage(8 + j) == j
+    pairs = bi.replica_pairs()  # each model stage with its replica, on the mirrored rank
+    assert [a for a, _ in pairs] == list(range(8))
+    assert all(bi.model_stage(b) == a and bi.rank_of(b) == 3 - bi.rank_of(a) for a, b in pairs)
+    assert Placement(4, 2, "wave").replica_pairs() == ()
 
 
 @given(

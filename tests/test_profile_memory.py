@@ -248,7 +248,6 @@ def _measure_megatron(rank, world, reuse, m):
     import megatron_models as mm
 
     from megatron_prt.megatron import prepare_model
-    from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
     from megatron_prt.megatron.schedule import MegatronPipeline, _ChunkData
 
@@ -259,10 +258,7 @@ def _measure_megatron(rank, world, reuse, m):
     config = mm.transformer_config(
         deallocate_pipeline_outputs=True, **transformer_config_kwargs(reuse)
     )
-    model = [
-        mm.build_model("gpt", config, role.pre_process, role.post_process, role.chunk)
-        for role in chunk_roles(reuse, rank)
-    ]
+    model = mm.model_chunks("gpt", config, reuse)
     prepare_model(model, reuse)
     pipeline = MegatronPipeline(build_plan(placement, m), model, config, None, "cpu", 60)
     pipeline.measure_memory = True

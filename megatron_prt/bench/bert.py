@@ -13,37 +13,36 @@ runtime's ``measure_memory``), measured and simulated. :func:`run` writes
 ``megatron_bert.{md,png,json}`` under ``args.out``.
 
 The rank-side code (model building, megatron's parallel state) is
-:mod:`megatron_prt.megatron.bench`, imported inside the ranks only.
+:mod:`megatron_prt.megatron.bench` and :mod:`megatron_prt.megatron.pretrain`, imported
+inside the ranks only.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import time
+from functools import partial
 
 from ..core.placement import ConfigError, Placement
 from ..runtime.cpu import keep_freed_memory
 from ..runtime.local import all_ok, run_local
 from ..sim.cost import CostModel
-from ..sim.simulate import simulate
 from .common import (
+    add_measured,
     add_ratios,
     agreed,
-    interleaved_times,
-    machine,
-    machine_md,
+    launch,
+    measure_runners,
     ms,
     plot_panels,
     ratio,
     replica_cal_md,
     replica_cost_fields,
     replica_repeats,
+    report_head,
     say,
     shm_costs,
     sim_sum_md,
-    time_summary,
+    write_report,
 )
 
 NAME = "megatron_bert"
@@ -100,34 +99,16 @@ def build_runner(args, variant: tuple, world: int, m: int, state: dict):
 
 
 def measure_m(args, world: int, m: int, state: dict) -> dict:
-    """Every variant at ``m`` micro-batches: warm-up, one metered step, then ``args.reps``
-    interleaved timed repetitions."""
+    """Every variant at ``m`` micro-batches (:func:`common.measure_runners`), with the
+    losses of its last step."""
     say(f"bert, m={m}: building {len(VARIANTS)} configurations, warm-up")
     built = {variant[0]: build_runner(args, variant, world, m, state) for variant in VARIANTS}
-    runners = {label: r for label, r in built.items() if not isinstance(r, str)}
-    for runner in runners.values():
-        for _ in range(args.warmup):
-            runner.step()
-    peaks = {label: runner.peak_bytes() for label, runner in runners.items()}
-    times = interleaved_times(runners, args.reps, f"bert, m={m}:")
-    for runner in runners.values():
-        runner.close()
-    return {
-        "refused": {label: r for label, r in built.items() if isinstance(r, str)},
-        "times": times,
-        "peak_bytes": peaks,
-        "plans": {label: r.plan for label, r in runners.items()},
-        "losses": {label: r.losses for label, r in runners.items()},
-        "replica_sum_s": {
-            label: statistics.median(r.replica_sum_s[-args.reps :])
-            for label, r in runners.items()
-            if r.replica_sum_s
-        },
-        "wire": {
-            label: type(r.forward_backward.pipeline().transport).__name__
-            for label, r in runners.items()
-        },
-    }
+    return measure_runners(
+        built,
+        args,
+        f"bert, m={m}:",
+        lambda runners: {"losses": {label: r.losses for label, r in runners.items()}},
+    )
 
 
 def bi_placement(world: int) -> Placement:
@@ -139,7 +120,8 @@ def bi_placement(world: int) -> Placement:
 def worker(rank: int, world: int, args) -> dict:
     """One rank: message costs, the reference weights, the replica-sum calibration, then
     every variant at every m."""
-    from ..megatron.bench import calibrate_replica_sum, init_parallel_state, reference_state
+    from ..megatron.bench import calibrate_replica_sum, reference_state
+    from ..megatron.pretrain import init_parallel_state
 
     if args.keep_freed_memory:
         keep_freed_memory()
@@ -172,27 +154,14 @@ def summarize(args, costs: dict, ranks: list[dict]) -> dict:
 
 
 def m_rows(m: int, per_rank: list[dict], model: CostModel) -> list[dict]:
-    res = per_rank[0]
     rows = []
     for label in labels():
         row: dict = {"key": label, "label": label, "m": m}
-        if label in res["refused"]:
-            rows.append({**row, "na": res["refused"][label]})
-            continue
-        row.update(time_summary(res["times"][label]))
-        plan = res["plans"][label]
-        sim = simulate(plan, model)
-        row["sim_s"] = sim.makespan
-        if plan.placement.direction == "bi":
-            row["sim_replica_s"] = sim.replica_sync_time
-            row["sim_replica_bytes"] = [r.replica_bytes for r in sim.per_rank]
-            row["sim_no_sum_s"] = simulate(plan, model.without_replica_sync()).makespan
-            row["replica_sum_s"] = max(r["replica_sum_s"][label] for r in per_rank)
-        row["sim_peak_bytes"] = [r.peak_activation_bytes for r in sim.per_rank]
-        row["peak_bytes"] = [r["peak_bytes"][label] for r in per_rank]
-        row["wire_class"] = res["wire"][label]
-        losses = [loss for r in per_rank for loss in r["losses"][label]]
-        row["mean_loss"] = statistics.mean(losses) if losses else None
+        sim = add_measured(row, label, per_rank, model)
+        if sim is not None:
+            row["sim_peak_bytes"] = [r.peak_activation_bytes for r in sim.per_rank]
+            losses = [loss for r in per_rank for loss in r["losses"][label]]
+            row["mean_loss"] = statistics.mean(losses) if losses else None
         rows.append(row)
     by_label = {row["label"]: row for row in rows}
     add_ratios(rows, lambda row: by_label.get(BASELINE))
@@ -264,16 +233,7 @@ def replica_sum_md(rows: list[dict]) -> list[str]:
 
 def report_md(args, summary: dict, info: dict) -> str:
     lines = [
-        "# megatron-prt on megatron-core BERT, measured (CPU)",
-        "",
-        "Written by `megatron-prt bench` (section `megatron_prt.bench.bert`). Command:",
-        "",
-        "```",
-        info["command"],
-        "```",
-        "",
-        machine_md(info),
-        "",
+        *report_head("megatron-prt on megatron-core BERT, measured (CPU)", "bert", info),
         f"Setup: {args.ranks} gloo ranks (one thread each) on this machine; megatron-core "
         f"BertModel (local spec, tied embeddings, binary head), {args.bert_layers} layers, "
         f"hidden {args.bert_hidden}, {args.bert_heads} heads, sequence {args.bert_seq}, "
@@ -331,20 +291,13 @@ def notes_md() -> list[str]:
 
 
 def write_outputs(args, summary: dict, info: dict) -> list[str]:
-    os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, f"{NAME}.{ext}") for ext in ("md", "png", "json")]
-    with open(paths[0], "w") as f:
-        f.write(report_md(args, summary, info))
-    plot_panels(
-        paths[1],
-        summary["rows"],
-        lambda row: "tab:blue" if row["label"] == BASELINE else "tab:green",
-        (("tab:blue", "megatron-prt 1F1B (R=1)"), ("tab:green", "megatron-prt PRT")),
-        "megatron-core BERT: time per training step on CPU (lower is better)",
+    plot = partial(
+        plot_panels,
+        color_of=lambda row: "tab:blue" if row["label"] == BASELINE else "tab:green",
+        legend=(("tab:blue", "megatron-prt 1F1B (R=1)"), ("tab:green", "megatron-prt PRT")),
+        title="megatron-core BERT: time per training step on CPU (lower is better)",
     )
-    with open(paths[2], "w") as f:
-        json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1, default=str)
-    return paths
+    return write_report(args, NAME, report_md(args, summary, info), summary, info, plot)
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -352,11 +305,11 @@ def run(args, command: str) -> list[str]:
     """Profile on one rank, measure on ``args.ranks`` local gloo ranks, write the report,
     chart and data under ``args.out``; returns their paths."""
     say(f"bert: {args.ranks} ranks, m in {args.microbatches}, {args.reps} repetitions")
-    info = {**machine(), "command": command, "load_start": os.getloadavg()[0]}
-    start = time.perf_counter()
-    say("bert: profiling the model on one rank")
-    costs = all_ok(run_local(1, profile_worker, args, deadline_s=600))[0]
-    ranks = all_ok(run_local(args.ranks, worker, args, deadline_s=3000))
-    info["wall_s"] = time.perf_counter() - start
-    info["load_end"] = os.getloadavg()[0]
+
+    def measure():
+        say("bert: profiling the model on one rank")
+        costs = all_ok(run_local(1, profile_worker, args, deadline_s=600))[0]
+        return costs, all_ok(run_local(args.ranks, worker, args, deadline_s=3000))
+
+    (costs, ranks), info = launch(command, measure)
     return write_outputs(args, summarize(args, costs, ranks), info)

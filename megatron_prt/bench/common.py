@@ -1,11 +1,13 @@
-"""What both benchmark sections share: timing of interleaved repetitions, per-message costs
-of a wire, the calibration of the bi replica-gradient sum, the machine description,
-progress lines and the chart of measured vs simulated time. Runs inside gloo ranks started
+"""What both benchmark sections share: timing of interleaved repetitions, a measured row
+with its simulated prediction, per-message costs of a wire, the calibration of the bi
+replica-gradient sum, the machine description, progress lines, the report's head and the
+chart of measured vs simulated time, and writing the three outputs. Runs inside gloo ranks started
 by :func:`megatron_prt.runtime.local.run_local`."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -13,12 +15,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.p2p import ShmTransport
 from ..runtime.replica_timing import time_replica_sync
+from ..sim.cost import CostModel
+from ..sim.simulate import simulate
+
+T = TypeVar("T")
 
 
 # -- progress ------------------------------------------------------------------------------
@@ -75,6 +82,63 @@ def time_summary(samples: list[float]) -> dict:
         "iqr_frac": (q3 - q1) / median,
         "samples_s": samples,
     }
+
+
+def measure_runners(
+    built: dict, args, label: str, check: Callable[[dict], dict] | None = None
+) -> dict:
+    """Every runner of ``built`` (key -> runner, or the reason it cannot run): ``args.warmup``
+    warm-up steps, one metered step, ``args.reps`` interleaved timed repetitions, then
+    ``check(runners)`` (more fields of the result) before they close. Per key: ``refused``
+    (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and ``replica_sum_s`` (bi:
+    median of the timed steps' sums). A runner has ``step``, ``zero_grad``, ``peak_bytes``,
+    ``close``, ``plan``, ``wire`` and ``replica_sum_s``."""
+    runners = {key: r for key, r in built.items() if not isinstance(r, str)}
+    for runner in runners.values():
+        for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
+            runner.step()
+    peaks = {key: runner.peak_bytes() for key, runner in runners.items()}
+    times = interleaved_times(runners, args.reps, label)
+    checked = check(runners) if check else {}
+    for runner in runners.values():
+        runner.close()
+    return {
+        "refused": {key: r for key, r in built.items() if isinstance(r, str)},
+        "times": times,
+        "peak_bytes": peaks,
+        "plans": {key: r.plan for key, r in runners.items()},
+        "wire": {key: r.wire for key, r in runners.items()},
+        "replica_sum_s": {
+            key: statistics.median(r.replica_sum_s[-args.reps :])
+            for key, r in runners.items()
+            if r.replica_sum_s
+        },
+        **checked,
+    }
+
+
+def add_measured(row: dict, key: str, per_rank: list[dict], model: CostModel):
+    """Fill ``row`` with what the ranks measured for ``key`` (their
+    :func:`measure_runners` results) and the simulator's prediction for the plan that ran
+    under ``model``; returns the simulation, or ``None`` for a refused configuration (then
+    ``row["na"]`` holds the reason)."""
+    res = per_rank[0]
+    if key in res["refused"]:
+        row["na"] = res["refused"][key]
+        return None
+    row.update(time_summary(res["times"][key]))
+    plan = res["plans"][key]
+    sim = simulate(plan, model)
+    row["sim_s"] = sim.makespan
+    if plan.placement.direction == "bi":
+        row["sim_replica_s"] = sim.replica_sync_time
+        row["sim_replica_bytes"] = [r.replica_bytes for r in sim.per_rank]
+        row["sim_no_sum_s"] = simulate(plan, model.without_replica_sync()).makespan
+    row["peak_bytes"] = [r["peak_bytes"][key] for r in per_rank]
+    row["wire_class"] = res["wire"][key]
+    if key in res["replica_sum_s"]:
+        row["replica_sum_s"] = max(r["replica_sum_s"][key] for r in per_rank)
+    return sim
 
 
 # -- per-message costs -----------------------------------------------------------------------
@@ -154,12 +218,11 @@ def replica_repeats(args) -> int:
 def replica_bytes(runtime) -> int:
     """Gradient bytes this rank sends its mirrored rank in ``runtime.reduce_replica_grads``
     (stages whose replica is on another rank; ``requires_grad`` parameters)."""
-    placement = runtime.plan.placement
-    depth, total = placement.depth, 0
-    for stage, module in runtime.stages.items():
-        twin = stage + depth if stage < depth else stage - depth
-        if placement.rank_of(twin) != runtime.rank:
-            params = [p for p in module.parameters() if p.requires_grad]
+    total = 0
+    for pair in runtime.plan.placement.replica_pairs():
+        here = [stage for stage in pair if stage in runtime.stages]
+        if len(here) == 1:  # the replica is on the mirrored rank
+            params = [p for p in runtime.stages[here[0]].parameters() if p.requires_grad]
             total += sum(p.numel() * p.element_size() for p in params)
     return total
 
@@ -255,6 +318,48 @@ def sim_sum_md(row: dict) -> str:
 
 
 # -- report --------------------------------------------------------------------------------
+def launch(command: str, measure: Callable[[], T]) -> tuple[T, dict]:
+    """``measure()`` and the report's ``info`` around it: :func:`machine`, ``command``, the
+    load average at start and end and the wall time."""
+    info = {**machine(), "command": command, "load_start": os.getloadavg()[0]}
+    start = time.perf_counter()
+    result = measure()
+    info["wall_s"] = time.perf_counter() - start
+    info["load_end"] = os.getloadavg()[0]
+    return result, info
+
+
+def write_report(
+    args, name: str, markdown: str, summary: dict, info: dict, plot: Callable[[str, dict], None]
+) -> list[str]:
+    """``name``.md (``markdown``), .png (``plot(path, summary["rows"])``) and .json (the
+    machine, the flags and ``summary``) under ``args.out``; returns their paths."""
+    os.makedirs(args.out, exist_ok=True)
+    paths = [os.path.join(args.out, f"{name}.{ext}") for ext in ("md", "png", "json")]
+    with open(paths[0], "w") as f:
+        f.write(markdown)
+    plot(paths[1], summary["rows"])
+    with open(paths[2], "w") as f:
+        json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1, default=str)
+    return paths
+
+
+def report_head(title: str, section: str, info: dict) -> list[str]:
+    """The title, the command that wrote the report and the machine."""
+    return [
+        f"# {title}",
+        "",
+        f"Written by `megatron-prt bench` (section `megatron_prt.bench.{section}`). Command:",
+        "",
+        "```",
+        info["command"],
+        "```",
+        "",
+        machine_md(info),
+        "",
+    ]
+
+
 def machine() -> dict:
     """CPU model, core count, torch and Python versions, the date (UTC)."""
     model = "unknown"
@@ -306,6 +411,7 @@ def add_ratios(rows: list[dict], baseline_of: Callable[[dict], dict | None]) -> 
 def plot_panels(
     path: str,
     rows_by_m: dict,
+    *,
     color_of: Callable[[dict], str],
     legend: Sequence[tuple[str, str]],
     title: str,

@@ -18,11 +18,10 @@ untimed step. :func:`run` writes ``vs_torch_pipelining.{md,png,json}`` under ``a
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,25 +38,25 @@ from ..runtime.cpu import keep_freed_memory
 from ..runtime.local import all_ok, run_local
 from ..runtime.memory import ActivationMeter
 from ..sim.cost import CostModel, LayerCost
-from ..sim.simulate import simulate
 from .common import (
+    add_measured,
     add_ratios,
     agreed,
     calibrate_replica_sum,
-    interleaved_times,
-    machine,
-    machine_md,
+    launch,
+    measure_runners,
     ms,
     plot_panels,
     ratio,
     replica_cal_md,
     replica_cost_fields,
     replica_repeats,
+    report_head,
     say,
     shm_costs,
     sim_sum_md,
-    time_summary,
     time_wire,
+    write_report,
 )
 
 NAME = "vs_torch_pipelining"
@@ -420,34 +419,15 @@ def grad_vector(runner) -> torch.Tensor:
 
 
 def measure_m(rank: int, world: int, args, m: int, costs: dict[str, CostModel]) -> dict:
-    """Every configuration at ``m`` micro-batches: warm-up, one metered step, then
-    ``args.reps`` interleaved timed repetitions."""
+    """Every configuration at ``m`` micro-batches (:func:`common.measure_runners`), with the
+    torch rows' gradient gaps."""
     built = {
         cfg.key: build_runner(cfg, rank, world, args, m, costs[cfg.transport])
         for cfg in all_configs()
     }
-    runners = {key: r for key, r in built.items() if not isinstance(r, str)}
-    for runner in runners.values():
-        for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
-            runner.step()
-    peaks = {key: runner.peak_bytes() for key, runner in runners.items()}
-    times = interleaved_times(runners, args.reps, f"layer stack, m={m}:")
-    gaps = grad_gaps(runners)
-    for runner in runners.values():
-        runner.close()
-    return {
-        "refused": {key: r for key, r in built.items() if isinstance(r, str)},
-        "times": times,
-        "peak_bytes": peaks,
-        "grad_gap": gaps,
-        "plans": {key: r.plan for key, r in runners.items()},
-        "wire": {key: r.wire for key, r in runners.items()},
-        "replica_sum_s": {
-            key: statistics.median(r.replica_sum_s[-args.reps :])
-            for key, r in runners.items()
-            if r.replica_sum_s
-        },
-    }
+    return measure_runners(
+        built, args, f"layer stack, m={m}:", lambda runners: {"grad_gap": grad_gaps(runners)}
+    )
 
 
 def worker(rank: int, world: int, args) -> dict:
@@ -492,23 +472,9 @@ def m_rows(m: int, per_rank: list[dict], costs: dict[str, CostModel]) -> list[di
     for cfg in all_configs():
         row = {"key": cfg.key, "label": cfg.label, "transport": cfg.transport, "m": m}
         row["family"] = cfg.family
-        if cfg.key in res["refused"]:
-            rows.append({**row, "na": res["refused"][cfg.key]})
-            continue
-        row.update(time_summary(res["times"][cfg.key]))
-        plan, cost = res["plans"][cfg.key], costs[cfg.transport]
-        sim = simulate(plan, cost)
-        row["sim_s"] = sim.makespan
-        if plan.placement.direction == "bi":
-            row["sim_replica_s"] = sim.replica_sync_time
-            row["sim_replica_bytes"] = [r.replica_bytes for r in sim.per_rank]
-            row["sim_no_sum_s"] = simulate(plan, cost.without_replica_sync()).makespan
-        row["peak_bytes"] = [r["peak_bytes"][cfg.key] for r in per_rank]
-        row["wire_class"] = res["wire"][cfg.key]
-        if cfg.key in res["grad_gap"]:
+        add_measured(row, cfg.key, per_rank, costs[cfg.transport])
+        if cfg.key in res["grad_gap"]:  # ran, and a torch row with a megatron-prt twin
             row["grad_gap"] = res["grad_gap"][cfg.key]
-        if cfg.key in res["replica_sum_s"]:
-            row["replica_sum_s"] = max(r["replica_sum_s"][cfg.key] for r in per_rank)
         rows.append(row)
     by_key = {row["key"]: row for row in rows}
     add_ratios(rows, lambda row: by_key.get(baseline_key(Config(row["label"], row["transport"]))))
@@ -672,17 +638,9 @@ def replica_sum_md(rows: list[dict]) -> list[str]:
 
 def report_md(args, summary: dict, info: dict) -> str:
     layer, wires = summary["layer"], summary["wires"]
+    title = "megatron-prt vs torch.distributed.pipelining, measured (CPU): layer stack"
     lines = [
-        "# megatron-prt vs torch.distributed.pipelining, measured (CPU): layer stack",
-        "",
-        "Written by `megatron-prt bench` (section `megatron_prt.bench.layer_stack`). Command:",
-        "",
-        "```",
-        info["command"],
-        "```",
-        "",
-        machine_md(info),
-        "",
+        *report_head(title, "layer_stack", info),
         f"Setup: {args.ranks} gloo ranks (one thread each) on this machine; model "
         f"{args.layers} x (Linear {args.hidden}x{args.hidden} + ReLU), fp32, micro-batch "
         f"{args.mb_size}, MSE loss; the same data and stage split for every row; "
@@ -750,20 +708,13 @@ LEGEND = (
 
 
 def write_outputs(args, summary: dict, info: dict) -> list[str]:
-    os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, f"{NAME}.{ext}") for ext in ("md", "png", "json")]
-    with open(paths[0], "w") as f:
-        f.write(report_md(args, summary, info))
-    plot_panels(
-        paths[1],
-        summary["rows"],
-        lambda row: COLORS[(row["family"], row["transport"])],
-        LEGEND,
-        "Layer stack: time per training step on CPU (lower is better)",
+    plot = partial(
+        plot_panels,
+        color_of=lambda row: COLORS[(row["family"], row["transport"])],
+        legend=LEGEND,
+        title="Layer stack: time per training step on CPU (lower is better)",
     )
-    with open(paths[2], "w") as f:
-        json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1, default=str)
-    return paths
+    return write_report(args, NAME, report_md(args, summary, info), summary, info, plot)
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -772,10 +723,7 @@ def run(args, command: str) -> list[str]:
     :mod:`megatron_prt.bench.flags`), write the report, chart and data under ``args.out``;
     returns their paths. ``command`` is the command line quoted in the report."""
     say(f"layer stack: {args.ranks} ranks, m in {args.microbatches}, {args.reps} repetitions")
-    info = {**machine(), "command": command, "load_start": os.getloadavg()[0]}
-    start = time.perf_counter()
-    ranks = all_ok(run_local(args.ranks, worker, args, deadline_s=3000))
-    info["wall_s"] = time.perf_counter() - start
-    info["load_end"] = os.getloadavg()[0]
-    summary = summarize(args, ranks)
-    return write_outputs(args, summary, info)
+    ranks, info = launch(
+        command, lambda: all_ok(run_local(args.ranks, worker, args, deadline_s=3000))
+    )
+    return write_outputs(args, summarize(args, ranks), info)

@@ -129,6 +129,13 @@ class Placement:
         """Downstream neighbour in the same pipeline, or None for a pipeline's last stage."""
         return None if stage % self.depth == self.depth - 1 else stage + 1
 
+    def replica_pairs(self) -> tuple[tuple[int, int], ...]:
+        """``(k, D + k)`` for every model stage ``k`` under ``bi``: a stage and its weight
+        replica, whose gradients are summed; empty for ``uni``."""
+        if self.direction != "bi":
+            return ()
+        return tuple((k, self.depth + k) for k in range(self.depth))
+
     def is_first(self, stage: int) -> bool:
         return stage % self.depth == 0
 

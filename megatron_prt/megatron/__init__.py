@@ -8,6 +8,8 @@ from .config import ReuseConfig
 
 __all__ = [
     "ReuseConfig",
+    "build_chunks",
+    "connect_model_hooks",
     "embedding_ranks",
     "install",
     "make_forward_backward_func",
@@ -18,6 +20,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "build_chunks": "model",
+    "connect_model_hooks": "model",
     "embedding_ranks": "model",
     "model_provider": "model",
     "prepare_model": "model",

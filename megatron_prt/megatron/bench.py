@@ -10,9 +10,10 @@ replica-gradient sum of megatron's finalize path for them. The timing loop, the 
 costs and the report live in :mod:`megatron_prt.bench.bert`, which imports this module
 inside the ranks only.
 
-Every variant shares one megatron parallel state (pipeline size P, embedding group of one
-rank, as :func:`megatron_prt.megatron.embedding_ranks` asks); its virtual pipeline size is
-set to the variant's chunks per rank while that variant is built or steps, so variants with
+Every variant shares one megatron parallel state
+(:func:`megatron_prt.megatron.pretrain.init_parallel_state`: pipeline size P, embedding group
+of one rank, as :func:`megatron_prt.megatron.embedding_ranks` asks); its virtual pipeline size
+is set to the variant's chunks per rank while that variant is built or steps, so variants with
 different R can alternate step by step. Every variant holds the same weights: those of the
 1F1B split built from :data:`SEED` (:func:`reference_state`), loaded by global parameter
 name (:mod:`megatron_prt.megatron.weights`), so every row computes the same losses.
@@ -25,19 +26,15 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..core.placement import Placement
-from . import cpu
 from .config import ReuseConfig
-from .layout import chunk_roles
-from .model import embedding_ranks, prepare_model, transformer_config_kwargs
+from .model import build_chunks, prepare_model, transformer_config_kwargs
+from .pretrain import SEED, bert_forward_step, build_model, random_batches, transformer_config
 from .profile import profile_model
 from .schedule import _uses_main_grad, make_forward_backward_func
 from .weights import global_state, load_global
-
-SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -69,62 +66,16 @@ def profile_costs(shape: BertShape, reps: int) -> dict:
     )
 
 
-def init_parallel_state(ranks: int) -> None:
-    """megatron's parallel state for ``ranks`` pipeline ranks on the CPU shim (collective)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    cpu.enable()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=ranks, get_embedding_ranks=embedding_ranks
-    )
-    model_parallel_cuda_manual_seed(SEED)
-
-
 def bert_batches(shape: BertShape, m: int) -> list[dict]:
     """``m`` micro-batches of random tokens, the same for every variant (seeded by ``m``)."""
-    gen = torch.Generator().manual_seed(2000 + m)
-    out = []
-    for _ in range(m):
-        tokens = torch.randint(0, shape.vocab, (shape.mbs, shape.seq), generator=gen)
-        out.append(
-            {
-                "tokens": tokens,
-                "labels": torch.roll(tokens, -1, dims=1),
-                "padding_mask": torch.ones(shape.mbs, shape.seq, dtype=torch.long),
-                "types": torch.randint(0, 2, (shape.mbs, shape.seq), generator=gen),
-                "sentence_order": torch.randint(0, 2, (shape.mbs,), generator=gen),
-            }
-        )
-    return out
-
-
-def bert_forward_step(data_iterator, model):
-    """megatron's ``forward_step_func``: ``(output, loss_func)`` of one micro-batch."""
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["padding_mask"],
-        tokentype_ids=batch["types"],
-        lm_labels=batch["labels"],
-    )
-    return output, partial(bert_loss, batch)
-
-
-def bert_loss(batch: dict, output):
-    """Mean token loss plus the sentence-order loss (BERT pretraining's two losses)."""
-    token_loss, order_logits = output
-    loss = token_loss.float().mean()
-    loss = loss + torch.nn.functional.cross_entropy(order_logits.float(), batch["sentence_order"])
-    return loss, {"lm loss": loss.detach().clone()}  # megatron scales loss in place after
+    return random_batches(m, shape.vocab, shape.mbs, shape.seq, seed=2000 + m)
 
 
 class BertRunner:
     """This rank's chunks of one variant (``placement``; ``schedule`` ``"1f1b"`` or
     ``"prt"``) and the forward-backward function that trains them on ``m`` micro-batches.
-    ``step`` / ``zero_grad`` / ``peak_bytes`` / ``close`` as the layer-stack runners;
-    ``plan`` is the plan that runs (for the simulator)."""
+    ``step`` / ``zero_grad`` / ``peak_bytes`` / ``close`` / ``wire`` as the layer-stack
+    runners; ``plan`` is the plan that runs (for the simulator)."""
 
     def __init__(
         self,
@@ -140,10 +91,17 @@ class BertRunner:
         self.reuse = ReuseConfig(placement, shape.layers, schedule=schedule)
         self._vp = placement.chunks_per_rank if placement.chunks_per_rank > 1 else None
         self._enter()
-        rank = dist.get_rank()
         torch.manual_seed(SEED)
-        self.config = self._config()
-        self.chunks = [self._chunk(role) for role in chunk_roles(self.reuse, rank)]
+        self.config = transformer_config(
+            hidden_size=shape.hidden,
+            num_attention_heads=shape.heads,
+            **transformer_config_kwargs(self.reuse),
+        )
+        self.chunks = build_chunks(
+            partial(build_model, "bert", vocab_size=shape.vocab, seq_length=shape.seq),
+            self.reuse,
+            config=self.config,
+        )
         prepare_model(self.chunks, self.reuse)
         if state is not None:  # every replica and tied copy by its global name
             load_global(self.chunks, state, tied=True)
@@ -155,6 +113,11 @@ class BertRunner:
         self.plan = self.forward_backward.pipeline().plan
         if placement.direction == "bi":
             self._time_replica_sums()
+
+    @property
+    def wire(self) -> str:
+        """The class of the transport the runtime chose."""
+        return type(self.forward_backward.pipeline().transport).__name__
 
     @property
     def grad_attr(self) -> str:
@@ -176,43 +139,6 @@ class BertRunner:
 
     def _enter(self) -> None:
         parallel_state.set_virtual_pipeline_model_parallel_world_size(self._vp)
-
-    def _config(self):
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        s = self.shape
-        return TransformerConfig(
-            hidden_size=s.hidden,
-            num_attention_heads=s.heads,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_dropout_fusion=False,
-            persist_layer_norm=False,
-            gradient_accumulation_fusion=False,
-            **transformer_config_kwargs(self.reuse),
-        )
-
-    def _chunk(self, role) -> torch.nn.Module:
-        from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-        from megatron.core.models.bert.bert_model import BertModel
-
-        return BertModel(
-            config=self.config,
-            num_tokentypes=2,
-            transformer_layer_spec=bert_layer_local_spec,
-            vocab_size=self.shape.vocab,
-            max_sequence_length=self.shape.seq,
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            share_embeddings_and_output_weights=True,
-            add_binary_head=True,
-            vp_stage=role.chunk,
-        )
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:

@@ -52,22 +52,18 @@ def model_provider(provider: Callable) -> Callable:
         reuse = _reuse()
         if reuse is None:
             return provider(pre_process, post_process, vp_stage=vp_stage, config=config, **kwargs)
-        from megatron.core import parallel_state
         from megatron.training import get_args
         from megatron.training.arguments import core_transformer_config_from_args
 
         from .installer import install
-        from .layout import ReuseLayout, chunk_roles
+        from .layout import ReuseLayout
+        from .model import model_provider as placed
         from .model import prepare_chunk
 
         if config is None:
             config = core_transformer_config_from_args(get_args())
         config.pipeline_model_parallel_layout = ReuseLayout(reuse)
-        role = chunk_roles(reuse, parallel_state.get_pipeline_model_parallel_rank())[vp_stage or 0]
-        model = provider(
-            role.pre_process, role.post_process, vp_stage=vp_stage, config=config, **kwargs
-        )
-        model.vp_stage = vp_stage
+        model = placed(provider, reuse)(vp_stage=vp_stage, config=config, **kwargs)
         if (vp_stage or 0) == 0:
             built.clear()  # a new model (e.g. a second get_model call)
         built.append(model)

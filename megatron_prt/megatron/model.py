@@ -3,6 +3,8 @@
 * :func:`model_provider` wraps a megatron ``model_provider`` so chunk ``vp_stage`` of this
   rank gets ``pre_process`` / ``post_process`` from the placement and the layer layout of
   :class:`~megatron_prt.megatron.layout.ReuseLayout`.
+* :func:`build_chunks`: this rank's chunks, one :func:`model_provider` call per chunk;
+  :func:`connect_model_hooks`: the DDP hooks of megatron's training loop for them.
 * :func:`prepare_model` (once, after building, before the optimizer) or
   :func:`prepare_chunk` (per chunk, from a model provider): ``bi`` replica chunks copy
   pipeline 0's weights and are marked ``shared`` (the gradient norm counts each weight once)
@@ -124,6 +126,31 @@ def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
     return build
 
 
+def build_chunks(provider: Callable, reuse: ReuseConfig | None, **kwargs) -> list:
+    """This rank's model chunks in chunk order: ``provider`` through :func:`model_provider`
+    once per chunk (``vp_stage`` 0, 1, ...; ``kwargs`` passed on); without PRT (``reuse``
+    ``None``) the whole model, ``[provider(pre_process=True, post_process=True,
+    vp_stage=None, **kwargs)]``. Needs megatron's parallel state (the pipeline rank)."""
+    if reuse is None:
+        return [provider(pre_process=True, post_process=True, vp_stage=None, **kwargs)]
+    build = model_provider(provider, reuse)
+    return [build(vp_stage=chunk, **kwargs) for chunk in range(reuse.placement.chunks_per_rank)]
+
+
+def connect_model_hooks(config, chunks: list) -> None:
+    """The config hooks megatron's training loop sets for DDP-wrapped ``chunks``: gradient
+    reduction held back per chunk until its last backward (``no_sync_func`` /
+    ``grad_sync_func``; for one chunk the callables themselves, megatron's convention) and
+    ``finalize_model_grads`` at the end."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+    if len(chunks) == 1:
+        config.no_sync_func, config.grad_sync_func = chunks[0].no_sync, chunks[0].start_grad_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+
 def transformer_config_kwargs(reuse: ReuseConfig) -> dict:
     """The ``TransformerConfig`` fields a PRT model needs (merge into the config's kwargs)."""
     placement = reuse.placement
@@ -173,8 +200,7 @@ def prepare_chunk(model: list, reuse: ReuseConfig, group=None) -> None:
     def completes_now(pair):
         return max(placement.stage_to_chunk[s] for s in pair) == chunk
 
-    replicas = [(k, placement.depth + k) for k in range(placement.depth)]
-    replicas = [pair for pair in replicas if placement.direction == "bi" and completes_now(pair)]
+    replicas = [pair for pair in placement.replica_pairs() if completes_now(pair)]
     copy_stages(replicas, placement.rank_of, stages, group)  # before ties: they copy from these
     tied = [pair for pair in _tied_pairs(reuse, stages) if completes_now(pair)]
     _copy_tied_weights(reuse, stages, tied, group)

@@ -62,6 +62,13 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.memory import ActivationMeter
+from .pretrain import (
+    bert_forward_step,
+    build_model,
+    pretrain_loss,
+    random_batch,
+    transformer_config,
+)
 
 KINDS = ("gpt", "bert")
 DTYPES = {
@@ -148,10 +155,15 @@ def profile_model(
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = _transformer_config(
-            layers_built, hidden_size, num_attention_heads, ffn_hidden_size, torch_dtype, device
+        config = transformer_config(  # the test models' settings: no fused kernels
+            torch_dtype,
+            num_layers=layers_built,
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            num_attention_heads=num_attention_heads,
+            use_cpu_initialization=device == "cpu",
         )
-        model = _build_model(kind, config, vocab_size, seq_length)
+        model = build_model(kind, config, vocab_size, seq_length)
         model.to(device=device, dtype=torch_dtype)
         shape = (seq_length, micro_batch_size, vocab_size)
         step = partial(_forward_step, kind, config, model, shape, torch.device(device))
@@ -263,63 +275,14 @@ def _cpu_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _transformer_config(num_layers, hidden, heads, ffn_hidden, dtype, device):
-    """The test models' settings: no dropout, no fused kernels (they need apex / TE)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn_hidden,
-        num_attention_heads=heads,
-        use_cpu_initialization=device == "cpu",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-    )
-
-
-def _build_model(kind: str, config, vocab_size: int, seq_length: int) -> torch.nn.Module:
-    if kind == "gpt":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=vocab_size,
-            max_sequence_length=seq_length,
-            share_embeddings_and_output_weights=True,
-        )
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
-
-    return BertModel(
-        config=config,
-        num_tokentypes=2,
-        transformer_layer_spec=bert_layer_local_spec,
-        vocab_size=vocab_size,
-        max_sequence_length=seq_length,
-        share_embeddings_and_output_weights=True,
-        add_binary_head=True,
-    )
-
-
 # -- one training micro-batch ------------------------------------------------------------------
 def _forward_step(kind, config, model, shape, device) -> torch.Tensor:
     """One micro-batch through megatron's ``schedules.forward_step`` (as in training):
     the loss, scaled as megatron scales it. Fresh inputs every call."""
     from megatron.core.pipeline_parallel import schedules
 
-    batch = _batch(kind, shape, device)
+    seq, mbs, vocab = shape
+    batch = random_batch(vocab, mbs, seq, device=device)  # GPT reads tokens and labels only
     loss, _ = schedules.forward_step(
         partial(_model_step, kind),
         iter([batch]),
@@ -334,50 +297,15 @@ def _forward_step(kind, config, model, shape, device) -> torch.Tensor:
     return loss
 
 
-def _batch(kind: str, shape: tuple[int, int, int], device: torch.device) -> dict:
-    seq, mbs, vocab = shape
-    tokens = torch.randint(0, vocab, (mbs, seq), device=device)
-    batch = {
-        "tokens": tokens,
-        "labels": torch.roll(tokens, -1, dims=1),
-        "loss_mask": torch.ones(mbs, seq, device=device),
-    }
-    if kind == "bert":
-        batch["padding_mask"] = torch.ones(mbs, seq, dtype=torch.long, device=device)
-        batch["types"] = torch.randint(0, 2, (mbs, seq), device=device)
-        batch["sentence_order"] = torch.randint(0, 2, (mbs,), device=device)
-    return batch
-
-
 def _model_step(kind: str, data_iterator, model):
     """megatron's ``forward_step_func`` contract: ``(output, loss_func)``."""
+    if kind == "bert":
+        return bert_forward_step(data_iterator, model)
     batch = next(data_iterator)
     tokens = batch["tokens"]
-    if kind == "gpt":
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        output = model(tokens, positions, None, labels=batch["labels"])
-    else:
-        output = model(
-            tokens,
-            batch["padding_mask"],
-            tokentype_ids=batch["types"],
-            lm_labels=batch["labels"],
-        )
-    return output, partial(_loss, batch)
-
-
-def _loss(batch: dict, output):
-    """Masked mean of the token losses (Megatron-LM's GPT and BERT pretraining losses),
-    plus the sentence-order loss for BERT's binary head."""
-    sentence_logits = None
-    if isinstance(output, tuple):
-        output, sentence_logits = output
-    mask = batch["loss_mask"].reshape(-1).float()
-    loss = (output.float().reshape(-1) * mask).sum() / mask.sum()
-    if sentence_logits is not None:
-        order = batch["sentence_order"]
-        loss = loss + torch.nn.functional.cross_entropy(sentence_logits.float(), order)
-    return loss, {"lm loss": loss.detach()}
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    output = model(tokens, positions, None, labels=batch["labels"])
+    return output, partial(pretrain_loss, batch)
 
 
 # -- the parts of the model ------------------------------------------------------------------

@@ -20,11 +20,6 @@ from ..core.placement import Placement
 from .p2p import wire_device
 
 
-def _pairs(placement: Placement):
-    d = placement.depth
-    return [(k, d + k) for k in range(d)] if placement.direction == "bi" else []
-
-
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
@@ -87,7 +82,7 @@ def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=Non
 
 def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
     """Pipeline-1 replicas take pipeline 0's parameters (and buffers)."""
-    copy_stages(_pairs(placement), placement.rank_of, stages, group)
+    copy_stages(placement.replica_pairs(), placement.rank_of, stages, group)
 
 
 def reduce_replica_grads(
@@ -112,7 +107,7 @@ def reduce_replica_grads(
         _unflat(own + received, grads(stage))
 
     exchange_pairs(
-        _pairs(placement),
+        placement.replica_pairs(),
         placement.rank_of,
         group,
         lambda stage: _flat(grads(stage)),
@@ -124,7 +119,7 @@ def reduce_replica_grads(
 def replica_peers(placement: Placement, rank: int) -> set[int]:
     """Ranks holding a replica of a stage on ``rank`` (empty for ``uni``)."""
     peers = set()
-    for a, b in _pairs(placement):
+    for a, b in placement.replica_pairs():
         ranks = {placement.rank_of(a), placement.rank_of(b)}
         if rank in ranks:
             peers |= ranks - {rank}
@@ -152,7 +147,7 @@ def reduce_replica_grads_shm(
                 setattr(p, grad_attr, torch.zeros_like(p))
         return [getattr(p, grad_attr) for p in params]
 
-    for a, b in _pairs(placement):
+    for a, b in placement.replica_pairs():
         here = [s for s in (a, b) if placement.rank_of(s) == rank]
         if len(here) == 2:
             mine, theirs = _flat(grads(a)), _flat(grads(b))

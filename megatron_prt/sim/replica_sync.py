@@ -40,19 +40,12 @@ class ReplicaSync:
     end: float
 
 
-def replica_pairs(placement: Placement) -> list[tuple[int, int]]:
-    """``(k, D + k)`` for every model stage ``k`` under ``bi``: the two replicas whose
-    gradients are summed; empty for ``uni``."""
-    depth = placement.depth
-    return [(k, depth + k) for k in range(depth)] if placement.direction == "bi" else []
-
-
 def replica_syncs(
     placement: Placement, cost: CostModel, ready: Sequence[float]
 ) -> tuple[ReplicaSync, ...]:
     """Per rank (empty for ``uni``): its replica-gradient sum, given ``ready[rank]``, the end
     of the rank's last compute action."""
-    pairs = replica_pairs(placement)
+    pairs = placement.replica_pairs()
     if not pairs:
         return ()
     grad = cost.stage_grad_bytes(placement)
