@@ -110,3 +110,20 @@ def test_prt_with_message_costs_is_never_worse_than_the_free_message_plan(
         with_costs = replay(prt(place, 8, times), times).makespan
         free = replay(prt(place, 8), times).makespan
         assert with_costs <= free, (hop, with_costs, free)
+
+
+@pytest.mark.parametrize("placement", ["loop", "wave"])
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_prt_plans_ranks_whose_stages_take_no_time(placement, direction):
+    """Fewer layers than stages leave a rank with no work (stage times 0): the planner
+    still plans, the plan validates, and it is no slower than the equal-stage plan."""
+    from megatron_prt.core.replay import replay
+    from megatron_prt.core.schedules import prt
+    from megatron_prt.core.timing import StageTimes
+
+    place = Placement(4, 2, placement, direction)
+    busy = [float(place.rank_of(s) % 2 == 0) for s in range(place.depth)]  # ranks 1, 3 idle
+    times = StageTimes(tuple(busy), tuple(2 * t for t in busy))
+    plan = prt(place, 4, times)
+    validate(lower(plan))
+    assert replay(plan, times).makespan <= replay(prt(place, 4), times).makespan

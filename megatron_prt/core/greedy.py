@@ -21,6 +21,7 @@ reports the makespan and each rank's peak held activations, which the portfolio 
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,15 +85,11 @@ def list_schedule(
 ) -> ListResult:
     """Schedule every F and B of ``mb_pipeline``'s micro-batches under ``policy``."""
     times, tick = times.in_ticks()
-    actions = required_actions(placement, mb_pipeline)
-    consumers = consumers_map(actions, placement)
-    waiting = {a: len(producers(a, placement)) for a in actions}
+    actions, consumers, producer_counts, forwards = _graph(placement, tuple(mb_pipeline))
+    waiting = dict(producer_counts)
     ready_at = dict.fromkeys(actions, 0)
     rank_of = placement.stage_to_rank
-    ranks = [
-        _Rank([], [], [], sum(1 for a in actions if a.op is Op.F and rank_of[a.stage] == r))
-        for r in range(placement.ranks)
-    ]
+    ranks = [_Rank([], [], [], count) for count in forwards]
     order: list[list[Action]] = [[] for _ in ranks]
     events: list = []  # (time, seq, rank, finished action or None for a wake-up)
     seq = 0
@@ -176,6 +173,21 @@ def list_schedule(
     return ListResult(
         tuple(tuple(acts) for acts in order), now * tick, tuple(state.peak for state in ranks)
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
+    """What every policy of a portfolio shares: the actions, their consumers, how many
+    producers each waits for, and each rank's forward count. Read-only for callers."""
+    actions = required_actions(placement, mb_pipeline)
+    consumers = consumers_map(actions, placement)
+    producer_counts = {a: len(producers(a, placement)) for a in actions}
+    rank_of = placement.stage_to_rank
+    forwards = tuple(
+        sum(1 for a in actions if a.op is Op.F and rank_of[a.stage] == r)
+        for r in range(placement.ranks)
+    )
+    return actions, consumers, producer_counts, forwards
 
 
 def _finish(state: _Rank, action: Action) -> None:

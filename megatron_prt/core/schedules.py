@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,20 +42,30 @@ def _span(placement: Placement, rank: int) -> list[tuple[int, int]]:
 def round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]:
     """Activations a rank must hold so a steady state has no gap: for each pipeline, the
     forward+backward time from the rank's first stage to the end and back, divided by the
-    time the rank spends per micro-batch of each pipeline. Equals 1F1B's ``P - r`` at R=1."""
-    d = placement.depth
+    time the rank spends per micro-batch of each pipeline. Equals 1F1B's ``P - r`` at R=1.
+    A rank whose stages take no time (no layers) never causes a gap; it gets the cap equal
+    stages would give it."""
+    uniform = StageTimes.uniform(placement.depth)
     caps = []
     for rank in range(placement.ranks):
-        period = sum(
-            times.fwd[placement.model_stage(s)] + times.bwd[placement.model_stage(s)]
-            for s in placement.rank_stages[rank]
-        )
-        trip = sum(
-            sum(times.fwd[k] + times.bwd[k] for k in range(first, d))
-            for first, _ in _span(placement, rank)
-        )
-        caps.append(max(1, math.ceil(trip / period - 1e-9)))
+        cap = _round_trip(placement, times, rank) or _round_trip(placement, uniform, rank)
+        caps.append(max(1, math.ceil(cap - 1e-9)))
     return tuple(caps)
+
+
+def _round_trip(placement: Placement, times: StageTimes, rank: int) -> float:
+    """Round trip over period for ``rank`` (0 when its stages take no time)."""
+
+    def both(k: int) -> float:
+        return times.fwd[k] + times.bwd[k]
+
+    period = sum(both(placement.model_stage(s)) for s in placement.rank_stages[rank])
+    if period <= 0:
+        return 0.0
+    trip = sum(
+        sum(both(k) for k in range(first, placement.depth)) for first, _ in _span(placement, rank)
+    )
+    return trip / period
 
 
 def megatron_caps(placement: Placement) -> tuple[int, ...]:
@@ -158,6 +169,7 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
     return best
 
 
+@functools.lru_cache(maxsize=64)  # prt() and callers comparing plans ask for the same ones
 def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTimes) -> Plan:
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     bound = makespan_lower_bound(placement, mb_pipeline, times)
