@@ -17,7 +17,8 @@ paper's (Ji et al., IEEE CLUSTER 2025, abstract only). Every PRT-generator row i
 two plans, the one built for the real costs and the runtime's default one built for uniform
 stages, and the faster is kept (:func:`candidate_plans`). Every figure and assumption used is
 stated in the report (:func:`assumptions`), and every number its summary quotes is computed
-from the simulations (:func:`summary`).
+from the simulations (:func:`summary`). The section on BERT costs profiled on an H200 also
+times 1F1B and PRT uni on the partitioner's fastest layer split (:func:`balanced_cost`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from pathlib import Path
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.plan import Plan
 from megatron_prt.sim.cost import CostModel, LayerCost
-from megatron_prt.sim.partition import uniform_layers
+from megatron_prt.sim.partition import (
+    DEFAULT_SLACK,
+    EXHAUSTIVE_LIMIT,
+    partition,
+    uniform_layers,
+)
 from megatron_prt.sim.simulate import simulate
 
 RANKS = 8  # the paper used 8 GPUs; we put all of them in one pipeline
@@ -576,13 +582,16 @@ def prt_variants(reuses: Sequence[int]) -> list[Variant]:
 class Job:
     """One simulation: a model name (:func:`models`, :data:`PROFILES` or :data:`IDEAL`), a
     :data:`LINKS` key, m, a variant; ``replica_sum``: bi pays the replica-gradient sum
-    (profiled models only)."""
+    (profiled models only); ``partition``: ``even`` (the runtime's default split of the
+    layers) or ``balanced`` (the partitioner's fastest split, profiled models only: see
+    :func:`balanced_cost`)."""
 
     model: str
     link: str
     microbatches: int
     variant: Variant
     replica_sum: bool = False
+    partition: str = "even"
 
 
 @dataclass(frozen=True)
@@ -593,7 +602,9 @@ class Outcome:
     model stages holding no layer, ``plan`` which plan was kept (see
     :func:`candidate_plans`), ``cost_aware_ms`` the makespan of the plan built for the real
     costs (equal to ``ms`` unless the runtime's default plan was faster), ``replica_ms``
-    what the bi replica-gradient sum adds to ``ms``."""
+    what the bi replica-gradient sum adds to ``ms``, ``stage_layers`` the layers of model
+    stages 0..D-1 (empty for the whole-model :data:`IDEAL`), ``search`` how the
+    partitioner found a balanced split (empty for the even one)."""
 
     job: Job
     ms: float
@@ -605,6 +616,8 @@ class Outcome:
     plan: str
     cost_aware_ms: float
     replica_ms: float = 0.0
+    stage_layers: tuple[int, ...] = ()
+    search: str = ""
 
 
 @cache
@@ -622,6 +635,15 @@ def job_cost(job: Job) -> CostModel:
     return cost_model(models()[job.model], job.variant.placement, LINKS[job.link])
 
 
+def rank_loads(cost: CostModel, placement: Placement) -> list[float]:
+    """Per rank: forward + backward time of its stages for one micro-batch each."""
+    times = cost.stage_times(placement)
+    return [
+        sum(times.fwd[placement.model_stage(k)] + times.bwd[placement.model_stage(k)] for k in ks)
+        for ks in placement.rank_stages
+    ]
+
+
 def candidate_plans(job: Job, cost: CostModel) -> list[tuple[str, Plan]]:
     """(name, plan) pairs worth timing. The PRT generator is greedy list scheduling: given
     the real stage and hop times it usually does best, but not always (with a hop time its
@@ -636,20 +658,41 @@ def candidate_plans(job: Job, cost: CostModel) -> list[tuple[str, Plan]]:
     return plans
 
 
+def balanced_cost(job: Job, cost: CostModel) -> tuple[CostModel, str]:
+    """``cost`` with the stage layers of the fastest partition the partitioner finds for the
+    job's placement, m and schedule within an H200's memory (its time objective; every
+    split here peaks far below it, so: the fastest found), and how it searched. The
+    partitioner times partitions on the runtime's plan without the bi replica sum; the
+    job's rows then time the split like every other (:func:`candidate_plans`)."""
+    found = partition(
+        cost.without_replica_sync(),
+        job.variant.placement,
+        job.microbatches,
+        budget_bytes=H200_MEMORY,
+        schedule=job.variant.schedule,
+    )
+    search = "exact" if found.exact else f"local search, {found.simulated} simulated"
+    return replace(cost, stage_layers=found.stage_layers), search
+
+
 def run_job(job: Job) -> list[tuple[Job, Outcome]]:
     """The job's outcome; a bi job that pays the replica-gradient sum also gives the same
     job without it, from the same plans (the sum changes no stage time, so no plan)."""
-    cost = job_cost(job)
+    cost, search = job_cost(job), ""
+    if job.partition == "balanced":
+        cost, search = balanced_cost(job, cost)
     plans = candidate_plans(job, cost)
-    out = [(job, best_outcome(job, cost, plans))]
+    out = [(job, best_outcome(job, cost, plans, search))]
     free = cost.without_replica_sync()
     if job.variant.direction == "bi" and free != cost:
         unpaid = replace(job, replica_sum=False)
-        out.append((unpaid, best_outcome(unpaid, free, plans)))
+        out.append((unpaid, best_outcome(unpaid, free, plans, search)))
     return out
 
 
-def best_outcome(job: Job, cost: CostModel, plans: list[tuple[str, Plan]]) -> Outcome:
+def best_outcome(
+    job: Job, cost: CostModel, plans: list[tuple[str, Plan]], search: str = ""
+) -> Outcome:
     timed = [(simulate(plan, cost), name) for name, plan in plans]
     result, plan_name = min(timed, key=lambda t: t[0].makespan)
     peaks = [r.peak_activation_bytes + r.param_bytes for r in result.per_rank]
@@ -665,15 +708,33 @@ def best_outcome(job: Job, cost: CostModel, plans: list[tuple[str, Plan]]) -> Ou
         plan_name,
         cost_aware,
         result.replica_sync_time,
+        cost.layer_counts(job.variant.placement.depth) if cost.layers else (),
+        search,
     )
 
 
+def job_weight(job: Job) -> float:
+    """Rough relative CPU time of :func:`run_job`: the PRT planner runs a portfolio of list
+    schedules over all 2 D m actions two or three times per plan (once per competing set of
+    stage times, see :func:`megatron_prt.core.schedules.prt`), the textbook 1F1B plan is
+    written down directly; a balanced split first searches partitions."""
+    placement = job.variant.placement
+    size = placement.depth * job.microbatches
+    weight = 3.0 * size if job.variant.schedule == "prt" else 0.1 * size
+    return weight + (5.0 * size if job.partition == "balanced" else 0.0)
+
+
 def run_all(jobs: list[Job], workers: int) -> dict[Job, Outcome]:
-    """Simulate every job, on ``workers`` processes (1: in this process)."""
+    """Simulate every job, on ``workers`` processes (1: in this process). The pool gets
+    the heaviest jobs first, one at a time, so that both processes finish together; the
+    outcomes come back in the order of ``jobs`` (ties between equally fast variants go to
+    the first, see :meth:`Results.compare`)."""
     if workers <= 1:
         return {j: o for job in jobs for j, o in run_job(job)}
+    heaviest_first = sorted(jobs, key=job_weight, reverse=True)
     with ProcessPoolExecutor(workers) as pool:
-        return {j: o for done in pool.map(run_job, jobs, chunksize=8) for j, o in done}
+        done = dict(zip(heaviest_first, pool.map(run_job, heaviest_first), strict=True))
+    return {j: o for job in jobs for j, o in done[job]}
 
 
 # -- what the report asks for --------------------------------------------------------------------
@@ -701,16 +762,25 @@ class Comparison:
 class Results(dict):
     """Job -> Outcome, looked up by what the tables ask for."""
 
-    def at(self, name: str, link: str, m: int, variant: Variant, replica_sum=False) -> Outcome:
-        return self[Job(name, link, m, variant, replica_sum)]
+    def at(
+        self, name: str, link: str, m: int, variant: Variant, replica_sum=False, split="even"
+    ) -> Outcome:
+        return self[Job(name, link, m, variant, replica_sum, split)]
 
     def compare(
-        self, name: str, link: str, m: int, direction: str, replica_sum: bool = False
+        self,
+        name: str,
+        link: str,
+        m: int,
+        direction: str,
+        replica_sum: bool = False,
+        split: str = "even",
     ) -> Comparison:
+        key = (name, link, m, replica_sum, split)
         here = [
             o
             for j, o in self.items()
-            if (j.model, j.link, j.microbatches, j.replica_sum) == (name, link, m, replica_sum)
+            if (j.model, j.link, j.microbatches, j.replica_sum, j.partition) == key
             and j.variant.direction == direction
         ]
         base = next(o for o in here if o.job.variant.role == "baseline")
@@ -1123,8 +1193,21 @@ def h200_summary(results: Results, s: Settings) -> list[str]:
         f"{_both(results, s, H200_MAIN_LINK, m, 'uni')} over 1F1B and PRT bi "
         f"{_both(results, s, H200_MAIN_LINK, m, 'bi')} over Chimera-style bi. Messages cost "
         "little at 450 GB/s; what holds the gains down is the pretraining head the profile "
-        f"measured, as much work as {heads} layers and on one rank at every R.",
+        f"measured, as much work as {heads} layers and on one rank at every R."
+        + balanced_summary(results, s, m),
     ]
+
+
+def balanced_summary(results: Results, s: Settings, m: int) -> str:
+    if not any(j.partition == "balanced" for j in results):
+        return ""
+    gains = {n: _balanced_gains(results, n, m) for n in s.h200_names}
+    each = lambda i: ", ".join(f"{PROFILES[n].v100} {pct(g[i])}" for n, g in gains.items())  # noqa: E731
+    return (
+        " The partitioner's fastest split (fewer layers on the head's stage) speeds 1F1B up "
+        f"by {each(0)}; PRT uni on its own fastest split then gains {each(1)} over 1F1B on "
+        f"the even split but {each(2)} over 1F1B on its balanced one."
+    )
 
 
 def agreement(results: Results, s: Settings, m8: int) -> list[str]:
@@ -1320,13 +1403,39 @@ def h200_jobs(s: Settings) -> list[Job]:
     """Every variant on every H200 link with the replica-gradient sum (:func:`run_job` adds
     the bi jobs without it)."""
     variants = all_variants(s.reuses)
-    return [
+    even = [
         Job(n, k, m, v, True)
         for n in s.h200_names
         for k in s.h200_links
         for m in s.microbatches
         for v in variants
     ]
+    balanced = [
+        Job(n, H200_MAIN_LINK, m, v, True, "balanced")
+        for n in s.h200_names
+        for m in s.microbatches
+        for v in balanced_variants(s.reuses)
+    ]
+    return even + balanced
+
+
+def keep_faster_split(results: Results) -> Results:
+    """A balanced row keeps the even split when that is faster. The partitioner times
+    splits on the runtime's plan (built for uniform stages); the rows time each split on
+    the plan built for its own costs as well, and for the even split that plan can beat
+    the partitioner's pick on the runtime's plan."""
+    out = Results()
+    for job, o in results.items():
+        even = results.get(replace(job, partition="even"))
+        if job.partition == "balanced" and even is not None and even.ms < o.ms:
+            o = replace(even, job=job, search=f"even split kept ({o.ms:.1f} ms balanced)")
+        out[job] = o
+    return out
+
+
+def balanced_variants(reuses: Sequence[int]) -> list[Variant]:
+    """What gets a balanced split: 1F1B and every PRT uni variant."""
+    return [baselines()[0], *(v for v in prt_variants(reuses) if v.direction == "uni")]
 
 
 def work(part: LayerCost) -> float:
@@ -1354,11 +1463,7 @@ def hop_ms(message_bytes: float, link: Link) -> float:
 
 def rank_imbalance(cost: CostModel, placement: Placement) -> float:
     """Compute (forward + backward) of the busiest rank over the mean rank's."""
-    times = cost.stage_times(placement)
-    loads = [
-        sum(times.fwd[placement.model_stage(k)] + times.bwd[placement.model_stage(k)] for k in ks)
-        for ks in placement.rank_stages
-    ]
+    loads = rank_loads(cost, placement)
     return max(loads) / (sum(loads) / len(loads))
 
 
@@ -1501,7 +1606,8 @@ def h200_section(results: Results, s: Settings) -> list[str]:
         "links, i.e. 450 GB/s each way; through the NVSwitch of an 8-GPU HGX board one "
         "pair of GPUs can use all of it. PCIe 5.0 x16 is 32 GT/s x 16 lanes with 128b/130b "
         "encoding, 63 GB/s each way before protocol overheads (optimistic, as on V100).",
-        "- **Everything else** as above: P = 8, the runtime's even split of the layers, "
+        "- **Everything else** as above: P = 8, the runtime's even split of the layers "
+        "(except in the subsection on balanced splits), "
         "the same baselines and plan candidates (`candidate_plans`); (!) marks a peak over "
         f"the H200's {H200_MEMORY / 1e9:.0f} GB.",
         "",
@@ -1525,6 +1631,7 @@ def h200_section(results: Results, s: Settings) -> list[str]:
         "",
         *main_table(results, s.h200_names, H200_MAIN_LINK, s.microbatches, True),
         "",
+        *balanced_section(results, s),
     ]
     if len(s.h200_links) > 1:
         lines += [
@@ -1546,6 +1653,92 @@ def h200_section(results: Results, s: Settings) -> list[str]:
         "",
     ]
     return lines
+
+
+def balanced_section(results: Results, s: Settings) -> list[str]:
+    rows = [o for j, o in results.items() if j.partition == "balanced"]
+    kept = sum(o.search.startswith("even split kept") for o in rows)
+    exact = sorted({f"{o.job.model} {o.job.variant.label}" for o in rows if o.search == "exact"})
+    return [
+        f"### Balanced splits: the partitioner's fastest (`{H200_MAIN_LINK}`)",
+        "",
+        "Every row above uses the runtime's even split, which leaves the head on the last "
+        "stage with that stage's share of the layers. Here the stage layers come from the "
+        "partitioner, `megatron_prt.sim.partition.partition(cost, placement, m, "
+        f"budget_bytes={H200_MEMORY:.3g}, schedule=...)`: its time objective, the fastest "
+        f"partition it finds within an H200's {H200_MEMORY / 1e9:.0f} GB (every split here "
+        "peaks far below, so: the fastest it finds; its default objective is the least "
+        f"memory within {DEFAULT_SLACK:.0%} of the fastest). 1F1B gets the same treatment, "
+        "since megatron-core runs uneven stages too (fewer layers on the head's stage, "
+        "say), so *PRT balanced vs 1F1B balanced* compares like with like. The search is "
+        f"exact where there are at most {EXHAUSTIVE_LIMIT} admissible splits "
+        f"({', '.join(exact) or 'no row here'}) and a local search otherwise, without an "
+        "optimality guarantee. It times splits on the "
+        "runtime's plan (built for uniform stages) without the replica sum; each row then "
+        "times its split like every other row (the plan built for its costs and the "
+        "runtime's, the faster kept), and keeps the even split when that is faster "
+        f"({kept} of {len(rows)} rows). Peaks: the largest per-rank peak, activations from "
+        "the plan + the profile's parameter bytes.",
+        "",
+        *balanced_gain_table(results, s),
+        "",
+        *balanced_rows(results, s),
+        "",
+    ]
+
+
+def balanced_gain_table(results: Results, s: Settings) -> list[str]:
+    rows = [
+        "| model | m | 1F1B ms: even → balanced | best PRT uni ms: even → balanced | "
+        "PRT even vs 1F1B even | PRT balanced vs 1F1B even | PRT balanced vs 1F1B balanced |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in s.h200_names:
+        for m in s.microbatches:
+            even, bal = (
+                results.compare(name, H200_MAIN_LINK, m, "uni", True, split)
+                for split in ("even", "balanced")
+            )
+            vs_even = even.baseline.ms / bal.best.ms - 1
+            rows.append(
+                f"| {name} | {m} | {even.baseline.ms:.1f} → {bal.baseline.ms:.1f} | "
+                f"{even.best.ms:.1f} ({_short(even.best)}) → {bal.best.ms:.1f} "
+                f"({_short(bal.best)}) | {pct(even.gain)} | {pct(vs_even)} | "
+                f"**{pct(bal.gain)}** |"
+            )
+    return rows
+
+
+def balanced_rows(results: Results, s: Settings) -> list[str]:
+    rows = [
+        "| model | m | schedule | ms: even → balanced | peak GiB/rank: even → balanced | "
+        "busiest ÷ mean rank: even → balanced | balanced layers per stage | search |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in s.h200_names:
+        for m in s.microbatches:
+            for v in balanced_variants(s.reuses):
+                even, bal = (
+                    results.at(name, H200_MAIN_LINK, m, v, True, split)
+                    for split in ("even", "balanced")
+                )
+                spread = [split_imbalance(o) for o in (even, bal)]
+                label = v.label if v.role == "baseline" else f"PRT {v.label}"
+                rows.append(
+                    f"| {name} | {m} | {label} | {even.ms:.1f} → {bal.ms:.1f} "
+                    f"({bal.ms / even.ms - 1:+.1%}) | {even.peak_gib:.1f} → "
+                    f"{fmt_gib(bal.peak_gib, H200_MEMORY)} | {spread[0]:.2f} → "
+                    f"{spread[1]:.2f} | {','.join(map(str, bal.stage_layers))} | "
+                    f"{bal.search} |"
+                )
+    return rows
+
+
+def split_imbalance(o: Outcome) -> float:
+    """Busiest rank's compute over the mean rank's, for the outcome's stage layers."""
+    placement = o.job.variant.placement
+    cost = replace(profiled(o.job.model), stage_layers=o.stage_layers)
+    return rank_imbalance(cost, placement)
 
 
 def _h200_gain(results: Results, name: str, link: str, m: int, direction: str, paid=True):
@@ -1621,11 +1814,45 @@ def h200_causes(results: Results, s: Settings) -> list[str]:
         f"{PAPER_GAINS[('BERT', 'uni')]:+.2%}), PRT bi "
         f"{_both(results, s, H200_MAIN_LINK, m, 'bi')} over Chimera-style bi (V100 rows: "
         f"{_v100_both(results, s, MAIN_LINK, m, 'bi')}; paper "
-        f"{PAPER_GAINS[('BERT', 'bi')]:+.2%}). A partition that gave the head's stage fewer "
-        "layers would attack the busiest rank; it is not simulated here (every row uses the "
-        "runtime's even split).",
+        f"{PAPER_GAINS[('BERT', 'bi')]:+.2%}).",
+        *balanced_note(results, s, m),
     ]
     return lines
+
+
+def _balanced_gains(results: Results, name: str, m: int) -> tuple[float, float, float]:
+    """(1F1B balanced over 1F1B even, best PRT uni balanced over 1F1B even, over 1F1B
+    balanced) as gains, on the main H200 link."""
+    even, bal = (
+        results.compare(name, H200_MAIN_LINK, m, "uni", True, split)
+        for split in ("even", "balanced")
+    )
+    ms_1f1b = even.baseline.ms
+    return ms_1f1b / bal.baseline.ms - 1, ms_1f1b / bal.best.ms - 1, bal.gain
+
+
+def balanced_note(results: Results, s: Settings, m: int) -> list[str]:
+    """What the partitioner's fastest split does to the uni gains (quoted numbers only)."""
+    if not any(j.partition == "balanced" for j in results):
+        return []
+    at_m, spans = [], []
+    for n in s.h200_names:
+        own, vs_even, vs_bal = _balanced_gains(results, n, m)
+        at_m.append(
+            f"{PROFILES[n].v100}: 1F1B itself {pct(own)} faster, PRT uni "
+            f"{_h200_gain(results, n, H200_MAIN_LINK, m, 'uni')} → {pct(vs_even)} over 1F1B "
+            f"even and {pct(vs_bal)} over 1F1B balanced"
+        )
+        others = [_balanced_gains(results, n, mb)[2] for mb in s.microbatches if mb != m]
+        if others:
+            spans.append(f"{PROFILES[n].v100} {pct(min(others))} to {pct(max(others))}")
+    text = (
+        "- **With the partitioner's fastest split for both** (subsection below; "
+        f"m = {m}), fewer layers on the head's stage: {'; '.join(at_m)}."
+    )
+    if spans:
+        text += " At the other m, PRT balanced over 1F1B balanced: " + ", ".join(spans) + "."
+    return [text]
 
 
 def replica_note(results: Results, s: Settings, m: int) -> list[str]:
@@ -1678,7 +1905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     s = settings_of(args)
-    results = Results(run_all(all_jobs(s), args.jobs))
+    results = keep_faster_split(Results(run_all(all_jobs(s), args.jobs)))
     text = report(argv, s, results, time.perf_counter() - started)
     out = args.out or (None if args.quick else DEFAULT_OUT)
     if out:

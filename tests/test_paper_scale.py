@@ -155,12 +155,99 @@ def test_bi_job_gives_the_replica_sum_with_and_without(bench):
 
 def test_quick_report_has_every_h200_row(bench, quick_report):
     assert "## BERT with per-layer costs profiled on an H200" in quick_report
+    even_rows = quick_report.split("### Balanced splits")[0]
     for name, profile in bench.PROFILES.items():
         assert profile.path in quick_report
-        assert f"| {name} | 8 | 1F1B | " in quick_report
-        assert f"| {name} | 8 | Chimera-style bi R=1 | " in quick_report
-        assert quick_report.count(f"| {name} | 8 | PRT R=") == 2  # best uni, best bi
+        assert f"| {name} | 8 | 1F1B | " in even_rows
+        assert f"| {name} | 8 | Chimera-style bi R=1 | " in even_rows
+        assert even_rows.count(f"| {name} | 8 | PRT R=") == 2  # best uni, best bi
         assert f"| {name} | nvlink4 | 8 | " in quick_report  # with/without the replica sum
         for direction in ("uni", "bi"):  # beside the V100 FLOP model and the paper
             target = bench.PAPER_GAINS[("BERT", direction)]
             assert quick_report.count(f"| {profile.v100} | {direction} | {target:+.2%} | ") == 2
+
+
+# -- balanced splits: the partitioner's fastest split for 1F1B and PRT uni (H200 section) ---------
+@pytest.fixture(scope="module")
+def balanced(bench):
+    """--quick's settings; the outcomes of the H200 jobs that get a balanced split, on the
+    even and on the balanced split."""
+    s = bench.settings_of(bench.parse_args(["--quick"]))
+    variants = bench.balanced_variants(s.reuses)
+    jobs = [j for j in bench.h200_jobs(s) if j.variant in variants]
+    return s, bench.keep_faster_split(bench.Results(bench.run_all(jobs, 1)))
+
+
+def _balanced_jobs(bench, s):
+    for name in s.h200_names:
+        for m in s.microbatches:
+            for v in bench.balanced_variants(s.reuses):
+                yield bench.Job(name, bench.H200_MAIN_LINK, m, v, True, "balanced")
+
+
+def test_balanced_rows_exist_for_1f1b_and_every_prt_uni_variant(bench, balanced):
+    s, results = balanced
+    variants = bench.balanced_variants(s.reuses)
+    assert variants[0].schedule == "1f1b"
+    assert {v.direction for v in variants} == {"uni"}
+    assert len(variants) == 1 + len(s.reuses) * len(bench.PLACEMENTS)
+    for job in _balanced_jobs(bench, s):
+        assert job in results
+
+
+def test_balanced_stage_layers_cover_every_layer(bench, balanced):
+    s, results = balanced
+    for job in _balanced_jobs(bench, s):
+        layers = results[job].stage_layers
+        assert len(layers) == job.variant.placement.depth
+        assert sum(layers) == len(bench.profiled(job.model).layers)
+        assert min(layers) >= 0
+        assert results[job].search  # how the split was found is reported
+
+
+def test_balanced_split_is_never_slower_than_the_even_one(bench, balanced):
+    """The partitioner searches a superset of the even split (and a row keeps the even
+    split if its cost-aware plan beats the pick): a balanced row is never slower."""
+    from dataclasses import replace
+
+    s, results = balanced
+    for job in _balanced_jobs(bench, s):
+        even = results[replace(job, partition="even")]
+        assert results[job].ms <= even.ms * (1 + 1e-9)
+        assert even.stage_layers == bench.uniform_layers(
+            len(bench.profiled(job.model).layers), job.variant.placement.depth
+        )
+
+
+def test_keep_faster_split_falls_back_to_the_even_split(bench):
+    """A balanced outcome slower than the even one is replaced by it, and says so."""
+    from dataclasses import replace
+
+    v = bench.baselines()[0]
+    even_job = bench.Job("BERT-base (H200)", "nvlink4", 8, v, True)
+    bal_job = replace(even_job, partition="balanced")
+    even = bench.Outcome(even_job, 10.0, 0.1, 1.0, 1.0, 0.0, 0, "textbook", 10.0, 0.0, (2, 1))
+    slow = replace(even, job=bal_job, ms=11.0, stage_layers=(1, 2), search="exact")
+    kept = bench.keep_faster_split(bench.Results({even_job: even, bal_job: slow}))
+    assert kept[bal_job].ms == 10.0 and kept[bal_job].stage_layers == (2, 1)
+    assert kept[bal_job].job == bal_job and kept[bal_job].search.startswith("even split kept")
+    fast = replace(slow, ms=9.0)
+    assert bench.keep_faster_split(bench.Results({even_job: even, bal_job: fast}))[bal_job] == fast
+
+
+def test_even_rows_ignore_the_balanced_ones(bench, balanced):
+    """compare() on the default (even) split sees no balanced outcome, and vice versa."""
+    s, results = balanced
+    name, m = s.h200_names[0], s.microbatches[0]
+    for split in ("even", "balanced"):
+        c = results.compare(name, bench.H200_MAIN_LINK, m, "uni", True, split)
+        assert {o.job.partition for o in (c.baseline, c.best, *c.candidates)} == {split}
+
+
+def test_quick_report_has_the_balanced_section(bench, quick_report):
+    section = quick_report.split("### Balanced splits")[1].split("### ")[0]
+    assert "budget_bytes=" in section
+    for name in bench.PROFILES:
+        assert f"| {name} | 8 | 1F1B | " in section
+        assert section.count(f"| {name} | 8 | PRT R=") == 4  # R in {2, 4} x loop, wave
+        assert f"| {name} | 8 | " in section.split("| model | m | schedule |")[0]  # gains
