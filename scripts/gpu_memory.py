@@ -48,7 +48,7 @@ def measure(reuse: ReuseConfig, device: torch.device) -> dict:
     """This rank's memory stats for one PRT iteration of megatron-core GPT."""
     from megatron_prt.megatron import prepare_model
     from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.schedule import MegatronPipeline, _ChunkData
+    from megatron_prt.megatron.schedule import ChunkData, MegatronPipeline
 
     placement = reuse.placement
     mm.setup_megatron(placement.ranks, placement.chunks_per_rank)
@@ -63,7 +63,7 @@ def measure(reuse: ReuseConfig, device: torch.device) -> dict:
     plan = build_plan(placement, MICROBATCHES)
     pipeline = MegatronPipeline(plan, model, config, None, device, 120)
     pipeline.measure_memory = True
-    data = [_ChunkData(iter(mm.batches(MICROBATCHES)), c) for c in range(len(model))]
+    data = [ChunkData(iter(mm.batches(MICROBATCHES)), c) for c in range(len(model))]
     pipeline.run(partial(mm.forward_step, "gpt", False), data, False, False, None)
     stats = pipeline.memory_stats()
     pipeline.close()

@@ -249,7 +249,7 @@ def _measure_megatron(rank, world, reuse, m):
 
     from megatron_prt.megatron import prepare_model
     from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.schedule import MegatronPipeline, _ChunkData
+    from megatron_prt.megatron.schedule import ChunkData, MegatronPipeline
 
     placement = reuse.placement
     mm.setup_megatron(placement.ranks, placement.chunks_per_rank)
@@ -262,7 +262,7 @@ def _measure_megatron(rank, world, reuse, m):
     prepare_model(model, reuse)
     pipeline = MegatronPipeline(build_plan(placement, m), model, config, None, "cpu", 60)
     pipeline.measure_memory = True
-    data = [_ChunkData(iter(mm.batches(m)), c) for c in range(len(model))]
+    data = [ChunkData(iter(mm.batches(m)), c) for c in range(len(model))]
     pipeline.run(partial(mm.forward_step, "gpt", False), data, False, False, None)
     stats = pipeline.memory_stats()
     pipeline.close()

@@ -33,7 +33,8 @@ from .config import ReuseConfig
 from .model import build_chunks, prepare_model, transformer_config_kwargs
 from .pretrain import SEED, bert_forward_step, build_model, random_batches, transformer_config
 from .profile import profile_model
-from .schedule import _uses_main_grad, make_forward_backward_func
+from .schedule import grad_attr as chunks_grad_attr
+from .schedule import make_forward_backward_func
 from .weights import global_state, load_global
 
 
@@ -122,7 +123,7 @@ class BertRunner:
     @property
     def grad_attr(self) -> str:
         """Where the finalize path reads and sums gradients (``main_grad`` under DDP)."""
-        return "main_grad" if _uses_main_grad(self.chunks) else "grad"
+        return chunks_grad_attr(self.chunks)
 
     def _time_replica_sums(self) -> None:
         """Record each step's ``reduce_replica_grads`` (called by the forward-backward

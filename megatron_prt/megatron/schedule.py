@@ -44,7 +44,7 @@ from .config import ReuseConfig
 from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
 
 
-class _ChunkData:
+class ChunkData:
     """Batches of one chunk's iterator by micro-batch. ``for_mb(mb)`` is an iterator whose
     single ``next`` returns batch ``mb``, reading ahead (and keeping) what lies between."""
 
@@ -353,7 +353,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _chunk_data(data_iterator, chunks: int) -> list[_ChunkData]:
+def _chunk_data(data_iterator, chunks: int) -> list[ChunkData]:
     if not isinstance(data_iterator, list):
         data_iterator = [data_iterator] * chunks if chunks == 1 else data_iterator
     if not isinstance(data_iterator, list) or len(data_iterator) != chunks:
@@ -364,7 +364,7 @@ def _chunk_data(data_iterator, chunks: int) -> list[_ChunkData]:
             "each model chunk needs its own data iterator (megatron builds one per chunk); "
             "the same iterator object was given for several chunks"
         )
-    return [_ChunkData(it, c) for c, it in enumerate(data_iterator)]
+    return [ChunkData(it, c) for c, it in enumerate(data_iterator)]
 
 
 def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, device):
@@ -410,10 +410,10 @@ def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_a
     """Replica sums (bi), tied embedding sums, then megatron's finalize (data-parallel reduce,
     per-token scaling). Sums are linear, so their order against the DP reduce is free."""
     stages = chunk_stages(reuse, pipeline.rank, model)
-    grad_attr = "main_grad" if _uses_main_grad(model) else "grad"
+    attr = grad_attr(model)
     if reuse.placement.direction == "bi":
-        pipeline.reduce_replica_grads(grad_attr)
-    tie_grads(reuse, stages, pipeline._group, grad_attr)
+        pipeline.reduce_replica_grads(attr)
+    tie_grads(reuse, stages, pipeline._group, attr)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             model,
@@ -423,5 +423,8 @@ def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_a
         )
 
 
-def _uses_main_grad(model: list) -> bool:
-    return any(hasattr(p, "main_grad") for chunk in model for p in chunk.parameters())
+def grad_attr(model: list) -> str:
+    """Where ``model``'s chunks accumulate gradients: ``main_grad`` under megatron-core's
+    DDP (its gradient buffers), else ``grad``."""
+    has_main = any(hasattr(p, "main_grad") for chunk in model for p in chunk.parameters())
+    return "main_grad" if has_main else "grad"
