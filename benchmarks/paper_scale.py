@@ -39,7 +39,7 @@ from pathlib import Path
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.plan import Plan
 from megatron_prt.sim.cost import CostModel, LayerCost
-from megatron_prt.sim.partition import (
+from megatron_prt.tune.partition import (
     DEFAULT_SLACK,
     EXHAUSTIVE_LIMIT,
     partition,
@@ -1664,7 +1664,7 @@ def balanced_section(results: Results, s: Settings) -> list[str]:
         "",
         "Every row above uses the runtime's even split, which leaves the head on the last "
         "stage with that stage's share of the layers. Here the stage layers come from the "
-        "partitioner, `megatron_prt.sim.partition.partition(cost, placement, m, "
+        "partitioner, `megatron_prt.tune.partition.partition(cost, placement, m, "
         f"budget_bytes={H200_MEMORY:.3g}, schedule=...)`: its time objective, the fastest "
         f"partition it finds within an H200's {H200_MEMORY / 1e9:.0f} GB (every split here "
         "peaks far below, so: the fastest it finds; its default objective is the least "

@@ -11,7 +11,7 @@ Steps, all in one launch on CPU (forked gloo ranks, one thread each):
    parameter bytes, plus the embedding and the head (the cost JSON);
 2. plan: uniform 1F1B (R=1 loop/uni); every uniform PRT configuration (R in {2,3,4},
    loop/wave, uni/bi, even layers), the best by simulated makespan; wave + balanced
-   partition (:func:`megatron_prt.sim.partition.partition`, default slack) for R in
+   partition (:func:`megatron_prt.tune.partition.partition`, default slack) for R in
    {2,3,4}, for uni and for bi one R picked by :func:`pick_wave`; per rank the simulator's
    peak activation bytes and the parameter bytes (weights + gradients + Adam moments, 16
    bytes per fp32 parameter), and the simulated makespan;
@@ -51,7 +51,7 @@ from megatron_prt.core.placement import ConfigError
 from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.sim.cost import CostModel
-from megatron_prt.sim.partition import DEFAULT_SLACK, partition, uniform_layers
+from megatron_prt.tune.partition import DEFAULT_SLACK, partition, uniform_layers
 from megatron_prt.sim.simulate import simulate
 
 MIB = 2**20

@@ -250,7 +250,7 @@ def test_balanced_costs_must_describe_the_model(tmp_path):
 
 def test_balanced_partition_comes_from_the_partitioner(tmp_path):
     from megatron_prt.sim.cost import CostModel
-    from megatron_prt.sim.partition import partition
+    from megatron_prt.tune.partition import partition
 
     costs = _costs(tmp_path, 8)
     args = parse(

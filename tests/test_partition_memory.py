@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_prt.core import Placement
-from megatron_prt.sim.partition import DEFAULT_SLACK, partition
+from megatron_prt.tune.partition import DEFAULT_SLACK, partition
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_memory.py"
 RANKS, MICROBATCHES = 2, 4

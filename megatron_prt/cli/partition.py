@@ -15,7 +15,7 @@ import sys
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.schedules import SCHEDULES
 from ..sim.cost import CostModel
-from ..sim.partition import (
+from ..tune.partition import (
     DEFAULT_SLACK,
     PartitionResult,
     PartitionStats,

@@ -259,7 +259,7 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
     """Layers per model stage from the cost-model partitioner (deterministic, so every rank
     computes the same split without communicating)."""
     from ..sim.cost import CostModel
-    from ..sim.partition import partition
+    from ..tune.partition import partition
 
     try:
         cost = CostModel.load(args.pipeline_reuse_costs)

@@ -73,8 +73,8 @@ from ..core.plan import Plan
 from ..core.replay import PlanError
 from ..core.schedules import build_plan
 from ..core.timing import StageTimes
-from .cost import CostModel
-from .simulate import RankStats, simulate
+from ..sim.cost import CostModel
+from ..sim.simulate import RankStats, simulate
 
 DEFAULT_SLACK = 0.03  # fraction of the fastest makespan given up for memory
 EXHAUSTIVE_LIMIT = 2000  # simulate every partition when there are at most this many ...
