@@ -39,13 +39,13 @@ from pathlib import Path
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.plan import Plan
 from megatron_prt.sim.cost import CostModel, LayerCost
+from megatron_prt.sim.simulate import simulate
 from megatron_prt.tune.partition import (
     DEFAULT_SLACK,
     EXHAUSTIVE_LIMIT,
     partition,
     uniform_layers,
 )
-from megatron_prt.sim.simulate import simulate
 
 RANKS = 8  # the paper used 8 GPUs; we put all of them in one pipeline
 FP16 = 2  # bytes per activation element (mixed precision)

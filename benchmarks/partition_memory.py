@@ -51,8 +51,8 @@ from megatron_prt.core.placement import ConfigError
 from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.sim.cost import CostModel
-from megatron_prt.tune.partition import DEFAULT_SLACK, partition, uniform_layers
 from megatron_prt.sim.simulate import simulate
+from megatron_prt.tune.partition import DEFAULT_SLACK, partition, uniform_layers
 
 MIB = 2**20
 THROUGHPUT_TARGET = (

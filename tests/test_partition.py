@@ -12,9 +12,9 @@ import pytest
 from megatron_prt.cli import partition as partition_cli
 from megatron_prt.core import ConfigError, Placement, build_plan
 from megatron_prt.core.replay import replay
-from megatron_prt.tune import partition as pm
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
+from megatron_prt.tune import partition as pm
 
 TIE = 1e-4  # simulated times are rounded to 1e-4 of the shortest stage: equal within this
 

@@ -15,6 +15,7 @@ import sys
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.schedules import SCHEDULES
 from ..sim.cost import CostModel
+from ..sim.simulate import RankStats
 from ..tune.partition import (
     DEFAULT_SLACK,
     PartitionResult,
@@ -22,7 +23,6 @@ from ..tune.partition import (
     format_bytes,
     partition,
 )
-from ..sim.simulate import RankStats
 
 _UNITS = {
     "": 1,
