@@ -68,6 +68,7 @@ from itertools import accumulate, combinations, count, pairwise
 
 from ..core.actions import Action, Op
 from ..core.deps import producers
+from ..core.layers import even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
 from ..core.replay import PlanError
@@ -91,6 +92,8 @@ _FAR_STEPS = 32  # ... or at least this many; with fewer, the least-memory start
 _RECAPS = 4  # memory searches rerun when one of them finds a faster partition
 _BISECTIONS = 6  # time caps tried when the fastest partitions exceed the budget
 _REL = 1e-9  # relative tolerance of score comparisons and of the budget
+
+uniform_layers = even_layers  # the runtime's default split, the partitioner's baseline
 
 
 # -- results -------------------------------------------------------------------------------
@@ -201,12 +204,6 @@ def partition(
         exact=exact,
         simulated=len(pool.points),
     )
-
-
-def uniform_layers(num_layers: int, depth: int) -> tuple[int, ...]:
-    """The even split the runtime uses by default: earlier stages take the remainder."""
-    base, extra = divmod(num_layers, depth)
-    return tuple(base + (1 if k < extra else 0) for k in range(depth))
 
 
 def min_stage_layers(cost: CostModel, depth: int) -> tuple[int, ...]:
