@@ -72,8 +72,8 @@ class Replayer:
                     else:
                         missing[len(preds)] += 1
                 preds.append(mine)
+        # preds[i]: (index of a predecessor, whether the edge crosses ranks), rank's first
         self.preds = [tuple(p) for p in preds]
-        #: ``preds[i]``: (predecessor index, whether the edge crosses ranks), rank first
         self.order = _dependency_order(self.preds, missing)
         if len(self.order) < len(self.actions):
             raise PlanError(_deadlock_message(plan, orders, self._done(orders)))

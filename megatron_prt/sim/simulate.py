@@ -125,8 +125,14 @@ def held_activations(
     starts."""
     changes = [(a, 1 if a.op is Op.F else -1) for a in actions if a.op is Op.F or a.op in FREES]
     if timeline is not None:
-        changes.sort(key=lambda c: (timeline.start[c[0]], 1) if c[1] > 0 else (timeline.end[c[0]], 0))
+        changes.sort(key=lambda c: _instant(c, timeline))
     return changes
+
+
+def _instant(change: tuple[Action, int], timeline: Timeline) -> tuple[float, int]:
+    """When a change happens; at one instant frees (0) come before allocations (1)."""
+    action, sign = change
+    return (timeline.start[action], 1) if sign > 0 else (timeline.end[action], 0)
 
 
 def _peak_memory(acts, timeline: Timeline, act_bytes) -> tuple[int, float]:
