@@ -27,23 +27,72 @@ def test_bi_mirrors_pipeline_zero():
     assert Placement(4, 2, "wave").replica_pairs() == ()
 
 
-@given(
+KNOBS = (
     st.integers(1, 9),
     st.integers(1, 7),
     st.sampled_from(["loop", "wave"]),
     st.sampled_from(["uni", "bi"]),
 )
-def test_every_rank_holds_r_chunks_per_pipeline(p, r, placement, direction):
+
+
+def pipeline0_rank(stage, p, placement):
+    """The placement rule written out: pass ``stage // P``, odd wave passes run backwards."""
+    pass_, pos = divmod(stage, p)
+    return p - 1 - pos if placement == "wave" and pass_ % 2 else pos
+
+
+@given(st.integers(1, 9), st.integers(1, 7))
+def test_loop_puts_stage_s_on_rank_s_mod_p(p, r):
+    pl = Placement(p, r, "loop")
+    assert [pl.rank_of(s) for s in range(p * r)] == [s % p for s in range(p * r)]
+    assert [pl.stage_to_chunk[s] for s in range(p * r)] == [s // p for s in range(p * r)]
+    assert pl.rank_stages == tuple(tuple(range(rank, p * r, p)) for rank in range(p))
+
+
+@given(st.integers(1, 9), st.integers(1, 7))
+def test_wave_hands_off_locally_at_turns_and_to_a_neighbour_inside_a_pass(p, r):
+    pl = Placement(p, r, "wave")
+    assert pl.rank_of(0) == 0
+    for stage in range(p * r - 1):
+        if (stage + 1) % p == 0:  # a turn: the last stage of a pass feeds the next pass
+            assert pl.rank_of(stage + 1) == pl.rank_of(stage)
+        else:
+            assert abs(pl.rank_of(stage + 1) - pl.rank_of(stage)) == 1
+    for rank in range(p):  # pass k: rank r in even passes, rank P-1-r in odd ones
+        expected = tuple(k * p + (rank if k % 2 == 0 else p - 1 - rank) for k in range(r))
+        assert pl.rank_stages[rank] == expected
+
+
+@given(*KNOBS)
+def test_bi_mirrors_every_stage_onto_rank_p_minus_1_minus_r(p, r, placement, direction):
     pl = Placement(p, r, placement, direction)
+    d = p * r
+    if direction == "uni":
+        assert pl.num_stages == d and pl.replica_pairs() == ()
+        return
+    assert pl.num_stages == 2 * d
+    for j in range(d):
+        assert pl.rank_of(d + j) == p - 1 - pipeline0_rank(j, p, placement)
+        assert pl.stage_to_chunk[d + j] == j // p + r  # the replica pipeline's chunks follow
+        assert pl.model_stage(d + j) == j and pl.pipeline_of(d + j) == 1
+
+
+@given(*KNOBS)
+def test_every_stage_exactly_once_and_r_chunks_per_pipeline_on_every_rank(
+    p, r, placement, direction
+):
+    pl = Placement(p, r, placement, direction)
+    pipelines = 2 if direction == "bi" else 1
+    listed = sorted(s for stages in pl.rank_stages for s in stages)
+    assert listed == list(range(p * r * pipelines))  # every stage, each on one rank
+    assert len(pl.rank_stages) == p
     for rank, stages in enumerate(pl.rank_stages):
-        assert len(stages) == r * pl.num_pipelines
-        assert [pl.stage_to_chunk[s] for s in stages] == list(range(r * pl.num_pipelines))
-        assert all(pl.rank_of(s) == rank for s in stages)
-    if placement == "wave":  # every turn is a same-rank hand-off
-        for stage in range(pl.num_stages):
-            nxt = pl.next_stage(stage)
-            if nxt is not None and nxt % p == 0:
-                assert pl.rank_of(nxt) == pl.rank_of(stage)
+        assert len(stages) == r * pipelines == pl.chunks_per_rank
+        assert [pl.stage_to_chunk[s] for s in stages] == list(range(r * pipelines))
+        for s in stages:  # against the rule written out, not against rank_of
+            mirrored = s >= p * r
+            base = pipeline0_rank(s % (p * r), p, placement)
+            assert rank == (p - 1 - base if mirrored else base)
 
 
 @pytest.mark.parametrize(

@@ -84,37 +84,96 @@ def list_schedule(
     policy: Policy,
 ) -> ListResult:
     """Schedule every F and B of ``mb_pipeline``'s micro-batches under ``policy``."""
-    times, tick = times.in_ticks()
-    actions, consumers, producer_counts, forwards = _graph(placement, tuple(mb_pipeline))
-    waiting = dict(producer_counts)
-    ready_at = dict.fromkeys(actions, 0)
-    rank_of = placement.stage_to_rank
-    ranks = [_Rank([], [], [], count) for count in forwards]
-    order: list[list[Action]] = [[] for _ in ranks]
-    events: list = []  # (time, seq, rank, finished action or None for a wake-up)
-    seq = 0
+    return ListScheduler(placement, mb_pipeline, times, policy).run()
 
-    def arrive(action: Action) -> None:
-        nonlocal seq
-        rank = rank_of[action.stage]
-        heapq.heappush(ranks[rank].arrivals, (ready_at[action], oldest_first(action), action))
-        seq += 1
-        heapq.heappush(events, (ready_at[action], seq, rank, None))
 
-    def admit(state: _Rank, now: float) -> None:
+class ListScheduler:
+    """One list-scheduling run: every rank's state and the event queue, in integer ticks.
+
+    Events are ``(time, seq, rank, finished action or None for a wake-up)``; ``seq`` keeps
+    ties in push order, so the result is deterministic."""
+
+    def __init__(
+        self, placement: Placement, mb_pipeline: Sequence[int], times: StageTimes, policy: Policy
+    ) -> None:
+        self.placement, self.policy = placement, policy
+        self.times, self.tick = times.in_ticks()
+        self.actions, self.consumers, producer_counts, forwards = _graph(
+            placement, tuple(mb_pipeline)
+        )
+        self.waiting = dict(producer_counts)
+        self.ready_at = dict.fromkeys(self.actions, 0)
+        self.rank_of = placement.stage_to_rank
+        self.ranks = [_Rank([], [], [], count) for count in forwards]
+        self.order: list[list[Action]] = [[] for _ in self.ranks]
+        self.events: list = []
+        self.seq = 0
+
+    def run(self) -> ListResult:
+        for action in self.actions:
+            if self.waiting[action] == 0:
+                self._arrive(action)
+        done = now = 0
+        while done < len(self.actions):
+            if not self.events:  # every rank blocked by its cap alone
+                rank = self._forced_rank()
+                self._start(rank, self._pick(rank, force=True), now)
+                continue
+            now = self.events[0][0]
+            touched, finished = self._drain(now)
+            done += finished
+            for rank in sorted(touched):
+                state = self.ranks[rank]
+                if not state.busy:
+                    self._admit(state, now)
+                    action = self._pick(rank)
+                    if action is not None:
+                        self._start(rank, action, now)
+        orders = tuple(tuple(acts) for acts in self.order)
+        return ListResult(orders, now * self.tick, tuple(state.peak for state in self.ranks))
+
+    def _drain(self, now: int) -> tuple[set[int], int]:
+        """Every event at ``now`` (ranks touched, actions finished), before any choice, so a
+        backward that becomes ready now is seen by a rank that also became idle now."""
+        touched, finished = set(), 0
+        while self.events and self.events[0][0] == now:
+            _, _, rank, action = heapq.heappop(self.events)
+            touched.add(rank)
+            if action is not None:
+                finished += 1
+                _finish(self.ranks[rank], action)
+                for nxt in self.consumers[action]:
+                    hop = self.times.p2p if self.rank_of[nxt.stage] != rank else 0
+                    self.ready_at[nxt] = max(self.ready_at[nxt], now + hop)
+                    self.waiting[nxt] -= 1
+                    if self.waiting[nxt] == 0:
+                        self._arrive(nxt)
+        return touched, finished
+
+    def _arrive(self, action: Action) -> None:
+        rank = self.rank_of[action.stage]
+        at = self.ready_at[action]
+        heapq.heappush(self.ranks[rank].arrivals, (at, oldest_first(action), action))
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, rank, None))
+
+    def _admit(self, state: _Rank, now: int) -> None:
         while state.arrivals and state.arrivals[0][0] <= now:
             _, _, action = heapq.heappop(state.arrivals)
             if action.op is Op.F:
-                heapq.heappush(state.fwd, (policy.fwd_key(action), action))
+                heapq.heappush(state.fwd, (self.policy.fwd_key(action), action))
             else:
-                heapq.heappush(state.bwd, (policy.bwd_key(action), action))
+                heapq.heappush(state.bwd, (self.policy.bwd_key(action), action))
 
-    def pick(rank: int, force: bool = False) -> Action | None:
-        state = ranks[rank]
+    def _pick(self, rank: int, force: bool = False) -> Action | None:
+        state, policy = self.ranks[rank], self.policy
         if policy.flush:
             if state.forwards_left:
                 return heapq.heappop(state.fwd)[1] if state.fwd else None
             return heapq.heappop(state.bwd)[1] if state.bwd else None
+        # warm-up: rank r admits caps[r] forwards before its first backward (a forward
+        # runs only while fewer than caps[r] activations await their backward); the caps
+        # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps)
         cap = policy.caps[rank] if policy.caps else None
         fwd_ok = bool(state.fwd) and (force or cap is None or state.held < cap)
         # 1F1B alternation: after a backward prefer a forward, after a forward a backward.
@@ -124,55 +183,28 @@ def list_schedule(
             return heapq.heappop(state.bwd)[1]
         return None
 
-    def start(rank: int, action: Action, now: float) -> None:
-        nonlocal seq
-        state = ranks[rank]
+    def _start(self, rank: int, action: Action, now: int) -> None:
+        state = self.ranks[rank]
         state.busy = True
         state.last_was_bwd = action.op is not Op.F
         if action.op is Op.F:
             state.held += 1
             state.peak = max(state.peak, state.held)
             state.forwards_left -= 1
-        order[rank].append(action)
-        seq += 1
-        heapq.heappush(events, (now + times.busy(action, placement), seq, rank, action))
+        self.order[rank].append(action)
+        self.seq += 1
+        end = now + self.times.busy(action, self.placement)
+        heapq.heappush(self.events, (end, self.seq, rank, action))
 
-    for action in actions:
-        if waiting[action] == 0:
-            arrive(action)
-    done = 0
-    now = 0
-    while done < len(actions):
-        if not events:
-            rank, action = _forced_choice(ranks, pick)
-            start(rank, action, now)
-            continue
-        now = events[0][0]
-        touched = set()
-        # Drain every event at this instant before choosing, so a backward that becomes
-        # ready now is seen by a rank that also became idle now.
-        while events and events[0][0] == now:
-            _, _, rank, finished = heapq.heappop(events)
-            touched.add(rank)
-            if finished is not None:
-                done += 1
-                _finish(ranks[rank], finished)
-                for nxt in consumers[finished]:
-                    hop = times.p2p if rank_of[nxt.stage] != rank else 0
-                    ready_at[nxt] = max(ready_at[nxt], now + hop)
-                    waiting[nxt] -= 1
-                    if waiting[nxt] == 0:
-                        arrive(nxt)
-        for rank in sorted(touched):
-            state = ranks[rank]
-            if not state.busy:
-                admit(state, now)
-                action = pick(rank)
-                if action is not None:
-                    start(rank, action, now)
-    return ListResult(
-        tuple(tuple(acts) for acts in order), now * tick, tuple(state.peak for state in ranks)
-    )
+    def _forced_rank(self) -> int:
+        """All ranks idle and blocked by caps: the rank of the lowest-keyed admitted forward."""
+        best = None
+        for rank, state in enumerate(self.ranks):
+            if not state.busy and state.fwd and (best is None or state.fwd[0] < best[0]):
+                best = (state.fwd[0], rank)
+        if best is None:
+            raise RuntimeError("list scheduler stalled with no admissible action (bug)")
+        return best[1]
 
 
 @functools.lru_cache(maxsize=32)
@@ -194,14 +226,3 @@ def _finish(state: _Rank, action: Action) -> None:
     state.busy = False
     if action.op is Op.B:
         state.held -= 1
-
-
-def _forced_choice(ranks: list[_Rank], pick) -> tuple[int, Action]:
-    """All ranks idle and blocked by caps: run the lowest-keyed admitted forward."""
-    best = None
-    for rank, state in enumerate(ranks):
-        if not state.busy and state.fwd and (best is None or state.fwd[0] < best[0]):
-            best = (state.fwd[0], rank)
-    if best is None:
-        raise RuntimeError("list scheduler stalled with no admissible action (bug)")
-    return best[1], pick(best[1], force=True)

@@ -45,6 +45,11 @@ def round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]:
     time the rank spends per micro-batch of each pipeline. Equals 1F1B's ``P - r`` at R=1.
     A rank whose stages take no time (no layers) never causes a gap; it gets the cap equal
     stages would give it."""
+    # warm-up: rank r admits ceil( sum over pipelines of sum_{k=first_r..D-1} (F_k + B_k)
+    #                             / sum over its stages of (F_k + B_k) ) forwards before its
+    # first backward (first_r: flow position of r's first stage in that pipeline; at least 1);
+    # R=1 uni with equal stages: ceil(3(P-r) / 3) = P - r, 1F1B's P-1-r plus the first
+    # steady forward
     uniform = StageTimes.uniform(placement.depth)
     caps = []
     for rank in range(placement.ranks):
@@ -71,6 +76,10 @@ def _round_trip(placement: Placement, times: StageTimes, rank: int) -> float:
 def megatron_caps(placement: Placement) -> tuple[int, ...]:
     """megatron-core's interleaved warm-up ``2(P-r-1) + (R-1)P`` plus the first steady
     forward, written in stage positions so it applies to any placement."""
+    # warm-up: rank r admits sum over pipelines of (last_r - first_r) + 2(D-1-last_r) + 1
+    # forwards before its first backward (first_r/last_r: flow positions of r's first and
+    # last stage in that pipeline); loop uni: (R-1)P + 2(P-1-r) + 1, megatron-core's
+    # interleaved warm-up plus the first steady forward; wave R=2 uni: 2P on every rank
     d = placement.depth
     return tuple(
         sum(last - first + 2 * (d - 1 - last) + 1 for first, last in _span(placement, rank))
@@ -134,6 +143,8 @@ def _portfolio(placement: Placement, times: StageTimes, num_actions: int):
     meg = megatron_caps(placement)
     if num_actions > LARGE_PLAN_ACTIONS:
         return [(meg, "grouped", True), (base, "depth_first", False), (None, "deepest", True)]
+    # warm-up caps tried, per rank r: round_trip(r), round_trip(r) + 1, max(1, megatron(r) - 1),
+    # megatron(r), megatron(r) + 2, unbounded
     cap_sets = [
         base,
         tuple(c + 1 for c in base),
@@ -210,7 +221,7 @@ def one_f_one_b(
     p, m = placement.ranks, num_microbatches
     ranks = []
     for rank in range(p):
-        warmup = min(p - rank - 1, m)
+        warmup = min(p - rank - 1, m)  # warm-up: rank r runs min(P-1-r, m) forwards first
         acts = [Action(rank, Op.F, mb) for mb in range(warmup)]  # warm-up: nF
         for i in range(m - warmup):  # steady: 1F1B
             acts += [Action(rank, Op.F, warmup + i), Action(rank, Op.B, i)]
@@ -248,8 +259,8 @@ def interleaved(
     total = len(table)
     ranks = []
     for rank in range(p):
+        # warm-up: rank r runs min(2(P-1-r) + (R-1)P, m*R) forwards before its first backward
         warmup = min((p - rank - 1) * 2 + (r - 1) * p, total)
-
         fwd = [Action(chunk * p + rank, Op.F, mb) for mb, chunk in table]
         bwd = [Action((r - 1 - chunk) * p + rank, Op.B, mb) for mb, chunk in table]
         acts = fwd[:warmup]  # warm-up

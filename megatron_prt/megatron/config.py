@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.placement import ConfigError, Placement
+from ..core.layers import stage_layer_counts
+from ..core.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -28,21 +29,14 @@ class ReuseConfig:
     def layers_per_stage(self) -> tuple[int, ...]:
         """Layer count of every model stage ``0..D-1``; raises :class:`ConfigError`."""
         depth = self.placement.depth
-        if self.stage_layers is None:
-            if self.num_layers < depth:
-                raise ConfigError(
-                    f"--num-layers {self.num_layers} cannot fill D = R*P = {depth} stages; "
-                    f"use at least {depth} layers or lower --pipeline-reuse"
-                )
-            base, extra = divmod(self.num_layers, depth)
-            return tuple(base + (1 if k < extra else 0) for k in range(depth))
-        counts = tuple(self.stage_layers)
-        if len(counts) != depth or sum(counts) != self.num_layers or min(counts) < 0:
-            raise ConfigError(
-                f"--pipeline-reuse-stage-layers {','.join(map(str, counts))} must give D = R*P "
-                f"= {depth} counts >= 0 that sum to --num-layers {self.num_layers}"
-            )
-        return counts
+        return stage_layer_counts(
+            self.num_layers,
+            depth,
+            self.stage_layers,
+            name="--pipeline-reuse-stage-layers",
+            total=f"--num-layers {self.num_layers}",
+            fix=f"use at least {depth} layers or lower --pipeline-reuse",
+        )
 
     def layer_offset(self, model_stage: int) -> int:
         """Global index of the first layer of ``model_stage`` (0-based)."""

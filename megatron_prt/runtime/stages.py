@@ -6,25 +6,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..core.placement import ConfigError, Placement
+from ..core.layers import stage_layer_counts
+from ..core.placement import Placement
 
 
 def layer_ranges(num_layers: int, depth: int, stage_layers: Sequence[int] | None = None):
-    """Model stage k -> (first layer, layer count); even split unless ``stage_layers`` given."""
-    if stage_layers is None:
-        if num_layers < depth:
-            raise ConfigError(
-                f"{num_layers} layers cannot fill D = {depth} stages; lower --reuse or give "
-                "explicit stage_layers"
-            )
-        base, extra = divmod(num_layers, depth)
-        stage_layers = [base + (1 if k < extra else 0) for k in range(depth)]
-    if len(stage_layers) != depth or sum(stage_layers) != num_layers or min(stage_layers) < 0:
-        raise ConfigError(
-            f"stage_layers {list(stage_layers)} must be {depth} counts >= 0 summing to {num_layers}"
-        )
+    """Model stage k -> (first layer, layer count); even split unless ``stage_layers`` given
+    (:func:`megatron_prt.core.layers.stage_layer_counts`)."""
+    counts = stage_layer_counts(
+        num_layers, depth, stage_layers, fix="lower --reuse or give explicit stage_layers"
+    )
     out, first = [], 0
-    for count in stage_layers:
+    for count in counts:
         out.append((first, count))
         first += count
     return out

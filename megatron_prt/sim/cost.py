@@ -56,6 +56,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 
@@ -144,13 +145,8 @@ class CostModel:
         for name in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"cost {name} must be > 0")
-        if self.stage_layers and min(self.stage_layers) < 0:
-            raise ConfigError(f"stage_layers must be counts >= 0, got {list(self.stage_layers)}")
-        if self.stage_layers and sum(self.stage_layers) != len(self.layers):
-            raise ConfigError(
-                f"stage_layers sums to {sum(self.stage_layers)} but there are "
-                f"{len(self.layers)} layers"
-            )
+        if self.stage_layers:  # the depth is checked where it is known: layer_counts
+            check_stage_layers(self.stage_layers, len(self.layers))
 
     @property
     def hop_time(self) -> float:
@@ -188,15 +184,10 @@ class CostModel:
         )
 
     def layer_counts(self, depth: int) -> tuple[int, ...]:
+        """Layers of every model stage: ``stage_layers``, or the even split."""
         if self.stage_layers:
-            if len(self.stage_layers) != depth:
-                raise ConfigError(
-                    f"stage_layers has {len(self.stage_layers)} entries, the pipeline "
-                    f"has D = {depth} stages"
-                )
-            return self.stage_layers
-        base, extra = divmod(len(self.layers), depth)
-        return tuple(base + (1 if k < extra else 0) for k in range(depth))
+            return check_stage_layers(self.stage_layers, len(self.layers), depth)
+        return even_layers(len(self.layers), depth)
 
     def _per_stage(self, depth: int, total: float, attr: str) -> tuple[float, ...]:
         if not self.layers:

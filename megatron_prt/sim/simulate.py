@@ -13,9 +13,10 @@ time counts as idle (not busy) in the per-rank stats and the bubble fraction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..core.actions import Op
+from ..core.actions import Action, Op
 from ..core.deps import consumers_map
 from ..core.plan import Plan
 from ..core.replay import Timeline, replay
@@ -108,21 +109,39 @@ def _with_sync(stat: RankStats, sync: ReplicaSync) -> RankStats:
     )
 
 
+# -- the in-flight activation rule ---------------------------------------------------------
+FREES = (Op.B, Op.W)  # the backward that ends an activation's life (W when split)
+
+
+def held_activations(
+    actions: Sequence[Action], timeline: Timeline | None = None
+) -> list[tuple[Action, int]]:
+    """THE memory rule: a rank holds the activation of ``(stage, mb)`` from the start of
+    its forward until the end of the backward that frees it (``B``, or ``W`` when the
+    backward is split). Returns the rank's ``(action, +1 | -1)`` changes in the order it
+    sees them: by time under ``timeline`` (frees before allocations at one instant); without
+    one, in ``actions`` order, which is the time order too (a rank runs its actions one
+    after the other) unless a zero-time backward ends at the very instant a later forward
+    starts."""
+    changes = [(a, 1 if a.op is Op.F else -1) for a in actions if a.op is Op.F or a.op in FREES]
+    if timeline is not None:
+        changes.sort(key=lambda c: _instant(c, timeline))
+    return changes
+
+
+def _instant(change: tuple[Action, int], timeline: Timeline) -> tuple[float, int]:
+    """When a change happens; at one instant frees (0) come before allocations (1)."""
+    action, sign = change
+    return (timeline.start[action], 1) if sign > 0 else (timeline.end[action], 0)
+
+
 def _peak_memory(acts, timeline: Timeline, act_bytes) -> tuple[int, float]:
-    frees = (Op.B, Op.W)
-    events = []
-    for a in acts:
-        size = act_bytes[a.stage % len(act_bytes)]
-        if a.op is Op.F:
-            events.append((timeline.start[a], 1, 1, size))
-        elif a.op in frees:
-            events.append((timeline.end[a], 0, -1, -size))
-    events.sort()  # at one instant frees (0) come before allocations (1)
+    """(most activations held at once, most activation bytes held at once) on one rank."""
     count = peak_n = 0
     held = peak_b = 0.0
-    for _, _, dn, db in events:
-        count += dn
-        held += db
+    for action, change in held_activations(acts, timeline):
+        count += change
+        held += change * act_bytes[action.stage % len(act_bytes)]
         peak_n, peak_b = max(peak_n, count), max(peak_b, held)
     return peak_n, peak_b
 

@@ -1,0 +1,51 @@
+"""The partitioner's memory model: a rank's peak activation bytes as the largest of a few
+in-flight count vectors dotted with its stages' activation sizes.
+
+The plan fixes the order of every rank's actions, so it fixes which (stage, micro-batch)
+activations are alive after every forward whatever the partition: the vectors come from the
+simulator's rule (:func:`megatron_prt.sim.simulate.held_activations`) once per plan, and
+each candidate partition only changes the sizes they are dotted with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..core.plan import Plan
+from ..sim.simulate import held_activations
+
+
+def dot(counts: Sequence[float], sizes: Sequence[float]) -> float:
+    return sum(n * s for n, s in zip(counts, sizes, strict=True) if n)
+
+
+def inflight_vectors(plan: Plan, rank: int) -> list[tuple[int, ...]]:
+    """Activations alive on ``rank`` right after each forward, per slot (the rank's stages
+    in chunk order), keeping only vectors no other one dominates. Counted in plan order,
+    which :func:`~megatron_prt.sim.simulate.held_activations` documents as the time order
+    (so the peaks equal the simulator's)."""
+    slot_of = {stage: i for i, stage in enumerate(plan.placement.rank_stages[rank])}
+    alive = [0] * len(slot_of)
+    seen: set[tuple[int, ...]] = set()
+    for action, change in held_activations(plan.compute_actions(rank)):
+        alive[slot_of[action.stage]] += change
+        if change > 0:
+            seen.add(tuple(alive))
+    kept: list[tuple[int, ...]] = []
+    for v in sorted(seen, key=lambda v: (-sum(v), v)):  # a dominating vector comes first
+        if not any(all(a >= b for a, b in zip(k, v, strict=True)) for k in kept):
+            kept.append(v)
+    return kept
+
+
+def peak_activation(vectors: Sequence[Sequence[int]], sizes: Sequence[float]) -> float:
+    """Peak activation bytes of a rank with in-flight ``vectors`` and slot ``sizes``."""
+    return max((dot(v, sizes) for v in vectors), default=0.0)
+
+
+def format_bytes(value: float) -> str:
+    """``value`` bytes in binary units, 3 significant digits: ``'47.3 GiB'``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.3g} B"

@@ -1,0 +1,127 @@
+"""The partition problem: what does not change with the partition (the plan, compiled for
+replay, and the per-layer costs), the stage costs of one partition, and the admissible ones."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate, combinations
+
+from ..core.plan import Plan
+from ..core.replay import Replayer
+from ..core.timing import StageTimes
+from ..sim.cost import CostModel
+from .memory import inflight_vectors, peak_activation
+
+
+def min_stage_layers(cost: CostModel, depth: int) -> tuple[int, ...]:
+    """Fewest layers each model stage may get (see "Zero-layer stages" above)."""
+    if len(cost.layers) < depth:
+        return (0,) * depth
+    lows = [1] * depth
+    if cost.embedding is not None:
+        lows[0] = 0
+    if cost.head is not None:
+        lows[-1] = 0
+    return tuple(lows)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per model stage: forward and backward time, activation and parameter bytes."""
+
+    fwd: list[float]
+    bwd: list[float]
+    act: list[float]
+    param: list[float]
+
+
+class Problem:
+    """Everything that does not change with the partition: the plan (compiled for replay)
+    and what its order says about memory, per-layer prefix sums, admissible counts."""
+
+    def __init__(self, cost: CostModel, plan: Plan) -> None:
+        placement = plan.placement
+        self.cost, self.plan, self.placement = cost, plan, placement
+        self.depth = placement.depth
+        self.num_layers = len(cost.layers)
+        self.lows = min_stage_layers(cost, self.depth)
+        self.layer_costs = [(c.fwd, c.bwd, c.act, c.param) for c in cost.layers]
+        self.prefix = {
+            attr: (0.0, *accumulate(getattr(layer, attr) for layer in cost.layers))
+            for attr in ("fwd", "bwd", "act", "param")
+        }
+        ends = (cost.embedding, cost.head)
+        self.ends = {
+            attr: tuple(getattr(e, attr) if e is not None else 0.0 for e in ends)
+            for attr in ("fwd", "bwd", "act", "param")
+        }
+        mbs_of_pipeline = [plan.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
+        self.slots = [[placement.model_stage(s) for s in st] for st in placement.rank_stages]
+        self.slot_mbs = [
+            [mbs_of_pipeline[placement.pipeline_of(s)] for s in st] for st in placement.rank_stages
+        ]
+        self.holders: list[list[tuple[int, int]]] = [[] for _ in range(self.depth)]
+        for rank, slots in enumerate(self.slots):
+            for slot, k in enumerate(slots):
+                self.holders[k].append((rank, slot))
+        self.first = [
+            min((k for k, n in zip(slots, mbs, strict=True) if n), default=self.depth)
+            for slots, mbs in zip(self.slots, self.slot_mbs, strict=True)
+        ]
+        self.vectors = [inflight_vectors(plan, rank) for rank in range(placement.ranks)]
+        self.message_busy = message_busy(plan, cost.p2p_cpu)
+        self.replayer = Replayer(plan)
+
+    def stage_costs(self, counts: Sequence[int]) -> StageCosts:
+        starts = [0, *accumulate(counts)]
+        out = {}
+        for attr, prefix in self.prefix.items():
+            values = [prefix[starts[k + 1]] - prefix[starts[k]] for k in range(self.depth)]
+            values[0] += self.ends[attr][0]
+            values[-1] += self.ends[attr][1]
+            if attr == "act":
+                values = [
+                    v + self.cost.empty_stage_act(k, counts[k], self.depth)
+                    for k, v in enumerate(values)
+                ]
+            out[attr] = values
+        return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"])
+
+    def stage_times(self, counts: Sequence[int]) -> StageTimes:
+        """The simulator's stage times for ``counts`` (same sums, same rounding)."""
+        return replace(self.cost, stage_layers=tuple(counts)).stage_times(self.placement)
+
+    def rank_memory(self, costs: StageCosts) -> list[float]:
+        """Per rank: peak activation bytes + parameter bytes."""
+        out = []
+        for rank, slots in enumerate(self.slots):
+            peak_act = peak_activation(self.vectors[rank], [costs.act[k] for k in slots])
+            out.append(peak_act + sum(costs.param[k] for k in slots))
+        return out
+
+
+def message_busy(plan: Plan, p2p_cpu: float) -> list[float]:
+    """Per rank: compute time its messages cost it (``p2p_cpu`` each), fixed by the plan."""
+    if not p2p_cpu:
+        return [0.0] * plan.placement.ranks
+    zeros = (0.0,) * plan.placement.depth
+    times = StageTimes(zeros, zeros, 0.0, p2p_cpu)
+    return [
+        sum(times.busy(a, plan.placement) for a in plan.compute_actions(rank))
+        for rank in range(plan.placement.ranks)
+    ]
+
+
+def count_partitions(num_layers: int, lows: Sequence[int]) -> int:
+    free = num_layers - sum(lows)
+    return math.comb(free + len(lows) - 1, len(lows) - 1) if free >= 0 else 0
+
+
+def partitions(num_layers: int, lows: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Every admissible partition (stars and bars over the layers above the minimums)."""
+    free, depth = num_layers - sum(lows), len(lows)
+    for bars in combinations(range(free + depth - 1), depth - 1):
+        edges = (-1, *bars, free + depth - 1)
+        yield tuple(lows[k] + edges[k + 1] - edges[k] - 1 for k in range(depth))
