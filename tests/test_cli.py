@@ -77,9 +77,9 @@ def test_compare_table(run_cli):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["plan", "--pp", "0", "-m", "2"], "pipeline ranks must be an integer >= 1"),
-        (["plan", "--pp", "2", "--reuse", "0", "-m", "2"], "reuse must be"),
-        (["plan", "--pp", "2", "-m", "0"], "micro-batches must be"),
+        (["plan", "--pp", "0", "-m", "2"], "argument --pp: must be an integer >= 1, got '0'"),
+        (["plan", "--pp", "2", "--reuse", "0", "-m", "2"], "argument --reuse: must be"),
+        (["plan", "--pp", "2", "-m", "0"], "argument --microbatches/-m: must be"),
         (["plan", "--pp", "2", "-m", "1", "--direction", "bi"], "bi needs >= 2 micro-batches"),
         (["plan", "--pp", "2", "-m", "2", "--placement", "zig"], "invalid choice: 'zig'"),
         (["simulate", "--pp", "2", "-m", "2", "--schedule", "x"], "invalid choice: 'x'"),
