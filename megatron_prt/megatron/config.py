@@ -10,6 +10,17 @@ from dataclasses import dataclass
 from ..core.placement import ConfigError, Placement
 
 
+def check_layers_fill_stages(num_layers: int, depth: int, layers: str, reuse: str) -> None:
+    """The rule for a split chosen from the layer count (uniform, or the partitioner's):
+    ``num_layers`` must give each of the ``depth`` = R*P stages a layer. ``layers`` and
+    ``reuse`` name the flags the count and R came from; raises :class:`ConfigError`."""
+    if num_layers < depth:
+        raise ConfigError(
+            f"{layers} {num_layers} cannot fill D = R*P = {depth} stages; "
+            f"use at least {depth} layers or lower {reuse}"
+        )
+
+
 @dataclass(frozen=True)
 class ReuseConfig:
     """``placement``: P, R, loop|wave, uni|bi. ``stage_layers``: transformer layers of each
@@ -29,11 +40,7 @@ class ReuseConfig:
         """Layer count of every model stage ``0..D-1``; raises :class:`ConfigError`."""
         depth = self.placement.depth
         if self.stage_layers is None:
-            if self.num_layers < depth:
-                raise ConfigError(
-                    f"--num-layers {self.num_layers} cannot fill D = R*P = {depth} stages; "
-                    f"use at least {depth} layers or lower --pipeline-reuse"
-                )
+            check_layers_fill_stages(self.num_layers, depth, "--num-layers", "--pipeline-reuse")
             base, extra = divmod(self.num_layers, depth)
             return tuple(base + (1 if k < extra else 0) for k in range(depth))
         counts = tuple(self.stage_layers)
