@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import heapq
 import json
+import math
 import os
 import re
 import shutil
@@ -595,6 +596,15 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
         parse_and_normalize_split,
     )
 
+    try:  # megatron reads any digits it finds and divides by their sum: "a,b" is 0/0
+        weights = [float(w) for w in re.split(r"[,/]", split)]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < math.inf:
+        raise DataError(
+            f"--split {split!r}: expected up to three weights >= 0 for train,valid,test such "
+            "as 90,5,5, not all 0"
+        )
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [
         None

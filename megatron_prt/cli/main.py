@@ -152,8 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
+    """A cost file's ``stage_layers`` fix the split for one depth D = R*P: refuse others
+    here, naming the file, rather than deep in the simulator."""
+    given = len(cost.stage_layers)
+    if not given or depths == {given}:
+        return
+    runs = " and ".join(map(str, sorted(depths)))
+    raise ConfigError(
+        f"--costs {args.costs}: stage_layers splits the layers over {given} stages, but this "
+        f"runs D = R*P = {runs}; drop stage_layers from the file or choose --pp and --reuse "
+        f"with R*P = {given}"
+    )
+
+
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
+    _check_stage_layers(args, cost, {placement.depth})
     times = planning_times(args, cost, placement)
     plan = build_plan(placement, args.microbatches, args.schedule, times)
     validate(plan)
@@ -276,8 +291,10 @@ def compare_variants(pp: int, reuse: int) -> list[tuple[str, Placement, str]]:
 
 def cmd_compare(args) -> int:
     cost = _cost(args)
+    variants = compare_variants(args.pp, args.reuse)
+    _check_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
     results = []
-    for label, placement, schedule in compare_variants(args.pp, args.reuse):
+    for label, placement, schedule in variants:
         try:
             times = planning_times(args, cost, placement)
             plan = build_plan(placement, args.microbatches, schedule, times)

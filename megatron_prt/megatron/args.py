@@ -301,7 +301,11 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
             "--micro-batch-size and --global-batch-size"
         )
     budget = getattr(args, "pipeline_reuse_memory_budget", None)
-    result = partition(cost, placement, microbatches, budget_bytes=budget)
+    try:
+        result = partition(cost, placement, microbatches, budget_bytes=budget)
+    except ConfigError as exc:  # e.g. no split within --pipeline-reuse-memory-budget
+        flag = "--pipeline-reuse-memory-budget" if budget else "--pipeline-reuse-partition"
+        raise ConfigError(f"{flag}: {exc}") from exc
     return result.balanced.stage_layers
 
 
