@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -59,11 +60,14 @@ def parse_bytes(text: str) -> float:
 def parse_fraction(text: str) -> float:
     """``0.03`` or ``3%``."""
     try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(
-            f"expected a fraction such as 0.03 or 3%, got {text!r}"
-        ) from None
+            f"expected a fraction >= 0 such as 0.03 or 3%, got {text!r}"
+        )
+    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
