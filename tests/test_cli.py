@@ -219,7 +219,7 @@ def test_numeric_flags_are_checked_by_argparse_naming_the_flag(argv, message, ca
     "content, message",
     [
         (None, "No such file or directory"),
-        ("{not json", "not a JSON file"),
+        ("{not json", "not JSON"),
         ('{"fwd_time": "3"}', "key fwd_time must be a number, got '3'"),
         ('{"layers": [{"fwd": 1, "bwd": 2}], "stage_layers": "2"}', "key stage_layers must"),
         ('{"layers": [{"bwd": 2}]}', "cost layers[0] has keys ['bwd']; it needs fwd and bwd"),

@@ -64,7 +64,7 @@ CLI_CASES = {
     "costs: not UTF-8": (
         ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
         b"\xff\xfe{",
-        "COSTS: not a JSON file",
+        "COSTS: not JSON",
     ),
     "costs: a directory": (
         ["simulate", "--pp", 2, "-m", 4, "--costs", "DIR"],

@@ -295,7 +295,7 @@ class CostModel:
                 "(`megatron-prt profile ... -o FILE` writes one)"
             ) from exc
         except ValueError as exc:  # not JSON, or not UTF-8
-            raise ConfigError(f"{path}: not a JSON file ({exc})") from exc
+            raise ConfigError(f"{path}: not JSON ({exc})") from exc
         try:
             _check_value_types(data)
             return cls.from_dict(data)
