@@ -38,6 +38,7 @@ from megatron.core.utils import get_model_config
 
 from ..core.actions import Op
 from ..core.schedules import build_plan
+from ..runtime.errors import PipelineError
 from ..runtime.executor import PipelineRuntime, run_backward
 from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
@@ -380,7 +381,13 @@ def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, dev
     elif senders and rank == last_rank:
         for sender in senders:
             payload = [None]
-            dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
+            try:
+                dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
+            except RuntimeError as exc:  # gloo/NCCL: peer closed or the group's timeout
+                raise PipelineError(
+                    f"rank {rank}: waiting on rank {sender} for the losses of its last stages: "
+                    f"{str(exc).splitlines()[0]} (rank {sender} may have failed or be stuck)"
+                ) from exc
             theirs, tokens = payload[0]
             store.update(_to_device(theirs, device))
             num_tokens = num_tokens + tokens
