@@ -21,6 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_prt.megatron import bert_args
+from megatron_prt.megatron.bert_step import MicroBatchSampler
+from megatron_prt.megatron.pipeline_probe import measured_bubble
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_bert.py"
 # A tiny BERT: a launch takes about 15 s on 2 cores, most of it imports.
@@ -44,7 +48,7 @@ def _load(name: str):
     return module
 
 
-pretrain_bert = _load("pretrain_bert")
+pretrain_bert = _load("pretrain_bert")  # the entry point: its flags and refusals
 demo = _load("demo")  # examples/demo.py: summaries and the comparison table
 
 
@@ -176,7 +180,7 @@ def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
 
 
 def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
-    monkeypatch.setattr(pretrain_bert, "_tensorboard_available", lambda: False)
+    monkeypatch.setattr(bert_args, "_tensorboard_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit):
         pretrain_bert.parse_args(["--tensorboard-dir", "tb"])
@@ -195,14 +199,14 @@ def test_help_names_the_1f1b_baseline(capsys):
 def test_measured_bubble_from_spans():
     # rank 0 busy 0..1 and 2..3, rank 1 busy 1..2: 3 of 2 x 3 seconds busy.
     spans = [[("a", 0.0, 1.0), ("b", 2.0, 3.0)], [("c", 1.0, 2.0)]]
-    assert pretrain_bert.measured_bubble(spans) == pytest.approx(0.5)
-    assert pretrain_bert.measured_bubble([[], []]) is None
+    assert measured_bubble(spans) == pytest.approx(0.5)
+    assert measured_bubble([[], []]) is None
 
 
 def test_sampler_gives_each_data_parallel_rank_its_slice():
     dataset = [{"text": [i], "types": [0], "labels": [i], "loss_mask": [1],
                 "padding_mask": [1], "is_random": i % 2} for i in range(10)]  # fmt: skip
-    ranks = [pretrain_bert.MicroBatchSampler(dataset, 2, r, 2) for r in range(2)]
+    ranks = [MicroBatchSampler(dataset, 2, r, 2) for r in range(2)]
     batches = [s.next_global_batch(2) for s in ranks]
     texts = [[b["text"].flatten().tolist() for b in rank] for rank in batches]
     assert texts == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
