@@ -31,6 +31,9 @@ Output. A progress line every ``--log-interval`` iterations (losses averaged ove
 interval, learning rate, grad norm, samples/s, ms/iteration, the pipeline bubble measured
 from the last iteration's per-action spans, and each pipeline rank's peak activation memory),
 validation losses every ``--eval-interval``, and at the end one line ``SUMMARY {json}``.
+A NaN or infinite loss (checked before the optimizer step) or gradient norm stops every rank
+with exit status 1 and an error naming the iteration and the value; ``--no-stop-on-nan``
+(Megatron-LM's ``--no-check-for-nan-in-loss-and-grad``) trains on.
 The PRT runtime is built during iteration 1, so the bubble is measured from iteration 2 on
 (iteration 1 too with ``--pipeline-reuse-trace``, which also writes its timeline) and the
 activation memory on iteration 2 alone (its hooks cost time; every iteration repeats the same

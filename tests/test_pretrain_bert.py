@@ -54,13 +54,18 @@ demo = _load("demo")  # examples/demo.py: summaries and the comparison table
 
 def launch(*flags: str, ranks: int = 2) -> str:
     """Run the example under torchrun on CPU; its output (stdout and stderr)."""
+    status, output = run_example(*flags, ranks=ranks)
+    assert status == 0, output[-4000:]
+    return output
+
+
+def run_example(*flags: str, ranks: int = 2) -> tuple[int, str]:
+    """``(exit status, stdout and stderr)`` of the example under torchrun on CPU."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), str(EXAMPLE), *TINY, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    return output
+    return done.returncode, done.stdout + done.stderr
 
 
 def progress(output: str) -> list[tuple]:
@@ -139,6 +144,25 @@ def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
     want, got = demo.summary_of(bi_run.splitlines()), demo.summary_of(resumed.splitlines())
     for key in ("lm_loss", "sop_loss", "valid", "iteration"):
         assert got[key] == want[key], key
+
+
+def test_nan_loss_stops_every_rank_naming_the_iteration(data_cache):
+    # lr 1e6: iteration 1 is finite, its step overflows the weights, iteration 2's loss is NaN
+    flags = ["--pipeline-model-parallel-size", "2", *WAVE, "--data-cache-path", data_cache]
+    status, output = run_example(*flags, "--train-iters", "4", "--lr", "1e6")
+    assert status != 0, output[-4000:]
+    assert "pretrain_bert.py: error: iteration 2: lm loss nan" in output
+    assert "--no-stop-on-nan" in output
+    assert [int(line[0]) for line in progress(output)] == [1]
+    assert "SUMMARY" not in output
+
+
+def test_no_stop_on_nan_trains_on(data_cache):
+    flags = ["--data-cache-path", data_cache, "--train-iters", "3", "--lr", "1e6"]
+    output = launch(*flags, "--no-stop-on-nan", ranks=1)
+    lm = [line[1] for line in progress(output)]
+    assert len(lm) == 3 and lm[1:] == ["NAN", "NAN"]
+    assert "SUMMARY" in output
 
 
 # -------------------------------------------------------------------------------- refusals

@@ -30,9 +30,15 @@ class _OneLineParser(argparse.ArgumentParser):
 def refuse(message: str) -> NoReturn:
     """Stop with ``PROG: error: message`` (rank 0 only, so a torchrun launch prints it once)
     and exit status 2. Called before any collective, so every rank stops the same way."""
+    stop(message, status=2)
+
+
+def stop(message: str, status: int) -> NoReturn:
+    """Exit with ``status`` after ``PROG: error: message`` on stderr (rank 0 only). Every rank
+    must call it for the same reason at the same point, so every rank stops."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -92,6 +98,14 @@ def _add_training_flags(group) -> None:
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--bf16", action="store_true", help="bfloat16 model (CUDA only)")
     group.add_argument("--fp16", action="store_true", help="float16 model, loss scaling (CUDA)")
+    group.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        "--no-stop-on-nan",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="train on after a NaN or infinite loss or gradient norm (default: stop with an "
+        "error naming the iteration)",
+    )
 
 
 def _add_parallel_flags(group) -> None:

@@ -6,6 +6,7 @@ optimizer, scheduler) and the forward-only evaluation.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .bert_args import stop
 
 
 def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
@@ -143,13 +146,45 @@ def train_step(forward_backward, state: TrainState, launch: Launch) -> tuple:
     state.optimizer.zero_grad()
     batches = state.sampler.next_global_batch(launch.microbatches)
     store = run_schedule(forward_backward, state.chunks, batches, launch)
+    losses = mean_losses(store, launch.device)
+    check = launch.args.check_for_nan_in_loss_and_grad
+    if check:
+        stop_on_nonfinite_loss(losses, state.iteration + 1, launch)
     updated, grad_norm, _ = state.optimizer.step()
     if updated:  # a skipped fp16 step (overflow) does not advance the schedule
         state.scheduler.step(increment=launch.args.global_batch_size)
+    # the gradient norm is reduced over all ranks: every rank stops alike
+    if check and updated and grad_norm is not None and not math.isfinite(grad_norm):
+        stop(f"iteration {state.iteration + 1}: grad norm {grad_norm} is not finite; {_FIX}", 1)
     if launch.device.type == "cuda":
         torch.cuda.synchronize(launch.device)
     seconds = time.perf_counter() - started
-    return mean_losses(store, launch.device), grad_norm, seconds
+    return losses, grad_norm, seconds
+
+
+_FIX = "lower --lr or --clip-grad, or pass --no-stop-on-nan to train on"
+
+
+def stop_on_nonfinite_loss(losses: dict[str, float], iteration: int, launch: Launch) -> None:
+    """Exit (status 1, before the optimizer step) on every rank of the pipeline when a loss of
+    ``iteration`` is NaN or infinite: the last pipeline rank's ``losses`` (the mean over the
+    data-parallel replicas, so every replica decides alike) are broadcast over the pipeline
+    group. Collective."""
+    from megatron.core import parallel_state
+
+    names = ["lm loss", "sop loss"] if launch.args.bert_binary_head else ["lm loss"]
+    values = torch.tensor(
+        [losses.get(name, 0.0) for name in names], dtype=torch.float64, device=launch.device
+    )
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(values, src=last, group=group)
+    shared = dict(zip(names, values.tolist(), strict=True))
+    if all(math.isfinite(value) for value in shared.values()):
+        return
+    text = ", ".join(f"{name} {value}" for name, value in shared.items())
+    stop(f"iteration {iteration}: {text} is not finite; {_FIX}", 1)
 
 
 def evaluate(forward_backward, chunks: list, valid, launch: Launch) -> dict[str, float]:
