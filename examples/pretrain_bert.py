@@ -44,6 +44,9 @@ Checkpoints. ``--save DIR --save-interval N`` writes every rank's model chunks, 
 ``DIR/iter_XXXXXXX/rank_YY.pt`` and the iteration to ``DIR/latest``; ``--load DIR`` resumes
 from ``DIR/latest`` (same launch layout required) and continues with the numbers an
 uninterrupted run gives. ``--exit-interval N`` stops after iteration N (saving first).
+Files are read with ``torch.load(weights_only=True)``. When a rank cannot load its file
+(missing, truncated, another launch layout) it says why and which earlier complete
+checkpoint to resume from instead, and every rank exits with status 2.
 """
 
 from __future__ import annotations

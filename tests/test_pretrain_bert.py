@@ -165,6 +165,56 @@ def test_no_stop_on_nan_trains_on(data_cache):
     assert "SUMMARY" in output
 
 
+@pytest.fixture(scope="module")
+def two_checkpoints(data_cache, tmp_path_factory):
+    """A --save directory with the checkpoints of iterations 2 and 4 (latest: 4)."""
+    save = tmp_path_factory.mktemp("two") / "ckpt"
+    launch(*bi_flags(data_cache, "--save", str(save), "--save-interval", "2",
+                     "--exit-interval", "4"))  # fmt: skip
+    assert (save / "latest").read_text().strip() == "4"
+    return save
+
+
+def _copy(directory: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(directory, tmp_path / "ckpt"))
+
+
+def test_missing_rank_file_stops_every_rank_with_its_reason(two_checkpoints, data_cache, tmp_path):
+    save = _copy(two_checkpoints, tmp_path)
+    (save / "iter_0000004" / "rank_01.pt").unlink()
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"rank 1: --load {save}: no {save}/iter_0000004/rank_01.pt" in output, output[-3000:]
+    assert f"echo 2 > {save}/latest" in output  # the fix: the earlier complete checkpoint
+    assert "rank(s) 1 cannot load their checkpoint files" in output  # rank 0 says why it stops
+    assert "iteration      5/6" not in output and "all_gather" not in output
+
+
+class _RunsCode:
+    """A pickled object that runs ``print`` when unpickled without ``weights_only``."""
+
+    def __reduce__(self):
+        return (print, ("unpickling ran code",))
+
+
+def test_truncated_or_unsafe_files_are_refused_naming_the_file(two_checkpoints, data_cache,
+                                                               tmp_path):  # fmt: skip
+    import torch
+
+    save = _copy(two_checkpoints, tmp_path)
+    rank0 = save / "iter_0000004" / "rank_00.pt"
+    rank0.write_bytes(rank0.read_bytes()[: rank0.stat().st_size // 2])  # truncated
+    torch.save({"layout": _RunsCode()}, save / "iter_0000004" / "rank_01.pt")
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"rank 0: cannot read {rank0}" in output, output[-3000:]
+    assert f"rank 1: cannot read {save}/iter_0000004/rank_01.pt" in output
+    assert "unpickling ran code" not in output  # torch.load(weights_only=True)
+    assert f"iteration(s) 2; to resume from 2: echo 2 > {save}/latest" in output
+
+
 # -------------------------------------------------------------------------------- refusals
 
 
