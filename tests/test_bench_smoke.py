@@ -155,7 +155,7 @@ def test_old_script_is_the_layer_stack_section():
 
 
 def test_replica_sum_fit_separates_latency_from_bandwidth():
-    from megatron_prt.bench.common import fit_replica_sum
+    from megatron_prt.runtime.replica_timing import fit_replica_sum
 
     # 2 ms + 1 ns per byte, of which 0.25 ns the add: two exact points give it back
     line = [(n, 2e-3 + 1e-9 * n) for n in (1e4, 1e7)]

@@ -37,12 +37,12 @@ from ..runtime import PipelineRuntime, build_stages, sync_replicas
 from ..runtime.cpu import keep_freed_memory
 from ..runtime.local import all_ok, run_local
 from ..runtime.memory import ActivationMeter
+from ..runtime.replica_timing import calibrate_replica_sync
 from ..sim.cost import CostModel, LayerCost
 from .common import (
     add_measured,
     add_ratios,
     agreed,
-    calibrate_replica_sum,
     launch,
     measure_runners,
     ms,
@@ -358,7 +358,8 @@ def _gloo_costs(rank: int, args) -> tuple[float, float]:
 def replica_calibration(rank: int, world: int, args) -> dict[str, dict]:
     """Per wire: the bi replica-gradient sum timed on megatron-prt's runtime for the bi
     variant's placement, on this model and on one of width ``hidden // 8`` (about 64 times
-    fewer gradient bytes), and fitted (:func:`common.calibrate_replica_sum`). Collective."""
+    fewer gradient bytes), and fitted
+    (:func:`megatron_prt.runtime.replica_timing.calibrate_replica_sync`). Collective."""
     _, reuse, place, direction = next(v for v in PRT_VARIANTS if v[3] == "bi")
     placement = Placement(world, reuse, place, direction)
     plan = build_plan(placement, 2)
@@ -373,7 +374,7 @@ def replica_calibration(rank: int, world: int, args) -> dict[str, dict]:
             )
             for hidden in (max(4, args.hidden // 8), args.hidden)
         ]
-        out[wire] = calibrate_replica_sum(*runtimes, repeats=replica_repeats(args))
+        out[wire] = calibrate_replica_sync(*runtimes, repeats=replica_repeats(args))
         for runtime in runtimes:
             runtime.close()
     return out

@@ -29,6 +29,7 @@ import torch
 from megatron.core import parallel_state
 
 from ..core.placement import Placement
+from ..runtime.replica_timing import calibrate_replica_sync
 from .config import ReuseConfig
 from .model import build_chunks, prepare_model, transformer_config_kwargs
 from .pretrain import SEED, bert_forward_step, build_model, random_batches, transformer_config
@@ -188,14 +189,13 @@ def calibrate_replica_sum(shape: BertShape, placement: Placement, repeats: int) 
     """The bi replica-gradient sum of megatron's finalize path
     (``MegatronPipeline.reduce_replica_grads`` on the gradients it sums), timed on the
     benchmarked model and on one of hidden size ``2 * heads`` with a 64-token vocabulary,
-    and fitted (:func:`megatron_prt.bench.common.calibrate_replica_sum`). Collective."""
-    from ..bench.common import calibrate_replica_sum as fit
-
+    and fitted (:func:`megatron_prt.runtime.replica_timing.calibrate_replica_sync`).
+    Collective."""
     small = replace(shape, hidden=2 * shape.heads, vocab=min(shape.vocab, 64))
     runners = [BertRunner(s, placement, "prt", 2) for s in (small, shape)]
     try:
         pipelines = [runner.forward_backward.pipeline() for runner in runners]
-        return fit(*pipelines, repeats=repeats, grad_attr=runners[1].grad_attr)
+        return calibrate_replica_sync(*pipelines, repeats=repeats, grad_attr=runners[1].grad_attr)
     finally:
         for runner in runners:
             runner.close()
