@@ -60,13 +60,17 @@ from .tables import (
 
 
 def h200_section(results: Results, s: Settings) -> list[str]:
+    """The H200 section: the profiles, what differs from the V100 rows, and its tables."""
     if not s.h200_names:
         return []
-    link = LINKS[H200_MAIN_LINK]
+    return [*_h200_intro(s), "", *_h200_rest(results, s)]
+
+
+def _h200_intro(s: Settings) -> list[str]:
     files = "; ".join(f"`{PROFILES[n].path}`" for n in s.h200_names)
     commands = "; ".join(f"`{PROFILES[n].command}`" for n in s.h200_names)
     per_param = ", ".join(f"{n} {state_bytes_per_param(n):.2f}" for n in s.h200_names)
-    lines = [
+    return [
         "## BERT with per-layer costs profiled on an H200",
         "",
         "The rows above price every unit from FLOP and byte counts on a V100. Here BERT-base "
@@ -109,7 +113,12 @@ def h200_section(results: Results, s: Settings) -> list[str]:
         "(except in the subsection on balanced splits), "
         "the same baselines and plan candidates (`candidate_plans`); (!) marks a peak over "
         f"the H200's {H200_MEMORY / 1e9:.0f} GB.",
-        "",
+    ]
+
+
+def _h200_rest(results: Results, s: Settings) -> list[str]:
+    link = LINKS[H200_MAIN_LINK]
+    lines = [
         *h200_causes(results, s),
         "",
         "### Against the paper, beside the V100 FLOP model",

@@ -44,8 +44,12 @@ from .tables import (
 
 
 def assumptions(s: Settings) -> list[str]:
+    """The report's Assumptions section: every figure and choice behind the V100 rows."""
+    return [*_hardware_assumptions(), *_model_assumptions(s), *_plan_assumptions(s)]
+
+
+def _hardware_assumptions() -> list[str]:
     b, r = bert_calibration(), resnet_calibration()
-    link_lines = [f"  - `{k}`: {LINKS[k].label}" for k in V100_LINKS]
     return [
         "## Assumptions (all of them)",
         "",
@@ -70,6 +74,11 @@ def assumptions(s: Settings) -> list[str]:
         f"fraction would be {1 - bert_calibration(MASKED).efficiency / b.efficiency:.1%} "
         "lower: all BERT compute times would grow alike and only the ratio of hop time to "
         "compute time would move.",
+    ]
+
+
+def _model_assumptions(s: Settings) -> list[str]:
+    return [
         "- **FLOPs**: transformer layer forward 24bsh² + 4bs²h (Narayanan et al. 2021); "
         "convolutions 2 x multiply-adds from their shapes; backward = 2 x forward; "
         "element-wise work (LayerNorm, softmax, BatchNorm, ReLU) is not counted as FLOPs: "
@@ -98,6 +107,12 @@ def assumptions(s: Settings) -> list[str]:
         "stage 0, head on stage D-1; the same rule for every variant. With fewer layers "
         "than stages the last stages are empty (they only pass tensors on, one hop each). "
         f"Empty stages: {empty_stage_note(s.names, s.reuses)}.",
+    ]
+
+
+def _plan_assumptions(s: Settings) -> list[str]:
+    link_lines = [f"  - `{k}`: {LINKS[k].label}" for k in V100_LINKS]
+    return [
         "- **Communication**: one p2p hop = latency + message bytes / bandwidth, overlapped "
         "with compute (it delays the receiver, not the sender), no contention between "
         "concurrent messages. Message = the activation (backward: its gradient) at the "
