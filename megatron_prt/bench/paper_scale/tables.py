@@ -9,6 +9,7 @@ from dataclasses import replace
 from ...core import Placement
 from ...sim.analytic import GIB, H200_MEMORY, LINKS, V100_MEMORY, Link, flops_ms, layer_cost, models
 from ...sim.cost import CostModel, LayerCost
+from ..report import md_table
 from .jobs import (
     H200_MAIN_LINK,
     IDEAL,
@@ -40,30 +41,51 @@ def pct(x: float) -> str:
 
 
 def model_rows(names: Sequence[str]) -> list[str]:
-    rows = [
-        "| model | micro-batch | layers (units) | params | fwd GFLOP / micro-batch | "
-        "fwd ms / micro-batch | act GiB / micro-batch | stage messages MiB (min..max) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "micro-batch",
+        "layers (units)",
+        "params",
+        "fwd GFLOP / micro-batch",
+        "fwd ms / micro-batch",
+        "act GiB / micro-batch",
+        "stage messages MiB (min..max)",
+    )
+    rows = []
     for name in names:
         m = models()[name]
         outs = [u.out_bytes for u in (m.embedding, *m.layers[:-1])]
         flops = sum(u.fwd_flops for u in m.units)
         rows.append(
-            f"| {name} | {m.micro_batch} | {len(m.layers)} (+{m.embedding.name}, "
-            f"+{m.head.name}) | {m.params / 1e6:.1f} M | {flops / 1e9:.0f} | "
-            f"{flops_ms(m, flops):.1f} | {sum(u.act_bytes for u in m.units) / GIB:.2f} | "
-            f"{min(outs) / 2**20:.1f}..{max(outs) / 2**20:.1f} |"
+            (
+                name,
+                m.micro_batch,
+                f"{len(m.layers)} (+{m.embedding.name}, +{m.head.name})",
+                f"{m.params / 1e6:.1f} M",
+                f"{flops / 1e9:.0f}",
+                f"{flops_ms(m, flops):.1f}",
+                f"{sum(u.act_bytes for u in m.units) / GIB:.2f}",
+                f"{min(outs) / 2**20:.1f}..{max(outs) / 2**20:.1f}",
+            )
         )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def main_table(results: Results, names, link: str, ms_, replica_sum=False) -> list[str]:
-    rows = [
-        "| model | m | schedule | iteration ms | bubble | gain | reuse alone | vs 1F1B | "
-        "hop ms | peak GiB/rank | max/min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "m",
+        "schedule",
+        "iteration ms",
+        "bubble",
+        "gain",
+        "reuse alone",
+        "vs 1F1B",
+        "hop ms",
+        "peak GiB/rank",
+        "max/min",
+    )
+    rows = []
     for name in names:
         for m in ms_:
             one_f_one_b = results.compare(name, link, m, "uni", replica_sum).baseline.ms
@@ -73,33 +95,39 @@ def main_table(results: Results, names, link: str, ms_, replica_sum=False) -> li
                 rows.append(
                     _outcome_row(c.best, f"**{pct(c.gain)}**", pct(c.reuse_gain), one_f_one_b)
                 )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
-def _outcome_row(o: Outcome, gain: str, reuse: str, one_f_one_b: float) -> str:
+def _outcome_row(o: Outcome, gain: str, reuse: str, one_f_one_b: float) -> tuple:
     v = o.job.variant
     label = v.label if v.role == "baseline" else f"PRT {v.label}"
     if o.empty:
         label += f" ({o.empty} empty stages)"
+    memory = H200_MEMORY if o.job.model in PROFILES else V100_MEMORY
     return (
-        f"| {o.job.model} | {o.job.microbatches} | {label} | {o.ms:.1f} | {o.bubble:.1%} | "
-        f"{gain} | {reuse} | {one_f_one_b / o.ms:.3f}x | {o.hop_ms:.3f} | "
-        f"{fmt_gib(o.peak_gib, H200_MEMORY if o.job.model in PROFILES else V100_MEMORY)} | "
-        f"{o.balance:.2f} |"
+        o.job.model,
+        o.job.microbatches,
+        label,
+        f"{o.ms:.1f}",
+        f"{o.bubble:.1%}",
+        gain,
+        reuse,
+        f"{one_f_one_b / o.ms:.3f}x",
+        f"{o.hop_ms:.3f}",
+        fmt_gib(o.peak_gib, memory),
+        f"{o.balance:.2f}",
     )
 
 
 def candidates_table(results: Results, names, link: str, ms_, reuses, replica_sum=False):
     variants = all_variants(reuses)
+    header = ("model", "m", *(v.label for v in variants))
     rows = [
-        "| model | m | " + " | ".join(v.label for v in variants) + " |",
-        "|---|---|" + "---|" * len(variants),
+        (name, m, *(_ms_cell(results.at(name, link, m, v, replica_sum)) for v in variants))
+        for name in names
+        for m in ms_
     ]
-    for name in names:
-        for m in ms_:
-            cells = [_ms_cell(results.at(name, link, m, v, replica_sum)) for v in variants]
-            rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def _ms_cell(o: Outcome) -> str:
@@ -116,12 +144,8 @@ def family_of(name: str) -> tuple[str, ...]:
 
 
 def paper_table(results: Results, names, ms_, curve) -> list[str]:
-    rows = [
-        "| model | direction | paper | "
-        + " | ".join(f"ours m={m}" for m in ms_)
-        + " | ours = paper at |",
-        "|---|---|---|" + "---|" * len(ms_) + "---|",
-    ]
+    header = ("model", "direction", "paper", *(f"ours m={m}" for m in ms_), "ours = paper at")
+    rows = []
     for name, link in paper_rows(names):
         for family in family_of(name):
             for direction in ("uni", "bi"):
@@ -129,29 +153,24 @@ def paper_table(results: Results, names, ms_, curve) -> list[str]:
                 gains = results.gains(name, link, curve, direction)
                 where = matching_m(gains, target) if len(curve) > 1 else "n/a (--quick)"
                 label = f"{name} (vs {family})" if name == IDEAL else name
-                cells = " | ".join(pct(gains[m]) for m in ms_)
-                rows.append(f"| {label} | {direction} | {target:+.2%} | {cells} | {where} |")
-    return rows
+                cells = (pct(gains[m]) for m in ms_)
+                rows.append((label, direction, f"{target:+.2%}", *cells, where))
+    return md_table(header, "l" * len(header), rows)
 
 
 def curve_table(results: Results, names, curve) -> list[str]:
-    rows = [
-        "| model | link | direction | " + " | ".join(f"m={m}" for m in curve) + " |",
-        "|---|---|---|" + "---|" * len(curve),
-    ]
+    header = ("model", "link", "direction", *(f"m={m}" for m in curve))
+    rows = []
     for name, link in paper_rows(names):
         for direction in ("uni", "bi"):
             gains = results.gains(name, link, curve, direction)
-            cells = " | ".join(pct(gains[m]) for m in curve)
-            rows.append(f"| {name} | {link} | {direction} | {cells} |")
-    return rows
+            rows.append((name, link, direction, *(pct(gains[m]) for m in curve)))
+    return md_table(header, "l" * len(header), rows)
 
 
 def sensitivity_table(results: Results, names, links, m: int) -> list[str]:
-    rows = [
-        "| model | " + " | ".join(f"{k} uni | {k} bi" for k in links) + " |",
-        "|---|" + "---|---|" * len(links),
-    ]
+    header = ("model", *(f"{k} {d}" for k in links for d in ("uni", "bi")))
+    rows = []
     for name in names:
         cells = []
         for link in links:
@@ -159,8 +178,8 @@ def sensitivity_table(results: Results, names, links, m: int) -> list[str]:
                 c = results.compare(name, link, m, direction)
                 p = c.best.job.variant.placement
                 cells.append(f"{pct(c.gain)} (R={p.reuse} {p.placement})")
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return rows
+        rows.append((name, *cells))
+    return md_table(header, "l" * len(header), rows)
 
 
 def empty_stage_note(names: Sequence[str], reuses: Sequence[int]) -> str:
@@ -230,12 +249,19 @@ def replica_mib(name: str, reuse: int) -> float:
 
 def profile_rows(names: Sequence[str]) -> list[str]:
     k4, k5 = LINKS["nvlink4"], LINKS["pcie5"]
-    rows = [
-        "| model | layers | layer fwd / bwd ms | embedding fwd / bwd ms | head fwd / bwd ms | "
-        "head ÷ layer | message MiB | hop µs nvlink4 / pcie5 | hop ÷ layer fwd nvlink4 / "
-        "pcie5 | V100 rows: head ÷ layer, hop ÷ layer fwd (nvlink) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "layers",
+        "layer fwd / bwd ms",
+        "embedding fwd / bwd ms",
+        "head fwd / bwd ms",
+        "head ÷ layer",
+        "message MiB",
+        "hop µs nvlink4 / pcie5",
+        "hop ÷ layer fwd nvlink4 / pcie5",
+        "V100 rows: head ÷ layer, hop ÷ layer fwd (nvlink)",
+    )
+    rows = []
     for name in names:
         cost, layer = profiled(name), mean_layer(profiled(name))
         v_layer, v_head = v100_layer(name)
@@ -243,26 +269,32 @@ def profile_rows(names: Sequence[str]) -> list[str]:
         v_hop = hop_ms(v_model.layers[0].out_bytes, LINKS[MAIN_LINK])
         h4, h5 = (hop_ms(cost.message_bytes, k) for k in (k4, k5))
         rows.append(
-            f"| {name} | {len(cost.layers)} | {layer.fwd:.2f} / {layer.bwd:.2f} | "
-            f"{cost.embedding.fwd:.2f} / {cost.embedding.bwd:.2f} | "
-            f"{cost.head.fwd:.2f} / {cost.head.bwd:.2f} | {work(cost.head) / work(layer):.2f} | "
-            f"{cost.message_bytes / 2**20:.0f} | {1e3 * h4:.0f} / {1e3 * h5:.0f} | "
-            f"{h4 / layer.fwd:.1%} / {h5 / layer.fwd:.1%} | "
-            f"{work(v_head) / work(v_layer):.3f}, {v_hop / v_layer.fwd:.1%} |"
+            (
+                name,
+                len(cost.layers),
+                f"{layer.fwd:.2f} / {layer.bwd:.2f}",
+                f"{cost.embedding.fwd:.2f} / {cost.embedding.bwd:.2f}",
+                f"{cost.head.fwd:.2f} / {cost.head.bwd:.2f}",
+                f"{work(cost.head) / work(layer):.2f}",
+                f"{cost.message_bytes / 2**20:.0f}",
+                f"{1e3 * h4:.0f} / {1e3 * h5:.0f}",
+                f"{h4 / layer.fwd:.1%} / {h5 / layer.fwd:.1%}",
+                f"{work(v_head) / work(v_layer):.3f}, {v_hop / v_layer.fwd:.1%}",
+            )
         )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def side_by_side(results: Results, s: Settings) -> list[str]:
     ms_ = s.microbatches
-    rows = [
-        "| model | direction | paper | "
-        + " | ".join(f"V100 FLOP model m={m}" for m in ms_)
-        + " | "
-        + " | ".join(f"H200 profile m={m}" for m in ms_)
-        + " |",
-        "|---|---|---|" + "---|" * (2 * len(ms_)),
-    ]
+    header = (
+        "model",
+        "direction",
+        "paper",
+        *(f"V100 FLOP model m={m}" for m in ms_),
+        *(f"H200 profile m={m}" for m in ms_),
+    )
+    rows = []
     for name in s.h200_names:
         v100 = PROFILES[name].v100
         for direction in ("uni", "bi"):
@@ -270,16 +302,14 @@ def side_by_side(results: Results, s: Settings) -> list[str]:
             prof = results.gains(name, H200_MAIN_LINK, ms_, direction, True)
             cells = [pct(flop[m]) for m in ms_] + [pct(prof[m]) for m in ms_]
             target = PAPER_GAINS[("BERT", direction)]
-            rows.append(f"| {v100} | {direction} | {target:+.2%} | " + " | ".join(cells) + " |")
-    return rows
+            rows.append((v100, direction, f"{target:+.2%}", *cells))
+    return md_table(header, "l" * len(header), rows)
 
 
 def h200_link_table(results: Results, s: Settings) -> list[str]:
     links = s.h200_links
-    rows = [
-        "| model | m | " + " | ".join(f"{k} uni | {k} bi" for k in links) + " |",
-        "|---|---|" + "---|---|" * len(links),
-    ]
+    header = ("model", "m", *(f"{k} {d}" for k in links for d in ("uni", "bi")))
+    rows = []
     for name in s.h200_names:
         for m in s.microbatches:
             cells = []
@@ -287,16 +317,21 @@ def h200_link_table(results: Results, s: Settings) -> list[str]:
                 for direction in ("uni", "bi"):
                     c = results.compare(name, k, m, direction, True)
                     cells.append(f"{pct(c.gain)} ({short_label(c.best)})")
-            rows.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
-    return rows
+            rows.append((name, m, *cells))
+    return md_table(header, "l" * len(header), rows)
 
 
 def replica_table(results: Results, s: Settings) -> list[str]:
-    rows = [
-        "| model | link | m | Chimera-style bi ms: without → with (sum) | best PRT bi ms: "
-        "without → with (sum) | gain without | gain with |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "link",
+        "m",
+        "Chimera-style bi ms: without → with (sum)",
+        "best PRT bi ms: without → with (sum)",
+        "gain without",
+        "gain with",
+    )
+    rows = []
     for name in s.h200_names:
         for k in s.h200_links:
             if math.isinf(LINKS[k].bandwidth):
@@ -304,20 +339,32 @@ def replica_table(results: Results, s: Settings) -> list[str]:
             for m in s.microbatches:
                 off, on = (results.compare(name, k, m, "bi", paid) for paid in (False, True))
                 rows.append(
-                    f"| {name} | {k} | {m} | {off.baseline.ms:.1f} → {on.baseline.ms:.1f} "
-                    f"({on.baseline.replica_ms:.2f}) | {off.best.ms:.1f} → {on.best.ms:.1f} "
-                    f"({on.best.replica_ms:.2f}, {short_label(on.best)}) | {pct(off.gain)} | "
-                    f"{pct(on.gain)} |"
+                    (
+                        name,
+                        k,
+                        m,
+                        f"{off.baseline.ms:.1f} → {on.baseline.ms:.1f} "
+                        f"({on.baseline.replica_ms:.2f})",
+                        f"{off.best.ms:.1f} → {on.best.ms:.1f} "
+                        f"({on.best.replica_ms:.2f}, {short_label(on.best)})",
+                        pct(off.gain),
+                        pct(on.gain),
+                    )
                 )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def balanced_gain_table(results: Results, s: Settings) -> list[str]:
-    rows = [
-        "| model | m | 1F1B ms: even → balanced | best PRT uni ms: even → balanced | "
-        "PRT even vs 1F1B even | PRT balanced vs 1F1B even | PRT balanced vs 1F1B balanced |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "m",
+        "1F1B ms: even → balanced",
+        "best PRT uni ms: even → balanced",
+        "PRT even vs 1F1B even",
+        "PRT balanced vs 1F1B even",
+        "PRT balanced vs 1F1B balanced",
+    )
+    rows = []
     for name in s.h200_names:
         for m in s.microbatches:
             even, bal = (
@@ -326,20 +373,32 @@ def balanced_gain_table(results: Results, s: Settings) -> list[str]:
             )
             vs_even = even.baseline.ms / bal.best.ms - 1
             rows.append(
-                f"| {name} | {m} | {even.baseline.ms:.1f} → {bal.baseline.ms:.1f} | "
-                f"{even.best.ms:.1f} ({short_label(even.best)}) → {bal.best.ms:.1f} "
-                f"({short_label(bal.best)}) | {pct(even.gain)} | {pct(vs_even)} | "
-                f"**{pct(bal.gain)}** |"
+                (
+                    name,
+                    m,
+                    f"{even.baseline.ms:.1f} → {bal.baseline.ms:.1f}",
+                    f"{even.best.ms:.1f} ({short_label(even.best)}) → {bal.best.ms:.1f} "
+                    f"({short_label(bal.best)})",
+                    pct(even.gain),
+                    pct(vs_even),
+                    f"**{pct(bal.gain)}**",
+                )
             )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def balanced_rows(results: Results, s: Settings) -> list[str]:
-    rows = [
-        "| model | m | schedule | ms: even → balanced | peak GiB/rank: even → balanced | "
-        "busiest ÷ mean rank: even → balanced | balanced layers per stage | search |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = (
+        "model",
+        "m",
+        "schedule",
+        "ms: even → balanced",
+        "peak GiB/rank: even → balanced",
+        "busiest ÷ mean rank: even → balanced",
+        "balanced layers per stage",
+        "search",
+    )
+    rows = []
     for name in s.h200_names:
         for m in s.microbatches:
             for v in balanced_variants(s.reuses):
@@ -350,13 +409,18 @@ def balanced_rows(results: Results, s: Settings) -> list[str]:
                 spread = [split_imbalance(o) for o in (even, bal)]
                 label = v.label if v.role == "baseline" else f"PRT {v.label}"
                 rows.append(
-                    f"| {name} | {m} | {label} | {even.ms:.1f} → {bal.ms:.1f} "
-                    f"({bal.ms / even.ms - 1:+.1%}) | {even.peak_gib:.1f} → "
-                    f"{fmt_gib(bal.peak_gib, H200_MEMORY)} | {spread[0]:.2f} → "
-                    f"{spread[1]:.2f} | {','.join(map(str, bal.stage_layers))} | "
-                    f"{bal.search} |"
+                    (
+                        name,
+                        m,
+                        label,
+                        f"{even.ms:.1f} → {bal.ms:.1f} ({bal.ms / even.ms - 1:+.1%})",
+                        f"{even.peak_gib:.1f} → {fmt_gib(bal.peak_gib, H200_MEMORY)}",
+                        f"{spread[0]:.2f} → {spread[1]:.2f}",
+                        ",".join(map(str, bal.stage_layers)),
+                        bal.search,
+                    )
                 )
-    return rows
+    return md_table(header, "l" * len(header), rows)
 
 
 def split_imbalance(o: Outcome) -> float:
