@@ -12,6 +12,7 @@ from ..common import (
     add_ratios,
 )
 from ..report import (
+    md_table,
     ms,
     plot_panels,
     ratio,
@@ -131,63 +132,99 @@ def _wire_label(row: dict) -> str:
     return f"{row['transport']} (transport={PRT_TRANSPORT_ARG[row['transport']]})"
 
 
+TABLE_HEADER = (
+    "configuration",
+    "wire",
+    "measured ms",
+    "IQR",
+    "vs PRT 1F1B",
+    "sim ms",
+    "sim vs 1F1B",
+    "meas/sim",
+    "speedup / sim speedup",
+    "peak act KiB r0 / r1",
+)
+
+
 def table_md(rows: list[dict]) -> list[str]:
-    lines = [
-        "| configuration | wire | measured ms | IQR | vs PRT 1F1B | sim ms | sim vs 1F1B "
-        "| meas/sim | speedup / sim speedup | peak act KiB r0 / r1 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    cells = []
     for row in rows:
         if "na" in row:
-            lines.append(f"| {row['label']} | {_wire_label(row)} | {row['na']} |" + " |" * 7)
+            cells.append((row["label"], _wire_label(row), row["na"], *[""] * 7))
             continue
-        vs_1f1b, sim_vs, meas_sim, speedup = (
+        ratios = (
             ratio(row, name)
             for name in ("vs_1f1b", "sim_vs_1f1b", "meas_over_sim", "speedup_vs_sim")
         )
-        lines.append(
-            f"| {row['label']} | {_wire_label(row)} | {ms(row['median_s'])} "
-            f"| {row['iqr_frac'] * 100:.0f}% | {vs_1f1b} | {ms(row['sim_s'])} "
-            f"| {sim_vs} | {meas_sim} | {speedup} | {_kib(row['peak_bytes'])} |"
+        vs_1f1b, sim_vs, meas_sim, speedup = ratios
+        cells.append(
+            (
+                row["label"],
+                _wire_label(row),
+                ms(row["median_s"]),
+                f"{row['iqr_frac'] * 100:.0f}%",
+                vs_1f1b,
+                ms(row["sim_s"]),
+                sim_vs,
+                meas_sim,
+                speedup,
+                _kib(row["peak_bytes"]),
+            )
         )
-    return lines
+    return md_table(TABLE_HEADER, "ll" + "r" * 8, cells)
 
 
 def targets_md(summary: dict) -> list[str]:
     lines = [
         "### Target 1: PRT's measured speedup over 1F1B >= 0.9 x the simulated speedup",
         "",
-        "| m | configuration | measured speedup | simulated speedup | ratio | met |",
-        "|---:|---|---:|---:|---:|---|",
+        *md_table(
+            ("m", "configuration", "measured speedup", "simulated speedup", "ratio", "met"),
+            "rlrrrl",
+            (_sim_target_cells(t) for t in summary["sim_target"]),
+        ),
     ]
-    for t in summary["sim_target"]:
-        if "na" in t:
-            lines.append(f"| {t['m']} | {t['key']} | {t['na']} | | | |")
-            continue
-        lines.append(
-            f"| {t['m']} | {t['key']} | {t['measured_speedup']:.3f} | {t['sim_speedup']:.3f} "
-            f"| {t['ratio']:.3f} | {'yes' if t['met'] else 'no'} |"
-        )
     lines += [
         "",
         "### Target 2: PRT's best >= 1.0 x torch.distributed.pipelining's best, at equal or "
         "lower per-rank peak activation memory",
         "",
-        "| m | PRT wires | torch best | ms | peak KiB | PRT best within that peak | ms "
-        "| peak KiB | torch ms / PRT ms | met |",
-        "|---:|---|---|---:|---:|---|---:|---:|---:|---|",
+        *md_table(
+            (
+                "m",
+                "PRT wires",
+                "torch best",
+                "ms",
+                "peak KiB",
+                "PRT best within that peak",
+                "ms",
+                "peak KiB",
+                "torch ms / PRT ms",
+                "met",
+            ),
+            "rllrrlrrrl",
+            (_torch_target_cells(t) for t in summary["torch_target"]),
+        ),
     ]
-    for t in summary["torch_target"]:
-        prt = (
-            f"{t['prt_best']} | {t['prt_ms']:.1f} | {t['prt_peak'] / 1024:.0f} | {t['ratio']:.3f}"
-            if t["prt_best"]
-            else "none fits | | |"
-        )
-        lines.append(
-            f"| {t['m']} | {t['prt_wires']} | {t['torch_best']} | {t['torch_ms']:.1f} "
-            f"| {t['torch_peak'] / 1024:.0f} | {prt} | {'yes' if t['met'] else 'no'} |"
-        )
     return lines
+
+
+def _sim_target_cells(t: dict) -> tuple:
+    if "na" in t:
+        return (t["m"], t["key"], t["na"], "", "", "")
+    met = "yes" if t["met"] else "no"
+    speedups = (f"{t['measured_speedup']:.3f}", f"{t['sim_speedup']:.3f}")
+    return (t["m"], t["key"], *speedups, f"{t['ratio']:.3f}", met)
+
+
+def _torch_target_cells(t: dict) -> tuple:
+    prt = (
+        (t["prt_best"], f"{t['prt_ms']:.1f}", f"{t['prt_peak'] / 1024:.0f}", f"{t['ratio']:.3f}")
+        if t["prt_best"]
+        else ("none fits", "", "", "")
+    )
+    torch_best = (t["torch_best"], f"{t['torch_ms']:.1f}", f"{t['torch_peak'] / 1024:.0f}")
+    return (t["m"], t["prt_wires"], *torch_best, *prt, "yes" if t["met"] else "no")
 
 
 def grad_check_md(rows: list[dict]) -> list[str]:
