@@ -48,6 +48,7 @@ from functools import partial
 import torch
 
 from ...tune.partition import DEFAULT_SLACK
+from ..report import md_table
 from .cases import (
     DEFAULT_OUT,
     THROUGHPUT_TARGET,
@@ -77,15 +78,20 @@ from .tables import (
 # -- main ----------------------------------------------------------------------------------------
 def costs_lines(costs: dict) -> list[str]:
     """The profiled parts, per micro-batch: ms and MiB."""
-    lines = ["| part | fwd ms | bwd ms | act MiB | param MiB (16 B/param) |", "|---" * 5 + "|"]
+    header = ("part", "fwd ms", "bwd ms", "act MiB", "param MiB (16 B/param)")
     parts = [("embedding", costs["embedding"]), ("layer 0", costs["layers"][0])]
     parts += [("layers 1..L-1, mean", _mean_layer(costs["layers"][1:])), ("head", costs["head"])]
-    for name, part in parts:
-        lines.append(
-            f"| {name} | {part['fwd'] * 1e3:.2f} | {part['bwd'] * 1e3:.2f} "
-            f"| {mib(part['act'])} | {mib(part['param'])} |"
+    cells = [
+        (
+            name,
+            f"{part['fwd'] * 1e3:.2f}",
+            f"{part['bwd'] * 1e3:.2f}",
+            mib(part["act"]),
+            mib(part["param"]),
         )
-    return lines
+        for name, part in parts
+    ]
+    return md_table(header, "l" * len(header), cells)
 
 
 def _mean_layer(layers: list[dict]) -> dict:

@@ -10,6 +10,7 @@ from functools import partial
 from ...core import Placement
 from ...core.placement import ConfigError
 from ...tune.partition import DEFAULT_SLACK
+from ..report import md_table
 from .cases import (
     AGREEMENT_TARGET,
     BALANCE_TARGET,
@@ -60,43 +61,72 @@ def measured_rows(case: PartitionCase, measured: dict[Config, list[Measured]]) -
 def per_rank_table(rows: Rows, model_act: float) -> list[str]:
     """One row per (configuration, rank), MiB; *mbs* counts activation peaks in micro-batches
     through the whole model (1F1B's rank 0 holds about 1)."""
-    lines = [
-        "| configuration | rank | act pred | act meas | meas/pred | act pred, mbs "
-        "| state pred | state meas | total pred | total meas |",
-        "|" + "---|" * 10,
+    header = (
+        "configuration",
+        "rank",
+        "act pred",
+        "act meas",
+        "meas/pred",
+        "act pred, mbs",
+        "state pred",
+        "state meas",
+        "total pred",
+        "total meas",
+    )
+    cells = [
+        (
+            config.label,
+            rank,
+            mib(pred.act[rank]),
+            mib(m.act_peak),
+            f"{m.act_peak / pred.act[rank]:.3f}",
+            f"{pred.act[rank] / model_act:.2f}",
+            mib(pred.state[rank]),
+            mib(m.state),
+            mib(pred.totals[rank]),
+            mib(m.total),
+        )
+        for config, pred, ranks in rows
+        for rank, m in enumerate(ranks)
     ]
-    for config, pred, ranks in rows:
-        for rank, m in enumerate(ranks):
-            lines.append(
-                f"| {config.label} | {rank} | {mib(pred.act[rank])} | {mib(m.act_peak)} "
-                f"| {m.act_peak / pred.act[rank]:.3f} | {pred.act[rank] / model_act:.2f} "
-                f"| {mib(pred.state[rank])} | {mib(m.state)} | {mib(pred.totals[rank])} "
-                f"| {mib(m.total)} |"
-            )
-    return lines
+    return md_table(header, "l" * len(header), cells)
 
 
 def summary_table(rows: Rows, case: PartitionCase) -> list[str]:
     """One row per configuration: stage layers, time (against the best uniform PRT of its
     direction and of any), largest peaks and balance."""
     f1b_max = case.f1b[1].max_total
-    lines = [
-        "| configuration | stage layers | sim makespan s | throughput vs best uniform PRT, "
-        "same direction | vs best uniform, any direction | max total pred MiB | max/min pred "
-        "| max total meas MiB | max/min meas | max pred vs 1F1B |",
-        "|" + "---|" * 10,
-    ]
+    header = (
+        "configuration",
+        "stage layers",
+        "sim makespan s",
+        "throughput vs best uniform PRT, same direction",
+        "vs best uniform, any direction",
+        "max total pred MiB",
+        "max/min pred",
+        "max total meas MiB",
+        "max/min meas",
+        "max pred vs 1F1B",
+    )
+    cells = []
     for config, pred, ranks in rows:
         totals = [m.total for m in ranks]
         same = case.best_makespan(config.placement.direction)
-        lines.append(
-            f"| {config.label} | {layers_text(config)} | {pred.makespan:.3f} "
-            f"| {same / pred.makespan:.3f} "
-            f"| {case.best_uniform[1].makespan / pred.makespan:.3f} | {mib(pred.max_total)} "
-            f"| {pred.balance:.3f} | {mib(max(totals))} | {spread(totals):.3f} "
-            f"| {pred.max_total / f1b_max:.3f} |"
+        cells.append(
+            (
+                config.label,
+                layers_text(config),
+                f"{pred.makespan:.3f}",
+                f"{same / pred.makespan:.3f}",
+                f"{case.best_uniform[1].makespan / pred.makespan:.3f}",
+                mib(pred.max_total),
+                f"{pred.balance:.3f}",
+                mib(max(totals)),
+                f"{spread(totals):.3f}",
+                f"{pred.max_total / f1b_max:.3f}",
+            )
         )
-    return lines
+    return md_table(header, "l" * len(header), cells)
 
 
 def worst_deviation(rows: Rows) -> float:
@@ -142,25 +172,25 @@ def targets_table(
         for d, pick in case.picks.items()
     ]
     labels = [pick.balanced[0].label for pick in case.picks.values()]
-    lines = [f"| target | {' | '.join(labels)} |", "|" + "---|" * (1 + len(labels))]
-    for i, name in enumerate(names):
-        cells = [f"{col[i][0]}: {'met' if col[i][1] else 'MISSED'}" for col in columns]
-        lines.append(f"| {name} | {' | '.join(cells)} |")
+    cells = [
+        (name, *(f"{col[i][0]}: {'met' if col[i][1] else 'MISSED'}" for col in columns))
+        for i, name in enumerate(names)
+    ]
     worst = worst_deviation(rows)
     verdict = "met" if worst <= AGREEMENT_TARGET else "MISSED"
     name = (
         f"measured activation peaks within {AGREEMENT_TARGET:.0%} of predicted (worst rank "
         f"of all {len(rows)} configurations)"
     )
-    cells = [f"{worst:.2%}: {verdict}"] + [""] * (len(labels) - 1)
-    lines.append(f"| {name} | {' | '.join(cells)} |")
+    cells.append((name, f"{worst:.2%}: {verdict}", *[""] * (len(labels) - 1)))
     best_any = case.best_uniform
-    cells = [f"{best_any[1].makespan / p.balanced[1].makespan:.3f}" for p in case.picks.values()]
-    lines.append(
-        f"| for comparison: simulated throughput vs the best uniform PRT of any direction "
-        f"({best_any[0].label}) | {' | '.join(cells)} |"
+    name = (
+        "for comparison: simulated throughput vs the best uniform PRT of any direction "
+        f"({best_any[0].label})"
     )
-    return lines
+    ratios = (f"{best_any[1].makespan / p.balanced[1].makespan:.3f}" for p in case.picks.values())
+    cells.append((name, *ratios))
+    return md_table(("target", *labels), "l" * (1 + len(labels)), cells)
 
 
 def findings(case: PartitionCase, rows: Rows, costs: dict) -> list[str]:
@@ -198,18 +228,26 @@ def _has_pass_through_stage(config: Config) -> bool:
 def candidate_table(case: PartitionCase) -> list[str]:
     """Every wave + balanced candidate of the picks, simulated."""
     f1b_max = case.f1b[1].max_total
-    lines = [
-        "| candidate | stage layers | throughput vs best uniform, same direction | max MiB "
-        "| max/min | max vs 1F1B |",
-        "|" + "---|" * 6,
-    ]
-    for config, pred in case.wave_candidates:
-        best = case.best_makespan(config.placement.direction)
-        lines.append(
-            f"| {config.label} | {layers_text(config)} | {best / pred.makespan:.3f} "
-            f"| {mib(pred.max_total)} | {pred.balance:.3f} | {pred.max_total / f1b_max:.3f} |"
+    header = (
+        "candidate",
+        "stage layers",
+        "throughput vs best uniform, same direction",
+        "max MiB",
+        "max/min",
+        "max vs 1F1B",
+    )
+    cells = [
+        (
+            config.label,
+            layers_text(config),
+            f"{case.best_makespan(config.placement.direction) / pred.makespan:.3f}",
+            mib(pred.max_total),
+            f"{pred.balance:.3f}",
+            f"{pred.max_total / f1b_max:.3f}",
         )
-    return lines
+        for config, pred in case.wave_candidates
+    ]
+    return md_table(header, "l" * len(header), cells)
 
 
 # -- levers (simulated) ---------------------------------------------------------------------------
@@ -262,24 +300,34 @@ def _lever_row(costs, placement, microbatches, variant, build) -> LeverRow:
 
 
 def lever_table(rows: Sequence[LeverRow], best: dict[str, float], f1b_max: float) -> list[str]:
-    lines = [
-        "| placement | partition | stage layers | throughput vs best uniform, same direction "
-        "| max MiB "
-        "| max/min | max vs 1F1B |",
-        "|" + "---|" * 7,
-    ]
+    header = (
+        "placement",
+        "partition",
+        "stage layers",
+        "throughput vs best uniform, same direction",
+        "max MiB",
+        "max/min",
+        "max vs 1F1B",
+    )
+    cells = []
     for row in rows:
         where = placement_label(row.placement)
         if row.config is None:
-            lines.append(f"| {where} | {row.variant} | {row.note} | | | | |")
+            cells.append((where, row.variant, row.note, "", "", "", ""))
             continue
         pred = row.pred
-        lines.append(
-            f"| {where} | {row.variant} | {layers_text(row.config)} "
-            f"| {best[row.placement.direction] / pred.makespan:.3f} | {mib(pred.max_total)} "
-            f"| {pred.balance:.3f} | {pred.max_total / f1b_max:.3f} |"
+        cells.append(
+            (
+                where,
+                row.variant,
+                layers_text(row.config),
+                f"{best[row.placement.direction] / pred.makespan:.3f}",
+                mib(pred.max_total),
+                f"{pred.balance:.3f}",
+                f"{pred.max_total / f1b_max:.3f}",
+            )
         )
-    return lines
+    return md_table(header, "l" * len(header), cells)
 
 
 def lever_findings(rows: Sequence[LeverRow], best: dict[str, float], f1b_max: float) -> list[str]:
@@ -369,12 +417,22 @@ def _regime(model: Bert, costs: dict, ranks: int, microbatches: int) -> Regime:
 
 
 def regime_table(found: Sequence[Regime]) -> list[str]:
-    lines = [
-        "| seq | mbs | m | layer act/param | 1F1B max MiB | wave pick (slack 3%) | throughput "
-        "| max/min | max vs 1F1B | least memory at the throughput target | throughput "
-        "| max/min | max vs 1F1B |",
-        "|" + "---|" * 13,
-    ]
+    header = (
+        "seq",
+        "mbs",
+        "m",
+        "layer act/param",
+        "1F1B max MiB",
+        "wave pick (slack 3%)",
+        "throughput",
+        "max/min",
+        "max vs 1F1B",
+        "least memory at the throughput target",
+        "throughput",
+        "max/min",
+        "max vs 1F1B",
+    )
+    lines = []
     for regime in found:
         for direction in ("uni", "bi"):
             cells = [
@@ -386,8 +444,8 @@ def regime_table(found: Sequence[Regime]) -> list[str]:
             ]
             for choice in (regime.picked[direction], regime.least[direction]):
                 cells += _regime_cells(regime.best_makespan[direction], regime, choice)
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            lines.append(cells)
+    return md_table(header, "l" * len(header), lines)
 
 
 def _regime_cells(best_makespan: float, regime: Regime, choice) -> list[str]:
@@ -410,16 +468,20 @@ def inflight(depth: int, microbatches: int) -> float:
 
 def inflight_reading(ranks: int, microbatches: int) -> list[str]:
     """Why the number of micro-batches decides whether PRT can go below 1F1B's peak."""
-    rows = [
-        "| m | 1F1B total | 1F1B rank 0 | R=2 total | R=2 per rank (mean) | R=4 per rank (mean) |"
-    ]
-    rows.append("|" + "---|" * 6)
+    header = (
+        "m",
+        "1F1B total",
+        "1F1B rank 0",
+        "R=2 total",
+        "R=2 per rank (mean)",
+        "R=4 per rank (mean)",
+    )
+    cells = []
     for m in sorted({microbatches, ranks, 2 * ranks, 4 * ranks}):
         f1b, r2, r4 = (inflight(r * ranks, m) for r in (1, 2, 4))
-        rows.append(
-            f"| {m} | {f1b:.2f} | {min(m, ranks) / ranks:.2f} | {r2:.2f} | {r2 / ranks:.2f} "
-            f"| {r4 / ranks:.2f} |"
-        )
+        per_rank = (f"{min(m, ranks) / ranks:.2f}", f"{r2:.2f}", f"{r2 / ranks:.2f}")
+        cells.append((m, f"{f1b:.2f}", *per_rank, f"{r4 / ranks:.2f}"))
+    rows = md_table(header, "l" * len(header), cells)
     return [
         "Why the number of micro-batches decides it: in a pipeline of D equal stages run "
         "1F1B-style, stage s keeps min(m, D - s) micro-batches in flight, each through 1/D of "
