@@ -241,3 +241,20 @@ def test_quick_report_has_the_balanced_section(quick_report):
         assert f"| {name} | 8 | 1F1B | " in section
         assert section.count(f"| {name} | 8 | PRT R=") == 4  # R in {2, 4} x loop, wave
         assert f"| {name} | 8 | " in section.split("| model | m | schedule |")[0]  # gains
+
+
+@pytest.mark.parametrize("name", ["BERT-large", "ResNet-50"])
+def test_analytic_costs_are_a_cost_file(name):
+    """The analytic source gives what a cost JSON gives: written and read back as one it is
+    the same CostModel, split evenly over the stages as the runtime splits the layers."""
+    import json
+
+    from megatron_prt.core import Placement
+    from megatron_prt.sim.cost import CostModel
+
+    placement = Placement(8, 2, "wave")
+    model = analytic.models()[name]
+    cost = analytic.cost_model(model, placement, analytic.LINKS["nvlink"])
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    assert cost.stage_layers == partition.uniform_layers(len(model.layers), placement.depth)
+    assert cost.message_bytes > 0 and cost.p2p_bandwidth == 25e9 / 1e3  # bytes per ms
