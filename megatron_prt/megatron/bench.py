@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from ..core.placement import Placement
 from ..runtime.replica_timing import calibrate_replica_sync
 from .config import ReuseConfig
-from .model import build_chunks, connect_model_hooks, prepare_model, transformer_config_kwargs
+from .model import build_chunks, prepare_model, transformer_config_kwargs
 from .pretrain import (
     SEED,
     bert_forward_step,
@@ -46,6 +46,7 @@ from .pretrain import (
 from .profile import profile_model
 from .schedule import grad_attr as chunks_grad_attr
 from .schedule import make_forward_backward_func
+from .training import build_training
 from .weights import global_state, load_global
 
 
@@ -247,13 +248,9 @@ def step_memory(shape: BertShape, reuse: ReuseConfig, microbatches: int) -> dict
 
 
 def training_setup(shape: BertShape, reuse: ReuseConfig) -> tuple[list, object]:
-    """This rank's chunks in megatron's DDP (no overlap, as on CPU) and megatron's Adam.
-
-    [Swap point] The DDP + optimizer + ``prepare_model`` + ``connect_model_hooks`` sequence
-    below is the one a shared training builder (megatron_prt.megatron.training) is to own;
-    keep it here, in this one function, until that builder replaces it."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """This rank's chunks in megatron's DDP (no overlap, as on CPU) and megatron's Adam, set
+    up by :func:`megatron_prt.megatron.training.build_training`."""
+    from megatron.core.optimizer import OptimizerConfig
 
     chunks_per_rank = reuse.placement.chunks_per_rank
     init_parallel_state(reuse.placement.ranks, chunks_per_rank if chunks_per_rank > 1 else None)
@@ -266,11 +263,9 @@ def training_setup(shape: BertShape, reuse: ReuseConfig) -> tuple[list, object]:
     )
     provider = partial(build_model, "bert", vocab_size=shape.vocab, seq_length=shape.seq)
     chunks = build_chunks(provider, reuse, config=config)
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    prepare_model(chunks, reuse)
-    connect_model_hooks(config, chunks)
-    return chunks, get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4), chunks)
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-4)
+    training = build_training(chunks, config, optimizer_config=optimizer_config, reuse=reuse)
+    return training.chunks, training.optimizer
 
 
 def state_bytes(chunks: list, optimizer) -> tuple[int, int, int]:
