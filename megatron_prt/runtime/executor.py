@@ -46,13 +46,12 @@ from ..core.deps import carries_tensor, consumers, producers
 from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
-from .callbacks import LossFn, ModuleCallbacks, StageCallbacks, run_backward
+from .callbacks import LossFn, ModuleCallbacks, StageCallbacks
 from .errors import PipelineError, pipeline_error
 from .memory import ActivationMeter
 from .p2p import ShmTransport, TorchTransport, wire_device
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
 
-__all__ = ["LossFn", "PipelineRuntime", "StageCallbacks", "check_same_plan", "run_backward"]
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
 
 
