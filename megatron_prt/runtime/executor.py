@@ -521,10 +521,9 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
         return text
     placement = plan.placement
     peer = None
-    if action.op is Op.F and placement.prev_stage(action.stage) is not None:
-        peer = placement.rank_of(placement.prev_stage(action.stage))
-    elif action.op is Op.B and placement.next_stage(action.stage) is not None:
-        peer = placement.rank_of(placement.next_stage(action.stage))
+    if action.op.is_compute:  # the rank of the action's tensor input, if any
+        fed = producers(action, placement, plan.split_backward)
+        peer = next((placement.rank_of(p.stage) for p in fed if carries_tensor(p, action)), None)
     if peer is not None and any(
         w in text.lower() for w in ("timeout", "timed out", "closed", "reset", "connection")
     ):
