@@ -66,15 +66,15 @@ class PipelineRuntime:
     ``measure_memory``: count the activation bytes this rank holds for backward during each
     step (:meth:`memory_stats`; the attribute may also be switched between steps);
     ``callbacks``: what the stages compute (default :class:`ModuleCallbacks` over ``stages``
-    and ``loss_fn``). Construction is collective: it checks that every rank holds the same
-    plan and sets up the transport.
+    and ``loss_fn``, which may be None when ``callbacks`` is given). Construction is
+    collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
     def __init__(
         self,
         plan: Plan,
         stages: Mapping[int, torch.nn.Module],
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
@@ -108,6 +108,8 @@ class PipelineRuntime:
         self.variable_shapes = variable_shapes
         self.measure_memory = measure_memory
         if callbacks is None:
+            if loss_fn is None:
+                raise ValueError(f"rank {self.rank}: give loss_fn, or callbacks that compute")
             callbacks = ModuleCallbacks(
                 self.stages, loss_fn, placement, plan.num_microbatches, self.device
             )
