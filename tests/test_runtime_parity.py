@@ -215,7 +215,8 @@ def _recording_worker(rank, world, placement, direction):
 def test_custom_callbacks_see_the_documented_calls_and_keep_parity(placement, direction):
     ref_losses, ref_grads, _ = reference("mlp", 4, steps=1)
     results = all_ok(run_local(2, _recording_worker, placement, direction))
-    depth = 2 * 2
+    layout = Placement(2, 2, placement, direction)
+    depth = layout.depth
     ranges = layer_ranges(NUM_LAYERS, depth)
     seen = set()
     for losses, grads, calls, planned in results:
@@ -223,7 +224,7 @@ def test_custom_callbacks_see_the_documented_calls_and_keep_parity(placement, di
         computes = [c for c in calls[1:] if c[0] in ("F", "B")]
         assert [f"{s}{op}{mb}" for op, s, mb in computes] == planned  # the plan's order
         seeds = [(s, mb) for what, s, mb in calls[1:] if what == "loss_grad"]
-        assert seeds == [(s, mb) for op, s, mb in computes if op == "B" and (s + 1) % depth == 0]
+        assert seeds == [(s, mb) for op, s, mb in computes if op == "B" and layout.is_last(s)]
         for mb, loss in enumerate(losses):
             if loss is not None:
                 seen.add(mb)
