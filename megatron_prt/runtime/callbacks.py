@@ -18,10 +18,14 @@ calls, on the rank that owns ``stage``:
   freed once sent: use :func:`run_backward`) and ``grad`` (from ``loss_grad`` or the next
   stage).
 
-Room for split backward (``I`` then ``W``, zero-bubble style): ``input_grad(stage, mb, out,
-grad)`` would compute only the input gradient (and keep what ``W`` needs) and
-``weight_grad(stage, mb)`` the parameter gradients. The executor has no handler for ``I``
-and ``W`` yet; the base class raises :class:`NotImplementedError` for both.
+* split backward (``I`` then ``W``): ``input_grad(stage, mb, out, grad)`` for ``I`` takes
+  ``backward``'s arguments and leaves the input's ``.grad`` as ``backward`` does, deferring
+  the weight gradients of split-capable layers (:mod:`megatron_prt.runtime.wgrad`);
+  ``weight_grad(stage, mb)`` for ``W`` computes them; ``held_for_weight_grad(stage, mb)``
+  lists the tensors kept between the two (for the memory meter). The defaults run
+  ``backward`` inside :func:`~megatron_prt.runtime.wgrad.deferring_weight_grads` and keep
+  the deferred work per (stage, mb), so an override of ``backward`` splits too; parameters
+  outside split-capable layers get their gradients in ``I``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
+from .wgrad import (
+    WeightGradWork,
+    apply_weight_grads,
+    deferring_weight_grads,
+    held_tensors,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,16 +67,24 @@ class StageCallbacks:
         run_backward(out, grad)
 
     def input_grad(self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        raise NotImplementedError(
-            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
-            "build the plan with full backward (B) actions"
-        )
+        with deferring_weight_grads() as work:
+            self.backward(stage, mb, out, grad)
+        _deferred(self)[(stage, mb)] = work
 
     def weight_grad(self, stage: int, mb: int) -> None:
-        raise NotImplementedError(
-            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
-            "build the plan with full backward (B) actions"
-        )
+        work = _deferred(self).pop((stage, mb), None)
+        if work is None:
+            raise RuntimeError(f"stage {stage}, mb {mb}: W ran before its I (input_grad)")
+        apply_weight_grads(work)
+
+    def held_for_weight_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
+        return held_tensors(_deferred(self).get((stage, mb), ()))
+
+
+def _deferred(callbacks: StageCallbacks) -> dict[tuple[int, int], list[WeightGradWork]]:
+    """The weight-gradient work ``callbacks`` deferred, by (stage, mb), kept on the object
+    (subclasses need not call a base ``__init__``)."""
+    return callbacks.__dict__.setdefault("_weight_grad_work", {})
 
 
 class ModuleCallbacks(StageCallbacks):

@@ -1,0 +1,230 @@
+"""Split backward's two halves for linear layers: ``I`` computes the input gradient and keeps
+what the weight gradient needs; ``W`` later runs the weight-gradient GEMMs alone.
+
+A split-capable linear layer (:func:`enable_split_backward` for ``nn.Linear``;
+:mod:`megatron_prt.megatron.split` for megatron's parallel linears) is the plain layer,
+except inside a :func:`split_forward` block (the executor opens one around every forward of
+a split plan). There its forward goes through :class:`SplitLinear`, which gives the weight
+and bias no autograd edge: the backward of that graph (``I``) computes only
+``grad_input = grad_output @ weight`` and appends a :class:`WeightGradWork` (the layer's
+saved input and its output gradient) to the open :func:`deferring_weight_grads` block. So
+``I`` neither computes nor touches the weight's gradient, and no hook on its accumulator
+fires early (megatron DDP's ``main_grad`` hook, torch DDP's reducer, post-accumulate hooks).
+:func:`apply_weight_grads` is ``W``: per parameter ``grad_output^T @ input`` (and the bias
+sum), handed to each parameter's gradient accumulator through the autograd engine, so
+``.grad`` accumulates and those hooks fire as after a full backward. Nothing on the
+input-gradient path is recomputed.
+
+Parameters outside split-capable layers (norms, embeddings, attention projections called
+through ``F.linear``, any unknown module) get their gradients in ``I``, from the same
+autograd pass: the generic fallback, exact, at the cost of doing that part of ``W`` early.
+
+Between ``I`` and ``W`` a stage holds, per split layer, its input (already saved by the
+forward) and its output gradient: :func:`held_tensors`, which the executor's memory meter
+counts (:mod:`megatron_prt.runtime.memory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+import torch
+
+
+class WeightGradWork(NamedTuple):
+    """One deferred weight-gradient GEMM: ``weight`` (and ``bias``, or None) receive
+    ``grad_output^T @ input`` (and ``grad_output`` summed over all but its last dim).
+    ``fused``: an accumulation that writes the weight gradient itself (megatron's gradient
+    accumulation fusion into ``main_grad``) and returns the tensor to hand the weight's
+    accumulator instead; None: the plain GEMM."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    input: torch.Tensor
+    grad_output: torch.Tensor
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+_splitting: list[bool] = [False]  # inside split_forward
+
+
+@contextlib.contextmanager
+def split_forward(enabled: bool = True) -> Iterator[None]:
+    """While open (and ``enabled``), split-capable layers build split-backward graphs."""
+    before = _splitting[0]
+    _splitting[0] = enabled
+    try:
+        yield
+    finally:
+        _splitting[0] = before
+
+
+def splitting() -> bool:
+    """Whether a split-capable layer running now should use its split-backward form."""
+    return _splitting[0]
+
+
+# Where backward functions append their work: the list of the innermost open block. A plain
+# global, not thread-local: on CUDA the autograd engine runs backward on its own thread.
+_deferred: list[list[WeightGradWork]] = []
+
+
+@contextlib.contextmanager
+def deferring_weight_grads() -> Iterator[list[WeightGradWork]]:
+    """While open, split-capable layers defer their weight gradients into the yielded list."""
+    work: list[WeightGradWork] = []
+    _deferred.append(work)
+    try:
+        yield work
+    finally:
+        _deferred.pop()
+
+
+def defer(work: WeightGradWork) -> bool:
+    """Record ``work`` in the open :func:`deferring_weight_grads` block; False when none is."""
+    if not _deferred:
+        return False
+    _deferred[-1].append(work)
+    return True
+
+
+def weight_gemms(work: WeightGradWork) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(grad of weight, grad of bias or None)`` of one layer; inputs of any rank ``>= 1``
+    (leading dims are tokens)."""
+    grad_out = work.grad_output.reshape(-1, work.grad_output.shape[-1])
+    inp = work.input.reshape(-1, work.input.shape[-1])
+    grad_weight = grad_out.t().matmul(inp)
+    grad_bias = grad_out.sum(dim=0) if work.bias is not None else None
+    return grad_weight, grad_bias
+
+
+def apply_weight_grads(works: Iterable[WeightGradWork]) -> None:
+    """``W``: the weight GEMMs of ``works``, accumulated into their parameters through the
+    autograd engine (one call; grads of a parameter used by several layers are summed)."""
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(param: torch.Tensor, grad: torch.Tensor) -> None:
+        if param.requires_grad:
+            key = id(param)
+            grads[key] = (param, grad if key not in grads else grads[key][1] + grad)
+
+    for work in works:
+        if work.fused is not None:
+            add(work.weight, work.fused(work.input, work.grad_output))
+            if work.bias is not None:
+                add(work.bias, weight_gemms(work._replace(fused=None))[1])
+            continue
+        grad_weight, grad_bias = weight_gemms(work)
+        add(work.weight, grad_weight)
+        if grad_bias is not None:
+            add(work.bias, grad_bias)
+    if grads:
+        params, values = zip(*grads.values(), strict=True)
+        torch.autograd.backward(params, values)
+
+
+def held_tensors(works: Iterable[WeightGradWork]) -> list[torch.Tensor]:
+    """What deferred ``works`` keep alive until ``W``: each layer's input and output gradient."""
+    return [t for work in works for t in (work.input, work.grad_output)]
+
+
+class SplitLinear(torch.autograd.Function):
+    """``F.linear`` whose parameters reach it outside autograd (``params`` = (weight, bias),
+    a tuple: no edge), so its backward yields the input gradient alone and defers the
+    weight GEMMs (module docstring); outside a deferring block they are applied at once."""
+
+    @staticmethod
+    def forward(ctx, x, params, anchor=None):
+        weight, bias = params
+        ctx.save_for_backward(x)
+        ctx.params = params  # parameters: the accumulators' targets, not activations
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.params
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        work = WeightGradWork(weight, bias, x, grad_output)
+        if not defer(work):
+            apply_weight_grads([work])
+        return grad_input, None, None
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:class:`SplitLinear` of ``x``; an input without gradient (a first layer's data) is
+    given a graph node through a gradient-free anchor, so its backward still runs."""
+    if x.requires_grad:
+        return SplitLinear.apply(x, (weight, bias))
+    return SplitLinear.apply(x, (weight, bias), _anchor(x))
+
+
+_ANCHORS: dict[tuple, torch.Tensor] = {}
+
+
+def _anchor(x: torch.Tensor) -> torch.Tensor:
+    """One empty leaf requiring grad per (device, dtype): it never receives a gradient."""
+    key = (x.device, x.dtype)
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+    return _ANCHORS[key]
+
+
+def _split_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if splitting() and torch.is_grad_enabled():
+        return split_linear(x, self.weight, self.bias)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def enable_split_backward(module: torch.nn.Module) -> int:
+    """Make every plain ``nn.Linear`` in ``module`` split-capable (inside
+    :func:`split_forward` its forward goes through :class:`SplitLinear`; values and
+    gradients are unchanged). Subclasses with a forward of
+    their own are left alone. Idempotent; returns how many layers are split-capable."""
+    count = 0
+    for layer in module.modules():
+        if not isinstance(layer, torch.nn.Linear) or type(layer).forward is not (
+            torch.nn.Linear.forward
+        ):
+            continue
+        if "forward" not in vars(layer):
+            layer.forward = types.MethodType(_split_linear_forward, layer)
+        count += 1
+    return count
+
+
+def measure_split_overhead(
+    module: torch.nn.Module, x: torch.Tensor, repeats: int = 50
+) -> dict[str, float]:
+    """Median seconds of a full backward (``B``) of ``module`` on ``x`` and of the same
+    backward split into ``I`` then ``W`` (on a split-capable copy), with ``ratio`` =
+    (I + W) / B. A measurement for benchmarks, not used by the runtime."""
+    split = copy.deepcopy(module)
+    enable_split_backward(split)
+    times: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+    for _ in range(repeats + 3):  # 3 warm-up rounds
+        x_in = x.detach().requires_grad_()
+        out = module(x_in)
+        grad = torch.ones_like(out)
+        t0 = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        t1 = time.perf_counter()
+        x_in = x.detach().requires_grad_()
+        with split_forward():
+            out = split(x_in)
+        t2 = time.perf_counter()
+        with deferring_weight_grads() as work:
+            torch.autograd.backward(out, grad)
+        t3 = time.perf_counter()
+        apply_weight_grads(work)
+        t4 = time.perf_counter()
+        times["B"].append(t1 - t0)
+        times["I"].append(t3 - t2)
+        times["W"].append(t4 - t3)
+    median = {k: sorted(v[3:])[len(v[3:]) // 2] for k, v in times.items()}
+    return {**median, "ratio": (median["I"] + median["W"]) / median["B"]}
