@@ -136,32 +136,44 @@ def held_tensors(works: Iterable[WeightGradWork]) -> list[torch.Tensor]:
 class SplitLinear(torch.autograd.Function):
     """``F.linear`` whose parameters reach it outside autograd (``params`` = (weight, bias),
     a tuple: no edge), so its backward yields the input gradient alone and defers the
-    weight GEMMs (module docstring); outside a deferring block they are applied at once."""
+    weight GEMMs (module docstring); outside a deferring block they are applied at once.
+    ``extra`` = (reduce_input_grad, fused): a collective run on the input gradient (tensor
+    parallelism), and :attr:`WeightGradWork.fused`; both may be None."""
 
     @staticmethod
-    def forward(ctx, x, params, anchor=None):
+    def forward(ctx, x, params, anchor, extra):
         weight, bias = params
         ctx.save_for_backward(x)
-        ctx.params = params  # parameters: the accumulators' targets, not activations
+        ctx.params, ctx.extra = params, extra  # parameters: accumulators' targets
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.params
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        work = WeightGradWork(weight, bias, x, grad_output)
+        reduce_input_grad, fused = ctx.extra
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+            if reduce_input_grad is not None:
+                reduce_input_grad(grad_input)
+        work = WeightGradWork(weight, bias, x, grad_output, fused)
         if not defer(work):
             apply_weight_grads([work])
-        return grad_input, None, None
+        return grad_input, None, None, None
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def split_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    reduce_input_grad: Callable[[torch.Tensor], None] | None = None,
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """:class:`SplitLinear` of ``x``; an input without gradient (a first layer's data) is
     given a graph node through a gradient-free anchor, so its backward still runs."""
-    if x.requires_grad:
-        return SplitLinear.apply(x, (weight, bias))
-    return SplitLinear.apply(x, (weight, bias), _anchor(x))
+    anchor = None if x.requires_grad else _anchor(x)
+    return SplitLinear.apply(x, (weight, bias), anchor, (reduce_input_grad, fused))
 
 
 _ANCHORS: dict[tuple, torch.Tensor] = {}
