@@ -125,9 +125,10 @@ def test_split_parity_full_grid(kind, p, r, placement, direction, uneven, w_dela
 def _train_w_last(rank, world, kind, m, reuse, state):
     """megatron_models.train with every W at the end of its rank's iteration (the default
     puts W right after I; this forked rank alone changes it)."""
-    from megatron_prt.megatron import schedule
+    import megatron_prt.megatron as integration
 
-    schedule.make_forward_backward_func.__kwdefaults__["w_delay"] = None
+    original = integration.make_forward_backward_func
+    integration.make_forward_backward_func = partial(original, w_delay=None)
     return train(rank, world, kind, m, reuse, state)
 
 

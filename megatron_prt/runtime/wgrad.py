@@ -145,7 +145,12 @@ class SplitLinear(torch.autograd.Function):
         weight, bias = params
         ctx.save_for_backward(x)
         ctx.params, ctx.extra = params, extra  # parameters: accumulators' targets
-        return torch.nn.functional.linear(x, weight, bias)
+        if x.dim() == 2:
+            return torch.nn.functional.linear(x, weight, bias)
+        # F.linear's own folding, but with an output that is no view: a view returned by a
+        # custom Function may not be modified in place (megatron's bias-dropout-add is)
+        out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_output):
