@@ -123,6 +123,10 @@ class ModuleCallbacks(StageCallbacks):
     def loss_grad(self, stage, mb, loss):
         return torch.full_like(loss, 1.0 / self.num_microbatches)
 
+    def weight_grad(self, stage, mb):
+        # the stages' parameters carry no accumulator hooks of ours: accumulate in place
+        apply_weight_grads(_deferred(self).pop((stage, mb)), in_place=True)
+
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward from ``out`` whose data may have been freed (shape then differs from grad);
