@@ -19,6 +19,7 @@ Contract
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import socket
 import time
@@ -34,13 +35,33 @@ from ..core.actions import Action, Op
 from ..core.lower import lower, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
-from .errors import PipelineError, pipeline_error
+from .errors import (
+    PipelineError,
+    check_batch,
+    clear_failure,
+    collective,
+    digest,
+    is_wait_failure,
+    pipeline_error,
+    refuse_disagreement,
+    root_cause,
+    setting_code,
+    setting_text,
+)
 from .memory import ActivationMeter
-from .p2p import ShmTransport, TorchTransport, wire_device
+from .p2p import (
+    ShmTransport,
+    TorchTransport,
+    ring_bytes,
+    shm_free_bytes,
+    shm_too_small,
+    wire_device,
+)
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
+_log = logging.getLogger(__name__)
 
 
 class PipelineRuntime:
@@ -77,13 +98,8 @@ class PipelineRuntime:
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
-        placement = plan.placement
-        expected = set(placement.rank_stages[self.rank])
-        if set(stages) != expected:
-            raise ValueError(
-                f"rank {self.rank}: stages {sorted(stages)} given, the plan places "
-                f"{sorted(expected)} here"
-            )
+        settings = {"dtype": dtype, "variable_shapes": variable_shapes}
+        check_same_plan(self.plan, group, device, timeout_s, stages, settings)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
         self.device = torch.device(device)
@@ -111,7 +127,6 @@ class PipelineRuntime:
             stream = lowered.ranks[self.rank]
             recvs = [message_key(a) for a in stream if a.op in (Op.RECV_F, Op.RECV_B)]
             self._programs[forward_only] = (lowered, _compile(stream), recvs)
-        check_same_plan(self.plan, group, self.device, timeout_s)
         self.transport = self._make_transport(transport, shm_capacity)
         self._handlers = {
             Op.F: self._forward,
@@ -460,26 +475,50 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
     return text
 
 
-def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -> None:
-    """Refuse to start unless every rank holds the same plan (compares a hash)."""
-    digest = int(plan.fingerprint(), 16) & ((1 << 62) - 1)
-    mine = torch.tensor([digest], dtype=torch.int64, device=wire_device(group, device))
-    world = dist.get_world_size(group)
+def check_same_plan(
+    plan: Plan,
+    group,
+    device: torch.device,
+    timeout_s: float,
+    stages: Mapping[int, torch.nn.Module] | None = None,
+    settings: Mapping[str, object] | None = None,
+) -> None:
+    """Refuse to start unless the group has the plan's P ranks (checked locally, before any
+    communication), every rank was given the stages the plan places there, and every rank
+    holds the same plan and the same ``settings`` (e.g. ``dtype``): one all_gather of hashes,
+    after which every rank raises, naming the ranks that differ."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    placement = plan.placement
+    if world != placement.ranks:
+        raise PipelineError(
+            f"rank {rank}: the plan is for P = {placement.ranks} pipeline ranks, the group has "
+            f"{world}; build the plan for Placement({world}, ...) or pass group= a group of "
+            f"{placement.ranks} ranks"
+        )
+    if not timeout_s > 0:  # also refuses NaN
+        raise ValueError(f"rank {rank}: timeout_s={timeout_s!r}; pass a positive number of seconds")
+    clear_failure()  # a report of an earlier runtime in this job is not this one's
+    settings = dict(settings or {})
+    expected = sorted(placement.rank_stages[rank])
+    given = None if stages is None else sorted(stages)
+    values = [digest(plan.fingerprint()), int(given not in (None, expected))]
+    values += [setting_code(v) for v in settings.values()]
+    mine = torch.tensor(values, dtype=torch.int64, device=wire_device(group, device))
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    work.wait(timedelta(seconds=timeout_s))
-    values = [int(t) for t in gathered]
-    if len(set(values)) > 1:
-        groups: dict[int, list[int]] = {}
-        for rank, value in enumerate(values):
-            groups.setdefault(value, []).append(rank)
+    with collective("the plan check at start-up", group):
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        work.wait(timedelta(seconds=timeout_s))
+    rows = [[int(v) for v in t] for t in gathered]
+    if given not in (None, expected):
+        raise ValueError(f"rank {rank}: stages {given} given, the plan places {expected} here")
+    wrong = [r for r, row in enumerate(rows) if row[1]]
+    if wrong:
         raise PipelineError(
-            f"rank {dist.get_rank(group)}: ranks disagree on the plan ("
-            + "; ".join(f"ranks {r} hold plan {v:016x}" for v, r in groups.items())
-            + "); every rank must build the same plan (same P, R, placement, direction, "
-            "micro-batches, schedule)"
+            f"rank {rank}: rank(s) {wrong} were given other stages than the plan places there "
+            "(see their errors); pass each rank the stages of build_stages(plan.placement, rank, "
+            "...)"
         )
-    if world != plan.placement.ranks:
-        raise PipelineError(
-            f"plan is for {plan.placement.ranks} pipeline ranks, the group has {world}"
-        )
+    columns = {"plan": 0, **{name: 2 + i for i, name in enumerate(settings)}}
+    for name, column in columns.items():
+        show = (lambda code: f"{code:016x}") if name == "plan" else setting_text
+        refuse_disagreement(rank, name, [row[column] for row in rows], show)
