@@ -459,7 +459,14 @@ def _compile(stream: Sequence[Action]) -> list[tuple[str, int, object]]:
 
 
 def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
+    """The reason for the error text; a failed wait on a peer names the root cause the other
+    ranks posted (:mod:`megatron_prt.runtime.errors`), else the rank waited on."""
     text = f"{type(exc).__name__}: {exc}".strip()
+    if not is_wait_failure(exc):
+        return text
+    cause = root_cause(None, name_silent=False)
+    if cause:
+        return f"{cause}\n  this rank saw: {text}"
     if action is None:
         return text
     placement = plan.placement
@@ -468,9 +475,10 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
         peer = placement.rank_of(placement.prev_stage(action.stage))
     elif action.op is Op.B and placement.next_stage(action.stage) is not None:
         peer = placement.rank_of(placement.next_stage(action.stage))
-    if peer is not None and any(
-        w in text.lower() for w in ("timeout", "timed out", "closed", "reset", "connection")
-    ):
+    elif not action.op.is_compute:
+        _, src, dst, _ = message_key(action)
+        peer = placement.rank_of(dst if action.op in (Op.SEND_F, Op.SEND_B) else src)
+    if peer is not None:
         text += f" (waiting on rank {peer}: it may have failed or be stuck)"
     return text
 
