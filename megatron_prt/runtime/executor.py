@@ -135,19 +135,39 @@ class PipelineRuntime:
 
     def _make_transport(self, kind: str, shm_capacity: int):
         """``torch``: torch.distributed p2p. ``shm``: shared memory between ranks on one
-        host. ``auto``: shm when every rank is on this x86 host and either computes on the
-        CPU or shares GPUs over gloo (which has no CUDA send/recv); else torch."""
+        host. ``auto``: shm when every rank is on this x86 host, either computes on the CPU
+        or shares GPUs over gloo (which has no CUDA send/recv), and /dev/shm has room for
+        the rings (else torch, with one warning line); an explicit ``shm`` without room
+        raises before any segment is created (a full /dev/shm kills with SIGBUS)."""
         if kind not in ("auto", "torch", "shm"):
-            raise ValueError(f"transport must be auto, torch or shm, got {kind!r}")
+            raise ValueError(
+                f"rank {self.rank}: transport must be auto, torch or shm, got {kind!r}"
+            )
         placement = self.plan.placement
-        if kind == "auto":
+        if kind != "torch":
+            rings = {r: self._shm_peers(r) for r in range(placement.ranks)}
+            need = sum(len(senders) for senders, _ in rings.values()) * ring_bytes(shm_capacity)
             hosts: list = [None] * dist.get_world_size(self._group)
-            dist.all_gather_object(hosts, socket.gethostname(), group=self._group)
+            with collective("the transport set-up", self._group):
+                dist.all_gather_object(hosts, (socket.gethostname(), shm_free_bytes()), self._group)
+            free = min(f for _, f in hosts)
+            fits = need <= free
+            if kind == "shm" and not fits:
+                raise PipelineError(shm_too_small(self.rank, need, free, shm_capacity))
+        if kind == "auto":
             # The ring publishes a message with a plain store after the copy; only x86's
             # store order makes that safe without a fence, so elsewhere auto means torch.
             staged = self.device.type == "cpu" or dist.get_backend(self._group) == "gloo"
-            same_host = len(set(hosts)) == 1 and platform.machine() in _TSO_MACHINES
-            kind = "shm" if staged and same_host else "torch"
+            same_host = len({h for h, _ in hosts}) == 1 and platform.machine() in _TSO_MACHINES
+            kind = "shm" if staged and same_host and fits else "torch"
+            if staged and same_host and not fits and self.rank == 0:
+                _log.warning(
+                    "megatron_prt: /dev/shm has %d bytes free, the shared-memory rings need %d: "
+                    "using the torch transport (docker run --shm-size=1g or --ipc=host gives "
+                    "the faster one)",
+                    free,
+                    need,
+                )
         if kind == "torch":
             return TorchTransport(
                 self._group,
@@ -157,24 +177,28 @@ class PipelineRuntime:
                 self.timeout_s,
                 self.variable_shapes,
             )
-        senders, receivers = set(), set()
-        for lowered, _, _ in self._programs.values():
-            for a in lowered.ranks[self.rank]:
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    senders.add(placement.rank_of(message_key(a)[1]))
-                elif a.op in (Op.SEND_F, Op.SEND_B):
-                    receivers.add(placement.rank_of(message_key(a)[2]))
-        mirrors = replica_peers(placement, self.rank)  # bi: gradient sums go both ways
-        senders |= mirrors
-        receivers |= mirrors
         return ShmTransport(
             self._group,
             placement.rank_of,
-            (senders, receivers),
+            rings[self.rank],
             self.timeout_s,
             shm_capacity,
             self.device,
         )
+
+    def _shm_peers(self, rank: int) -> tuple[set[int], set[int]]:
+        """The ranks ``rank`` receives from and sends to, over both programs and (``bi``) the
+        replica gradient sums: one shared-memory ring per (sender, receiver)."""
+        placement = self.plan.placement
+        senders, receivers = set(), set()
+        for lowered, _, _ in self._programs.values():
+            for a in lowered.ranks[rank]:
+                if a.op in (Op.RECV_F, Op.RECV_B):
+                    senders.add(placement.rank_of(message_key(a)[1]))
+                elif a.op in (Op.SEND_F, Op.SEND_B):
+                    receivers.add(placement.rank_of(message_key(a)[2]))
+        mirrors = replica_peers(placement, rank)  # bi: gradient sums go both ways
+        return senders | mirrors, receivers | mirrors
 
     def close(self) -> None:
         """Release transport resources (shared memory); the runtime is unusable after."""
