@@ -211,10 +211,14 @@ class PipelineRuntime:
         targets: Sequence[torch.Tensor] | None,
         forward_only: bool = False,
     ) -> list[torch.Tensor | None]:
-        m = self.plan.num_microbatches
-        for name, data in (("inputs", inputs), ("targets", targets)):
-            if data is not None and len(data) != m:
-                raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
+        if getattr(self.transport, "closed", False):
+            raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
+        placement = self.plan.placement
+        for name, data, ends in (
+            ("inputs", inputs, [s for s in self.stages if placement.prev_stage(s) is None]),
+            ("targets", targets, [s for s in self.stages if placement.next_stage(s) is None]),
+        ):
+            check_batch(self.rank, name, data, ends, self.plan.num_microbatches)
         self._inputs, self._targets = inputs, targets
         self._run(forward_only)
         losses, self._losses = self._losses, None
