@@ -456,6 +456,8 @@ def _free_data(out: torch.Tensor) -> None:
     """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
     holds what it saved), only its grad_fn; drop the storage. Every freed output points at
     one shared 1-element placeholder, never read."""
+    if out.grad_fn is None:  # outside autograd (a first stage without layers hands on the
+        return  # caller's input): nothing needs its grad_fn, and the data is not ours to free
     key = (out.device, out.dtype)
     if key not in _DEAD:
         _DEAD[key] = torch.empty((1,), device=out.device, dtype=out.dtype)
@@ -465,6 +467,8 @@ def _free_data(out: torch.Tensor) -> None:
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward from ``out`` whose data may have been freed (shape then differs from grad);
     ``grad`` None: ``out`` is a scalar loss."""
+    if not out.requires_grad:  # a first stage without parameters: nothing to differentiate
+        return
     if grad is None:
         grad = torch.ones_like(out)
     if out.shape == grad.shape:
