@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from parity_models import batch, loss_fn, make_layer
-from test_runtime_faults import TIMEOUT_S, expect_errors, run_case, runtime
+from test_runtime_faults import TIMEOUT_S, WAIT_S, expect_errors, run_case, runtime
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.placement import ConfigError
@@ -31,7 +31,7 @@ def _stages_of(rank_for_stages):
         stages = build_stages(
             plan.placement, rank_for_stages(rank), lambda i: make_layer("mlp", i), 8
         )
-        PipelineRuntime(plan, stages, loss_fn, timeout_s=TIMEOUT_S)
+        PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
 
     return body
 
@@ -41,7 +41,7 @@ def _extra_stage(rank, world):
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
     if rank == 0:
         stages[7] = torch.nn.Identity()
-    PipelineRuntime(plan, stages, loss_fn, timeout_s=TIMEOUT_S)
+    PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
 
 
 def _with_batch(change_xs=None, change_ys=None, ranks=(0, 1)):
@@ -89,7 +89,7 @@ def _after_close(rank, world):
 
 
 def _stall(rank, world):
-    rt, _ = runtime(rank, world)
+    rt, _ = runtime(rank, world, timeout_s=TIMEOUT_S)
     if rank == 1:
         time.sleep(600)  # the harness kills this rank
     return rt.step(*batch("mlp", 4))
@@ -302,7 +302,7 @@ def _user_code_fails_between_steps(rank, world):
 
 
 def test_error_outside_the_runtime_is_reported_to_the_peers():
-    results = run_local(2, _user_code_fails_between_steps, deadline_s=8 * TIMEOUT_S)
+    results = run_local(2, _user_code_fails_between_steps, deadline_s=2 * WAIT_S)
     assert results[0][0] == "error" and "user code failed" in results[0][1]
     expect_errors(
         results,

@@ -19,7 +19,8 @@ from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
 from megatron_prt.runtime.local import run_local
 from megatron_prt.runtime.p2p import SHM_FREE_ENV, TorchTransport
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 4.0  # where a test waits for a timeout to fire
+WAIT_S = 60.0  # everywhere else: generous, so a loaded machine cannot fail a run
 
 
 def attempt(rank, world, body):
@@ -32,7 +33,7 @@ def attempt(rank, world, body):
     return {"error": None, "value": value, "elapsed": time.monotonic() - start}
 
 
-def run_case(world, body, deadline_s=8 * TIMEOUT_S, wait_for=None):
+def run_case(world, body, deadline_s=2 * WAIT_S, wait_for=None):
     results = run_local(world, attempt, body, deadline_s=deadline_s, wait_for=wait_for)
     return results
 
@@ -63,7 +64,7 @@ def runtime(rank, world, m=4, layers=8, transport="torch", **kw):
         plan.placement, rank, lambda i: make_layer("mlp", i), layers, stage_layers
     )
     kw.setdefault("dtype", torch.float64)
-    kw.setdefault("timeout_s", TIMEOUT_S)
+    kw.setdefault("timeout_s", WAIT_S)
     rt = PipelineRuntime(plan, stages, loss_fn, transport=transport, **kw)
     return rt, stages
 
@@ -190,7 +191,7 @@ def test_plan_for_fewer_ranks_than_group_is_refused_everywhere():
         placement = Placement(2, 2)
         plan = build_plan(placement, 4)
         stages = build_stages(placement, min(rank, 1), lambda i: make_layer("mlp", i), 8)
-        PipelineRuntime(plan, stages, loss_fn, timeout_s=TIMEOUT_S)
+        PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
 
     results = run_case(3, body)
     expect_errors(results, "the plan is for P = 2 pipeline ranks, the group has 3", "group=")
