@@ -113,7 +113,7 @@ def peer_plan(peer: Peer, pp: int, microbatches: int, reuse: int = 2) -> Plan:
             orders = _recorded_1f1b(pp, microbatches)
         else:
             orders = _multi_stage_order(peer, placement, microbatches)
-    except (ValueError, ZeroDivisionError) as exc:
+    except ValueError as exc:  # torch's own refusals
         raise PeerRefusedError(
             f"torch {peer.name} refuses P={pp} m={microbatches} "
             f"({placement.reuse} stages per rank): {exc}"
@@ -153,7 +153,7 @@ def _multi_stage_order(peer: Peer, placement: Placement, microbatches: int) -> d
     stages = [
         _StandInStage(stage, num_stages, placement.ranks, 0) for stage in placement.rank_stages[0]
     ]
-    schedule = schedule_class(stages, microbatches, loss_fn=_no_loss)
+    schedule = schedule_class(stages, microbatches, loss_fn=_ignore)
     theirs = tuple(schedule.stage_index_to_group_rank[s] for s in range(num_stages))
     if theirs != placement.stage_to_rank:
         raise PeerLayoutError(
@@ -169,14 +169,14 @@ def _recorded_1f1b(pp: int, microbatches: int) -> dict[int, list[Action]]:
     for rank in range(pp):
         stage = _StandInStage(rank, pp, pp, rank)
         schedule = torch_schedules.Schedule1F1B(stage, microbatches)  # no loss: no tensors
-        schedule._initialize_stage = _no_loss  # shape inference needs real tensors
+        schedule._initialize_stage = _ignore  # shape inference needs real tensors
         schedule._step_microbatches()
         orders[rank] = stage.calls
     return orders
 
 
-def _no_loss(*args, **kwargs) -> None:
-    return None
+def _ignore(*args, **kwargs) -> None:
+    """Stands in for a loss function and for the 1F1B loop's stage set-up."""
 
 
 _OPS = {"F": (Op.F,), "B": (Op.B,), "I": (Op.I,), "W": (Op.W,)}
