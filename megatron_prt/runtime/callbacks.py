@@ -36,6 +36,7 @@ import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
+from .errors import check_batch
 from .wgrad import (
     WeightGradWork,
     apply_weight_grads,
@@ -47,7 +48,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageCallbacks:
-    """Base class of stage computations (see the module docstring for the contract)."""
+    """Base class of stage computations (see the module docstring for the contract).
+    ``in_place_weight_grads``: W adds into ``.grad`` directly where it already holds a
+    gradient (see :func:`~megatron_prt.runtime.wgrad.apply_weight_grads`); only where no
+    hook sits on the parameters' gradient accumulators (megatron's DDP puts one there)."""
+
+    in_place_weight_grads = False
 
     def begin(
         self,
@@ -75,7 +81,7 @@ class StageCallbacks:
         work = _deferred(self).pop((stage, mb), None)
         if work is None:
             raise RuntimeError(f"stage {stage}, mb {mb}: W ran before its I (input_grad)")
-        apply_weight_grads(work)
+        apply_weight_grads(work, in_place=self.in_place_weight_grads)
 
     def held_for_weight_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
         return held_tensors(_deferred(self).get((stage, mb), ()))
@@ -93,6 +99,8 @@ class ModuleCallbacks(StageCallbacks):
     ``loss_fn(output, targets[mb])`` and seeds its backward with ``1/m``, so gradients are
     those of the mean loss over the ``num_microbatches`` micro-batches."""
 
+    in_place_weight_grads = True  # the runtime's own stages: no accumulator hooks
+
     def __init__(
         self,
         stages: Mapping[int, torch.nn.Module],
@@ -100,8 +108,10 @@ class ModuleCallbacks(StageCallbacks):
         placement: Placement,
         num_microbatches: int,
         device: torch.device,
+        rank: int,
     ) -> None:
         self.stages = stages
+        self.rank = rank
         self.loss_fn = loss_fn
         self.placement = placement
         self.num_microbatches = num_microbatches
@@ -110,6 +120,14 @@ class ModuleCallbacks(StageCallbacks):
         self.targets: Sequence[torch.Tensor] | None = None
 
     def begin(self, inputs, targets, forward_only) -> None:
+        """Refuses (naming the argument, the rank and the fix) a batch this rank cannot read:
+        not one tensor per micro-batch where its first stages read inputs or its last stages
+        read targets."""
+        for name, data, ends in (
+            ("inputs", inputs, [s for s in self.stages if self.placement.is_first(s)]),
+            ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
+        ):
+            check_batch(self.rank, name, data, ends, self.num_microbatches)
         self.inputs, self.targets = inputs, targets
 
     def forward(self, stage, mb, x):
@@ -123,14 +141,12 @@ class ModuleCallbacks(StageCallbacks):
     def loss_grad(self, stage, mb, loss):
         return torch.full_like(loss, 1.0 / self.num_microbatches)
 
-    def weight_grad(self, stage, mb):
-        # the stages' parameters carry no accumulator hooks of ours: accumulate in place
-        apply_weight_grads(_deferred(self).pop((stage, mb)), in_place=True)
-
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward from ``out`` whose data may have been freed (shape then differs from grad);
     ``grad`` None: ``out`` is a scalar loss."""
+    if not out.requires_grad:  # a first stage without parameters: nothing to differentiate
+        return
     if grad is None:
         grad = torch.ones_like(out)
     if out.shape == grad.shape:

@@ -55,6 +55,8 @@ def free_data(out: torch.Tensor) -> None:
     """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
     holds what it saved), only its grad_fn; drop the storage. Every freed output points at
     one shared 1-element placeholder, never read."""
+    if out.grad_fn is None:  # outside autograd (a first stage without layers hands on the
+        return  # caller's input): nothing needs its grad_fn, and the data is not ours to free
     key = (out.device, out.dtype)
     if key not in _DEAD:
         _DEAD[key] = torch.empty((1,), device=out.device, dtype=out.dtype)
