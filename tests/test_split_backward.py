@@ -228,3 +228,37 @@ def test_memory_counts_what_input_grad_keeps_until_weight_grad():
                 assert "W" in next_label and next_held < held, (label, next_label)
         last_i = max(i for i, (label, _) in enumerate(timeline_late) if "I" in label)
         assert timeline_late[last_i][1] > 0  # every W's operands are still held
+
+
+def _trace_worker(rank, world):
+    plan = build_plan(Placement(world, 2, "wave", "uni"), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, trace=True, split_backward=True
+    )
+    xs, ys = batch("mlp", 4)
+    losses = runtime.step(xs, ys)
+    spans = [(str(a), start, end) for a, start, end in runtime.trace()]
+    grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in stages.items()}
+    runtime.close()
+    return spans, [str(a) for a in runtime.plan.ranks[rank]], losses, grads
+
+
+def test_split_backward_flag_splits_a_b_plan_traced_in_plan_order():
+    ref_losses, ref_grads, _ = reference("mlp", 4, steps=1)
+    ranges = layer_ranges(NUM_LAYERS, 4)
+    for spans, planned, losses, grads in all_ok(run_local(2, _trace_worker)):
+        assert any("I" in label for label in planned) and not any("B" in a for a in planned)
+        assert [label for label, _, _ in spans] == planned
+        ends = {label: end for label, _, end in spans}
+        for label, start, _ in spans:
+            if "W" in label:
+                assert start >= ends[label.replace("W", "I")]
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                assert abs(float(loss) - ref_losses[0][mb]) <= TOL * abs(ref_losses[0][mb])
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage]
+            want = [g for layer in ref_grads[first : first + count] for g in layer]
+            for got, ref in zip(stage_grads, want, strict=True):
+                assert _rel(got, ref) <= TOL, stage
