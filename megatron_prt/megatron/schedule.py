@@ -222,7 +222,16 @@ class MegatronCallbacks(StageCallbacks):
         config = self.config
         if config.timers is not None:
             config.timers("backward-compute", log_level=2).start()
+        # a W into main_grad marks it so DDP's hook skips its own add; only for that hand-off
+        # (a tied weight's other gradients, in I, must still be added)
+        marked = [
+            (w.weight, getattr(w.weight, "grad_added_to_main_grad", False))
+            for w in self.deferred_weight_grads(stage, mb)
+            if w.fused is not None
+        ]
         super().weight_grad(stage, mb)
+        for weight, before in marked:
+            weight.grad_added_to_main_grad = before
         if config.timers is not None:
             config.timers("backward-compute").stop()
         if self.last_weight_grad[stage] == mb:

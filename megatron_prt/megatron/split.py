@@ -12,10 +12,12 @@ goes through :func:`megatron_prt.runtime.wgrad.split_linear` with megatron's sem
 
 * the input gradient is ``grad_output @ weight``, all-reduced over the tensor-parallel
   group when ``allreduce_dgrad`` (as megatron, before the weight GEMM);
-* ``W`` hands ``grad_output^T @ input`` to the weight's accumulator, so megatron DDP's
-  hook adds it to ``main_grad``; with ``gradient_accumulation_fusion`` (CUDA, APEX) it
-  runs megatron's fused kernel into ``main_grad`` and hands the accumulator megatron's
-  dummy, marking ``grad_added_to_main_grad``, as megatron's own backward does.
+* ``W``, under megatron's DDP (a weight with ``main_grad``), accumulates
+  ``grad_output^T @ input`` straight into ``main_grad`` (megatron's fused kernel with
+  ``gradient_accumulation_fusion``, CUDA + APEX; else ``addmm_``), marks
+  ``grad_added_to_main_grad`` and hands the weight's accumulator megatron's dummy, as
+  megatron's own fusion branch does: DDP's hook fires after every W and adds nothing twice.
+  Without DDP the product goes to the accumulator (``.grad``).
 
 Left on megatron's path (weight gradient in ``I``, still exact): a column layer under
 sequence parallelism (its weight GEMM needs the all-gathered input again), the deferred
@@ -79,8 +81,9 @@ def _forward_impl(
         )
     reduce = functools.partial(_all_reduce, tp_group) if allreduce_dgrad else None
     fused = None
-    if gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-        fused = functools.partial(_fused_wgrad, weight, weight.main_grad)
+    if hasattr(weight, "main_grad"):
+        kernel = _fused_wgrad if gradient_accumulation_fusion else _main_grad_wgrad
+        fused = functools.partial(kernel, weight, weight.main_grad)
     return split_linear(input, weight, bias, reduce, fused)
 
 
@@ -88,6 +91,20 @@ def _all_reduce(group, grad_input: torch.Tensor) -> None:
     torch.distributed.all_reduce(grad_input, group=group)
 
 
+@torch.no_grad()
+def _main_grad_wgrad(weight, main_grad, inp: torch.Tensor, grad_output: torch.Tensor):
+    """Under megatron's DDP without the fused kernel: the GEMM accumulates straight into the
+    grad buffer (``main_grad``), no temporary, then the accumulator gets megatron's dummy
+    so DDP's hook runs (and adds nothing), as in megatron's fusion branch."""
+    grad_output, inp = tp_layers.prepare_input_tensors_for_wgrad_compute(grad_output, inp)
+    if main_grad.dtype == inp.dtype:
+        main_grad.addmm_(grad_output.t(), inp)
+    else:  # e.g. bf16 compute, fp32 buffer: as DDP's hook would add it
+        main_grad.add_(grad_output.t().matmul(inp))
+    return _dummy_wgrad(weight, main_grad, inp.dtype)
+
+
+@torch.no_grad()
 def _fused_wgrad(weight, main_grad, inp: torch.Tensor, grad_output: torch.Tensor):
     """megatron's gradient-accumulation-fusion branch, run in ``W``: the GEMM accumulates
     into ``main_grad`` (kept from the forward, as megatron's ``ctx.main_grad``); the
@@ -101,6 +118,11 @@ def _fused_wgrad(weight, main_grad, inp: torch.Tensor, grad_output: torch.Tensor
         kernel.wgrad_gemm_accum_fp16(inp, grad_output, main_grad)
     else:
         raise RuntimeError(f"gradient accumulation fusion: unsupported {main_grad.dtype}")
+    return _dummy_wgrad(weight, main_grad, inp.dtype)
+
+
+def _dummy_wgrad(weight, main_grad, dtype: torch.dtype) -> torch.Tensor:
+    """What megatron's backward hands the accumulator once ``main_grad`` holds the GEMM."""
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(main_grad.shape, dtype=inp.dtype, device=main_grad.device)
+    return make(main_grad.shape, dtype=dtype, device=main_grad.device)

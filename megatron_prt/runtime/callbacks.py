@@ -84,7 +84,11 @@ class StageCallbacks:
         apply_weight_grads(work, in_place=self.in_place_weight_grads)
 
     def held_for_weight_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
-        return held_tensors(_deferred(self).get((stage, mb), ()))
+        return held_tensors(self.deferred_weight_grads(stage, mb))
+
+    def deferred_weight_grads(self, stage: int, mb: int) -> list[WeightGradWork]:
+        """The work ``input_grad`` of (stage, mb) deferred to ``weight_grad`` (empty: none)."""
+        return list(_deferred(self).get((stage, mb), ()))
 
 
 def _deferred(callbacks: StageCallbacks) -> dict[tuple[int, int], list[WeightGradWork]]:
