@@ -65,14 +65,16 @@ def resolve_mem_cap(
 @dataclass(frozen=True)
 class ZBPolicy:
     """``caps[r]``: most forwards rank ``r`` runs ahead of their I (None: only memory bounds
-    it). ``alternate``: after an I prefer a forward (1F1B's steady state). ``eager_w``: W
-    before forwards (no deferral: 1F1B's memory). ``depth_first``: the deepest ready forward
-    first, else the oldest micro-batch."""
+    it). ``alternate``: after an I prefer a forward (1F1B's steady state); ``w_resets``: a W
+    ends the alternation (after it, I first). ``eager_w``: W before forwards (no deferral:
+    1F1B's memory). ``depth_first``: the deepest ready forward first, else the oldest
+    micro-batch."""
 
     caps: tuple[int, ...] | None = None
     alternate: bool = True
     eager_w: bool = False
     depth_first: bool = True
+    w_resets: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def zero_bubble(
             f"activation cap {cap:.6g} (the lowest found holds {lowest:.6g}); raise mem_cap "
             "(e.g. 'zb-h2') or the number of micro-batches"
         )
-    name = "zb" if mem_cap == "1f1b" else f"zb-{mem_cap}" if isinstance(mem_cap, str) else "zb"
+    name = "zb-h2" if mem_cap == "zb-h2" else "zb"
     return Plan(placement, num_microbatches, best.orders, name, mb_pipeline)
 
 
@@ -154,8 +156,8 @@ def _portfolio(placement: Placement, times: StageTimes) -> list[ZBPolicy]:
     out = []
     for caps in (trip, None, tuple(c + 1 for c in trip)):
         for depth_first in (True, False):
-            for alternate in (True, False):
-                out.append(ZBPolicy(caps, alternate, False, depth_first))
+            for alternate, w_resets in ((True, False), (False, False), (True, True)):
+                out.append(ZBPolicy(caps, alternate, False, depth_first, w_resets))
     # W right after I at the 1F1B warm-up: 1F1B's memory, the plan that fits any cap that
     # 1F1B fits
     out.append(ZBPolicy(trip, True, True, True))
@@ -273,7 +275,8 @@ class ZBScheduler:
     def _start(self, rank: int, action: Action, now: int) -> None:
         state = self.ranks[rank]
         state.busy = True
-        state.last_was_i = action.op is Op.I
+        if action.op is not Op.W or self.policy.w_resets:  # W may sit inside F, I, F, I
+            state.last_was_i = action.op is Op.I
         if action.op is Op.F:
             state.held += self._bytes(action)
             state.peak = max(state.peak, state.held)
