@@ -224,9 +224,9 @@ class ZBScheduler:
         done = now = 0
         while done < len(self.actions):
             if not self.events:  # every rank blocked by its caps alone
-                rank = min(
-                    (s.fwd[0], r) for r, s in enumerate(self.ranks) if s.fwd and not s.busy
-                )[1]
+                rank = min((s.fwd[0], r) for r, s in enumerate(self.ranks) if s.fwd and not s.busy)[
+                    1
+                ]
                 self._start(rank, heapq.heappop(self.ranks[rank].fwd)[1], now)
                 continue
             now = self.events[0][0]
@@ -240,15 +240,18 @@ class ZBScheduler:
             for rank in sorted(touched):
                 state = self.ranks[rank]
                 if not state.busy:
-                    while state.arrivals and state.arrivals[0][0] <= now:
-                        _, key, action = heapq.heappop(state.arrivals)
-                        queue = {Op.F: state.fwd, Op.I: state.inp, Op.W: state.wgt}[action.op]
-                        heapq.heappush(queue, (self._key(action), action))
+                    self._admit(state, now)
                     action = self._pick(state, rank)
                     if action is not None:
                         self._start(rank, action, now)
         orders = tuple(tuple(acts) for acts in self.order)
         return ZBResult(orders, now * self.tick, tuple(s.peak for s in self.ranks))
+
+    def _admit(self, state: _Rank, now: int) -> None:
+        while state.arrivals and state.arrivals[0][0] <= now:
+            action = heapq.heappop(state.arrivals)[2]
+            queue = {Op.F: state.fwd, Op.I: state.inp, Op.W: state.wgt}[action.op]
+            heapq.heappush(queue, (self._key(action), action))
 
     def _key(self, action: Action) -> tuple:
         if action.op is Op.F and self.policy.depth_first:
