@@ -68,13 +68,16 @@ class ZBPolicy:
     it). ``alternate``: after an I prefer a forward (1F1B's steady state); ``w_resets``: a W
     ends the alternation (after it, I first). ``eager_w``: W before forwards (no deferral:
     1F1B's memory). ``depth_first``: the deepest ready forward first, else the oldest
-    micro-batch."""
+    micro-batch. ``reserve``: a micro-batch enters a rank only if the cap leaves room for
+    all of its stages there (tight caps: no rank fills up with first chunks while the
+    micro-batches it holds wait for their later ones)."""
 
     caps: tuple[int, ...] | None = None
     alternate: bool = True
     eager_w: bool = False
     depth_first: bool = True
     w_resets: bool = False
+    reserve: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,9 @@ def _portfolio(placement: Placement, times: StageTimes) -> list[ZBPolicy]:
             for alternate, w_resets in ((True, False), (False, False), (True, True)):
                 out.append(ZBPolicy(caps, alternate, False, depth_first, w_resets))
     # W right after I at the 1F1B warm-up: 1F1B's memory, the plan that fits any cap that
-    # 1F1B fits
+    # 1F1B fits; then room reserved for a micro-batch's later chunks, for tighter caps
     out.append(ZBPolicy(trip, True, True, True))
+    out += [ZBPolicy(trip, True, eager, True, reserve=True) for eager in (False, True)]
     return out
 
 
@@ -189,6 +193,7 @@ class _Rank:
     inp: list  # ready I: heap of (key, action)
     wgt: list  # ready W: heap of (key, action)
     held: float = 0.0  # activation bytes
+    reserved: float = 0.0  # bytes of the later stages of micro-batches it has started
     peak: float = 0.0
     ahead: int = 0  # forwards started whose I has not finished
     last_was_i: bool = False
@@ -205,6 +210,16 @@ class ZBScheduler:
         self.placement, self.policy, self.cap, self.keep = placement, policy, cap, keep
         self.times, self.tick = times.in_ticks()
         self.act = act
+        self.mb_pipeline = mb_pipeline
+        # (rank, pipeline) -> (the rank's first stage in it, bytes of all its stages in it)
+        self.entry = {}
+        for pipe, stages in enumerate(placement.pipelines):
+            for rank in range(placement.ranks):
+                mine = [s for s in stages if placement.rank_of(s) == rank]
+                self.entry[rank, pipe] = (
+                    mine[0],
+                    sum(self._bytes(Action(s, Op.F, 0)) for s in mine),
+                )
         self.actions, self.consumers, counts = _graph(placement, tuple(mb_pipeline))
         self.waiting = dict(counts)
         self.ready_at = dict.fromkeys(self.actions, 0)
@@ -262,7 +277,7 @@ class ZBScheduler:
         policy = self.policy
         fwd_ok = (
             bool(state.fwd)
-            and state.held + self._bytes(state.fwd[0][1]) <= self.cap * (1 + 1e-9)
+            and self._fits(state, rank, state.fwd[0][1])
             and (policy.caps is None or state.ahead < policy.caps[rank])
         )
         if state.inp and not (fwd_ok and policy.alternate and state.last_was_i):
@@ -275,12 +290,22 @@ class ZBScheduler:
             return heapq.heappop(state.wgt)[1]
         return None
 
+    def _fits(self, state: _Rank, rank: int, forward: Action) -> bool:
+        need = self._bytes(forward)
+        if self.policy.reserve:
+            first, chain = self.entry[rank, self.mb_pipeline[forward.mb]]
+            need = chain if forward.stage == first else 0.0
+            need += state.reserved
+        return state.held + need <= self.cap * (1 + 1e-9)
+
     def _start(self, rank: int, action: Action, now: int) -> None:
         state = self.ranks[rank]
         state.busy = True
         if action.op is not Op.W or self.policy.w_resets:  # W may sit inside F, I, F, I
             state.last_was_i = action.op is Op.I
         if action.op is Op.F:
+            first, chain = self.entry[rank, self.mb_pipeline[action.mb]]
+            state.reserved += (chain if action.stage == first else 0.0) - self._bytes(action)
             state.held += self._bytes(action)
             state.peak = max(state.peak, state.held)
             state.ahead += 1
