@@ -51,7 +51,9 @@ def test_generated_plans_are_valid_and_under_the_1f1b_cap(p, r, placement, direc
     assert simulate(lowered, cost).makespan == pytest.approx(simulate(plan, cost).makespan)
 
 
-@pytest.mark.parametrize("p, r, placement, direction", [(4, 2, "wave", "uni"), (3, 2, "loop", "bi")])
+@pytest.mark.parametrize(
+    "p, r, placement, direction", [(4, 2, "wave", "uni"), (3, 2, "loop", "bi")]
+)
 def test_other_caps_are_respected(p, r, placement, direction):
     config = Placement(p, r, placement, direction)
     m = 2 * p
