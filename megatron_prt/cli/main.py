@@ -19,6 +19,7 @@ from ..core.zerobubble import MEM_CAPS, zero_bubble
 from ..sim.cost import CostModel
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
+from .peers import peer_results
 
 
 class _Parser(argparse.ArgumentParser):
@@ -387,6 +388,7 @@ def cmd_compare(args) -> int:
             continue
         validate(plan)
         results.append((label, simulate(plan, cost), ""))
+    results += peer_results(args.pp, args.microbatches, args.reuse, cost)
     base = results[0][1].makespan
     if not base > 0:
         raise ConfigError(
