@@ -23,6 +23,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import product
 
 from .actions import Action, Op
 from .deps import consumers_map, producers
@@ -67,17 +68,20 @@ class ZBPolicy:
     """``caps[r]``: most forwards rank ``r`` runs ahead of their I (None: only memory bounds
     it). ``alternate``: after an I prefer a forward (1F1B's steady state); ``w_resets``: a W
     ends the alternation (after it, I first). ``eager_w``: W before forwards (no deferral:
-    1F1B's memory). ``depth_first``: the deepest ready forward first, else the oldest
-    micro-batch. ``reserve``: a micro-batch enters a rank only if the cap leaves room for
-    all of its stages there (tight caps: no rank fills up with first chunks while the
-    micro-batches it holds wait for their later ones)."""
+    1F1B's memory). ``fwd_order``: which ready forward first: ``deepest`` stage,
+    ``oldest`` micro-batch, or ``grouped`` (megatron-core's order: groups of P micro-batches
+    sweep a chunk, then the next chunk); ``inp_order``: which ready I first, ``oldest`` or
+    ``grouped`` (the group's last chunk first). ``reserve``: a micro-batch enters a rank
+    only if the cap leaves room for all of its stages there (tight caps: no rank fills up
+    with first chunks while the micro-batches it holds wait for their later ones)."""
 
     caps: tuple[int, ...] | None = None
     alternate: bool = True
     eager_w: bool = False
-    depth_first: bool = True
+    fwd_order: str = "deepest"
     w_resets: bool = False
     reserve: bool = False
+    inp_order: str = "oldest"
 
 
 @dataclass(frozen=True)
@@ -156,15 +160,22 @@ def split_lower_bound(placement: Placement, mb_pipeline: Sequence[int], times: S
 
 def _portfolio(placement: Placement, times: StageTimes) -> list[ZBPolicy]:
     trip = _round_trip_caps(placement, times)
-    out = []
-    for caps in (trip, None, tuple(c + 1 for c in trip)):
-        for depth_first in (True, False):
-            for alternate, w_resets in ((True, False), (False, False), (True, True)):
-                out.append(ZBPolicy(caps, alternate, False, depth_first, w_resets))
+    steady = ((True, False), (False, False), (True, True))  # (alternate, w_resets)
+    out = [
+        ZBPolicy(caps, alternate, False, fwd, w_resets)
+        for caps, fwd, (alternate, w_resets) in product(
+            (trip, None, tuple(c + 1 for c in trip)), ("deepest", "oldest"), steady
+        )
+    ]
     # W right after I at the 1F1B warm-up: 1F1B's memory, the plan that fits any cap that
     # 1F1B fits; then room reserved for a micro-batch's later chunks, for tighter caps
-    out.append(ZBPolicy(trip, True, True, True))
-    out += [ZBPolicy(trip, True, eager, True, reserve=True) for eager in (False, True)]
+    out.append(ZBPolicy(trip, True, True))
+    out += [ZBPolicy(trip, True, eager, reserve=True) for eager in (False, True)]
+    # megatron-core's grouped order, for forwards or for input gradients (deep loops at m=2P)
+    for (fwd, inp), caps, (alternate, w_resets) in product(
+        (("grouped", "oldest"), ("deepest", "grouped")), (trip, None), steady
+    ):
+        out.append(ZBPolicy(caps, alternate, False, fwd, w_resets, inp_order=inp))
     return out
 
 
@@ -211,6 +222,8 @@ class ZBScheduler:
         self.times, self.tick = times.in_ticks()
         self.act = act
         self.mb_pipeline = mb_pipeline
+        self.group_width = placement.ranks * placement.num_pipelines  # grouped orders
+        self.groups = max(1, len(mb_pipeline) // self.group_width)
         # (rank, pipeline) -> (the rank's first stage in it, bytes of all its stages in it)
         self.entry = {}
         for pipe, stages in enumerate(placement.pipelines):
@@ -269,8 +282,13 @@ class ZBScheduler:
             heapq.heappush(queue, (self._key(action), action))
 
     def _key(self, action: Action) -> tuple:
-        if action.op is Op.F and self.policy.depth_first:
+        order = {Op.F: self.policy.fwd_order, Op.I: self.policy.inp_order}.get(action.op)
+        if order == "deepest":
             return (-action.stage, action.mb)
+        if order == "grouped":
+            chunk = (action.stage % self.placement.depth) // self.placement.ranks
+            group = min(action.mb // self.group_width, self.groups - 1)
+            return (group, chunk if action.op is Op.F else -chunk, action.mb)
         return (action.mb, -action.stage if action.op is Op.F else action.stage)
 
     def _pick(self, state: _Rank, rank: int) -> Action | None:
