@@ -12,7 +12,12 @@ from megatron_prt.core.lower import lower, message_ends
 from megatron_prt.core.placement import ConfigError
 from megatron_prt.core.replay import PlanError
 from megatron_prt.core.validate import validate
-from megatron_prt.core.zerobubble import WGRAD_KEEP_FRACTION, one_f_one_b_peak, zero_bubble
+from megatron_prt.core.zerobubble import (
+    WGRAD_KEEP_FRACTION,
+    one_f_one_b_peak,
+    split_lower_bound,
+    zero_bubble,
+)
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import held_activations, simulate
 
@@ -221,3 +226,23 @@ def test_cli_split_backward(run_cli):
     assert code == 2 and "--split-backward" in err
     code, _, err = run_cli("plan", "--pp", 4, "-m", 8, "--split-backward", "--mem-cap", "no")
     assert code == 2 and "--mem-cap" in err
+
+
+@pytest.mark.parametrize("fraction, p2p", [(0.3, 0.0), (0.7, 0.0), (0.5, 0.02)])
+@pytest.mark.parametrize(
+    "p, r, placement, direction", [(4, 2, "loop", "uni"), (4, 2, "wave", "bi")]
+)
+def test_unequal_w_and_message_times(fraction, p2p, p, r, placement, direction):
+    """Planned for other W shares and hop times (a hop of a sixth of a stage): valid, under
+    the cap, not below the bound, and faster than 1F1B with the same costs."""
+    config = Placement(p, r, placement, direction)
+    cost = CostModel(fwd_time=1, bwd_time=2, wgrad_fraction=fraction, p2p_latency=p2p)
+    times = cost.stage_times(config)
+    for m in (p, 3 * p):
+        plan = zero_bubble(config, m, times)
+        validate(plan)
+        res = simulate(plan, cost)
+        assert max(_peaks(plan, cost)) <= one_f_one_b_peak(p, m, [1.0]) * (1 + 1e-9)
+        assert res.makespan >= split_lower_bound(config, plan.mb_pipeline, times) - 1e-9
+        one_f = simulate(build_plan(Placement(p), m, "1f1b"), cost)
+        assert res.makespan < one_f.makespan

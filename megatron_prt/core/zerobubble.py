@@ -29,6 +29,7 @@ from .actions import Action, Op
 from .deps import consumers_map, producers
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
+from .replay import replay
 from .timing import StageTimes
 
 # Share of a stage's activation bytes that W still needs after I (the rest I frees). A
@@ -104,13 +105,45 @@ def zero_bubble(
 
     ``act[k]``: activation bytes of model stage ``k`` for one micro-batch (default: 1/D
     each, so one micro-batch through the whole model is 1); ``keep``: the share W needs
-    until it runs. Raises :class:`ConfigError` if no policy fits under the cap."""
+    until it runs. Raises :class:`ConfigError` if no policy fits under the cap.
+
+    As for :func:`megatron_prt.core.schedules.prt`, with message times or unequal stages the
+    plans made for free messages and equal stages (same W share) compete too, replayed under
+    ``times`` (a hop makes a ready action look late and the greedy fills the gap wrongly);
+    a rank's memory depends only on its order, so every candidate stays under the cap."""
     times = times or StageTimes.uniform(placement.depth)
     act = tuple(act) if act is not None else (1.0 / placement.depth,) * placement.depth
     if len(act) != placement.depth or not 0 <= keep <= 1:
         raise ConfigError(f"act needs {placement.depth} stage sizes and keep in [0, 1]")
     cap = resolve_mem_cap(mem_cap, placement, num_microbatches, act)
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
+    name = "zb-h2" if mem_cap == "zb-h2" else "zb"
+    best, best_makespan = None, math.inf
+    for planning in _planning_times(placement, times):
+        orders = _best_orders(placement, mb_pipeline, planning, act, keep, cap)
+        plan = Plan(placement, num_microbatches, orders, name, mb_pipeline)
+        makespan = replay(plan, times).makespan
+        if makespan < best_makespan:
+            best, best_makespan = plan, makespan
+    return best
+
+
+def _planning_times(placement: Placement, times: StageTimes) -> list[StageTimes]:
+    """``times``, then the same without message times, then equal stages with the same
+    overall W share."""
+    out = [times]
+    if times.p2p or times.p2p_cpu:
+        out.append(StageTimes(times.fwd, times.bwd, wgt=times.wgt))
+    bwd = sum(times.bwd)
+    share = sum(times.wgrad(k) for k in range(placement.depth)) / bwd if bwd else 0.5
+    uniform = StageTimes.uniform(placement.depth).with_wgrad_fraction(share)
+    if (times.fwd, times.bwd, times.p2p, times.p2p_cpu) != (uniform.fwd, uniform.bwd, 0, 0):
+        out.append(uniform)
+    return out
+
+
+def _best_orders(placement, mb_pipeline, times, act, keep, cap):
+    """The portfolio under ``times``: the fastest orders under ``cap`` (ties: less held)."""
     bound = split_lower_bound(placement, mb_pipeline, times)
     best, lowest = None, math.inf
     for policy in _portfolio(placement, times):
@@ -125,12 +158,11 @@ def zero_bubble(
             break
     if best is None:
         raise ConfigError(
-            f"no split-backward plan for {placement} with m={num_microbatches} fits the "
+            f"no split-backward plan for {placement} with m={len(mb_pipeline)} fits the "
             f"activation cap {cap:.6g} (the lowest found holds {lowest:.6g}); raise mem_cap "
             "(e.g. 'zb-h2') or the number of micro-batches"
         )
-    name = "zb-h2" if mem_cap == "zb-h2" else "zb"
-    return Plan(placement, num_microbatches, best.orders, name, mb_pipeline)
+    return best.orders
 
 
 def split_lower_bound(placement: Placement, mb_pipeline: Sequence[int], times: StageTimes) -> float:
