@@ -12,6 +12,7 @@
     python examples/bert_data.py preprocess --input corpus.jsonl --json-keys text \\
         --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
         --tokenizer-model data/spm.model --split-sentences --workers 2   # data/corpus_text_sentence
+    python examples/bert_data.py show --out data --tokenizer-model data/spm.model
 
 Corpus. Without ``--input`` the corpus is CPython's own ``pydoc_data.topics`` (the text behind
 ``help("topics")``: 79 English documents, about 465k characters on Python 3.11). ``--input`` is
@@ -94,6 +95,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     show = commands.add_parser("show", help="build the BERT datasets, print sizes and a sample")
     show.add_argument("--out", required=True, help="directory written by prepare")
     show.add_argument("--data-path", help="dataset prefix, if DIR holds more than one")
+    show.add_argument("--tokenizer-model", help="the tokenizer file, if not DIR's own")
     show.add_argument("--seq-length", type=int, default=128)
     show.add_argument("--split", default="90,5,5")
     show.add_argument("--seed", type=int, default=1234)
@@ -143,7 +145,7 @@ def _show(args: argparse.Namespace) -> None:
     if args.data_path is None and len(prefixes) > 1:
         raise DataError(f"{out} holds several datasets, pick one with --data-path: {prefixes}")
     prefix = args.data_path or prefixes[0]
-    tokenizer = _tokenizer_in(out)
+    tokenizer = load_tokenizer(args.tokenizer_model) if args.tokenizer_model else _tokenizer_in(out)
     init_single_process_group()
     started = time.perf_counter()
     datasets = build_datasets(

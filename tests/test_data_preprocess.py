@@ -227,3 +227,19 @@ def test_a_wordpiece_vocab_loads_through_megatron_core(tmp_path):
     assert (tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask) == (0, 2, 3, 4)
     assert tokenizer.tokenize("Hello, worlds!") == [5, 8, 6, 7, 9]
     assert tokenizer.word_start[7] is False and tokenizer.word_start[6] is True
+
+
+def test_a_model_trained_elsewhere_gets_the_special_tokens_after_its_pieces(corpus, tmp_path):
+    """As Megatron-LM's tokenizer does for a model without <CLS> and friends."""
+    import sentencepiece
+
+    sentences = [s for doc in corpus[2] for s in data.split_sentences(doc)]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=str(tmp_path / "plain"),
+        vocab_size=400, minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    tokenizer = data.load_tokenizer(tmp_path / "plain.model")
+    specials = [tokenizer.cls, tokenizer.sep, tokenizer.mask, tokenizer.pad, tokenizer.eod]
+    assert min(specials) >= 400 and len(set(specials)) == 5
+    assert tokenizer.vocab_size == len(tokenizer.inv_vocab) > max(specials)
+    assert tokenizer.inv_vocab[tokenizer.cls] == "<CLS>"

@@ -151,7 +151,8 @@ def prepare(
         f"wrote {prepared.prefix}.{{bin,idx}}: {prepared.documents} documents, "
         f"{prepared.sentences} sentences, {prepared.tokens:,} tokens "
         f"({prepared.dropped_documents} documents with < {MIN_SENTENCES_PER_DOCUMENT} "
-        f"sentences left out) in {time.perf_counter() - started:.1f} s"
+        f"sentences left out) in {time.perf_counter() - started:.1f} s; Megatron-LM: "
+        f"--data-path {prepared.prefix} {' '.join(tokenizer_args(tokenizer))}"
     )
     return prepared
 

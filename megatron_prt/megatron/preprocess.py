@@ -134,19 +134,16 @@ def _encoded(
     append_eod: bool,
     workers: int,
 ) -> Iterator[list[list[list[int]]]]:
-    setup = (tokenizer.path, _type_of(tokenizer), sentences, append_eod)
     if workers == 1:
-        _worker.update(tokenizer=tokenizer, sentences=sentences, eod=append_eod)
-        yield from map(_encode_record, records)
+        for texts in records:
+            yield [
+                encode_document(tokenizer, text, sentences=sentences, append_eod=append_eod)
+                for text in texts
+            ]
         return
+    setup = (tokenizer.path, tokenizer.tokenizer_type, sentences, append_eod)
     with multiprocessing.Pool(workers, initializer=_start_worker, initargs=setup) as pool:
         yield from pool.imap(_encode_record, records, chunksize=16)
-
-
-def _type_of(tokenizer: Tokenizer) -> str:
-    return (
-        "SentencePieceTokenizer" if tokenizer.kind == "sentencepiece" else "BertWordPieceLowerCase"
-    )
 
 
 # ----------------------------------------------------------------------------------- CLI

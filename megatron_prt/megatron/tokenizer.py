@@ -112,9 +112,14 @@ class Tokenizer:
     through megatron-core's tokenizer."""
 
     megatron: Any
-    kind: str  # "sentencepiece" or "wordpiece"
+    tokenizer_type: str  # Megatron-LM's --tokenizer-type: one of TOKENIZER_TYPES
     path: str  # the .model or vocab.txt
     inv_vocab: dict[int, str] = field(init=False, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """``sentencepiece`` or ``wordpiece``."""
+        return "sentencepiece" if self.tokenizer_type in SENTENCEPIECE_TYPES else "wordpiece"
 
     def __post_init__(self) -> None:
         self.inv_vocab = dict(self.megatron.inv_vocab)
@@ -148,20 +153,21 @@ class Tokenizer:
 
 def load_tokenizer(path: str | os.PathLike, tokenizer_type: str | None = None) -> Tokenizer:
     """The tokenizer in ``path`` through megatron-core: a SentencePiece ``.model`` (as
-    :func:`train_tokenizer` writes) or a WordPiece ``vocab.txt``. ``tokenizer_type`` takes
+    :func:`train_tokenizer` writes; special tokens a model trained elsewhere lacks get ids after
+    its pieces, as in Megatron-LM) or a WordPiece ``vocab.txt``. ``tokenizer_type`` takes
     Megatron-LM's names (:data:`TOKENIZER_TYPES`); None reads a ``.txt`` as WordPiece and
-    anything else as SentencePiece. Raises
-    :class:`DataError` for a missing file, a model without the special tokens, or a
-    ``vocab.txt`` when ``transformers`` is not installed."""
+    anything else as SentencePiece. Raises :class:`DataError` for a missing file, a file that
+    is no SentencePiece model, or a ``vocab.txt`` when ``transformers`` is not installed."""
     path = str(path)
     if not os.path.isfile(path):
         raise DataError(f"no such tokenizer file: {path}")
     if tokenizer_type is None:
         tokenizer_type = _infer_type(path)
     if tokenizer_type in SENTENCEPIECE_TYPES:
-        return _load_sentencepiece(path)
+        return Tokenizer(_load_sentencepiece(path), tokenizer_type, path)
     if tokenizer_type in WORDPIECE_TYPES:
-        return _load_wordpiece(path, lower_case=tokenizer_type == "BertWordPieceLowerCase")
+        lower_case = tokenizer_type == "BertWordPieceLowerCase"
+        return Tokenizer(_load_wordpiece(path, lower_case), tokenizer_type, path)
     raise DataError(f"--tokenizer-type {tokenizer_type}: expected one of {TOKENIZER_TYPES}")
 
 
@@ -170,7 +176,7 @@ def _infer_type(path: str) -> str:
     return "BertWordPieceLowerCase" if path.endswith(".txt") else "SentencePieceTokenizer"
 
 
-def _load_sentencepiece(path: str) -> Tokenizer:
+def _load_sentencepiece(path: str) -> Any:
     from megatron.core.tokenizers import MegatronTokenizer
 
     try:
@@ -184,17 +190,10 @@ def _load_sentencepiece(path: str) -> Tokenizer:
         raise DataError(f"{exc}: pip install sentencepiece") from None
     except RuntimeError as exc:  # sentencepiece's "ParseFromArray failed"
         raise DataError(f"{path} is not a SentencePiece model ({exc})") from None
-    unknown = megatron._tokenizer.tokenizer.unk_id()
-    missing = [t for t in _SP_SPECIALS.values() if megatron._tokenizer.token_to_id(t) == unknown]
-    if missing:
-        raise DataError(
-            f"SentencePiece model {path} lacks the special tokens {missing}: train it with "
-            "`bert_data.py train-tokenizer` (they are control symbols there)"
-        )
-    return Tokenizer(megatron, "sentencepiece", path)
+    return megatron
 
 
-def _load_wordpiece(path: str, lower_case: bool) -> Tokenizer:
+def _load_wordpiece(path: str, lower_case: bool) -> Any:
     """megatron-core's ``huggingface`` library over a local folder holding the vocab and a
     ``tokenizer_config.json`` (a BertTokenizer), kept under a name derived from the vocab's
     md5: every rank and run sees the same path, so megatron's dataset cache key agrees."""
@@ -218,7 +217,7 @@ def _load_wordpiece(path: str, lower_case: bool) -> Tokenizer:
         ) from None
     if any(getattr(megatron, n, None) is None for n in ("cls", "sep", "mask", "pad")):
         raise DataError(f"vocab {path} lacks one of [CLS] [SEP] [MASK] [PAD]")
-    return Tokenizer(megatron, "wordpiece", path)
+    return megatron
 
 
 def _write_hf_folder(vocab: str, folder: Path, lower_case: bool) -> None:
@@ -253,6 +252,5 @@ def build_tokenizer(
 
 def tokenizer_args(tokenizer: Tokenizer) -> Sequence[str]:
     """Megatron-LM's flags that load ``tokenizer``."""
-    if tokenizer.kind == "sentencepiece":
-        return ("--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer.path)
-    return ("--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", tokenizer.path)
+    file_flag = "--tokenizer-model" if tokenizer.kind == "sentencepiece" else "--vocab-file"
+    return ("--tokenizer-type", tokenizer.tokenizer_type, file_flag, tokenizer.path)
