@@ -5,7 +5,9 @@ tokenizers (``megatron.core.tokenizers.MegatronTokenizer.from_pretrained``).
 Special tokens. The SentencePiece model holds BERT's and GPT's special tokens under the names
 Megatron-LM's ``SentencePieceTokenizer`` looks up (``<CLS>``, ``<SEP>``, ``<MASK>``, ``<EOD>``,
 the model's pad/bos/eos pieces), at fixed ids :data:`SPECIAL_TOKENS` (``<PAD>`` = 0 as in
-BERT), trained as control symbols: text never encodes to them. So Megatron-LM's
+BERT), trained as control symbols: sentencepiece never encodes text to them (megatron-core's
+``legacy`` mode, below, does map the literal strings ``<CLS>``, ``<SEP>``, ... in a text to
+their ids, as Megatron-LM's tokenizer does). So Megatron-LM's
 ``--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model`` sees the same
 ids and vocabulary size as megatron-core's tokenizer here.
 
