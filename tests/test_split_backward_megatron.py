@@ -37,7 +37,7 @@ from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.megatron.weights import load_global
 from megatron_prt.runtime.local import all_ok, run_local
 
-W_DELAYS = (0, 2, None)
+W_DELAYS = (0, 2, None, "zb")  # "zb": core's zero-bubble plan (the default)
 
 
 def _run_split(rank, world, kind, m, reuse, ref_state, w_delay):
@@ -108,6 +108,8 @@ SUBSET = [
     ("gpt-untied", 2, 3, "loop", "bi", True, 2),
     ("bert", 2, 2, "wave", "bi", True, 0),
     ("bert-nobinary", 2, 2, "loop", "uni", False, None),
+    ("gpt", 4, 2, "wave", "bi", True, "zb"),
+    ("bert", 2, 3, "loop", "uni", False, "zb"),
 ]
 
 
@@ -122,25 +124,25 @@ def test_split_parity_full_grid(kind, p, r, placement, direction, uneven, w_dela
     _check(kind, p, r, placement, direction, uneven, w_delay)
 
 
-def _train_w_last(rank, world, kind, m, reuse, state):
-    """megatron_models.train with every W at the end of its rank's iteration (the default
-    puts W right after I; this forked rank alone changes it)."""
+def _train_split(rank, world, kind, m, reuse, state, w_delay):
+    """megatron_models.train with W placed by ``w_delay`` (this forked rank alone)."""
     import megatron_prt.megatron as integration
 
     original = integration.make_forward_backward_func
-    integration.make_forward_backward_func = partial(original, w_delay=None)
+    integration.make_forward_backward_func = partial(original, w_delay=w_delay)
     return train(rank, world, kind, m, reuse, state)
 
 
 @pytest.mark.parametrize(
-    "kind,placement,direction", [("gpt", "wave", "uni"), ("bert", "loop", "bi")]
+    "kind,placement,direction,w_delay",
+    [("gpt", "wave", "uni", None), ("bert", "loop", "bi", "zb"), ("gpt", "loop", "uni", 2)],
 )
-def test_ddp_training_with_split_backward_tracks_the_reference(kind, placement, direction):
+def test_ddp_training_with_split_backward_tracks_the_reference(kind, placement, direction, w_delay):
     """megatron's DDP (grad buffers, main_grad hooks) sees every W's gradient: three Adam
     steps with clipping match the unpipelined run."""
     reuse = ReuseConfig(Placement(2, 2, placement, direction), LAYERS_TRAIN, split_backward=True)
     state, want = _unpipelined(kind)
-    results = all_ok(run_local(2, _train_w_last, kind, M, reuse, state))
+    results = all_ok(run_local(2, _train_split, kind, M, reuse, state, w_delay))
     got = results[-1]
     torch.testing.assert_close(
         torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TRAIN_TOL

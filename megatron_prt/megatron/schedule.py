@@ -299,12 +299,13 @@ def make_forward_backward_func(
     timeout_s: float = 600.0,
     transport: str = "auto",
     measure_memory: bool = False,
-    w_delay: int | None = 0,
+    w_delay: int | str | None = "zb",
 ) -> Callable:
     """megatron's forward-backward function for ``reuse`` (see the module docstring).
-    ``reuse.split_backward``: every B runs as I, and its W ``w_delay`` compute actions later
-    on the rank (None: at the end of the iteration; see
-    :func:`megatron_prt.runtime.split_plan.split_backward_plan`).
+    ``reuse.split_backward``: backward runs as I and W, in the core's zero-bubble plan
+    (``w_delay`` ``"zb"``, :func:`megatron_prt.core.zerobubble.zero_bubble`) or, for an int
+    or None, in ``reuse.schedule``'s order with each W that many compute actions after its I
+    (None: at the end; :func:`megatron_prt.runtime.split_plan.split_backward_plan`).
     ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``
     and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
     function's ``memory_stats()`` gives the last call's activation memory on this rank."""
@@ -336,9 +337,7 @@ def make_forward_backward_func(
         group = group or parallel_state.get_pipeline_model_parallel_group()
         key = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length, id(model[0]))
         if key not in pipelines:
-            plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
-            if reuse.split_backward:
-                plan = split_backward_plan(plan, w_delay)
+            plan = _plan(reuse, num_microbatches, w_delay)
             device = _device_of(model[0])
             pipelines[key] = MegatronPipeline(
                 plan,
@@ -380,6 +379,18 @@ def make_forward_backward_func(
         lambda: last[0] if last else None
     )
     return forward_backward_pipelining_with_reuse
+
+
+def _plan(reuse: ReuseConfig, num_microbatches: int, w_delay: int | str | None):
+    """The plan of one iteration: ``reuse.schedule``'s, split as ``w_delay`` says (see
+    :func:`make_forward_backward_func`) when ``reuse.split_backward``."""
+    placement = reuse.placement
+    plan = build_plan(placement, num_microbatches, schedule=reuse.schedule)
+    if not reuse.split_backward or plan.split_backward:
+        return plan
+    if w_delay == "zb":
+        return build_plan(placement, num_microbatches, schedule="zb")
+    return split_backward_plan(plan, w_delay)
 
 
 def _write_trace(path_prefix: str, pipeline: MegatronPipeline, group) -> list[str]:
