@@ -11,6 +11,7 @@ import inspect
 import pathlib
 import re
 import sys
+import textwrap
 import types
 from functools import partial
 
@@ -186,6 +187,48 @@ def test_patch_series_is_recorded_and_well_formed():
             assert (old, new) == (int(hunk.group(2)), int(hunk.group(4))), (
                 f"{path.name}: hunk at line {hunk.group(1)} miscounts its lines"
             )
+
+
+def _patched_initialize_hook() -> str:
+    """The lines patch 0001 adds to ``initialize_megatron``, dedented to run on their own."""
+    text = (PATCHES / "0001-initialize-translate-pipeline-reuse-flags.patch").read_text()
+    added = [ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    return textwrap.dedent("\n".join(added))
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--pipeline-reuse-placement", "wave", "--pipeline-reuse-direction", "bi"],
+         "--pipeline-reuse-placement, --pipeline-reuse-direction given without --pipeline-reuse"),
+        (["--pipeline-reuse-timeout", "30"], "--pipeline-reuse-timeout given without"),
+    ],
+)  # fmt: skip
+def test_patched_initialize_refuses_reuse_flags_without_pipeline_reuse(flags, named):
+    """Megatron-LM with the patches: PRT flags without ``--pipeline-reuse`` stop the run with
+    the flag named (they used to be dropped, and plain 1F1B trained)."""
+    import argparse
+
+    from megatron_prt.core.placement import ConfigError
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        exec(_patched_initialize_hook(), {"args": args})
+
+
+def test_patched_initialize_translates_reuse_flags_and_ignores_other_scripts():
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
+    )
+    args.num_layers, args.pipeline_model_parallel_size = 8, 2
+    exec(_patched_initialize_hook(), {"args": args})
+    assert args.pipeline_reuse_config.placement.chunks_per_rank == 2
+    assert args.num_virtual_stages_per_pipeline_rank == 2
+    other = argparse.Namespace(num_layers=8)  # a script without add_arguments: untouched
+    exec(_patched_initialize_hook(), {"args": other})
+    assert vars(other) == {"num_layers": 8}
 
 
 def test_patches_call_hooks_that_exist_with_megatrons_signatures():
