@@ -114,7 +114,7 @@ def _cpu_factory(factory):
     return make
 
 
-class _CpuCuda:
+class CpuCuda:
     """``torch.cuda`` as megatron's allocation code sees it: the current device is the CPU
     and there is nothing to synchronize. Anything else is the real ``torch.cuda``."""
 
@@ -132,9 +132,9 @@ class _CpuCuda:
 
 class CpuTorch:
     """Stands in for ``torch`` inside one megatron module: factories allocate on CPU when
-    asked for CUDA, ``cuda`` is :class:`_CpuCuda`, every other attribute is torch's own."""
+    asked for CUDA, ``cuda`` is :class:`CpuCuda`, every other attribute is torch's own."""
 
-    cuda = _CpuCuda()
+    cuda = CpuCuda()
 
     def __init__(self) -> None:
         for name in _FACTORIES:
