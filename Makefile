@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden bench bench-runtime demo docker docker-demo gpu-smoke
+.PHONY: install test test-all lint format clean golden bench bench-runtime demo docker docker-demo gpu-smoke \
+	test-megatron-next megatron-lm-smoke
 
 install: $(STAMP)
 
@@ -20,6 +21,28 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# The megatron-facing tests against the next megatron-core line (requirements-next.txt) on
+# Python 3.12, in their own venv. Not in CI: the first run installs ~2.6 GB of wheels.
+NEXT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) python3.12)
+NEXT_VENV   ?= .venv-next
+NEXT_TESTS  ?= tests/test_megatron_args.py tests/test_megatron_cpu.py \
+	tests/test_megatron_lm_glue.py tests/test_megatron_order.py tests/test_megatron_parity.py \
+	tests/test_megatron_training.py tests/test_pretrain_bert.py tests/test_megatron_lm_cpu.py
+NEXT_STAMP  := $(NEXT_VENV)/.installed-$(shell cat pyproject.toml requirements-next.txt | cksum | cut -d' ' -f1)
+$(NEXT_STAMP): pyproject.toml requirements-next.txt
+	test -x $(NEXT_VENV)/bin/python || $(NEXT_PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install --quiet -r requirements-next.txt
+	$(NEXT_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	rm -f $(NEXT_VENV)/.installed-* && touch $@
+test-megatron-next: $(NEXT_STAMP)
+	$(NEXT_VENV)/bin/python -m pytest -q -x $(NEXT_TESTS)
+
+# Upstream Megatron-LM (a checkout with patches/ applied) trained on 4 CPU ranks by its own
+# training loop with PRT, checkpoint saved and resumed (scripts/megatron_lm_smoke.sh,
+# docs/gpu.md): make megatron-lm-smoke MEGATRON_LM=/path/to/Megatron-LM PYTHON_MLM=venv/bin/python
+megatron-lm-smoke:
+	PYTHON=$(or $(PYTHON_MLM),python3) scripts/megatron_lm_smoke.sh $(MEGATRON_LM)
 
 lint: install
 	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples scripts

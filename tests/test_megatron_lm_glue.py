@@ -84,6 +84,7 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         load_global(model, state, is_tied(kind))
     forward_backward = pipeline_parallel.get_forward_backward_func()
     assert forward_backward.reuse == reuse, "the glue installs PRT on the first chunk"
+    _check_chunk_stage_queries(reuse, rank, len(model))
     store = forward_backward(
         forward_step_func=partial(forward_step, kind, False),
         data_iterator=[iter(batches(M)) for _ in model],
@@ -97,6 +98,21 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         "grads": grads_by_name(model, is_tied(kind)),
         "timeout_s": forward_backward.pipeline().timeout_s,
     }
+
+
+def _check_chunk_stage_queries(reuse, rank, chunks):
+    """Asked per chunk (as Megatron-LM does building data iterators), megatron's stage queries
+    answer for the stage the placement gives that chunk."""
+    from megatron.core import parallel_state
+
+    stages = reuse.placement.rank_stages[rank]
+    for chunk in range(chunks):
+        model_stage = reuse.placement.model_stage(stages[chunk])
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk)
+        assert (first, last) == (model_stage == 0, model_stage == reuse.placement.depth - 1), (
+            f"rank {rank} chunk {chunk} (model stage {model_stage})"
+        )
 
 
 @pytest.mark.parametrize(
@@ -242,3 +258,49 @@ def test_patches_call_hooks_that_exist_with_megatrons_signatures():
     for keyword in ("pre_process", "post_process", "vp_stage", "config"):
         assert keyword in wrapped.parameters
     assert list(inspect.signature(megatron_lm.get_embedding_ranks).parameters)[:1] == ["pp_ranks"]
+
+
+def test_checkpointed_args_load_with_torch_weights_only(tmp_path):
+    """Megatron-LM saves ``args`` in every checkpoint and loads them with ``weights_only``:
+    the PRT config they carry must load (it stopped every resume with 'Unsupported global')."""
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"]
+    )
+    args.num_layers, args.pipeline_model_parallel_size = 8, 2
+    reuse = megatron_lm.validate_args(args)
+    torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
+    loaded = torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["args"]
+    assert loaded.pipeline_reuse_config == reuse
+
+
+def test_script_providers_are_chained_and_kept_without_reuse(monkeypatch):
+    """``pretrain_gpt.py`` has its own embedding ranks (MTP) and argument provider (ModelOpt):
+    without --pipeline-reuse they decide; the PRT flags are always added."""
+    import argparse
+
+    seen = []
+
+    def script_ranks(pp_ranks, *rest):
+        seen.append(pp_ranks)
+        return [pp_ranks[0], pp_ranks[-1], 99]
+
+    def script_arguments(parser):
+        parser.add_argument("--script-flag", default="x")
+        return parser
+
+    parser = megatron_lm.add_arguments_and(script_arguments)(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-reuse-timeout", "5"])
+    assert (args.script_flag, args.pipeline_reuse_timeout) == ("x", 5.0)
+    plain = megatron_lm.add_arguments_and(None)(argparse.ArgumentParser()).parse_args([])
+    assert plain.pipeline_reuse is None
+
+    for name in ("megatron.training", "megatron.training.arguments"):  # undone after the test
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    _stand_in_training(argparse.Namespace())  # no pipeline_reuse_config: PRT off
+    assert megatron_lm.embedding_ranks_or(script_ranks)([0, 1, 2]) == [0, 2, 99]
+    training_args = argparse.Namespace(pipeline_reuse_config=object())
+    _stand_in_training(training_args)  # PRT on: only the first rank, the script not asked
+    assert megatron_lm.embedding_ranks_or(script_ranks)([0, 1, 2]) == [0]
+    assert seen == [[0, 1, 2]]
