@@ -47,7 +47,7 @@ megatron-lm-smoke:
 lint: install
 	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples scripts
 	$(VENV)/bin/hadolint Dockerfile
-	bash -n scripts/gpu_smoke.sh
+	bash -n scripts/gpu_smoke.sh scripts/megatron_lm_smoke.sh
 
 format: install
 	$(VENV)/bin/ruff format megatron_prt tests benchmarks examples scripts
@@ -85,10 +85,17 @@ docker:
 	docker build -t $(IMAGE) .
 
 # BERT pretraining with PRT (wave, R=2) against 1F1B on every GPU of this machine, inside the
-# image: examples/demo.py with --device cuda (timelines in /workspace/out/demo).
+# image: examples/demo.py with --device cuda (timelines in out/demo). Pipeline ranks take one
+# GPU each over NCCL, so with fewer than 2 GPUs the demo runs on 4 CPU ranks instead.
 docker-demo: docker
-	$(DOCKER_RUN) $(IMAGE) bash -c 'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
-	  python /opt/megatron-prt/examples/demo.py --device cuda --ranks $$n --out /workspace/out/demo'
+	$(DOCKER_RUN) -v $(CURDIR)/out:/workspace/out $(IMAGE) bash -c \
+	  'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
+	  if [ $$n -ge 2 ]; then \
+	    python /opt/megatron-prt/examples/demo.py --device cuda --ranks $$n --out /workspace/out/demo; \
+	  else \
+	    echo "docker-demo: $$n GPU; a pipeline needs 2 (one rank per GPU): 4 CPU ranks instead" >&2; \
+	    OMP_NUM_THREADS=1 python /opt/megatron-prt/examples/demo.py --ranks 4 --out /workspace/out/demo; \
+	  fi'
 
 gpu-smoke:
 	scripts/gpu_smoke.sh
