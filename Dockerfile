@@ -20,7 +20,7 @@ ENV PIP_CONSTRAINT="" \
 
 WORKDIR /workspace
 COPY patches/ /opt/megatron-prt/patches/
-# Megatron-LM at the tag the patches target (patches/series), installed editable so that the
+# Megatron-LM at a tag with patches (patches/<tag>/series), installed editable so that the
 # megatron-core the image runs is the tag's own, with its [mlm] extra; the image's torch,
 # apex and transformer-engine satisfy the rest and are left as they are. einops, pydantic,
 # pyyaml, regex and six are imported by megatron.training at this tag without being declared;
@@ -28,8 +28,8 @@ COPY patches/ /opt/megatron-prt/patches/
 # there), hence DL3013.
 # hadolint ignore=DL3013
 RUN git clone --depth 1 --branch "${MEGATRON_LM_REF}" "${MEGATRON_LM_REPO}" /workspace/Megatron-LM \
-    && head -n1 /opt/megatron-prt/patches/series | grep -qx "${MEGATRON_LM_REF} .*" \
-    && git -C /workspace/Megatron-LM apply /opt/megatron-prt/patches/*.patch \
+    && head -n1 "/opt/megatron-prt/patches/${MEGATRON_LM_REF}/series" | grep -q "^${MEGATRON_LM_REF} " \
+    && git -C /workspace/Megatron-LM apply /opt/megatron-prt/patches/"${MEGATRON_LM_REF}"/*.patch \
     && python -m pip install --no-cache-dir --no-build-isolation -e "/workspace/Megatron-LM[mlm]" \
     && python -m pip install --no-cache-dir einops pydantic pyyaml regex six pytest-timeout hypothesis \
     && make -C /workspace/Megatron-LM/megatron/core/datasets

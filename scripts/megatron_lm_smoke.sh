@@ -11,7 +11,8 @@
 # generator, dropout from the CUDA one), so with dropout a resumed CPU run masks differently.
 #
 # Usage: scripts/megatron_lm_smoke.sh MEGATRON_LM_DIR [OUT_DIR]
-#   MEGATRON_LM_DIR: a checkout of the tag in patches/series with the patches applied
+#   MEGATRON_LM_DIR: a checkout of core_v0.16.1 with patches/core_v0.16.1 applied (later tags
+#                    moved pretrain_bert.py and build GPT from a config: not covered here)
 #   PYTHON: an interpreter with torch (CPU), megatron-core and Megatron-LM's requirements
 #           (six regex einops triton pyyaml pydantic pybind11); docs/gpu.md has the venv.
 # Never on a GPU process: the CPU harness (megatron_prt/megatron/megatron_lm_cpu.py) refuses.
@@ -23,7 +24,7 @@ PY=${PYTHON:-python3}
 pybin=$(dirname "$(command -v "$PY")")
 mkdir -p "$out"
 grep -q megatron_prt "$mlm/pretrain_bert.py" || {
-    echo "$mlm: patches not applied; run: git -C $mlm apply $root/patches/*.patch" >&2; exit 2; }
+    echo "$mlm: patches not applied; run: git -C $mlm apply $root/patches/<its tag>/*.patch" >&2; exit 2; }
 
 # Megatron's dataset index helpers, built for this interpreter (its Makefile asks python3-config,
 # which may be another Python).

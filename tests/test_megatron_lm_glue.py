@@ -183,15 +183,28 @@ def test_without_reuse_the_glue_changes_nothing():
 
 
 # -- the patch files --------------------------------------------------------------------------
-def _patch_files() -> list[pathlib.Path]:
-    return sorted(PATCHES.glob("*.patch"))
+TAGS = sorted(p.name for p in PATCHES.iterdir() if p.is_dir())
+# The lines each tag's first patch adds where Megatron-LM validates its arguments.
+VALIDATE_HOOKS = {
+    "core_v0.16.1": "0001-initialize-translate-pipeline-reuse-flags.patch",
+    "core_v0.19.0": "0001-arguments-translate-pipeline-reuse-flags.patch",
+}
 
 
-def test_patch_series_is_recorded_and_well_formed():
-    tag, *names = (PATCHES / "series").read_text().splitlines()
-    assert re.fullmatch(r"core_v0\.16\.1 [0-9a-f]{40}", tag), "first line: tag and its commit"
-    assert [p.name for p in _patch_files()] == names
-    for path in _patch_files():
+def _patch_files(tag: str | None = None) -> list[pathlib.Path]:
+    return sorted((PATCHES / tag).glob("*.patch") if tag else PATCHES.glob("*/*.patch"))
+
+
+def test_every_supported_tag_has_patches():
+    assert TAGS == sorted(VALIDATE_HOOKS), "patches/<tag>/ directories"
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_patch_series_is_recorded_and_well_formed(tag):
+    first, *names = (PATCHES / tag / "series").read_text().splitlines()
+    assert re.fullmatch(rf"{re.escape(tag)} [0-9a-f]{{40}}", first), "first line: tag, commit"
+    assert [p.name for p in _patch_files(tag)] == names
+    for path in _patch_files(tag):
         text = path.read_text()
         targets = re.findall(r"^diff --git a/(\S+) b/\1$", text, flags=re.M)
         assert targets, f"{path.name}: no file diffs"
@@ -205,13 +218,15 @@ def test_patch_series_is_recorded_and_well_formed():
             )
 
 
-def _patched_initialize_hook() -> str:
-    """The lines patch 0001 adds to ``initialize_megatron``, dedented to run on their own."""
-    text = (PATCHES / "0001-initialize-translate-pipeline-reuse-flags.patch").read_text()
+def _patched_validate_hook(tag: str) -> str:
+    """The lines ``tag``'s first patch adds before Megatron's ``validate_args``, dedented to
+    run on their own."""
+    text = (PATCHES / tag / VALIDATE_HOOKS[tag]).read_text()
     added = [ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("++")]
     return textwrap.dedent("\n".join(added))
 
 
+@pytest.mark.parametrize("tag", TAGS)
 @pytest.mark.parametrize(
     "flags,named",
     [
@@ -220,7 +235,7 @@ def _patched_initialize_hook() -> str:
         (["--pipeline-reuse-timeout", "30"], "--pipeline-reuse-timeout given without"),
     ],
 )  # fmt: skip
-def test_patched_initialize_refuses_reuse_flags_without_pipeline_reuse(flags, named):
+def test_patched_megatron_refuses_reuse_flags_without_pipeline_reuse(tag, flags, named):
     """Megatron-LM with the patches: PRT flags without ``--pipeline-reuse`` stop the run with
     the flag named (they used to be dropped, and plain 1F1B trained)."""
     import argparse
@@ -229,21 +244,22 @@ def test_patched_initialize_refuses_reuse_flags_without_pipeline_reuse(flags, na
 
     args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
     with pytest.raises(ConfigError, match=re.escape(named)):
-        exec(_patched_initialize_hook(), {"args": args})
+        exec(_patched_validate_hook(tag), {"args": args})
 
 
-def test_patched_initialize_translates_reuse_flags_and_ignores_other_scripts():
+@pytest.mark.parametrize("tag", TAGS)
+def test_patched_megatron_translates_reuse_flags_and_ignores_other_scripts(tag):
     import argparse
 
     args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
     )
     args.num_layers, args.pipeline_model_parallel_size = 8, 2
-    exec(_patched_initialize_hook(), {"args": args})
+    exec(_patched_validate_hook(tag), {"args": args})
     assert args.pipeline_reuse_config.placement.chunks_per_rank == 2
     assert args.num_virtual_stages_per_pipeline_rank == 2
     other = argparse.Namespace(num_layers=8)  # a script without add_arguments: untouched
-    exec(_patched_initialize_hook(), {"args": other})
+    exec(_patched_validate_hook(tag), {"args": other})
     assert vars(other) == {"num_layers": 8}
 
 
