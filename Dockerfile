@@ -45,10 +45,11 @@ RUN python -m pip install --no-cache-dir --no-deps -e /opt/megatron-prt \
 ENV PYTHONPATH=/workspace/Megatron-LM
 WORKDIR /workspace/Megatron-LM
 # Build-time checks (no GPU here): Megatron-LM's training package imports; the patched
-# pretrain_bert.py parses and lists the --pipeline-reuse flags (through the CPU harness, as
+# pretrain_bert.py (examples/bert/ from core_v0.18) parses and lists the --pipeline-reuse flags (through the CPU harness, as
 # Megatron-LM asserts CUDA before it parses); our unit tests that need no GPU pass.
 RUN python -c "import megatron.training.training, megatron_prt.megatron.megatron_lm" \
-    && python -m megatron_prt.megatron.megatron_lm_cpu pretrain_bert.py --spec local --help \
+    && script=pretrain_bert.py && { [ -f "$script" ] || script=examples/bert/pretrain_bert.py; } \
+    && python -m megatron_prt.megatron.megatron_lm_cpu "$script" --spec local --help \
         > /tmp/pretrain_bert.help \
     && grep -q -- "--pipeline-reuse-placement" /tmp/pretrain_bert.help \
     && python -m pytest -q -x -p no:cacheprovider --rootdir /opt/megatron-prt \

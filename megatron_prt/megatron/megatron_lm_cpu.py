@@ -34,7 +34,6 @@ initialised, and a CPU run never initialises it (every CUDA call it reaches is r
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
@@ -94,32 +93,10 @@ class _TrainingCuda(cpu.CpuCuda):
     def manual_seed(seed) -> None:
         return None
 
-    @staticmethod
-    def Stream(*args, **kwargs) -> _CpuStream:  # noqa: N802 (torch.cuda's name)
-        return _CpuStream()
-
-    @staticmethod
-    def current_stream(device=None) -> _CpuStream:
-        return _CpuStream()
-
-    @staticmethod
-    def stream(stream) -> contextlib.nullcontext:
-        return contextlib.nullcontext()
-
     def __getattr__(self, name):
         if "memory" in name and (name.endswith(("allocated", "reserved"))):
             return _no_memory
         return getattr(torch.cuda, name)
-
-
-class _CpuStream:
-    """A CUDA stream on CPU: work is already ordered, every wait returns at once."""
-
-    def wait_stream(self, stream) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
 
 
 def _no_memory(device=None) -> int:
