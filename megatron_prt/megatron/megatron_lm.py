@@ -1,19 +1,25 @@
-"""Glue for Megatron-LM's training scripts (``pretrain_bert.py``; see ``patches/``).
+"""Glue for Megatron-LM's training scripts (``pretrain_bert.py``, ``pretrain_gpt.py``; see
+``patches/<tag>/``).
 
 Megatron-LM builds its arguments inside ``pretrain()``, so this module is the one place in
 megatron-prt that reads them through ``megatron.training.get_args()``; everything below it
 takes a :class:`~megatron_prt.megatron.config.ReuseConfig`. A patched script passes:
 
-* ``extra_args_provider=add_arguments`` (the ``--pipeline-reuse*`` flags);
-* ``get_embedding_ranks=get_embedding_ranks`` (PRT sums tied embedding gradients itself);
+* ``extra_args_provider=add_arguments`` (the ``--pipeline-reuse*`` flags), or
+  ``add_arguments_and(script_provider)`` for a script with its own;
+* ``get_embedding_ranks=get_embedding_ranks`` (PRT sums tied embedding gradients itself), or
+  ``embedding_ranks_or(script_ranks)`` for a script with its own;
 * ``model_provider(provider)`` instead of ``provider``: chunk roles and the layer layout from
-  the placement, replica/tied weights prepared as chunks are built, and PRT installed as the
-  forward-backward function megatron's training loop looks up.
+  the placement, replica/tied weights prepared as chunks are built, PRT installed as the
+  forward-backward function megatron's training loop looks up, and megatron's per-chunk
+  stage queries answering for the placement.
 
-and ``megatron/training/initialize.py`` calls :func:`validate_args` right before Megatron's own
-``validate_args``. Without ``--pipeline-reuse`` every hook leaves Megatron's behaviour as is.
-``--pipeline-reuse-timeout`` travels in the :class:`ReuseConfig` to :func:`install`: it bounds
-every wait on a pipeline peer before a ``PipelineError`` names that peer.
+and Megatron-LM calls :func:`validate_args` right before its own ``validate_args`` whenever
+the flags are registered (``initialize.py`` at core_v0.16.1, ``arguments.py`` at
+core_v0.19.0): without ``--pipeline-reuse`` it refuses the other ``--pipeline-reuse-*`` flags
+and otherwise leaves Megatron's behaviour as is. ``--pipeline-reuse-timeout`` travels in the
+:class:`ReuseConfig` to :func:`install`: it bounds every wait on a pipeline peer before a
+``PipelineError`` names that peer.
 """
 
 from __future__ import annotations
