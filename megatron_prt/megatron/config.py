@@ -16,7 +16,8 @@ class ReuseConfig:
     """``placement``: P, R, loop|wave, uni|bi. ``stage_layers``: transformer layers of each
     model stage ``0..D-1`` in flow order (``None``: as even as possible, earlier stages take the
     remainder). ``trace_path``: where a traced iteration's Chrome trace goes (``None``: off).
-    ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`."""
+    ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`.
+    ``split_backward``: run every backward as I (input gradient) then W (weight gradient)."""
 
     placement: Placement
     num_layers: int
@@ -24,6 +25,7 @@ class ReuseConfig:
     trace_path: str | None = None
     schedule: str = "prt"
     timeout_s: float = 60.0
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction
