@@ -3,14 +3,15 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-from .actions import Action
+from .actions import Action, Op
 from .deps import producers
 from .grid import format_grid
 from .plan import Plan
 from .timing import StageTimes
+
+_COMPUTE = frozenset(op for op in Op if op.is_compute)
 
 
 class PlanError(ValueError):
@@ -50,36 +51,95 @@ class Replayer:
     its predecessors (the previous action on its rank, then its producers from
     :func:`megatron_prt.core.deps.producers`). Compile once, then :meth:`run` with as many
     stage times as needed. Raises :class:`PlanError` if the ranks block each other (a cyclic
-    wait, i.e. a deadlock) or an action waits on one no rank runs."""
+    wait, i.e. a deadlock) or an action waits on one no rank runs.
+
+    Compiling is linear in the plan and touches no :class:`Action` beyond reading each one
+    once: the producers of a kind of action (stage, op) are asked of the dependency rule
+    once and shifted to every micro-batch (the rule never crosses micro-batches), and
+    actions are found by ``kind * m + mb``."""
 
     def __init__(self, plan: Plan) -> None:
-        placement = self.placement = plan.placement
-        orders = [plan.compute_actions(r) for r in range(placement.ranks)]
+        self.placement = plan.placement
+        orders = [[a for a in acts if a[1] in _COMPUTE] for acts in plan.ranks]
         self.actions = [a for acts in orders for a in acts]
-        index: dict[Action, int] = {}
-        for i, action in enumerate(self.actions):
-            index.setdefault(action, i)  # plans run each action once (validate checks)
-        rank_of = placement.stage_to_rank
-        split = plan.split_backward  # a scan of the whole plan: once
-        preds: list[list[tuple[int, bool]]] = []
-        missing = [0] * len(self.actions)  # producers no rank runs: never ready
-        for rank, acts in enumerate(orders):
-            for step, action in enumerate(acts):
-                mine = [(len(preds) - 1, False)] if step else []
-                for dep in producers(action, placement, split):
-                    if dep in index:
-                        mine.append((index[dep], rank_of[dep.stage] != rank))
-                    else:
-                        missing[len(preds)] += 1
-                preds.append(mine)
-        # preds[i]: (index of a predecessor, whether the edge crosses ranks), rank's first
-        self.preds = [tuple(p) for p in preds]
-        self.order = _dependency_order(self.preds, missing)
+        self.rank_of = [r for r, acts in enumerate(orders) for _ in acts]
+        self.kinds = sorted({(a[0], a[1]) for a in self.actions})
+        kind_index = {kind: i for i, kind in enumerate(self.kinds)}
+        self.kind_of = [kind_index[a[0], a[1]] for a in self.actions]
+        self._deps, missing = self._compile_deps(plan, kind_index)
+        self.order = self._dependency_order(orders, missing)
         if len(self.order) < len(self.actions):
             raise PlanError(_deadlock_message(plan, orders, self._done(orders)))
-        self.kinds = sorted({(a.stage, a.op) for a in self.actions})
-        kind_index = {kind: i for i, kind in enumerate(self.kinds)}
-        self.kind_of = [kind_index[(a.stage, a.op)] for a in self.actions]
+
+    def _compile_deps(self, plan: Plan, kind_index: dict) -> tuple[list[tuple], list[int]]:
+        """Per action its producers as ``(index, crosses ranks)``, and how many of its
+        producers no rank runs."""
+        placement, actions, split = self.placement, self.actions, plan.split_backward
+        mbs = max((a[2] for a in actions), default=-1) + 1
+        slot = [-1] * (len(self.kinds) * mbs)
+        for i in range(len(actions) - 1, -1, -1):  # the first of any repeat wins
+            slot[self.kind_of[i] * mbs + actions[i][2]] = i
+        rank_of = placement.stage_to_rank
+        kind_deps = []  # per kind: ((kind of producer or -1 if no rank runs it), ...)
+        for stage, op in self.kinds:
+            deps = producers(Action(stage, op, 0), placement, split)
+            kind_deps.append(tuple(kind_index.get((d.stage, d.op), -1) for d in deps))
+        crossing = [
+            tuple(k >= 0 and rank_of[self.kinds[k][0]] != rank_of[stage] for k in deps)
+            for (stage, _), deps in zip(self.kinds, kind_deps, strict=True)
+        ]
+        out, missing = [], [0] * len(actions)
+        for i, (kind, action) in enumerate(zip(self.kind_of, actions, strict=True)):
+            mine = []
+            for k, crosses in zip(kind_deps[kind], crossing[kind], strict=True):
+                j = slot[k * mbs + action[2]] if k >= 0 else -1
+                if j < 0:
+                    missing[i] += 1
+                else:
+                    mine.append((j, crosses))
+            out.append(tuple(mine))
+        return out, missing
+
+    def _dependency_order(self, orders: list[list[Action]], missing: list[int]) -> list[int]:
+        """Every rank runs its actions in order while their producers are done; a rank that
+        waits parks on the producer it waits for. The actions that ran, in the order they
+        ran (a dependency order); those waiting on a cycle or a missing producer are left
+        out."""
+        deps, done, order = self._deps, bytearray(len(self.actions)), []
+        parked: dict[int, list[int]] = {}
+        pos, ends, first = [], [], 0
+        for acts in orders:
+            pos.append(first)
+            first += len(acts)
+            ends.append(first)
+        todo = list(range(len(orders)))
+        while todo:
+            rank = todo.pop()
+            i, end = pos[rank], ends[rank]
+            while i < end:
+                if missing[i]:
+                    break
+                blocker = next((j for j, _ in deps[i] if not done[j]), None)
+                if blocker is not None:
+                    parked.setdefault(blocker, []).append(rank)
+                    break
+                done[i] = 1
+                order.append(i)
+                if i in parked:
+                    todo.extend(parked.pop(i))
+                i += 1
+            pos[rank] = i
+        return order
+
+    @property
+    def preds(self) -> list[tuple[tuple[int, bool], ...]]:
+        """Per action: (index of a predecessor, whether the edge crosses ranks), the
+        previous action on its rank first."""
+        rank_of = self.rank_of
+        return [
+            (((i - 1, False),) if i and rank_of[i - 1] == rank_of[i] else ()) + deps
+            for i, deps in enumerate(self._deps)
+        ]
 
     def _done(self, orders) -> tuple[list[int], set[Action]]:
         """At a deadlock: per rank the actions that ran, and the set of them."""
@@ -93,14 +153,16 @@ class Replayer:
         busy = [times.busy(Action(stage, op, 0), self.placement) for stage, op in self.kinds]
         duration = [busy[k] for k in self.kind_of]
         end = [0] * len(duration)
-        hop = times.p2p
+        free = [0] * self.placement.ranks  # when each rank finishes its last action so far
+        hop, deps, rank_of = times.p2p, self._deps, self.rank_of
         for i in self.order:
-            start = 0
-            for j, crosses in self.preds[i]:
+            rank = rank_of[i]
+            start = free[rank]
+            for j, crosses in deps[i]:
                 ready = end[j] + hop if crosses else end[j]
                 if ready > start:
                     start = ready
-            end[i] = start + duration[i]
+            end[i] = free[rank] = start + duration[i]
         return Ticks(end, duration, hop, tick)
 
     def run(self, times: StageTimes | None = None) -> Timeline:
@@ -120,26 +182,6 @@ def replay(plan: Plan, times: StageTimes | None = None) -> Timeline:
     the ranks block each other (a cyclic wait, i.e. a deadlock). To replay one plan under
     many stage times, compile it once with :class:`Replayer`."""
     return Replayer(plan).run(times)
-
-
-def _dependency_order(preds, missing) -> list[int]:
-    """Kahn's order of the actions; those waiting (transitively) on a cycle or on a
-    ``missing`` producer are left out."""
-    waiting = [len(p) + n for p, n in zip(preds, missing, strict=True)]
-    users: list[list[int]] = [[] for _ in preds]
-    for i, p in enumerate(preds):
-        for j, _ in p:
-            users[j].append(i)
-    ready = deque(i for i, n in enumerate(waiting) if n == 0)
-    order = []
-    while ready:
-        i = ready.popleft()
-        order.append(i)
-        for user in users[i]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                ready.append(user)
-    return order
 
 
 def _deadlock_message(plan, orders, done) -> str:

@@ -20,7 +20,16 @@ from dataclasses import replace
 from itertools import product
 
 from .actions import Action, Op
-from .greedy import ListResult, Policy, list_schedule
+from .gcpause import without_gc
+from .greedy import (
+    IdResult,
+    Policy,
+    SortKey,
+    compile_graph,
+    list_schedule,
+    oldest_first,
+    schedule_ids,
+)
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
 from .replay import replay
@@ -88,26 +97,32 @@ def megatron_caps(placement: Placement) -> tuple[int, ...]:
 
 
 # -- forward / backward preference ------------------------------------------------------------
-def _keys(placement: Placement, num_microbatches: int, name: str):
-    if name == "depth_first":  # push the deepest ready forward on (frees memory sooner)
-        return (lambda a: (-a.stage, a.mb)), (lambda a: (a.mb, a.stage))
-    if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
-        return (lambda a: (-a.stage, a.mb)), (lambda a: (-a.stage, a.mb))
+def _keys(placement: Placement, num_microbatches: int, name: str) -> tuple[SortKey, SortKey]:
+    """(forward key, backward key) of a named preference. Every key ends in (stage, mb), so
+    equal preferences fall back to the lower stage, then the older micro-batch."""
+    stages, mbs = placement.num_stages, num_microbatches
+    if name in ("depth_first", "deepest"):
+        # (-stage, mb): push the deepest ready forward on (frees memory sooner)
+        deepest = SortKey([(stages - 1 - s) * mbs for s in range(stages)], range(mbs))
+        if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
+            return deepest, deepest
+        return deepest, oldest_first(stages, mbs)
     # "grouped": megatron-core's order: groups of P micro-batches (per pipeline) sweep a
-    # pass, then the next pass; a short last group joins the previous one.
+    # pass, then the next pass; a short last group joins the previous one. As integers:
+    # (group, pass, mb, stage, mb), backward with the passes reversed.
     width = placement.ranks * placement.num_pipelines
     groups = max(1, num_microbatches // width)
-    depth, ranks = placement.depth, placement.ranks
-
-    def group(mb: int) -> int:
-        return min(mb // width, groups - 1)
-
-    def fwd(a: Action) -> tuple:
-        return (group(a.mb), (a.stage % depth) // ranks, a.mb)
-
-    def bwd(a: Action) -> tuple:
-        return (group(a.mb), -((a.stage % depth) // ranks), a.mb)
-
+    depth, ranks, reuse = placement.depth, placement.ranks, placement.reuse
+    unit_stage, unit_mb = mbs, mbs * stages  # (..., mb, stage, mb): place values
+    unit_pass = unit_mb * mbs
+    by_mb = [
+        min(mb // width, groups - 1) * reuse * unit_pass + mb * unit_mb + mb for mb in range(mbs)
+    ]
+    passes = [(s % depth) // ranks for s in range(stages)]
+    fwd = SortKey([p * unit_pass + s * unit_stage for s, p in enumerate(passes)], by_mb)
+    bwd = SortKey(
+        [(reuse - 1 - p) * unit_pass + s * unit_stage for s, p in enumerate(passes)], by_mb
+    )
     return fwd, bwd
 
 
@@ -171,6 +186,8 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
         alternatives.append(StageTimes(times.fwd, times.bwd))
     if times.fwd != uniform.fwd or times.bwd != uniform.bwd or times.p2p or times.p2p_cpu:
         alternatives.append(uniform)
+    if not alternatives:
+        return best
     best_makespan = replay(best, times).makespan
     for other_times in alternatives:
         other = _prt_portfolio(placement, num_microbatches, other_times)
@@ -184,12 +201,12 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
 def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTimes) -> Plan:
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     bound = makespan_lower_bound(placement, mb_pipeline, times)
-    best: ListResult | None = None
-    num_actions = 2 * placement.depth * num_microbatches
-    for caps, key_name, alternate in _portfolio(placement, times, num_actions):
+    graph = compile_graph(placement, mb_pipeline)
+    best: IdResult | None = None
+    for caps, key_name, alternate in _portfolio(placement, times, graph.n):
         fwd_key, bwd_key = _keys(placement, num_microbatches, key_name)
         policy = Policy(caps=caps, fwd_key=fwd_key, bwd_key=bwd_key, alternate=alternate)
-        result = list_schedule(placement, mb_pipeline, times, policy)
+        result = schedule_ids(graph, times, policy)
         if best is None or (result.makespan, max(result.peak_held)) < (
             best.makespan,
             max(best.peak_held),
@@ -197,13 +214,15 @@ def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTime
             best = result
         if best.makespan <= bound * (1 + 1e-12):
             break
-    return Plan(placement, num_microbatches, best.orders, "prt", mb_pipeline)
+    orders = best.materialise(graph).orders
+    return Plan(placement, num_microbatches, orders, "prt", mb_pipeline)
 
 
 def gpipe(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
     times = times or StageTimes.uniform(placement.depth)
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
-    policy = Policy(flush=True, fwd_key=lambda a: (a.mb, a.stage), bwd_key=lambda a: (a.mb,))
+    by_mb = oldest_first(placement.num_stages, num_microbatches)  # (mb, stage) both ways
+    policy = Policy(flush=True, fwd_key=by_mb, bwd_key=by_mb)
     result = list_schedule(placement, mb_pipeline, times, policy)
     return Plan(placement, num_microbatches, result.orders, "gpipe", mb_pipeline)
 
@@ -279,6 +298,7 @@ SCHEDULES: dict[str, Generator] = {
 }
 
 
+@without_gc
 def build_plan(
     placement: Placement,
     num_microbatches: int,
