@@ -77,6 +77,7 @@ class IdResult:
     """A schedule over :attr:`Graph.actions` ids (what :func:`list_schedule` wraps)."""
 
     orders: tuple[list[int], ...]
+    ticks: int  # makespan in ticks of the stage times scheduled with
     makespan: float
     peak_held: tuple[int, ...]
 
@@ -84,6 +85,13 @@ class IdResult:
         actions = graph.actions
         orders = tuple(tuple([actions[i] for i in ids]) for ids in self.orders)
         return ListResult(orders, self.makespan, self.peak_held)
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """A schedule abandoned at tick ``at``: its makespan would exceed the limit given."""
+
+    at: int
 
 
 def required_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
@@ -142,15 +150,28 @@ class Graph:
         ops = (Op.F, Op.B) * (self.n // 2)
         return list(map(Action._make, zip(self.stage, ops, self.mb, strict=True)))
 
-    def durations(self, ticks: StageTimes) -> list[int]:
-        """id -> its rank's busy time under ``ticks`` (integer stage times)."""
+    def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
         placement = self.placement
-        per_kind = [
+        return [
             ticks.busy(Action(stage, op, 0), placement)
             for stage in range(placement.num_stages)
             for op in (Op.F, Op.B)
         ]
+
+    def durations(self, ticks: StageTimes) -> list[int]:
+        """id -> its rank's busy time under ``ticks`` (integer stage times)."""
+        per_kind = self._busy_per_kind(ticks)
         return [per_kind[k] for k in self.kinds]
+
+    def work_per_rank(self, ticks: StageTimes) -> list[int]:
+        """rank -> the busy time of all its actions under ``ticks``."""
+        placement, per_kind = self.placement, self._busy_per_kind(ticks)
+        mbs = [self.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
+        work = [0] * placement.ranks
+        for stage, rank in enumerate(placement.stage_to_rank):
+            both = per_kind[2 * stage] + per_kind[2 * stage + 1]
+            work[rank] += mbs[placement.pipeline_of(stage)] * both
+        return work
 
     def heap_items(self, fwd_key: SortKey, bwd_key: SortKey) -> list[int]:
         """id -> its heap entry ``key * n + id``: one integer orders by key, then id."""
@@ -184,11 +205,24 @@ def list_schedule(
 ) -> ListResult:
     """Schedule every F and B of ``mb_pipeline``'s micro-batches under ``policy``."""
     graph = compile_graph(placement, tuple(mb_pipeline))
-    return schedule_ids(graph, times, policy).materialise(graph)
+    result = schedule_ids(graph, times, policy)
+    assert isinstance(result, IdResult)  # no limit given: never gives up
+    return result.materialise(graph)
 
 
-def schedule_ids(graph: Graph, times: StageTimes, policy: Policy) -> IdResult:
+def schedule_ids(
+    graph: Graph,
+    times: StageTimes,
+    policy: Policy,
+    give_up_above: int | None = None,
+    tails: Sequence[int] | None = None,
+) -> IdResult | GaveUp:
     """List-schedule ``graph`` under ``policy`` in integer ticks; orders are graph ids.
+
+    With ``give_up_above`` (ticks) it returns :class:`GaveUp` as soon as the makespan must
+    exceed it: when a rank starts an action, that start plus the rank's remaining work plus
+    ``tails[rank]`` (time that must follow its last action, e.g. the shortest backward
+    tail) is a lower bound on the makespan.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
     policy, and local variables are what keeps it fast. Events are integers
@@ -204,6 +238,9 @@ def schedule_ids(graph: Graph, times: StageTimes, policy: Policy) -> IdResult:
         policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
     )
     duration, hop = graph.durations(ticks), ticks.p2p
+    left = graph.work_per_rank(ticks)
+    give_up = n * max(duration, default=0) + 1 if give_up_above is None else give_up_above
+    tails = tails or [0] * ranks
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
     fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
@@ -275,7 +312,10 @@ def schedule_ids(graph: Graph, times: StageTimes, policy: Policy) -> IdResult:
                 heap = bh if bh else None
             if heap is None:
                 continue
+            if now + left[rank] + tails[rank] > give_up:
+                return GaveUp(now)
             action = heappop(heap) % n
+            left[rank] -= duration[action]
             current[rank] = action
             order[rank].append(action)
             if action & 1:
@@ -288,7 +328,7 @@ def schedule_ids(graph: Graph, times: StageTimes, policy: Policy) -> IdResult:
                     peak[rank] = held[rank]
             end[rank] = now + duration[action]
             heappush(events, end[rank] * ranks + rank)
-    return IdResult(tuple(order), now * tick, tuple(peak))
+    return IdResult(tuple(order), now, now * tick, tuple(peak))
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:

@@ -22,6 +22,7 @@ from itertools import product
 from .actions import Action, Op
 from .gcpause import without_gc
 from .greedy import (
+    GaveUp,
     IdResult,
     Policy,
     SortKey,
@@ -97,16 +98,17 @@ def megatron_caps(placement: Placement) -> tuple[int, ...]:
 
 
 # -- forward / backward preference ------------------------------------------------------------
-def _keys(placement: Placement, num_microbatches: int, name: str) -> tuple[SortKey, SortKey]:
-    """(forward key, backward key) of a named preference. Every key ends in (stage, mb), so
-    equal preferences fall back to the lower stage, then the older micro-batch."""
+def _keys(placement: Placement, num_microbatches: int, name: str) -> dict[str, SortKey]:
+    """The forward and backward keys of a named preference (:class:`Policy` fields). Every
+    key ends in (stage, mb), so equal preferences fall back to the lower stage, then the
+    older micro-batch."""
     stages, mbs = placement.num_stages, num_microbatches
     if name in ("depth_first", "deepest"):
         # (-stage, mb): push the deepest ready forward on (frees memory sooner)
         deepest = SortKey([(stages - 1 - s) * mbs for s in range(stages)], range(mbs))
         if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
-            return deepest, deepest
-        return deepest, oldest_first(stages, mbs)
+            return {"fwd_key": deepest, "bwd_key": deepest}
+        return {"fwd_key": deepest, "bwd_key": oldest_first(stages, mbs)}
     # "grouped": megatron-core's order: groups of P micro-batches (per pipeline) sweep a
     # pass, then the next pass; a short last group joins the previous one. As integers:
     # (group, pass, mb, stage, mb), backward with the passes reversed.
@@ -123,15 +125,23 @@ def _keys(placement: Placement, num_microbatches: int, name: str) -> tuple[SortK
     bwd = SortKey(
         [(reuse - 1 - p) * unit_pass + s * unit_stage for s, p in enumerate(passes)], by_mb
     )
-    return fwd, bwd
+    return {"fwd_key": fwd, "bwd_key": bwd}
 
 
 def makespan_lower_bound(placement: Placement, mb_pipeline, times: StageTimes) -> float:
     """No schedule beats this: for every rank, the earliest its first action can start, plus
     all its work, plus the shortest backward tail that must follow its last action."""
-    times, tick = times.in_ticks()  # same arithmetic as the schedulers: exact comparisons
+    ticks, tick = times.in_ticks()  # same arithmetic as the schedulers: exact comparisons
+    return (
+        max(head + work + tail for head, work, tail in _rank_bounds(placement, mb_pipeline, ticks))
+        * tick
+    )
+
+
+def _rank_bounds(placement: Placement, mb_pipeline, ticks: StageTimes) -> list[tuple]:
+    """Per rank (head, work, tail) of :func:`makespan_lower_bound`, in ``ticks``."""
     counts = [mb_pipeline.count(p) for p in range(placement.num_pipelines)]
-    best = 0
+    out = []
     for rank in range(placement.ranks):
         work, head, tail = 0, math.inf, math.inf
         for pipe, stages in enumerate(placement.pipelines):
@@ -141,11 +151,11 @@ def makespan_lower_bound(placement: Placement, mb_pipeline, times: StageTimes) -
                 if placement.rank_of(stage) != rank:
                     continue
                 k = placement.model_stage(stage)
-                work += counts[pipe] * (times.fwd[k] + times.bwd[k])
-                head = min(head, sum(times.fwd[placement.model_stage(s)] for s in stages[:pos]))
-                tail = min(tail, sum(times.bwd[placement.model_stage(s)] for s in stages[:pos]))
-        best = max(best, head + work + tail)
-    return best * tick
+                work += counts[pipe] * (ticks.fwd[k] + ticks.bwd[k])
+                head = min(head, sum(ticks.fwd[placement.model_stage(s)] for s in stages[:pos]))
+                tail = min(tail, sum(ticks.bwd[placement.model_stage(s)] for s in stages[:pos]))
+        out.append((head, work, tail))
+    return out
 
 
 # Beyond this many actions only the policies that win most often are tried (keeps P=64,
@@ -199,23 +209,50 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
 
 @functools.lru_cache(maxsize=64)  # prt() and callers comparing plans ask for the same ones
 def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTimes) -> Plan:
+    """The portfolio's first plan that meets the lower bound; if none does, the fastest
+    (ties: fewer activations held, then portfolio order).
+
+    Two passes so that policies are not run to the end for nothing: the first runs each
+    policy only while it can still meet the bound (a rank's start plus its remaining work
+    plus its tail already past the bound ends it); the second, needed only if no policy met
+    the bound, runs each policy while it can still beat the best so far."""
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
-    bound = makespan_lower_bound(placement, mb_pipeline, times)
     graph = compile_graph(placement, mb_pipeline)
-    best: IdResult | None = None
-    for caps, key_name, alternate in _portfolio(placement, times, graph.n):
-        fwd_key, bwd_key = _keys(placement, num_microbatches, key_name)
-        policy = Policy(caps=caps, fwd_key=fwd_key, bwd_key=bwd_key, alternate=alternate)
-        result = schedule_ids(graph, times, policy)
-        if best is None or (result.makespan, max(result.peak_held)) < (
-            best.makespan,
-            max(best.peak_held),
-        ):
-            best = result
-        if best.makespan <= bound * (1 + 1e-12):
-            break
-    orders = best.materialise(graph).orders
-    return Plan(placement, num_microbatches, orders, "prt", mb_pipeline)
+    ticks, _ = times.in_ticks()
+    bounds = _rank_bounds(placement, mb_pipeline, ticks)
+    bound = max(head + work + tail for head, work, tail in bounds)
+    tails = [0 if tail == math.inf else tail for _, _, tail in bounds]
+    policies = [
+        Policy(alternate=alternate, caps=caps, **_keys(placement, num_microbatches, key_name))
+        for caps, key_name, alternate in _portfolio(placement, times, graph.n)
+    ]
+    finished: dict[int, IdResult] = {}
+    gave_up: dict[int, int] = {}  # policy -> tick at which it could no longer meet the bound
+    for k, policy in enumerate(policies):
+        result = schedule_ids(graph, times, policy, give_up_above=bound, tails=tails)
+        if isinstance(result, GaveUp):
+            gave_up[k] = result.at
+        elif result.ticks <= bound:
+            return _plan(graph, num_microbatches, result)
+        else:
+            finished[k] = result
+    # none met the bound: the best by (makespan, peak held, portfolio order); those that
+    # kept up longest are tried first, so the others give up early against them
+    best: tuple | None = None
+    for k in [*finished, *sorted(gave_up, key=lambda k: -gave_up[k])]:
+        result = finished.get(k) or schedule_ids(
+            graph, times, policies[k], None if best is None else best[0], tails
+        )
+        if isinstance(result, IdResult):
+            score = (result.ticks, max(result.peak_held), k)
+            if best is None or score < best[:3]:
+                best = (*score, result)
+    return _plan(graph, num_microbatches, best[3])
+
+
+def _plan(graph, num_microbatches: int, result: IdResult) -> Plan:
+    orders = result.materialise(graph).orders
+    return Plan(graph.placement, num_microbatches, orders, "prt", graph.mb_pipeline)
 
 
 def gpipe(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
