@@ -4,6 +4,7 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from .actions import Action, Op
 from .deps import producers
@@ -12,6 +13,8 @@ from .plan import Plan
 from .timing import StageTimes
 
 _COMPUTE = frozenset(op for op in Op if op.is_compute)
+_KIND = itemgetter(0, 1)  # action -> (stage, op)
+_MB = itemgetter(2)
 
 
 class PlanError(ValueError):
@@ -53,80 +56,97 @@ class Replayer:
     stage times as needed. Raises :class:`PlanError` if the ranks block each other (a cyclic
     wait, i.e. a deadlock) or an action waits on one no rank runs.
 
-    Compiling is linear in the plan and touches no :class:`Action` beyond reading each one
-    once: the producers of a kind of action (stage, op) are asked of the dependency rule
-    once and shifted to every micro-batch (the rule never crosses micro-batches), and
-    actions are found by ``kind * m + mb``."""
+    Compiling is linear in the plan with a small constant: the producers of each kind of
+    action (stage, op) are asked of the dependency rule once and shifted to every
+    micro-batch (the rule never crosses micro-batches); actions are found by
+    ``kind * m + mb``; every action has two producer slots, pointing at index ``n`` (a
+    placeholder that is always done) when it has fewer producers and at ``n + 1`` (never
+    done) when no rank runs the producer."""
 
     def __init__(self, plan: Plan) -> None:
         self.placement = plan.placement
         orders = [[a for a in acts if a[1] in _COMPUTE] for acts in plan.ranks]
-        self.actions = [a for acts in orders for a in acts]
+        self.actions = actions = [a for acts in orders for a in acts]
         self.rank_of = [r for r, acts in enumerate(orders) for _ in acts]
-        self.kinds = sorted({(a[0], a[1]) for a in self.actions})
+        kinds_of = list(map(_KIND, actions))
+        self.kinds = sorted(set(kinds_of))
         kind_index = {kind: i for i, kind in enumerate(self.kinds)}
-        self.kind_of = [kind_index[a[0], a[1]] for a in self.actions]
-        self._deps, missing = self._compile_deps(plan, kind_index)
-        self.order = self._dependency_order(orders, missing)
-        if len(self.order) < len(self.actions):
+        self.kind_of = list(map(kind_index.__getitem__, kinds_of))
+        self._compile_deps(kind_index)
+        self.order = self._dependency_order([len(acts) for acts in orders])
+        if len(self.order) < len(actions):
             raise PlanError(_deadlock_message(plan, orders, self._done(orders)))
 
-    def _compile_deps(self, plan: Plan, kind_index: dict) -> tuple[list[tuple], list[int]]:
-        """Per action its producers as ``(index, crosses ranks)``, and how many of its
-        producers no rank runs."""
-        placement, actions, split = self.placement, self.actions, plan.split_backward
-        mbs = max((a[2] for a in actions), default=-1) + 1
-        slot = [-1] * (len(self.kinds) * mbs)
-        for i in range(len(actions) - 1, -1, -1):  # the first of any repeat wins
-            slot[self.kind_of[i] * mbs + actions[i][2]] = i
+    def _compile_deps(self, kind_index: dict) -> None:
+        """``dep[0][i]``, ``dep[1][i]``: action i's producer slots; ``crosses[0][i]``,
+        ``crosses[1][i]``: whether that edge crosses ranks."""
+        actions, n, placement = self.actions, len(self.actions), self.placement
+        mb_of = list(map(_MB, actions))
+        if mb_of and min(mb_of) < 0:
+            raise PlanError(f"negative micro-batch in {min(actions, key=_MB)}")
+        mbs = max(mb_of, default=-1) + 1
+        split = any(op is Op.I for _, op in self.kinds)
         rank_of = placement.stage_to_rank
-        kind_deps = []  # per kind: ((kind of producer or -1 if no rank runs it), ...)
-        for stage, op in self.kinds:
+        # per kind and slot: (offset from the action's key to its producer's, crosses)
+        slots: list[list[tuple[int | None, bool]]] = [[], []]
+        for kind, (stage, op) in enumerate(self.kinds):
             deps = producers(Action(stage, op, 0), placement, split)
-            kind_deps.append(tuple(kind_index.get((d.stage, d.op), -1) for d in deps))
-        crossing = [
-            tuple(k >= 0 and rank_of[self.kinds[k][0]] != rank_of[stage] for k in deps)
-            for (stage, _), deps in zip(self.kinds, kind_deps, strict=True)
-        ]
-        out, missing = [], [0] * len(actions)
-        for i, (kind, action) in enumerate(zip(self.kind_of, actions, strict=True)):
-            mine = []
-            for k, crosses in zip(kind_deps[kind], crossing[kind], strict=True):
-                j = slot[k * mbs + action[2]] if k >= 0 else -1
-                if j < 0:
-                    missing[i] += 1
-                else:
-                    mine.append((j, crosses))
-            out.append(tuple(mine))
-        return out, missing
+            for slot in (0, 1):
+                if slot >= len(deps):
+                    slots[slot].append((None, False))
+                    continue
+                dep_kind = kind_index.get((deps[slot].stage, deps[slot].op))
+                offset = -1 if dep_kind is None else (dep_kind - kind) * mbs
+                slots[slot].append((offset, rank_of[deps[slot].stage] != rank_of[stage]))
+        keys = [kind * mbs + mb for kind, mb in zip(self.kind_of, mb_of, strict=True)]
+        where = [n + 1] * (len(self.kinds) * mbs)  # key -> index; n + 1: no rank runs it
+        for i in range(n - 1, -1, -1):  # the first of any repeat wins
+            where[keys[i]] = i
+        self._dep, self._crosses = [], []
+        for per_kind in slots:
+            self._dep.append(
+                [
+                    n if off is None else n + 1 if off == -1 else where[key + off]
+                    for key, (off, _) in zip(
+                        keys, map(per_kind.__getitem__, self.kind_of), strict=True
+                    )
+                ]
+            )
+            flags = [crosses for _, crosses in per_kind]
+            self._crosses.append(list(map(flags.__getitem__, self.kind_of)))
 
-    def _dependency_order(self, orders: list[list[Action]], missing: list[int]) -> list[int]:
+    def _dependency_order(self, lengths: list[int]) -> list[int]:
         """Every rank runs its actions in order while their producers are done; a rank that
         waits parks on the producer it waits for. The actions that ran, in the order they
         ran (a dependency order); those waiting on a cycle or a missing producer are left
-        out."""
-        deps, done, order = self._deps, bytearray(len(self.actions)), []
-        parked: dict[int, list[int]] = {}
-        pos, ends, first = [], [], 0
-        for acts in orders:
-            pos.append(first)
-            first += len(acts)
-            ends.append(first)
-        todo = list(range(len(orders)))
+        out. One tight loop over all actions: this is most of validating a plan."""
+        n = len(self.actions)
+        first_dep, second_dep = self._dep
+        done = bytearray(n + 2)
+        done[n] = 1  # the placeholder for "no producer"
+        parked: list[list[int] | None] = [None] * (n + 2)
+        order: list[int] = []
+        pos, ends, start = [], [], 0
+        for length in lengths:
+            pos.append(start)
+            start += length
+            ends.append(start)
+        todo = list(range(len(lengths)))
         while todo:
             rank = todo.pop()
             i, end = pos[rank], ends[rank]
             while i < end:
-                if missing[i]:
-                    break
-                blocker = next((j for j, _ in deps[i] if not done[j]), None)
-                if blocker is not None:
-                    parked.setdefault(blocker, []).append(rank)
+                blocker = first_dep[i] if not done[first_dep[i]] else second_dep[i]
+                if not done[blocker]:
+                    if parked[blocker] is None:
+                        parked[blocker] = [rank]
+                    else:
+                        parked[blocker].append(rank)
                     break
                 done[i] = 1
                 order.append(i)
-                if i in parked:
-                    todo.extend(parked.pop(i))
+                if parked[i] is not None:
+                    todo += parked[i]
                 i += 1
             pos[rank] = i
         return order
@@ -135,11 +155,13 @@ class Replayer:
     def preds(self) -> list[tuple[tuple[int, bool], ...]]:
         """Per action: (index of a predecessor, whether the edge crosses ranks), the
         previous action on its rank first."""
-        rank_of = self.rank_of
-        return [
-            (((i - 1, False),) if i and rank_of[i - 1] == rank_of[i] else ()) + deps
-            for i, deps in enumerate(self._deps)
-        ]
+        n, rank_of, out = len(self.actions), self.rank_of, []
+        deps = zip(*self._dep, *self._crosses, strict=True)
+        for i, (first, second, first_crosses, second_crosses) in enumerate(deps):
+            mine = [(i - 1, False)] if i and rank_of[i - 1] == rank_of[i] else []
+            mine += [(j, c) for j, c in ((first, first_crosses), (second, second_crosses)) if j < n]
+            out.append(tuple(mine))
+        return out
 
     def _done(self, orders) -> tuple[list[int], set[Action]]:
         """At a deadlock: per rank the actions that ran, and the set of them."""
@@ -151,18 +173,22 @@ class Replayer:
         ``times.p2p`` per cross-rank hop); default times: :meth:`StageTimes.uniform`."""
         times, tick = (times or StageTimes.uniform(self.placement.depth)).in_ticks()
         busy = [times.busy(Action(stage, op, 0), self.placement) for stage, op in self.kinds]
-        duration = [busy[k] for k in self.kind_of]
-        end = [0] * len(duration)
+        duration = list(map(busy.__getitem__, self.kind_of))
+        end = [0] * (len(duration) + 2)
         free = [0] * self.placement.ranks  # when each rank finishes its last action so far
-        hop, deps, rank_of = times.p2p, self._deps, self.rank_of
+        hop, rank_of = times.p2p, self.rank_of
+        (first_dep, second_dep), (first_crosses, second_crosses) = self._dep, self._crosses
         for i in self.order:
             rank = rank_of[i]
             start = free[rank]
-            for j, crosses in deps[i]:
-                ready = end[j] + hop if crosses else end[j]
-                if ready > start:
-                    start = ready
+            ready = end[first_dep[i]] + (hop if first_crosses[i] else 0)
+            if ready > start:
+                start = ready
+            ready = end[second_dep[i]] + (hop if second_crosses[i] else 0)
+            if ready > start:
+                start = ready
             end[i] = free[rank] = start + duration[i]
+        del end[len(duration) :]
         return Ticks(end, duration, hop, tick)
 
     def run(self, times: StageTimes | None = None) -> Timeline:

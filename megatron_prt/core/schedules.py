@@ -141,21 +141,20 @@ def makespan_lower_bound(placement: Placement, mb_pipeline, times: StageTimes) -
 def _rank_bounds(placement: Placement, mb_pipeline, ticks: StageTimes) -> list[tuple]:
     """Per rank (head, work, tail) of :func:`makespan_lower_bound`, in ``ticks``."""
     counts = [mb_pipeline.count(p) for p in range(placement.num_pipelines)]
-    out = []
-    for rank in range(placement.ranks):
-        work, head, tail = 0, math.inf, math.inf
-        for pipe, stages in enumerate(placement.pipelines):
-            if not counts[pipe]:
-                continue
-            for pos, stage in enumerate(stages):
-                if placement.rank_of(stage) != rank:
-                    continue
-                k = placement.model_stage(stage)
-                work += counts[pipe] * (ticks.fwd[k] + ticks.bwd[k])
-                head = min(head, sum(ticks.fwd[placement.model_stage(s)] for s in stages[:pos]))
-                tail = min(tail, sum(ticks.bwd[placement.model_stage(s)] for s in stages[:pos]))
-        out.append((head, work, tail))
-    return out
+    work = [0] * placement.ranks
+    head, tail = [math.inf] * placement.ranks, [math.inf] * placement.ranks
+    for pipe, stages in enumerate(placement.pipelines):
+        if not counts[pipe]:
+            continue
+        before_fwd = before_bwd = 0  # forward / backward time of the stages before this one
+        for stage in stages:
+            rank, k = placement.rank_of(stage), placement.model_stage(stage)
+            work[rank] += counts[pipe] * (ticks.fwd[k] + ticks.bwd[k])
+            head[rank] = min(head[rank], before_fwd)
+            tail[rank] = min(tail[rank], before_bwd)
+            before_fwd += ticks.fwd[k]
+            before_bwd += ticks.bwd[k]
+    return list(zip(head, work, tail, strict=True))
 
 
 # Beyond this many actions only the policies that win most often are tried (keeps P=64,
