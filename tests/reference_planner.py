@@ -276,3 +276,49 @@ def reference_prt(
         if makespan < best_makespan:
             best, best_makespan = other, makespan
     return best
+
+
+def reference_stuck(plan: Plan) -> dict[int, int]:
+    """The old blocking send/recv replay of megatron_prt.core.validate, one action at a
+    time: ``{rank: step}`` where each rank that cannot finish stands."""
+    from megatron_prt.core.lower import message_key
+
+    placement, split, streams = plan.placement, plan.split_backward, plan.ranks
+    pos = [0] * len(streams)
+    done: set[Action] = set()
+    received: set[tuple] = set()
+
+    def inputs_ready(action: Action, rank: int) -> bool:
+        for dep in producers(action, placement, split):
+            if placement.rank_of(dep.stage) == rank:
+                if dep not in done:
+                    return False
+            elif message_key(dep, consumer_stage=action.stage) not in received:
+                return False
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(streams):
+            while pos[rank] < len(acts):
+                action = acts[pos[rank]]
+                if action.op.is_compute:
+                    if not inputs_ready(action, rank):
+                        break
+                    done.add(action)
+                elif action.op in (Op.SEND_F, Op.SEND_B):
+                    key = message_key(action)
+                    peer = placement.rank_of(key[2])
+                    head = streams[peer][pos[peer]] if pos[peer] < len(streams[peer]) else None
+                    if head is None or head.op not in (Op.RECV_F, Op.RECV_B):
+                        break
+                    if message_key(head) != key:
+                        break
+                    received.add(key)
+                    pos[peer] += 1
+                else:
+                    break
+                pos[rank] += 1
+                progress = True
+    return {r: p for r, p in enumerate(pos) if p < len(streams[r])}

@@ -3,6 +3,7 @@ replaced (tests/reference_planner.py): the same plan wherever the old one was op
 a longer one anywhere, and the same order from every single policy."""
 
 import itertools
+import random
 
 import pytest
 import reference_planner as ref
@@ -115,3 +116,27 @@ def test_full_grid_every_policy(placement, direction, kind):
         place = Placement(p, r, placement, direction)
         for m in range(2 if direction == "bi" else 1, 2 * p + 2):
             check_policies(place, m, kind)
+
+
+@pytest.mark.parametrize("placement, direction", [("loop", "uni"), ("wave", "bi")])
+def test_blocking_replay_stops_where_the_reference_does(placement, direction):
+    """Lowered plans with two neighbouring actions swapped on one rank: the compiled
+    blocking replay leaves every rank where the one-action-at-a-time replay does."""
+    from megatron_prt.core.lower import lower
+    from megatron_prt.core.plan import Plan
+    from megatron_prt.core.rendezvous import stuck_ranks
+
+    rng = random.Random(7)
+    lowered = lower(prt(Placement(3, 2, placement, direction), 6))
+    assert stuck_ranks(lowered) == {} == ref.reference_stuck(lowered)
+    stuck_seen = 0
+    for _ in range(150):
+        ranks = [list(acts) for acts in lowered.ranks]
+        rank = rng.randrange(len(ranks))
+        step = rng.randrange(len(ranks[rank]) - 1)
+        ranks[rank][step], ranks[rank][step + 1] = ranks[rank][step + 1], ranks[rank][step]
+        bad = Plan(lowered.placement, 6, tuple(map(tuple, ranks)), lowered=True)
+        expected = ref.reference_stuck(bad)
+        assert stuck_ranks(bad) == expected
+        stuck_seen += bool(expected)
+    assert stuck_seen > 10  # the swaps do break plans

@@ -14,6 +14,7 @@ from .timing import StageTimes
 
 _COMPUTE = frozenset(op for op in Op if op.is_compute)
 _KIND = itemgetter(0, 1)  # action -> (stage, op)
+_COMPILED = "_compiled_replayer"  # where compiled() keeps a plan's Replayer
 _MB = itemgetter(2)
 
 
@@ -202,12 +203,30 @@ class Replayer:
         return Timeline(start, end)
 
 
+def compiled(plan: Plan) -> Replayer:
+    """``plan``'s :class:`Replayer`, compiled on first use and kept with the plan (plans are
+    immutable; :meth:`Plan.__getstate__` leaves it out of pickles). Validation, lowering
+    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`."""
+    replayer = plan.__dict__.get(_COMPILED)
+    if replayer is None:
+        replayer = Replayer(plan)
+        keep_compiled(plan, replayer)
+    return replayer
+
+
+def keep_compiled(plan: Plan, replayer: Replayer) -> None:
+    """Keep ``replayer`` with ``plan``: it must be a compiled plan with the same compute
+    actions (e.g. the plan ``plan`` was lowered from)."""
+    object.__setattr__(plan, _COMPILED, replayer)
+
+
 def replay(plan: Plan, times: StageTimes | None = None) -> Timeline:
     """Run every rank's compute actions in order, each as soon as its rank is free and its
     producers are done (plus ``times.p2p`` per cross-rank hop). Raises :class:`PlanError` if
-    the ranks block each other (a cyclic wait, i.e. a deadlock). To replay one plan under
-    many stage times, compile it once with :class:`Replayer`."""
-    return Replayer(plan).run(times)
+    the ranks block each other (a cyclic wait, i.e. a deadlock). The compiled plan is kept
+    with the plan (:func:`compiled`), so replaying one plan under many stage times compiles
+    it once."""
+    return compiled(plan).run(times)
 
 
 def _deadlock_message(plan, orders, done) -> str:

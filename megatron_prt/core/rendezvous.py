@@ -1,0 +1,126 @@
+"""A lowered plan replayed with blocking send/recv, compiled to integers.
+
+The rule (:mod:`megatron_prt.core.validate` states it): a compute action waits until its
+same-rank producers are done and the messages from its other producers are received; a SEND
+and its matching RECV complete together, when the sender stands at the SEND and the receiver
+at the RECV; a RECV never completes on its own. Producers come from
+:func:`megatron_prt.core.deps.producers`, message identity from
+:func:`megatron_prt.core.lower.message_key`, both asked once per kind of action (stage, op)
+and shifted to every micro-batch.
+
+Every condition is a *token* ``base + mb`` in one byte array: a compute action's "done", a
+message's "received", plus a block that is always set (no producer) and one that never is (a
+producer no rank runs). A rank that waits parks on the token it waits for, or on the peer
+whose RECV its SEND needs; so the replay is one pass over the actions.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+from .actions import Action, Op
+from .deps import producers
+from .lower import message_key
+from .plan import Plan
+
+_KIND = itemgetter(0, 1)  # action -> (stage, op)
+_MB = itemgetter(2)
+_COMPUTE, _SEND, _RECV = 0, 1, 2
+_TYPE = {Op.SEND_F: _SEND, Op.SEND_B: _SEND, Op.RECV_F: _RECV, Op.RECV_B: _RECV}
+
+
+class _Tables:
+    """Per kind of action: its type, the token bases it waits on / sets, the SEND's peer."""
+
+    def __init__(self, plan: Plan, kinds: list[tuple[int, Op]], mbs: int) -> None:
+        placement, rank_of = plan.placement, plan.placement.stage_to_rank
+        split = any(op is Op.I for _, op in kinds)
+        kind_index = {kind: i for i, kind in enumerate(kinds)}
+        self.always, self.never = 0, mbs  # token blocks [0, m) and [m, 2m)
+        self.size = 2 * mbs + len(kinds) * mbs  # one block per kind: done or received
+        messages: dict[tuple, int] = {}  # message (kind, from, to) -> token base
+
+        def message_base(key: tuple) -> int:
+            if key not in messages:
+                messages[key] = self.size
+                self.size += mbs
+            return messages[key]
+
+        self.type, self.need, self.own, self.peer = [], [], [], []
+        for i, (stage, op) in enumerate(kinds):
+            own = 2 * mbs + i * mbs
+            kind_type = _TYPE.get(op, _COMPUTE)
+            need = [self.always, self.always]
+            if kind_type == _COMPUTE:
+                for slot, dep in enumerate(producers(Action(stage, op, 0), placement, split)):
+                    if rank_of[dep.stage] != rank_of[stage]:
+                        need[slot] = message_base(message_key(dep, consumer_stage=stage)[:3])
+                    elif (dep.stage, dep.op) in kind_index:
+                        need[slot] = 2 * mbs + kind_index[dep.stage, dep.op] * mbs
+                    else:
+                        need[slot] = self.never
+            else:  # a SEND or RECV sets the message's token
+                own = message_base(message_key(Action(stage, op, 0))[:3])
+            self.type.append(kind_type)
+            self.need.append(need)
+            self.own.append(own)
+            peer_stage = message_key(Action(stage, op, 0))[2] if kind_type == _SEND else stage
+            self.peer.append(rank_of[peer_stage])
+
+
+def stuck_ranks(plan: Plan) -> dict[int, int]:
+    """Replay ``plan``'s streams under blocking send/recv: ``{rank: step}`` for every rank
+    that cannot finish (where it stands), empty when every rank does.
+
+    One loop over all actions on purpose (it is most of validating a lowered plan); local
+    names keep it fast."""
+    streams = plan.ranks
+    kinds_of = [list(map(_KIND, acts)) for acts in streams]
+    kinds = sorted({kind for per_rank in kinds_of for kind in per_rank})
+    kind_index = {kind: i for i, kind in enumerate(kinds)}
+    kind_of = [list(map(kind_index.__getitem__, per_rank)) for per_rank in kinds_of]
+    mb_of = [list(map(_MB, acts)) for acts in streams]
+    mbs = max((max(per_rank, default=-1) for per_rank in mb_of), default=-1) + 1
+    tables = _Tables(plan, kinds, mbs)
+    kind_type, need, own, peer = tables.type, tables.need, tables.own, tables.peer
+    done = bytearray(tables.size)
+    done[: tables.always + mbs] = b"\x01" * mbs
+    on_token: dict[int, list[int]] = {}  # token -> ranks waiting for it
+    on_rank: dict[int, list[int]] = {}  # rank -> senders waiting for it to reach a RECV
+    pos = [0] * len(streams)
+    todo = list(range(len(streams)))
+    while todo:
+        rank = todo.pop()
+        kinds_here, mbs_here, i = kind_of[rank], mb_of[rank], pos[rank]
+        while i < len(kinds_here):
+            kind, mb = kinds_here[i], mbs_here[i]
+            what = kind_type[kind]
+            if what == _COMPUTE:
+                first, second = need[kind]
+                token = first + mb if not done[first + mb] else second + mb
+                if not done[token]:
+                    on_token.setdefault(token, []).append(rank)
+                    break
+            elif what == _SEND:
+                pos[rank] = i  # in case a malformed plan sends to its own rank
+                token, receiver = own[kind] + mb, peer[kind]
+                at = pos[receiver]
+                theirs = kind_of[receiver]
+                if not (
+                    at < len(theirs)
+                    and kind_type[theirs[at]] == _RECV
+                    and own[theirs[at]] + mb_of[receiver][at] == token
+                ):
+                    on_rank.setdefault(receiver, []).append(rank)
+                    break
+                pos[receiver] = at + 1
+                todo.append(receiver)
+            else:  # a RECV waits for its SEND: wake the senders waiting for this rank
+                todo += on_rank.pop(rank, ())
+                break
+            token = own[kind] + mb
+            done[token] = 1
+            todo += on_token.pop(token, ())
+            i += 1
+        pos[rank] = i
+    return {rank: at for rank, at in enumerate(pos) if at < len(streams[rank])}
