@@ -217,12 +217,41 @@ def schedule_ids(
     give_up_above: int | None = None,
     tails: Sequence[int] | None = None,
 ) -> IdResult | GaveUp:
-    """List-schedule ``graph`` under ``policy`` in integer ticks; orders are graph ids.
+    """List-schedule ``graph`` under ``policy`` in integer ticks (see :class:`Run`)."""
+    return Run(graph, times, policy, tails).run(give_up_above)
 
-    With ``give_up_above`` (ticks) it returns :class:`GaveUp` as soon as the makespan must
-    exceed it: when a rank starts an action, that start plus the rank's remaining work plus
-    ``tails[rank]`` (time that must follow its last action, e.g. the shortest backward
-    tail) is a lower bound on the makespan.
+
+class Run:
+    """One policy's list scheduling over ``graph``, resumable. :meth:`run` continues it
+    until it finishes (:class:`IdResult`, orders as graph ids) or until its makespan must
+    exceed ``limit`` ticks (:class:`GaveUp`; a later call with a larger limit continues
+    from there). The bound: when a rank starts an action, that start plus the rank's
+    remaining work plus ``tails[rank]`` (time that must follow its last action, e.g. the
+    shortest backward tail) is a lower bound on the makespan."""
+
+    def __init__(
+        self, graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int] | None
+    ) -> None:
+        self._args = (graph, times, policy, tails or [0] * graph.placement.ranks)
+        self._steps = None
+        self.result: IdResult | None = None
+
+    def run(self, limit: int | None = None) -> IdResult | GaveUp:
+        if self.result is not None:
+            return self.result
+        try:
+            if self._steps is None:
+                self._steps = _steps(*self._args, limit)
+                return next(self._steps)
+            return self._steps.send(limit)
+        except StopIteration as done:
+            self.result = done.value
+            return self.result
+
+
+def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int], limit):
+    """The list scheduler as a generator: yields :class:`GaveUp` when past ``limit`` and
+    takes the next limit (None: none); returns the :class:`IdResult`.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
     policy, and local variables are what keeps it fast. Events are integers
@@ -239,8 +268,8 @@ def schedule_ids(
     )
     duration, hop = graph.durations(ticks), ticks.p2p
     left = graph.work_per_rank(ticks)
-    give_up = n * max(duration, default=0) + 1 if give_up_above is None else give_up_above
-    tails = tails or [0] * ranks
+    unlimited = n * max(duration, default=0) + max(tails, default=0) + 1
+    give_up = unlimited if limit is None else limit
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
     fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
@@ -312,8 +341,9 @@ def schedule_ids(
                 heap = bh if bh else None
             if heap is None:
                 continue
-            if now + left[rank] + tails[rank] > give_up:
-                return GaveUp(now)
+            while now + left[rank] + tails[rank] > give_up:
+                limit = yield GaveUp(now)
+                give_up = unlimited if limit is None else limit
             action = heappop(heap) % n
             left[rank] -= duration[action]
             current[rank] = action

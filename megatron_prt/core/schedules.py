@@ -25,11 +25,11 @@ from .greedy import (
     GaveUp,
     IdResult,
     Policy,
+    Run,
     SortKey,
     compile_graph,
     list_schedule,
     oldest_first,
-    schedule_ids,
 )
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
@@ -213,8 +213,8 @@ def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTime
 
     Two passes so that policies are not run to the end for nothing: the first runs each
     policy only while it can still meet the bound (a rank's start plus its remaining work
-    plus its tail already past the bound ends it); the second, needed only if no policy met
-    the bound, runs each policy while it can still beat the best so far."""
+    plus its tail already past the bound pauses it); the second, needed only if no policy
+    met the bound, resumes each policy while it can still beat the best so far."""
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     graph = compile_graph(placement, mb_pipeline)
     ticks, _ = times.in_ticks()
@@ -225,23 +225,19 @@ def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTime
         Policy(alternate=alternate, caps=caps, **_keys(placement, num_microbatches, key_name))
         for caps, key_name, alternate in _portfolio(placement, times, graph.n)
     ]
-    finished: dict[int, IdResult] = {}
+    runs = [Run(graph, times, policy, tails) for policy in policies]
     gave_up: dict[int, int] = {}  # policy -> tick at which it could no longer meet the bound
-    for k, policy in enumerate(policies):
-        result = schedule_ids(graph, times, policy, give_up_above=bound, tails=tails)
+    for k, run in enumerate(runs):
+        result = run.run(bound)
         if isinstance(result, GaveUp):
             gave_up[k] = result.at
         elif result.ticks <= bound:
             return _plan(graph, num_microbatches, result)
-        else:
-            finished[k] = result
     # none met the bound: the best by (makespan, peak held, portfolio order); those that
-    # kept up longest are tried first, so the others give up early against them
+    # kept up longest go on first, so the others give up early against them
     best: tuple | None = None
-    for k in [*finished, *sorted(gave_up, key=lambda k: -gave_up[k])]:
-        result = finished.get(k) or schedule_ids(
-            graph, times, policies[k], None if best is None else best[0], tails
-        )
+    for k in sorted(range(len(runs)), key=lambda k: -gave_up.get(k, math.inf)):
+        result = runs[k].run(None if best is None else best[0])
         if isinstance(result, IdResult):
             score = (result.ticks, max(result.peak_held), k)
             if best is None or score < best[:3]:
