@@ -251,7 +251,8 @@ class Run:
 
 def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int], limit):
     """The list scheduler as a generator: yields :class:`GaveUp` when past ``limit`` and
-    takes the next limit (None: none); returns the :class:`IdResult`.
+    takes the next limit (None: none); returns the :class:`IdResult`. ``room[rank]``: the
+    latest the rank may start its next action without its bound passing the limit.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
     policy, and local variables are what keeps it fast. Events are integers
@@ -270,6 +271,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     left = graph.work_per_rank(ticks)
     unlimited = n * max(duration, default=0) + max(tails, default=0) + 1
     give_up = unlimited if limit is None else limit
+    room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
     fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
@@ -293,8 +295,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         else:
             now = events[0] // ranks
             touched = []
-        limit = (now + 1) * ranks
-        while events and events[0] < limit:
+        later = (now + 1) * ranks  # the first event after this instant
+        while events and events[0] < later:
             rank = heappop(events) % ranks
             touched.append(rank)
             action = current[rank]
@@ -306,9 +308,10 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             base = action - action % width
             for offset, crosses in consumers_of_mb[action // width][action - base]:
                 user = base + offset
-                at = now + hop if crosses else now
-                if at > ready_at[user]:
-                    ready_at[user] = at
+                if hop:  # free hops: every input is ready the instant it is made
+                    at = now + hop if crosses else now
+                    if at > ready_at[user]:
+                        ready_at[user] = at
                 waiting[user] -= 1
                 if not waiting[user]:
                     user_rank, at = rank_of[user], ready_at[user]
@@ -341,11 +344,14 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 heap = bh if bh else None
             if heap is None:
                 continue
-            while now + left[rank] + tails[rank] > give_up:
+            while now > room[rank]:
                 limit = yield GaveUp(now)
-                give_up = unlimited if limit is None else limit
+                raised = (unlimited if limit is None else limit) - give_up
+                give_up += raised
+                room = [latest + raised for latest in room]
             action = heappop(heap) % n
-            left[rank] -= duration[action]
+            busy = duration[action]
+            room[rank] += busy
             current[rank] = action
             order[rank].append(action)
             if action & 1:
@@ -356,8 +362,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 fwd_left[rank] -= 1
                 if held[rank] > peak[rank]:
                     peak[rank] = held[rank]
-            end[rank] = now + duration[action]
-            heappush(events, end[rank] * ranks + rank)
+            end[rank] = finish = now + busy
+            heappush(events, finish * ranks + rank)
     return IdResult(tuple(order), now, now * tick, tuple(peak))
 
 
