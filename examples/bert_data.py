@@ -40,9 +40,11 @@ import argparse
 import hashlib
 import heapq
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -594,6 +596,15 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
         parse_and_normalize_split,
     )
 
+    try:  # megatron reads any digits it finds and divides by their sum: "a,b" is 0/0
+        weights = [float(w) for w in re.split(r"[,/]", split)]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < math.inf:
+        raise DataError(
+            f"--split {split!r}: expected up to three weights >= 0 for train,valid,test such "
+            "as 90,5,5, not all 0"
+        )
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [
         None
@@ -601,6 +612,60 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
         else (round(bookends[0] * num_documents), round(bookends[1] * num_documents))
         for bookends in matrix
     ]
+
+
+_REWRITE = (
+    "write both files again with `bert_data.py prepare` (or Megatron-LM's tools/preprocess_data.py)"
+)
+
+
+def check_indexed_dataset(prefix: str, vocab_size: int | None = None) -> None:
+    """Refuse ``prefix.{bin,idx}`` that megatron would fail on deep inside a run, or read
+    wrongly without a word: a missing file, an index megatron-core's ``IndexedDataset``
+    cannot read or whose sequence offsets do not follow its lengths, a ``.bin`` whose size
+    is not what the index says (truncated, or a pair from different runs) and, given
+    ``vocab_size``, a token id the vocabulary lacks (data made with another vocab.txt).
+    Raises :class:`DataError` naming the file and the fix. Cost: the index is read, the
+    ``.bin`` is scanned once for its largest id (seconds for Wikipedia-size data)."""
+    import numpy
+
+    # IndexedDataset's own index reader; IndexedDataset itself complains from __del__ when
+    # the index it was given cannot be read
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    idx, bin_ = f"{prefix}.idx", f"{prefix}.bin"
+    for path in (idx, bin_):
+        if not os.path.isfile(path):
+            raise DataError(f"{path} does not exist (a dataset is a .bin and an .idx); {_REWRITE}")
+    try:
+        index = _IndexReader(idx, multimodal=False)
+        if index.sequence_lengths.shape[0] != index.document_indices[-1]:
+            raise ValueError("its document indices do not end at its sequence count")
+    except (AssertionError, ValueError, IndexError, struct.error) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"{idx} is not a readable megatron index ({why}); {_REWRITE}") from None
+    itemsize = numpy.dtype(index.dtype).itemsize
+    lengths = index.sequence_lengths.astype(numpy.int64)
+    offsets = numpy.concatenate([[0], numpy.cumsum(lengths * itemsize)])
+    if not numpy.array_equal(index.sequence_pointers, offsets[:-1]):
+        raise DataError(
+            f"{idx} is corrupted: its sequence offsets do not follow its lengths; {_REWRITE}"
+        )
+    expected, actual = int(offsets[-1]), os.path.getsize(bin_)
+    if actual != expected:
+        state = "truncated" if actual < expected else "longer than its index says"
+        raise DataError(
+            f"{bin_} holds {actual} bytes but {idx} describes {expected}: the .bin is {state} "
+            f"(an interrupted copy, or a .bin and .idx from different runs); {_REWRITE}"
+        )
+    if vocab_size is not None and expected:
+        largest = int(numpy.memmap(bin_, dtype=index.dtype, mode="r").max())
+        if largest >= vocab_size:
+            raise DataError(
+                f"{bin_} holds token id {largest}, but the vocabulary has {vocab_size} tokens "
+                f"(ids 0..{vocab_size - 1}): the data was tokenized with another vocab.txt; "
+                "pass that one, or prepare the data again with this one"
+            )
 
 
 def samples_per_epoch(
@@ -625,6 +690,7 @@ def samples_per_epoch(
 
     if seq_length < 5:
         raise DataError(f"sequence length {seq_length} leaves no room for text (need >= 5)")
+    check_indexed_dataset(prefix)
     dataset = IndexedDataset(prefix)
     num_documents = len(dataset.document_indices) - 1
     counts = []
@@ -693,6 +759,7 @@ def build_datasets(
 
     if not dist.is_initialized():
         raise DataError("torch.distributed is not initialised: call init_single_process_group()")
+    check_indexed_dataset(prefix, tokenizer.vocab_size)
     epoch = samples_per_epoch(prefix, seq_length, split, seed, binary_head, short_seq_prob)
     sizes = [epoch[i] if n is None else n for i, n in enumerate(num_samples)]
     config = BERTMaskedWordPieceDatasetConfig(

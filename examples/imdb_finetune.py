@@ -516,25 +516,19 @@ def _setup_distributed(args: argparse.Namespace):
 
 def _build_training(args: argparse.Namespace, vocab_size: int, device) -> tuple:
     """``(model chunks wrapped in DDP, optimizer)``, with PRT installed."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     import megatron_prt.megatron as prt
+    from megatron_prt.megatron.training import build_training
 
     config, model = build_model(args, args.reuse, vocab_size)
     model = [chunk.to(device) for chunk in model]
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
-    prt.prepare_model(model, args.reuse)  # bi replicas, tied output weight, precision casts
-    prt.install(args.reuse)  # get_forward_backward_func() now returns PRT's
-    prt.connect_model_hooks(config, model)  # gradient sync per chunk, finalize
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad
     )
-    return model, get_megatron_optimizer(optimizer_config, model)
+    training = build_training(model, config, optimizer_config=optimizer_config, reuse=args.reuse)
+    prt.install(args.reuse)  # get_forward_backward_func() now returns PRT's
+    return training.chunks, training.optimizer
 
 
 class _Runner:

@@ -111,9 +111,8 @@ def forward_step(args, device, data_iterator, model):
     return out, loss_func
 
 
-def main() -> None:
-    args = parse_args()
-    reuse = args.reuse
+def init_device(args) -> torch.device:
+    """Process group (NCCL on CUDA, gloo on CPU) and this rank's device."""
     device = torch.device(args.device)
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -129,16 +128,20 @@ def main() -> None:
         from megatron_prt.megatron import cpu
 
         cpu.enable()
-    from megatron.core import parallel_state, pipeline_parallel
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    return device
+
+
+def setup_training(args, device):
+    """megatron's parallel state, the model chunks in DDP with their optimizer
+    (:func:`megatron_prt.megatron.training.build_training`) and PRT installed when used."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_prt.megatron as prt
+    from megatron_prt.megatron.training import build_training
 
+    reuse = args.reuse
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size
@@ -149,15 +152,20 @@ def main() -> None:
     model_parallel_cuda_manual_seed(1234)
     config, model = build(args, reuse)
     model = [chunk.to(device) for chunk in model]
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad)
+    training = build_training(model, config, optimizer_config=optimizer_config, reuse=reuse)
     if reuse is not None:
-        prt.prepare_model(model, reuse)  # replicas, tied weights, precision casts
         prt.install(reuse)  # megatron's get_forward_backward_func now returns PRT's
-    prt.connect_model_hooks(config, model)  # gradient sync per chunk, finalize
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad), model
-    )
+    return training
+
+
+def main() -> None:
+    from megatron.core import parallel_state, pipeline_parallel
+
+    args = parse_args()
+    device = init_device(args)
+    training = setup_training(args, device)
+    model, optimizer = training.chunks, training.optimizer
     dp = parallel_state.get_data_parallel_world_size()
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     forward_backward = pipeline_parallel.get_forward_backward_func()  # looked up after install

@@ -207,19 +207,12 @@ def train(rank, world, kind, m, reuse, ref_state):
     """STEPS steps of megatron's DDP + Adam (clip 1.0) in fp32, PRT when ``reuse`` is given,
     else megatron's no-pipelining schedule on one rank: per-step losses (on rank P-1), grad
     norms, final parameters and the sharded-state-dict keys, by global name."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_prt.megatron import (
-        connect_model_hooks,
-        make_forward_backward_func,
-        prepare_model,
-    )
+    from megatron_prt.megatron import make_forward_backward_func
     from megatron_prt.megatron.model import transformer_config_kwargs
+    from megatron_prt.megatron.training import build_training
 
     if reuse is None:
         setup_megatron(1, None)
@@ -231,15 +224,11 @@ def train(rank, world, kind, m, reuse, ref_state):
         forward_backward = make_forward_backward_func(reuse, timeout_s=60)
     model = model_chunks(kind, config, reuse)
     load_global(model, ref_state, is_tied(kind))
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
-    if reuse is not None:
-        prepare_model(model, reuse)
-    connect_model_hooks(config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, clip_grad=CLIP, weight_decay=0.0, adam_eps=EPS),
-        model,
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=LR, clip_grad=CLIP, weight_decay=0.0, adam_eps=EPS
     )
+    training = build_training(model, config, optimizer_config=optimizer_config, reuse=reuse)
+    model, optimizer = training.chunks, training.optimizer
     losses, norms = [], []
     for step in range(STEPS):
         for chunk in model:

@@ -131,6 +131,27 @@ def test_default_microbatches_cover_m_below_at_and_above_p():
     assert args.ranks == 2 and args.microbatches == [1, 2, 8]  # m < P, m = P, m = 4P
 
 
+def test_benchmarks_write_under_out_unless_asked():
+    """docs/benchmarks/ holds committed reports: only an explicit --out rewrites them."""
+    from megatron_prt.bench import paper_scale, partition_memory
+    from megatron_prt.bench.paper_scale import jobs
+    from megatron_prt.bench.partition_memory import cases
+
+    assert _args().out == "out/bench"
+    assert jobs.DEFAULT_OUT == "out/bench/paper_scale.md"
+    assert cases.DEFAULT_OUT == "out/bench/partition_memory.md"
+    assert partition_memory.parse_args([]).out == cases.DEFAULT_OUT
+    assert paper_scale.parse_args(["--out", "docs/benchmarks/x.md"]).out == "docs/benchmarks/x.md"
+
+
+def test_md_table_renders_and_checks_row_lengths():
+    from megatron_prt.bench.report import md_table
+
+    assert md_table(["a", "b"], "lr", [(1, "x")]) == ["| a | b |", "|---|---:|", "| 1 | x |"]
+    with pytest.raises(ValueError, match="row 0 has 1 cells"):
+        md_table(["a", "b"], "lr", [(1,)])
+
+
 def test_command_line_names_the_flags_that_differ():
     args = _args("--reps", "5", "--model", "bert", "--no-keep-freed-memory")
     assert command_line("megatron-prt bench", args) == (
@@ -155,7 +176,7 @@ def test_old_script_is_the_layer_stack_section():
 
 
 def test_replica_sum_fit_separates_latency_from_bandwidth():
-    from megatron_prt.bench.common import fit_replica_sum
+    from megatron_prt.runtime.replica_timing import fit_replica_sum
 
     # 2 ms + 1 ns per byte, of which 0.25 ns the add: two exact points give it back
     line = [(n, 2e-3 + 1e-9 * n) for n in (1e4, 1e7)]

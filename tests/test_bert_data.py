@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -328,3 +329,98 @@ def test_document_level_data_is_refused_for_the_binary_head(tmp_path):
     with pytest.raises(bert_data.DataError, match=r"train set .* makes no sample"):
         bert_data.samples_per_epoch(prefix, SEQ, "80,10,10")
     assert bert_data.samples_per_epoch(prefix, SEQ, "80,10,10", binary_head=False) == [8, 1, 1]
+
+
+# ------------------------------------------------------------- damaged indexed datasets
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 30-document dataset (vocab of 200) that each test below copies and damages."""
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("small")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(_user_documents(30)), encoding="utf-8")
+    return bert_data.prepare(root / "data", corpus, vocab_size=200)
+
+
+def _damaged(small, tmp_path, damage) -> str:
+    """A copy of ``small``'s directory with ``damage(prefix)`` applied; returns the prefix."""
+    import shutil
+
+    out = tmp_path / "data"
+    shutil.copytree(Path(small.prefix).parent, out)
+    prefix = str(out / Path(small.prefix).name)
+    damage(prefix)
+    return prefix
+
+
+def _cut(path: str, keep: int) -> None:
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:keep])
+
+
+def _put_token(prefix: str, token: int) -> None:
+    import numpy as np
+
+    with open(prefix + ".bin", "r+b") as f:
+        f.write(np.array([token], dtype=np.uint16).tobytes())
+
+
+def _shift_offsets(prefix: str) -> None:
+    """Add 2 to the second sequence offset of the index (a flipped bit in a copy)."""
+    import numpy as np
+
+    data = bytearray(Path(prefix + ".idx").read_bytes())
+    count = int(np.frombuffer(bytes(data[18:26]), dtype=np.uint64)[0])
+    at = 34 + 4 * count + 8  # header, lengths, then pointer 1
+    data[at : at + 8] = (int.from_bytes(data[at : at + 8], "little") + 2).to_bytes(8, "little")
+    Path(prefix + ".idx").write_bytes(bytes(data))
+
+
+DAMAGE = [
+    ("truncated bin", lambda p: _cut(p + ".bin", -10), "the .bin is truncated"),
+    ("empty bin", lambda p: _cut(p + ".bin", 0), ".bin holds 0 bytes but"),
+    ("bin too long", lambda p: Path(p + ".bin").write_bytes(b"\0" * 2000), "longer than its"),
+    ("missing bin", lambda p: os.remove(p + ".bin"), ".bin does not exist"),
+    ("truncated idx", lambda p: _cut(p + ".idx", -7), ".idx is not a readable megatron index"),
+    ("empty idx", lambda p: _cut(p + ".idx", 0), ".idx is not a readable megatron index"),
+    ("bad idx header", lambda p: _cut(p + ".idx", 5), "bad header"),
+    ("shifted offsets", _shift_offsets, "sequence offsets do not follow its lengths"),
+]
+
+
+@pytest.mark.parametrize("damage, message", [d[1:] for d in DAMAGE], ids=[d[0] for d in DAMAGE])
+def test_a_damaged_dataset_is_refused_naming_the_file(small, tmp_path, damage, message):
+    """Megatron fails on these deep inside a run (``offset must be ... no greater than buffer
+    length``, ``cannot mmap an empty file``) or, for a truncated .bin, only when it reaches
+    the missing tokens; the sample count already refuses them."""
+    prefix = _damaged(small, tmp_path, damage)
+    with pytest.raises(bert_data.DataError, match=re.escape(message)) as caught:
+        bert_data.samples_per_epoch(prefix, SEQ, "1,0,0")
+    assert "bert_data.py prepare" in str(caught.value)
+
+
+def test_token_ids_beyond_the_vocab_are_refused_through_the_cli(small, tmp_path):
+    """Data tokenized with a larger vocab used to build and then fail in megatron's masking
+    (``KeyError: np.uint16(61086)``) or in the printed sample."""
+    prefix = _damaged(small, tmp_path, lambda p: _put_token(p, 61086))
+    argv = ["show", "--out", str(Path(prefix).parent), "--seq-length", "32"]
+    ((code, shown),) = all_ok(run_local(1, _show_with_errors, argv))
+    assert code == 2 and shown.startswith("error: "), shown
+    assert f"{prefix}.bin holds token id 61086, but the vocabulary has" in shown
+    assert "Traceback" not in shown
+
+
+def _show_with_errors(rank, world, argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = bert_data.main(argv)
+    return code, err.getvalue()
+
+
+def test_an_intact_dataset_passes_the_check(small):
+    vocab = bert_data.WordPieceTokenizer(small.vocab_file).vocab_size
+    bert_data.check_indexed_dataset(small.prefix, vocab)
+    with pytest.raises(bert_data.DataError, match="token id"):
+        bert_data.check_indexed_dataset(small.prefix, 10)

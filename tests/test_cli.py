@@ -77,9 +77,9 @@ def test_compare_table(run_cli):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["plan", "--pp", "0", "-m", "2"], "pipeline ranks must be an integer >= 1"),
-        (["plan", "--pp", "2", "--reuse", "0", "-m", "2"], "reuse must be"),
-        (["plan", "--pp", "2", "-m", "0"], "micro-batches must be"),
+        (["plan", "--pp", "0", "-m", "2"], "argument --pp: must be an integer >= 1, got '0'"),
+        (["plan", "--pp", "2", "--reuse", "0", "-m", "2"], "argument --reuse: must be"),
+        (["plan", "--pp", "2", "-m", "0"], "argument --microbatches/-m: must be"),
         (["plan", "--pp", "2", "-m", "1", "--direction", "bi"], "bi needs >= 2 micro-batches"),
         (["plan", "--pp", "2", "-m", "2", "--placement", "zig"], "invalid choice: 'zig'"),
         (["simulate", "--pp", "2", "-m", "2", "--schedule", "x"], "invalid choice: 'x'"),
@@ -188,3 +188,77 @@ def test_the_megatron_integration_plans_for_equal_stages():
     assert calls, "the megatron integration no longer calls build_plan"
     for call in calls:
         assert len(call.args) <= 2 and {k.arg for k in call.keywords} <= {"schedule"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--pp", "2", "--microbatches", "0"], "argument --microbatches/-m: must be"),
+        (["compare", "--pp", "2", "-m", "-1"], "got '-1'"),
+        (["compare", "--pp", "-2", "-m", "4"], "argument --pp: must be an integer >= 1"),
+        (["compare", "--pp", "2", "-m", "4", "--reuse", "0"], "argument --reuse: must be"),
+        (["simulate", "--pp", "2", "-m", "4", "--fwd-time", "0"], "argument --fwd-time: must be"),
+        (["simulate", "--pp", "2", "-m", "4", "--bwd-time", "-1"], "argument --bwd-time: must"),
+        (["simulate", "--pp", "2", "-m", "4", "--replica-sync-time", "-1"], "--replica-sync-time"),
+        (["partition", "--pp", "0", "-m", "4", "--costs", "x.json"], "argument --pp: must be"),
+        (["profile", "--num-layers", "0"], "argument --num-layers: must be an integer >= 1"),
+        (["profile", "--reps", "0"], "argument --reps: must be an integer >= 1"),
+        (["profile", "--threads", "-1"], "argument --threads: must be an integer >= 1"),
+    ],
+)
+def test_numeric_flags_are_checked_by_argparse_naming_the_flag(argv, message, capsys):
+    from megatron_prt.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "No such file or directory"),
+        ("{not json", "not JSON"),
+        ('{"fwd_time": "3"}', "key fwd_time must be a number, got '3'"),
+        ('{"layers": [{"fwd": 1, "bwd": 2}], "stage_layers": "2"}', "key stage_layers must"),
+        ('{"layers": [{"bwd": 2}]}', "cost layers[0] has keys ['bwd']; it needs fwd and bwd"),
+        ('{"fwd": 1}', "unknown cost keys ['fwd']"),
+        ("[1, 2]", "expected a JSON object of cost keys, got list"),
+    ],
+)
+def test_a_bad_cost_file_is_one_error_naming_file_and_key(run_cli, tmp_path, content, message):
+    path = tmp_path / "costs.json"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run_cli("simulate", "--pp", 2, "-m", 4, "--costs", path)
+    assert code == 2 and out == ""
+    assert err.startswith(f"megatron-prt: error: --costs {path}: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cost_model_load_names_the_file_and_the_key(tmp_path):
+    from megatron_prt.core.placement import ConfigError
+    from megatron_prt.sim.cost import CostModel
+
+    path = tmp_path / "costs.json"
+    path.write_text('{"layers": [{"fwd": 1, "bwd": 2, "act": null}]}')
+    with pytest.raises(ConfigError, match=rf"^{path}: key layers\[0\]\.act must be a number"):
+        CostModel.load(str(path))
+
+
+def test_partition_refuses_the_stages_the_training_flags_refuse(run_cli, tmp_path):
+    """Was: a split with empty stages that --pipeline-reuse-stage-layers' sibling, the
+    uniform/balanced training split, refuses with the same rule."""
+    from megatron_prt.core.placement import ConfigError, Placement
+    from megatron_prt.megatron.config import ReuseConfig
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"layers": [{"fwd": 1, "bwd": 2}] * 3}))
+    code, _, err = run_cli("partition", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", path)
+    assert code == 2
+    assert f"--costs {path}: layer count 3 cannot fill D = R*P = 4 stages" in err
+    with pytest.raises(ConfigError, match="--num-layers 3 cannot fill D = R\\*P = 4 stages"):
+        ReuseConfig(Placement(2, 2), num_layers=3)
+    code, _, _ = run_cli("partition", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", path, "--pp", 1)
+    assert code == 0  # 3 layers fill D = 2

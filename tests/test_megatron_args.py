@@ -12,6 +12,7 @@ import pytest
 
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.megatron.args import add_arguments, validate_args
+from megatron_prt.megatron.config import ReuseConfig
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:
@@ -127,6 +128,7 @@ def test_flags_live_in_their_own_help_group():
         "pipeline_reuse_costs",
         "pipeline_reuse_memory_budget",
         "pipeline_reuse_trace",
+        "pipeline_reuse_timeout",
     }
 
 
@@ -172,6 +174,7 @@ def test_off_returns_none_and_changes_nothing():
         (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition"),
         (("--pipeline-reuse-stage-layers", "4,4"), "--pipeline-reuse-stage-layers"),
         (("--pipeline-reuse-trace", "trace"), "--pipeline-reuse-trace"),
+        (("--pipeline-reuse-timeout", "5"), "--pipeline-reuse-timeout"),
     ],
 )
 def test_reuse_flags_without_pipeline_reuse_are_refused(argv, flag):
@@ -519,3 +522,47 @@ def test_trace_path_in_a_creatable_directory_is_kept(tmp_path):
 def test_a_repeated_call_returns_the_stored_config():
     args = parse(*BASE, "--pipeline-reuse", 2)
     assert validate_args(args) is validate_args(args)
+
+
+# -- peer-wait timeout ------------------------------------------------------------------------
+
+
+def test_timeout_defaults_to_the_runtimes_60_seconds():
+    assert validate_args(parse(*BASE, "--pipeline-reuse", 2)).timeout_s == 60.0
+
+
+def test_timeout_flag_reaches_the_config():
+    config = validate_args(parse(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-timeout", 7.5))
+    assert config.timeout_s == 7.5
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_timeout_must_be_positive_seconds(value, capsys):
+    with pytest.raises(SystemExit):
+        parse(*BASE, "--pipeline-reuse", 2, f"--pipeline-reuse-timeout={value}")
+    err = capsys.readouterr().err
+    assert "argument --pipeline-reuse-timeout: must be a number of seconds > 0" in err
+
+
+def test_config_refuses_a_non_positive_timeout():
+    with pytest.raises(ConfigError, match="--pipeline-reuse-timeout must be > 0 seconds"):
+        ReuseConfig(Placement(2, 1), num_layers=2, timeout_s=0)
+
+
+def test_install_waits_as_long_as_the_flag_says(monkeypatch):
+    """The megatron path's forward-backward gets the flag's timeout (was a fixed 600 s)."""
+    pytest.importorskip("megatron.core")
+    from megatron_prt.megatron import installer
+
+    seen = []
+    monkeypatch.setattr(
+        installer, "make_forward_backward_func", lambda reuse, timeout_s: seen.append(timeout_s)
+    )
+    monkeypatch.setattr(installer, "_sites", lambda: [])
+    config = validate_args(parse(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-timeout", 3))
+    try:
+        assert installer.install(config)
+        assert installer.install(config, timeout_s=9)  # an explicit argument wins
+    finally:
+        installer.uninstall()
+    assert seen == [3.0, 9]

@@ -91,7 +91,11 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         seq_length=SEQ,
         micro_batch_size=MBS,
     )
-    return {"losses": [s["lm loss"] for s in store], "grads": grads_by_name(model, is_tied(kind))}
+    return {
+        "losses": [s["lm loss"] for s in store],
+        "grads": grads_by_name(model, is_tied(kind)),
+        "timeout_s": forward_backward.pipeline().timeout_s,
+    }
 
 
 @pytest.mark.parametrize(
@@ -104,12 +108,40 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
 def test_model_provider_glue_trains_exactly(kind, flags):
     ref = all_ok(run_local(1, reference, kind, LAYERS, M))[0]
     results = all_ok(run_local(2, _get_model_like_megatron, kind, flags, ref["state"]))
+    assert [r["timeout_s"] for r in results] == [60.0, 60.0]  # the README's default
     for got, want in zip(results[-1]["losses"], ref["losses"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for result in results:
         for name, grads in result["grads"].items():
             for grad in grads:
                 torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-10, atol=1e-13)
+
+
+def _dies_before_sending_losses(rank, world, flags, state):
+    """Rank 0 (holder of the wave's last stage) exits where it would send its losses."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send_object_list = lambda *args, **kwargs: os._exit(1)
+    return _get_model_like_megatron(rank, world, "gpt", flags, state)
+
+
+def test_timeout_flag_reaches_the_runtime_and_a_lost_peer_is_named():
+    """``--pipeline-reuse-timeout`` is the wait of the runtime the glue installs (it was a
+    fixed 600 s), and losing the peer the last rank collects losses from is a PipelineError
+    naming that rank (was gloo's bare RuntimeError)."""
+    ref = all_ok(run_local(1, reference, "gpt", LAYERS, M))[0]
+    flags = ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
+    flags += ["--pipeline-reuse-timeout", "45"]
+    results = all_ok(run_local(2, _get_model_like_megatron, "gpt", flags, ref["state"]))
+    assert [r["timeout_s"] for r in results] == [45.0, 45.0]
+    rank0, rank1 = run_local(2, _dies_before_sending_losses, flags, ref["state"], wait_for=[1])
+    assert rank0 == ("killed", None)
+    status, text = rank1
+    assert status == "error"
+    assert text.startswith("PipelineError: rank 1: waiting on rank 0 for the losses"), text
 
 
 def test_without_reuse_the_glue_changes_nothing():

@@ -249,3 +249,42 @@ def test_megatron_example_refuses_impossible_flags_in_one_line():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot fill D = R*P = 10 stages" in proc.stderr.splitlines()[-1]
+
+
+def _built(rank, world, reuse):
+    """What build_training leaves behind on this rank, as plain data."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_prt.megatron.model import transformer_config_kwargs
+    from megatron_prt.megatron.training import build_training
+
+    setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank)
+    config = transformer_config(dtype=torch.float32, **transformer_config_kwargs(reuse))
+    model = model_chunks("gpt", config, reuse)
+    training = build_training(
+        model, config, optimizer_config=OptimizerConfig(optimizer="adam", lr=1e-3), reuse=reuse
+    )
+    chunks = training.chunks
+    optimized = {id(p) for group in training.optimizer.param_groups for p in group["params"]}
+    placement = reuse.placement
+    replicas = [c for c, stage in zip(chunks, placement.rank_stages[rank], strict=True)
+                if placement.pipeline_of(stage) == 1]  # fmt: skip
+    return {
+        "ddp": all(isinstance(chunk, DistributedDataParallel) for chunk in chunks),
+        "no_sync": config.no_sync_func == [chunk.no_sync for chunk in chunks],
+        "grad_sync": config.grad_sync_func == [chunk.start_grad_sync for chunk in chunks],
+        "finalize": config.finalize_model_grads_func is not None,
+        "optimizer_sees_wrapped": optimized == {id(p) for c in chunks for p in c.parameters()},
+        "same_config": training.config is config,
+        "replicas_shared": bool(replicas)
+        and all(getattr(p, "shared", False) for c in replicas for p in c.parameters()),
+    }
+
+
+def test_build_training_wraps_prepares_hooks_and_optimizes_every_chunk():
+    """The builder's contract: DDP chunks, per-chunk sync hooks and finalize on the config,
+    the optimizer over exactly the wrapped parameters, bi replicas prepared."""
+    reuse = ReuseConfig(Placement(2, 1, "loop", "bi"), 4)
+    for result in all_ok(run_local(2, _built, reuse)):
+        assert all(result.values()), result

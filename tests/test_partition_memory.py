@@ -1,6 +1,7 @@
 """Memory-balanced partitions of a megatron-core BERT, predicted and measured on real ranks.
 
-A small version of ``benchmarks/partition_memory.py`` (its functions, a tiny model, P=2):
+A small version of the partition-memory benchmark (``megatron_prt.bench.partition_memory``,
+run by ``benchmarks/partition_memory.py``: its functions, a tiny model, P=2):
 
 * the partitioner's answer never peaks higher than the even split when the even split is
   within its time slack (its documented guarantee), on costs profiled from megatron-core;
@@ -14,65 +15,53 @@ No timing assertions: profiled times only steer which partition is chosen.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from megatron_prt.bench import partition_memory
+from megatron_prt.bench.partition_memory import cases, tables
 from megatron_prt.core import Placement
 from megatron_prt.tune.partition import DEFAULT_SLACK, partition
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_memory.py"
 RANKS, MICROBATCHES = 2, 4
 AGREEMENT = 0.10  # measured activation peak within this fraction of the prediction
 STATE_AGREEMENT = 0.01  # measured state bytes within this fraction (Adam's step counters)
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("partition_memory", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 # Vocabulary x hidden is 2.7 layers of weights: the embedding and the head matter.
-MODEL = bench.Bert(layers=8, hidden=32, heads=4, seq=32, mbs=2, vocab=1024)
+MODEL = cases.Bert(layers=8, hidden=32, heads=4, seq=32, mbs=2, vocab=1024)
 PLACEMENTS = [Placement(RANKS, 2, "wave", "uni"), Placement(RANKS, 2, "loop", "bi")]
 
 
 @pytest.fixture(scope="module")
 def costs() -> dict:
     pytest.importorskip("megatron.core")
-    bench.warm_imports()
-    return bench.profile(MODEL, reps=1)
+    partition_memory.warm_imports()
+    return cases.profile(MODEL, reps=1)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
 def test_balanced_peaks_no_higher_than_uniform(costs, placement):
     """With a slack that admits the even split, the least-peak answer is at most its peak.
     (At the default slack the partitioner may pick a faster split that peaks higher.)"""
-    model = bench.cost_model(costs)
+    model = cases.cost_model(costs)
     first = partition(model, placement, MICROBATCHES)
     slack = max(DEFAULT_SLACK, first.uniform.makespan / first.fastest_makespan - 1 + 1e-9)
     result = partition(model, placement, MICROBATCHES, slack=slack)
-    balanced = bench.Config("balanced", placement, result.stage_layers)
-    uniform = bench.uniform_config(placement, MODEL.layers)
-    peak = bench.predict(costs, balanced, MICROBATCHES).max_total
-    assert peak <= bench.predict(costs, uniform, MICROBATCHES).max_total * (1 + 1e-12)
+    balanced = cases.Config("balanced", placement, result.stage_layers)
+    uniform = cases.uniform_config(placement, MODEL.layers)
+    peak = cases.predict(costs, balanced, MICROBATCHES).max_total
+    assert peak <= cases.predict(costs, uniform, MICROBATCHES).max_total * (1 + 1e-12)
     assert result.exact  # a small case: every partition was simulated
 
 
 def test_measured_peaks_match_predictions(costs):
-    configs = [bench.uniform_config(Placement(RANKS, 1, "loop", "uni"), MODEL.layers)]
+    configs = [cases.uniform_config(Placement(RANKS, 1, "loop", "uni"), MODEL.layers)]
     for placement in PLACEMENTS:
-        configs.append(bench.uniform_config(placement, MODEL.layers))
-        configs.append(bench.balanced_config(costs, placement, MICROBATCHES))
-    measured = bench.measure(MODEL, configs, MICROBATCHES)
+        configs.append(cases.uniform_config(placement, MODEL.layers))
+        configs.append(cases.balanced_config(costs, placement, MICROBATCHES))
+    measured = cases.measure(MODEL, configs, MICROBATCHES)
     for config, ranks in zip(configs, measured, strict=True):
-        pred = bench.predict(costs, config, MICROBATCHES)
+        pred = cases.predict(costs, config, MICROBATCHES)
         for rank, m in enumerate(ranks):
             where = (config.label, config.stage_layers, rank)
             assert m.act_held_after == 0, where  # every backward released its activations
@@ -82,23 +71,23 @@ def test_measured_peaks_match_predictions(costs):
 
 def test_inflight_counts_by_hand():
     """Stage s of D keeps min(m, D - s) micro-batches, each through 1/D of the model."""
-    assert bench.inflight(4, 4) == (4 + 3 + 2 + 1) / 4
-    assert bench.inflight(8, 4) == (4 * 5 + 3 + 2 + 1) / 8
-    assert bench.inflight(8, 16) == sum(range(1, 9)) / 8
+    assert tables.inflight(4, 4) == (4 + 3 + 2 + 1) / 4
+    assert tables.inflight(8, 4) == (4 * 5 + 3 + 2 + 1) / 8
+    assert tables.inflight(8, 16) == sum(range(1, 9)) / 8
 
 
 def test_picks_are_held_against_their_own_direction(costs):
     """Each wave + balanced pick meets the throughput target against the best uniform PRT
     of its direction, or is the fastest candidate of that direction (target unreachable)."""
-    plan = bench.make_plan(costs, RANKS, MICROBATCHES)
-    assert {d: cp[0].placement.direction for d, cp in plan.best.items()} == {
+    case = cases.make_case(costs, RANKS, MICROBATCHES)
+    assert {d: cp[0].placement.direction for d, cp in case.best.items()} == {
         "uni": "uni",
         "bi": "bi",
     }
-    assert plan.best_uniform in plan.best.values()
-    for direction, pick in plan.picks.items():
+    assert case.best_uniform in case.best.values()
+    for direction, pick in case.picks.items():
         config, pred = pick.balanced
         assert config.placement.direction == direction
-        mine = [cp for cp in plan.wave_candidates if cp[0].placement.direction == direction]
-        if plan.best_makespan(direction) / pred.makespan < bench.THROUGHPUT_TARGET:
+        mine = [cp for cp in case.wave_candidates if cp[0].placement.direction == direction]
+        if case.best_makespan(direction) / pred.makespan < cases.THROUGHPUT_TARGET:
             assert pred.makespan == min(cp[1].makespan for cp in mine)

@@ -21,6 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_prt.megatron import bert_args
+from megatron_prt.megatron.bert_step import MicroBatchSampler
+from megatron_prt.megatron.pipeline_probe import measured_bubble
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_bert.py"
 # A tiny BERT: a launch takes about 15 s on 2 cores, most of it imports.
@@ -44,19 +48,24 @@ def _load(name: str):
     return module
 
 
-pretrain_bert = _load("pretrain_bert")
+pretrain_bert = _load("pretrain_bert")  # the entry point: its flags and refusals
 demo = _load("demo")  # examples/demo.py: summaries and the comparison table
 
 
 def launch(*flags: str, ranks: int = 2) -> str:
     """Run the example under torchrun on CPU; its output (stdout and stderr)."""
+    status, output = run_example(*flags, ranks=ranks)
+    assert status == 0, output[-4000:]
+    return output
+
+
+def run_example(*flags: str, ranks: int = 2) -> tuple[int, str]:
+    """``(exit status, stdout and stderr)`` of the example under torchrun on CPU."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), str(EXAMPLE), *TINY, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    return output
+    return done.returncode, done.stdout + done.stderr
 
 
 def progress(output: str) -> list[tuple]:
@@ -137,6 +146,75 @@ def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
         assert got[key] == want[key], key
 
 
+def test_nan_loss_stops_every_rank_naming_the_iteration(data_cache):
+    # lr 1e6: iteration 1 is finite, its step overflows the weights, iteration 2's loss is NaN
+    flags = ["--pipeline-model-parallel-size", "2", *WAVE, "--data-cache-path", data_cache]
+    status, output = run_example(*flags, "--train-iters", "4", "--lr", "1e6")
+    assert status != 0, output[-4000:]
+    assert "pretrain_bert.py: error: iteration 2: lm loss nan" in output
+    assert "--no-stop-on-nan" in output
+    assert [int(line[0]) for line in progress(output)] == [1]
+    assert "SUMMARY" not in output
+
+
+def test_no_stop_on_nan_trains_on(data_cache):
+    flags = ["--data-cache-path", data_cache, "--train-iters", "3", "--lr", "1e6"]
+    output = launch(*flags, "--no-stop-on-nan", ranks=1)
+    lm = [line[1] for line in progress(output)]
+    assert len(lm) == 3 and lm[1:] == ["NAN", "NAN"]
+    assert "SUMMARY" in output
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(data_cache, tmp_path_factory):
+    """A --save directory with the checkpoints of iterations 2 and 4 (latest: 4)."""
+    save = tmp_path_factory.mktemp("two") / "ckpt"
+    launch(*bi_flags(data_cache, "--save", str(save), "--save-interval", "2",
+                     "--exit-interval", "4"))  # fmt: skip
+    assert (save / "latest").read_text().strip() == "4"
+    return save
+
+
+def _copy(directory: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(directory, tmp_path / "ckpt"))
+
+
+def test_missing_rank_file_stops_every_rank_with_its_reason(two_checkpoints, data_cache, tmp_path):
+    save = _copy(two_checkpoints, tmp_path)
+    (save / "iter_0000004" / "rank_01.pt").unlink()
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"rank 1: --load {save}: no {save}/iter_0000004/rank_01.pt" in output, output[-3000:]
+    assert f"echo 2 > {save}/latest" in output  # the fix: the earlier complete checkpoint
+    assert "rank(s) 1 cannot load their checkpoint files" in output  # rank 0 says why it stops
+    assert "iteration      5/6" not in output and "all_gather" not in output
+
+
+class _RunsCode:
+    """A pickled object that runs ``print`` when unpickled without ``weights_only``."""
+
+    def __reduce__(self):
+        return (print, ("unpickling ran code",))
+
+
+def test_truncated_or_unsafe_files_are_refused_naming_the_file(two_checkpoints, data_cache,
+                                                               tmp_path):  # fmt: skip
+    import torch
+
+    save = _copy(two_checkpoints, tmp_path)
+    rank0 = save / "iter_0000004" / "rank_00.pt"
+    rank0.write_bytes(rank0.read_bytes()[: rank0.stat().st_size // 2])  # truncated
+    torch.save({"layout": _RunsCode()}, save / "iter_0000004" / "rank_01.pt")
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"rank 0: cannot read {rank0}" in output, output[-3000:]
+    assert f"rank 1: cannot read {save}/iter_0000004/rank_01.pt" in output
+    assert "unpickling ran code" not in output  # torch.load(weights_only=True)
+    assert f"iteration(s) 2; to resume from 2: echo 2 > {save}/latest" in output
+
+
 # -------------------------------------------------------------------------------- refusals
 
 
@@ -176,7 +254,7 @@ def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
 
 
 def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
-    monkeypatch.setattr(pretrain_bert, "_tensorboard_available", lambda: False)
+    monkeypatch.setattr(bert_args, "_tensorboard_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit):
         pretrain_bert.parse_args(["--tensorboard-dir", "tb"])
@@ -195,14 +273,14 @@ def test_help_names_the_1f1b_baseline(capsys):
 def test_measured_bubble_from_spans():
     # rank 0 busy 0..1 and 2..3, rank 1 busy 1..2: 3 of 2 x 3 seconds busy.
     spans = [[("a", 0.0, 1.0), ("b", 2.0, 3.0)], [("c", 1.0, 2.0)]]
-    assert pretrain_bert.measured_bubble(spans) == pytest.approx(0.5)
-    assert pretrain_bert.measured_bubble([[], []]) is None
+    assert measured_bubble(spans) == pytest.approx(0.5)
+    assert measured_bubble([[], []]) is None
 
 
 def test_sampler_gives_each_data_parallel_rank_its_slice():
     dataset = [{"text": [i], "types": [0], "labels": [i], "loss_mask": [1],
                 "padding_mask": [1], "is_random": i % 2} for i in range(10)]  # fmt: skip
-    ranks = [pretrain_bert.MicroBatchSampler(dataset, 2, r, 2) for r in range(2)]
+    ranks = [MicroBatchSampler(dataset, 2, r, 2) for r in range(2)]
     batches = [s.next_global_batch(2) for s in ranks]
     texts = [[b["text"].flatten().tolist() for b in rank] for rank in batches]
     assert texts == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]

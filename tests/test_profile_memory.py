@@ -319,10 +319,24 @@ def test_cli_profile_writes_the_cost_json(tmp_path):
     assert costs["layers"][2] == costs["layers"][1]  # profiled 2, the last one repeated
 
 
-def test_cli_profile_errors_are_one_line_exit_2(capsys):
-    argv = ["profile", "--num-layers", "0", "--hidden-size", "16", "--num-attention-heads", "4"]
-    argv += ["--seq-length", "8", "--micro-batch-size", "2", "--vocab-size", "64"]
-    code, _ = _cli(argv)
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--num-layers", "0", "argument --num-layers: must be an integer >= 1"),  # argparse
+        ("--hidden-size", "18", "--hidden-size 18 is not divisible by --num-attention-heads 4"),
+    ],
+)
+def test_cli_profile_errors_are_one_line_exit_2(capsys, flag, value, message):
+    from megatron_prt.cli import main
+
+    if flag == "--hidden-size":
+        pytest.importorskip("megatron.core")
+    argv = ["profile", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "4"]
+    argv += ["--seq-length", "8", "--micro-batch-size", "2", "--vocab-size", "64", flag, value]
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
     err = capsys.readouterr().err
     assert code == 2
-    assert err.count("\n") == 1 and "--num-layers" in err
+    assert err.count("\n") == 1 and message in err

@@ -11,6 +11,7 @@ from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
+from megatron_prt.runtime.callbacks import ModuleCallbacks, StageCallbacks
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.stages import layer_ranges
 
@@ -162,3 +163,75 @@ def test_a_stage_without_layers_passes_values_and_gradients():
             assert len(stage_grads) == len(want), (rank, stage)
             for got, ref in zip(stage_grads, want, strict=True):
                 assert _rel(got, ref) <= TOL, (rank, stage)
+
+
+class _Recording(StageCallbacks):
+    """Wraps the default callbacks, recording every call and checking its arguments."""
+
+    def __init__(self, inner: ModuleCallbacks) -> None:
+        self.inner, self.calls = inner, []
+
+    def begin(self, inputs, targets, forward_only):
+        self.calls.append(("begin", forward_only))
+        self.inner.begin(inputs, targets, forward_only)
+
+    def forward(self, stage, mb, x):
+        placement = self.inner.placement
+        assert (x is None) == placement.is_first(stage), (stage, mb)
+        assert x is None or (x.requires_grad and x.grad_fn is None), "x: a detached leaf"
+        out = self.inner.forward(stage, mb, x)
+        self.calls.append(("F", stage, mb))
+        return out
+
+    def loss_grad(self, stage, mb, loss):
+        assert self.inner.placement.is_last(stage) and loss.dim() == 0, (stage, mb)
+        self.calls.append(("loss_grad", stage, mb))
+        return self.inner.loss_grad(stage, mb, loss)
+
+    def backward(self, stage, mb, out, grad):
+        assert (grad is not None) and (out.grad_fn is not None), (stage, mb)
+        self.calls.append(("B", stage, mb))
+        self.inner.backward(stage, mb, out, grad)
+
+
+def _recording_worker(rank, world, placement, direction):
+    plan = build_plan(Placement(world, 2, placement, direction), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    inner = ModuleCallbacks(stages, loss_fn, plan.placement, 4, torch.device("cpu"))
+    callbacks = _Recording(inner)
+    runtime = PipelineRuntime(
+        plan, stages, None, dtype=torch.float64, timeout_s=30, callbacks=callbacks
+    )
+    xs, ys = batch("mlp", 4)
+    losses = runtime.step(xs, ys)
+    if direction == "bi":
+        runtime.reduce_replica_grads()
+    grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in stages.items()}
+    runtime.close()
+    return losses, grads, callbacks.calls, [str(a) for a in plan.ranks[rank]]
+
+
+@pytest.mark.parametrize("placement, direction", [("wave", "uni"), ("loop", "bi")])
+def test_custom_callbacks_see_the_documented_calls_and_keep_parity(placement, direction):
+    ref_losses, ref_grads, _ = reference("mlp", 4, steps=1)
+    results = all_ok(run_local(2, _recording_worker, placement, direction))
+    layout = Placement(2, 2, placement, direction)
+    depth = layout.depth
+    ranges = layer_ranges(NUM_LAYERS, depth)
+    seen = set()
+    for losses, grads, calls, planned in results:
+        assert calls[0] == ("begin", False)
+        computes = [c for c in calls[1:] if c[0] in ("F", "B")]
+        assert [f"{s}{op}{mb}" for op, s, mb in computes] == planned  # the plan's order
+        seeds = [(s, mb) for what, s, mb in calls[1:] if what == "loss_grad"]
+        assert seeds == [(s, mb) for op, s, mb in computes if op == "B" and layout.is_last(s)]
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                seen.add(mb)
+                assert _rel(loss, torch.tensor(ref_losses[0][mb], dtype=torch.float64)) <= TOL
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage % depth]
+            want = [g for layer in ref_grads[first : first + count] for g in layer]
+            for got, ref in zip(stage_grads, want, strict=True):
+                assert _rel(got, ref) <= TOL, stage
+    assert seen == set(range(4))

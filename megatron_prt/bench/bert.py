@@ -30,17 +30,20 @@ from .common import (
     add_measured,
     add_ratios,
     agreed,
-    launch,
     measure_runners,
+    replica_cost_fields,
+    replica_repeats,
+    say,
+    shm_costs,
+)
+from .report import (
+    launch,
+    md_table,
     ms,
     plot_panels,
     ratio,
     replica_cal_md,
-    replica_cost_fields,
-    replica_repeats,
     report_head,
-    say,
-    shm_costs,
     sim_sum_md,
     write_report,
 )
@@ -173,26 +176,45 @@ def _mib(values) -> str:
     return " / ".join(f"{v / 2**20:.2f}" for v in values)
 
 
+TABLE_HEADER = (
+    "configuration",
+    "measured ms",
+    "IQR",
+    "vs 1F1B",
+    "sim ms",
+    "sim vs 1F1B",
+    "meas/sim",
+    "speedup / sim speedup",
+    "peak act MiB per rank",
+    "sim peak act MiB per rank",
+    "mean loss",
+)
+
+
 def table_md(rows: list[dict]) -> list[str]:
-    lines = [
-        "| configuration | measured ms | IQR | vs 1F1B | sim ms | sim vs 1F1B | meas/sim "
-        "| speedup / sim speedup | peak act MiB per rank | sim peak act MiB per rank "
-        "| mean loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        if "na" in row:
-            lines.append(f"| {row['label']} | {row['na']} |" + " |" * 9)
-            continue
-        cells = [ratio(row, name) for name in ("vs_1f1b", "sim_vs_1f1b", "meas_over_sim")]
-        loss = f"{row['mean_loss']:.6f}" if row["mean_loss"] is not None else "-"
-        lines.append(
-            f"| {row['label']} | {ms(row['median_s'])} | {row['iqr_frac'] * 100:.0f}% "
-            f"| {cells[0]} | {ms(row['sim_s'])} | {cells[1]} | {cells[2]} "
-            f"| {ratio(row, 'speedup_vs_sim')} | {_mib(row['peak_bytes'])} "
-            f"| {_mib(row['sim_peak_bytes'])} | {loss} |"
-        )
-    return lines
+    return md_table(TABLE_HEADER, "l" + "r" * 10, (_row_cells(row) for row in rows))
+
+
+def _row_cells(row: dict) -> tuple:
+    if "na" in row:
+        return (row["label"], row["na"], *[""] * 9)
+    vs_1f1b, sim_vs, meas_sim = (
+        ratio(row, name) for name in ("vs_1f1b", "sim_vs_1f1b", "meas_over_sim")
+    )
+    loss = f"{row['mean_loss']:.6f}" if row["mean_loss"] is not None else "-"
+    return (
+        row["label"],
+        ms(row["median_s"]),
+        f"{row['iqr_frac'] * 100:.0f}%",
+        vs_1f1b,
+        ms(row["sim_s"]),
+        sim_vs,
+        meas_sim,
+        ratio(row, "speedup_vs_sim"),
+        _mib(row["peak_bytes"]),
+        _mib(row["sim_peak_bytes"]),
+        loss,
+    )
 
 
 def costs_md(args, summary: dict) -> str:

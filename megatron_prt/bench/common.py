@@ -1,16 +1,11 @@
-"""What both benchmark sections share: timing of interleaved repetitions, a measured row
-with its simulated prediction, per-message costs of a wire, the calibration of the bi
-replica-gradient sum, the machine description, progress lines, the report's head and the
-chart of measured vs simulated time, and writing the three outputs. Runs inside gloo ranks started
-by :func:`megatron_prt.runtime.local.run_local`."""
+"""What the measured benchmark sections share: timing of interleaved repetitions, a measured
+row with its simulated prediction, per-message costs of a wire, the cost fields of the bi
+replica-gradient sum's calibration, progress lines. Runs inside gloo ranks started by
+:func:`megatron_prt.runtime.local.run_local`; the report side is :mod:`.report`."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -21,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.p2p import ShmTransport
-from ..runtime.replica_timing import time_replica_sync
 from ..sim.cost import CostModel
 from ..sim.simulate import simulate
 
@@ -199,199 +193,20 @@ def agreed(pair: tuple[float, float]) -> tuple[float, float]:
     return tuple(shared.tolist())
 
 
-# -- replica-gradient sum (bi) ---------------------------------------------------------------
-# [Note: replica-sum calibration] The simulator charges a rank with a remote replica
-# ``replica_latency + sent / replica_bandwidth + added / replica_add_bandwidth``
-# (megatron_prt.sim.cost), and for such a rank sent = added = the gradient bytes of all its
-# stages. We time the runtime's own sum (time_replica_sync: barrier, then
-# ``reduce_replica_grads``, median) on two bi runtimes of the measured placement and wire,
-# the benchmarked model and one with far smaller gradients: the line through the two points
-# gives the latency (intercept) and seconds per byte (slope). A plain ``a + b`` of the large
-# size, timed on this rank, is the add's share of the slope; the rest is the transfer.
-
-
+# -- replica-gradient sum (bi): calibrated by runtime.replica_timing.calibrate_replica_sync ---
 def replica_repeats(args) -> int:
     """Timed sums per calibration point: ``--reps``, between 3 and 11."""
     return max(3, min(args.reps, 11))
 
 
-def replica_bytes(runtime) -> int:
-    """Gradient bytes this rank sends its mirrored rank in ``runtime.reduce_replica_grads``
-    (stages whose replica is on another rank; ``requires_grad`` parameters)."""
-    total = 0
-    for pair in runtime.plan.placement.replica_pairs():
-        here = [stage for stage in pair if stage in runtime.stages]
-        if len(here) == 1:  # the replica is on the mirrored rank
-            params = [p for p in runtime.stages[here[0]].parameters() if p.requires_grad]
-            total += sum(p.numel() * p.element_size() for p in params)
-    return total
-
-
-def add_seconds_per_byte(nbytes: int, repeats: int) -> float:
-    """Median seconds per byte of ``a + b`` on float32 vectors of ``nbytes`` each."""
-    a = torch.ones(max(1, nbytes // 4))
-    b = torch.ones_like(a)
-    spans = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _ = a + b
-        spans.append(time.perf_counter() - start)
-    return statistics.median(spans) / (a.numel() * 4)
-
-
-def fit_replica_sum(
-    small: tuple[float, float], large: tuple[float, float], add_s_per_byte: float
-) -> tuple[float, float, float]:
-    """``(latency_s, wire_s_per_byte, add_s_per_byte)`` from two ``(bytes, seconds)`` points
-    of the sum (see [Note: replica-sum calibration]). The large size's time is always
-    reproduced: a negative intercept or slope (noise) becomes 0 and the slope absorbs it;
-    the add's share is capped at the slope."""
-    (b0, t0), (b1, t1) = small, large
-    slope = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
-    latency = t1 - slope * b1
-    if latency < 0 or b1 <= b0:
-        latency, slope = (0.0, t1 / b1) if b1 > 0 else (t1, 0.0)
-    add = min(add_s_per_byte, slope)
-    return latency, slope - add, add
-
-
-def calibrate_replica_sum(small, large, repeats: int, grad_attr: str = "grad") -> dict:
-    """Time the sum on two bi runtimes (``small`` and ``large`` gradients; collective over
-    their group) and fit it; every rank returns the same figures: those of the rank whose
-    sum was quickest at the large size (the last out of the barrier, so the one that did
-    not wait for its peer: the simulator charges waiting separately). Seconds and bytes;
-    ``*_s_per_byte`` 0 means free."""
-    points = [
-        (replica_bytes(rt), time_replica_sync(rt, repeats, grad_attr)) for rt in (small, large)
-    ]
-    remote = points[1][0] > 0  # odd P: the middle rank only adds in place
-    add = add_seconds_per_byte(points[1][0], repeats) if remote else 0.0
-    fit = fit_replica_sum(points[0], points[1], add) if remote else (0.0, 0.0, 0.0)
-    mine = torch.tensor([*(x for point in points for x in point), *fit], dtype=torch.float64)
-    if not remote:
-        mine.zero_()
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    timed = [record for record in every if float(record[2]) > 0] or every
-    quickest = min(timed, key=lambda record: float(record[3]))
-    small_b, small_s, large_b, large_s, latency, wire, add = quickest.tolist()
-    return {
-        "bytes": [small_b, large_b],
-        "seconds": [small_s, large_s],
-        "latency_s": latency,
-        "wire_s_per_byte": wire,
-        "add_s_per_byte": add,
-    }
-
-
 def replica_cost_fields(cal: dict) -> dict:
-    """The ``CostModel`` fields of a :func:`calibrate_replica_sum` result."""
+    """The ``CostModel`` fields of a calibration
+    (:func:`megatron_prt.runtime.replica_timing.calibrate_replica_sync`)."""
     return {
         "replica_latency": cal["latency_s"],
         "replica_bandwidth": 1 / cal["wire_s_per_byte"] if cal["wire_s_per_byte"] else math.inf,
         "replica_add_bandwidth": 1 / cal["add_s_per_byte"] if cal["add_s_per_byte"] else math.inf,
     }
-
-
-def replica_cal_md(cal: dict) -> str:
-    """One phrase: the two timed points and the fitted latency and bandwidths."""
-    (b0, b1), (t0, t1) = cal["bytes"], cal["seconds"]
-
-    def rate(s_per_byte: float) -> str:
-        return f"{1e-9 / s_per_byte:.2f} GB/s" if s_per_byte else "free"
-
-    return (
-        f"{t0 * 1e3:.3f} ms at {b0 / 2**10:.0f} KiB and {t1 * 1e3:.2f} ms at "
-        f"{b1 / 2**20:.2f} MiB per rank, i.e. latency {cal['latency_s'] * 1e3:.3f} ms, "
-        f"transfer {rate(cal['wire_s_per_byte'])} each way, add {rate(cal['add_s_per_byte'])}"
-    )
-
-
-def sim_sum_md(row: dict) -> str:
-    """Per bi row: the sum's simulated share and what the prediction was without it."""
-    return (
-        f"{row['label']}: the replica-gradient sum is {ms(row['sim_replica_s'])} ms of the "
-        f"simulated {ms(row['sim_s'])} ms, meas/sim {row['median_s'] / row['sim_s']:.3f} "
-        f"(leaving the sum out: sim {ms(row['sim_no_sum_s'])} ms, meas/sim "
-        f"{row['median_s'] / row['sim_no_sum_s']:.3f})"
-    )
-
-
-# -- report --------------------------------------------------------------------------------
-def launch(command: str, measure: Callable[[], T]) -> tuple[T, dict]:
-    """``measure()`` and the report's ``info`` around it: :func:`machine`, ``command``, the
-    load average at start and end and the wall time."""
-    info = {**machine(), "command": command, "load_start": os.getloadavg()[0]}
-    start = time.perf_counter()
-    result = measure()
-    info["wall_s"] = time.perf_counter() - start
-    info["load_end"] = os.getloadavg()[0]
-    return result, info
-
-
-def write_report(
-    args, name: str, markdown: str, summary: dict, info: dict, plot: Callable[[str, dict], None]
-) -> list[str]:
-    """``name``.md (``markdown``), .png (``plot(path, summary["rows"])``) and .json (the
-    machine, the flags and ``summary``) under ``args.out``; returns their paths."""
-    os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, f"{name}.{ext}") for ext in ("md", "png", "json")]
-    with open(paths[0], "w") as f:
-        f.write(markdown)
-    plot(paths[1], summary["rows"])
-    with open(paths[2], "w") as f:
-        json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1, default=str)
-    return paths
-
-
-def report_head(title: str, section: str, info: dict) -> list[str]:
-    """The title, the command that wrote the report and the machine."""
-    return [
-        f"# {title}",
-        "",
-        f"Written by `megatron-prt bench` (section `megatron_prt.bench.{section}`). Command:",
-        "",
-        "```",
-        info["command"],
-        "```",
-        "",
-        machine_md(info),
-        "",
-    ]
-
-
-def machine() -> dict:
-    """CPU model, core count, torch and Python versions, the date (UTC)."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else platform.processor() or model
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
-def machine_md(info: dict) -> str:
-    return (
-        f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, Python "
-        f"{info['python']}; {info['date']}; load average (1 min) {info['load_start']:.2f} at "
-        f"start, {info['load_end']:.2f} at end; wall time {info['wall_s']:.0f} s."
-    )
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def ratio(row: dict, name: str) -> str:
-    return f"{row[name]:.3f}" if name in row else "-"
 
 
 def add_ratios(rows: list[dict], baseline_of: Callable[[dict], dict | None]) -> None:
@@ -406,49 +221,3 @@ def add_ratios(rows: list[dict], baseline_of: Callable[[dict], dict | None]) -> 
         row["meas_over_sim"] = row["median_s"] / row["sim_s"]
         # measured speedup over 1F1B as a fraction of the simulated one
         row["speedup_vs_sim"] = row["sim_vs_1f1b"] / row["vs_1f1b"]
-
-
-def plot_panels(
-    path: str,
-    rows_by_m: dict,
-    *,
-    color_of: Callable[[dict], str],
-    legend: Sequence[tuple[str, str]],
-    title: str,
-) -> None:
-    """One panel per m: median time per row (whiskers: quartiles), simulated time as a
-    black diamond; ``legend``: (color, label) pairs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    n = len(rows_by_m)
-    labels = [row["key"] for row in next(iter(rows_by_m.values()))]
-    height = 2.5 + 0.27 * len(labels)
-    fig, axes = plt.subplots(1, n, figsize=(2.6 + 3.4 * n, height), sharey=True, squeeze=False)
-    for ax, (m, rows) in zip(axes[0], rows_by_m.items(), strict=True):
-        _plot_panel(ax, m, rows, color_of)
-    axes[0][0].set_yticks(range(len(labels)), labels, fontsize=7)
-    axes[0][0].invert_yaxis()
-    handles = [Patch(color=color, label=label) for color, label in legend]
-    handles.append(Line2D([], [], marker="D", color="black", linestyle="", label="simulated"))
-    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.75 / height, 1, 1))  # legend below: about 0.75 inch
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_panel(ax, m, rows: list[dict], color_of: Callable[[dict], str]) -> None:
-    for y, row in enumerate(rows):
-        if "na" in row:
-            ax.text(0, y, " n/a", va="center", fontsize=7)
-            continue
-        median, (q1, q3) = row["median_s"] * 1e3, (q * 1e3 for q in row["quartiles_s"])
-        ax.barh(y, median, color=color_of(row), xerr=[[median - q1], [q3 - median]], capsize=2)
-        ax.plot(row["sim_s"] * 1e3, y, marker="D", color="black", markersize=3.5)
-    ax.set_xlabel("ms per step (median)")
-    ax.set_title(f"m = {m}")

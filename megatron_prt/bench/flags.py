@@ -22,7 +22,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--microbatches", default="1,2,8", help="comma-separated m values (default 1,2,8)"
     )
     parser.add_argument("--reps", type=int, default=21, help="timed repetitions (median)")
-    parser.add_argument("--out", default="docs/benchmarks", help="report, chart and data go here")
+    parser.add_argument(
+        "--out",
+        default="out/bench",
+        help="report, chart and data go here (default out/bench; the committed reports: "
+        "--out docs/benchmarks)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks P (local gloo)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     parser.add_argument("--burst", type=int, default=64, help="messages per CPU-cost burst")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -24,22 +25,55 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, lambda value: value > 0, "> 0")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _number(text, lambda value: value >= 0, ">= 0")
+
+
+def _number(text: str, accept, bound: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not accept(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+    return value
+
+
 def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1) -> None:
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--reuse", type=int, default=reuse_default, help="virtual stages per rank R")
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
+    p.add_argument(
+        "--reuse", type=positive_int, default=reuse_default, help="virtual stages per rank R"
+    )
     p.add_argument("--placement", choices=PLACEMENTS, default="loop")
     p.add_argument("--direction", choices=DIRECTIONS, default="uni")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches m")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
 
 
 def _cost_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (whole model, one micro-batch; any time unit)")
-    g.add_argument("--fwd-time", type=float, default=None, help="forward time (default 1)")
-    g.add_argument("--bwd-time", type=float, default=None, help="backward time (default 2)")
-    g.add_argument("--p2p-time", type=float, default=None, help="time of one p2p hop (default 0)")
+    g.add_argument("--fwd-time", type=positive_float, help="forward time (default 1)")
+    g.add_argument("--bwd-time", type=non_negative_float, help="backward time (default 2)")
+    g.add_argument("--p2p-time", type=non_negative_float, help="time of one p2p hop (default 0)")
     g.add_argument(
         "--replica-sync-time",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="bi: time two mirrored ranks take to exchange and sum their replica gradients "
         "after the step (the cost file's replica_latency; default 0)",
@@ -54,8 +88,16 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def load_costs(path: str, flag: str = "--costs") -> CostModel:
+    """:meth:`CostModel.load` with the flag that named ``path`` in the error."""
+    try:
+        return CostModel.load(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {exc}") from exc
+
+
 def _cost(args) -> CostModel:
-    data = CostModel.load(args.costs).to_dict() if args.costs else {}
+    data = load_costs(args.costs).to_dict() if args.costs else {}
     for flag, key in (
         ("fwd_time", "fwd_time"),
         ("bwd_time", "bwd_time"),
@@ -93,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_flags(s)
 
     c = sub.add_parser("compare", help="1F1B, interleaved and PRT variants side by side")
-    c.add_argument("--pp", type=int, required=True)
-    c.add_argument("--microbatches", "-m", type=int, required=True)
-    c.add_argument("--reuse", type=int, default=2, help="R for the reuse variants")
+    c.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
+    c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
+    c.add_argument("--reuse", type=positive_int, default=2, help="R for the reuse variants")
     c.add_argument("--json", action="store_true")
     _cost_flags(c)
 
@@ -110,8 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
+    """A cost file's ``stage_layers`` fix the split for one depth D = R*P: refuse others
+    here, naming the file, rather than deep in the simulator."""
+    given = len(cost.stage_layers)
+    if not given or depths == {given}:
+        return
+    runs = " and ".join(map(str, sorted(depths)))
+    raise ConfigError(
+        f"--costs {args.costs}: stage_layers splits the layers over {given} stages, but this "
+        f"runs D = R*P = {runs}; drop stage_layers from the file or choose --pp and --reuse "
+        f"with R*P = {given}"
+    )
+
+
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
+    _check_stage_layers(args, cost, {placement.depth})
     times = planning_times(args, cost, placement)
     plan = build_plan(placement, args.microbatches, args.schedule, times)
     validate(plan)
@@ -124,6 +181,15 @@ def cmd_plan(args) -> int:
     if args.lowered:
         plan = lower(plan, planning_times(args, cost, plan.placement))
         validate(plan)
+    try:
+        return _write_plan(args, plan, cost)
+    except OSError as exc:  # -o FILE in a missing or read-only directory
+        raise ConfigError(
+            f"-o {args.output}: {exc.strerror or exc}; choose a file in a writable directory"
+        ) from exc
+
+
+def _write_plan(args, plan: Plan, cost: CostModel) -> int:
     fmt = args.format
     if fmt == "png":
         if not args.output:
@@ -225,8 +291,10 @@ def compare_variants(pp: int, reuse: int) -> list[tuple[str, Placement, str]]:
 
 def cmd_compare(args) -> int:
     cost = _cost(args)
+    variants = compare_variants(args.pp, args.reuse)
+    _check_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
     results = []
-    for label, placement, schedule in compare_variants(args.pp, args.reuse):
+    for label, placement, schedule in variants:
         try:
             times = planning_times(args, cost, placement)
             plan = build_plan(placement, args.microbatches, schedule, times)
@@ -236,6 +304,11 @@ def cmd_compare(args) -> int:
         validate(plan)
         results.append((label, simulate(plan, cost), ""))
     base = results[0][1].makespan
+    if not base > 0:
+        raise ConfigError(
+            "the costs give every stage zero time, so there is nothing to compare; give "
+            "--fwd-time > 0 or a --costs file with nonzero fwd/bwd times"
+        )
     if args.json:
         out = [
             {"variant": label, "skipped": why}

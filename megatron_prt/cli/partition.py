@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
+from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.schedules import SCHEDULES
 from ..sim.cost import CostModel
@@ -23,6 +25,7 @@ from ..tune.partition import (
     format_bytes,
     partition,
 )
+from .main import load_costs, positive_int
 
 _UNITS = {
     "": 1,
@@ -57,11 +60,14 @@ def parse_bytes(text: str) -> float:
 def parse_fraction(text: str) -> float:
     """``0.03`` or ``3%``."""
     try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(
-            f"expected a fraction such as 0.03 or 3%, got {text!r}"
-        ) from None
+            f"expected a fraction >= 0 such as 0.03 or 3%, got {text!r}"
+        )
+    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,11 +77,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="choose layers per stage from per-layer costs (memory-balanced)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--reuse", type=int, default=1, help="virtual stages per rank R")
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
+    p.add_argument("--reuse", type=positive_int, default=1, help="virtual stages per rank R")
     p.add_argument("--placement", choices=PLACEMENTS, default="loop")
     p.add_argument("--direction", choices=DIRECTIONS, default="uni")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches m")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
     p.add_argument("--schedule", choices=SCHEDULES, default="prt")
     p.add_argument(
         "--costs",
@@ -105,8 +111,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (2: bad configuration, one line)."""
     try:
-        cost = _load(args.costs)
+        cost = load_costs(args.costs)
         placement = Placement(args.pp, args.reuse, args.placement, args.direction)
+        if cost.layers:  # the training flags' rule: every split printed here is one they run
+            depth, costs = placement.depth, f"--costs {args.costs}: layer count"
+            check_layers_fill_stages(len(cost.layers), depth, costs, "--reuse or --pp")
         result = partition(
             cost,
             placement,
@@ -123,19 +132,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_result(result, placement, args.microbatches, len(cost.layers)))
     return 0
-
-
-def _load(path: str) -> CostModel:
-    try:
-        return CostModel.load(path)
-    except ConfigError as exc:
-        raise ConfigError(f"--costs {path}: {exc}") from exc
-    except OSError as exc:
-        raise ConfigError(f"--costs {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--costs {path}: not JSON ({exc})") from exc
-    except (TypeError, AttributeError, ValueError) as exc:  # JSON of the wrong shape
-        raise ConfigError(f"--costs {path}: not a cost model ({exc})") from exc
 
 
 def _config(args: argparse.Namespace, cost: CostModel) -> dict:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from .main import positive_int
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
 SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
@@ -24,27 +27,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--num-layers", type=int, required=True)
-    p.add_argument("--hidden-size", type=int, required=True)
-    p.add_argument("--num-attention-heads", type=int, required=True)
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--micro-batch-size", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--num-layers", type=positive_int, required=True)
+    p.add_argument("--hidden-size", type=positive_int, required=True)
+    p.add_argument("--num-attention-heads", type=positive_int, required=True)
+    p.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden")
+    p.add_argument("--seq-length", type=positive_int, required=True)
+    p.add_argument("--micro-batch-size", type=positive_int, required=True)
+    p.add_argument("--vocab-size", type=positive_int, required=True)
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bfloat16 parameters (CUDA)")
     precision.add_argument("--fp16", action="store_true", help="float16 parameters (CUDA)")
-    p.add_argument("--reps", type=int, default=5, help="timed passes (median); default 5")
+    p.add_argument("--reps", type=positive_int, default=5, help="timed passes (median); default 5")
     p.add_argument(
         "--profile-layers",
-        type=int,
+        type=positive_int,
         default=None,
         help="profile only this many layers and repeat the last one's costs (big models)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="CPU threads (default 1, as each CPU pipeline rank runs)",
     )
@@ -56,6 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Profile, write the JSON, print the summary; 0, or 2 with one error line."""
     try:
+        _check_out(args.out)
         costs = _profile(args)
     except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -73,6 +77,20 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {args.out}", file=summary)
     return 0
+
+
+def _check_out(path: str | None) -> None:
+    """Refuse an unwritable ``-o`` before the minutes of profiling, not after."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"-o {path}: directory {directory} does not exist or is not writable; create it "
+            "or choose another FILE"
+        )
+    if os.path.isdir(path):
+        raise ValueError(f"-o {path} is a directory; give a file name such as {path}/costs.json")
 
 
 def _profile(args: argparse.Namespace) -> dict:

@@ -49,6 +49,21 @@ def check_stage_layers(
     )
 
 
+def check_layers_fill_stages(num_layers: int, depth: int, layers: str, reuse: str) -> None:
+    """The rule for a split chosen from the layer count (even, or the partitioner's):
+    ``num_layers`` must give each of the ``depth`` = R*P stages a layer. ``layers`` and
+    ``reuse`` name the flags the count and R came from; raises :class:`ConfigError`."""
+    _refuse_unfilled(
+        num_layers, depth, f"{layers} {num_layers}", f"use at least {depth} layers or lower {reuse}"
+    )
+
+
+def _refuse_unfilled(num_layers: int, depth: int, what: str, fix: str) -> None:
+    """The one rule: a split chosen from the layer count gives every stage a layer."""
+    if num_layers < depth:
+        raise ConfigError(f"{what} cannot fill D = R*P = {depth} stages; {fix}")
+
+
 def stage_layer_counts(
     num_layers: int,
     depth: int,
@@ -63,8 +78,5 @@ def stage_layer_counts(
     layer (``num_layers >= depth``; else :class:`ConfigError` ending with ``fix``)."""
     if stage_layers is not None:
         return check_stage_layers(stage_layers, num_layers, depth, name=name, total=total)
-    if num_layers < depth:
-        raise ConfigError(
-            f"{total or f'{num_layers} layers'} cannot fill D = R*P = {depth} stages; {fix}"
-        )
+    _refuse_unfilled(num_layers, depth, total or f"{num_layers} layers", fix)
     return even_layers(num_layers, depth)

@@ -14,27 +14,50 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .actions import Action, Op
-from .deps import comm_ops, consumers_map
+from .deps import carries_tensor, comm_ops, consumers, consumers_map, producers
+from .placement import Placement
 from .plan import Plan
 from .replay import replay
 from .timing import StageTimes
 
 
-def message_key(action: Action, consumer_stage: int | None = None) -> tuple:
-    """Identity of one tensor in flight: (kind, from stage, to stage, mb).
+def message_key(producer: Action, consumer: Action) -> tuple:
+    """Identity of the tensor on the edge ``producer -> consumer`` (see
+    :mod:`megatron_prt.core.deps`): ``(kind, from stage, to stage, mb)``, kind ``act`` or
+    ``grad``."""
+    kind = "act" if producer.op is Op.F else "grad"
+    return (kind, producer.stage, consumer.stage, producer.mb)
 
-    Accepts the producing compute action (with ``consumer_stage``) or a SEND/RECV action.
-    """
-    stage, op, mb = action
-    if op in (Op.F, Op.SEND_F):
-        return ("act", stage, stage + 1, mb)
-    if op is Op.RECV_F:
-        return ("act", stage - 1, stage, mb)
-    if op in (Op.B, Op.I, Op.SEND_B):
-        return ("grad", stage, stage - 1, mb)
-    if op is Op.RECV_B:
-        return ("grad", stage + 1, stage, mb)
-    raise ValueError(f"{action} carries no tensor")
+
+def message_ends(comm: Action, placement: Placement, split: bool = False) -> tuple[Action, Action]:
+    """``(producer, consumer)`` of the tensor a SEND/RECV action carries. :func:`lower` names
+    a SEND by its producer's stage and a RECV by its consumer's; the other end comes from
+    the dependency rule."""
+    stage, op, mb = comm
+    sending = op in (Op.SEND_F, Op.SEND_B)
+    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
+    found = []
+    for own in (Action(stage, o, mb) for o in ops):
+        if sending:
+            edges = [(own, c) for c in consumers(own, placement, split)]
+        else:
+            edges = [(p, own) for p in producers(own, placement, split)]
+        found += [
+            (p, c)
+            for p, c in edges
+            if carries_tensor(p, c) and comm_ops(p)[0 if sending else 1] is op
+        ]
+    if len(found) != 1:
+        raise ValueError(
+            f"{comm}: a SEND/RECV must carry exactly one tensor edge, found {found} "
+            f"under {placement}"
+        )
+    return found[0]
+
+
+def comm_key(comm: Action, placement: Placement, split: bool = False) -> tuple:
+    """:func:`message_key` of the tensor a SEND/RECV action carries."""
+    return message_key(*message_ends(comm, placement, split))
 
 
 def lower(plan: Plan, times: StageTimes | None = None) -> Plan:

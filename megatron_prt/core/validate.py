@@ -12,7 +12,7 @@ from collections import Counter
 from .actions import Action, Op
 from .deps import producers
 from .grid import format_grid
-from .lower import message_key
+from .lower import comm_key, message_ends, message_key
 from .plan import Plan
 from .replay import PlanError, replay
 
@@ -107,10 +107,10 @@ def _check_rendezvous(plan: Plan) -> None:
                         break
                     done.add(action)
                 elif action.op in (Op.SEND_F, Op.SEND_B):
-                    peer, peer_step = _matching_recv(plan, action, pos)
-                    if peer_step is None:
+                    key, peer = _matching_recv(plan, action, pos, split)
+                    if peer is None:
                         break
-                    received.add(message_key(action))
+                    received.add(key)
                     pos[peer] += 1
                 else:  # a RECV completes only together with its SEND
                     break
@@ -130,16 +130,19 @@ def _inputs_ready(action, rank, placement, split, done, received) -> bool:
         if placement.rank_of(dep.stage) == rank:
             if dep not in done:
                 return False
-        elif message_key(dep, consumer_stage=action.stage) not in received:
+        elif message_key(dep, action) not in received:
             return False
     return True
 
 
-def _matching_recv(plan: Plan, send: Action, pos: list[int]) -> tuple[int, int | None]:
-    key = message_key(send)
-    peer = plan.placement.rank_of(key[2])
+def _matching_recv(plan: Plan, send: Action, pos: list[int], split: bool):
+    """(message key, peer rank) when the peer stands at the RECV matching ``send``; else
+    (key, None)."""
+    producer, consumer = message_ends(send, plan.placement, split)
+    key = message_key(producer, consumer)
+    peer = plan.placement.rank_of(consumer.stage)
     if pos[peer] < len(plan.ranks[peer]):
         head = plan.ranks[peer][pos[peer]]
-        if head.op in (Op.RECV_F, Op.RECV_B) and message_key(head) == key:
-            return peer, pos[peer]
-    return peer, None
+        if head.op in (Op.RECV_F, Op.RECV_B) and comm_key(head, plan.placement, split) == key:
+            return key, peer
+    return key, None

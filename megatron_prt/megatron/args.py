@@ -29,13 +29,16 @@ Tied embeddings are supported; the model-building code handles them, nothing her
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 
+from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from .config import ReuseConfig
 
 PARTITIONS = ("uniform", "balanced")
+DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
 
 # Defaults of the flags that only mean something with --pipeline-reuse (dest -> default).
 _DEPENDENT_DEFAULTS = {
@@ -46,6 +49,7 @@ _DEPENDENT_DEFAULTS = {
     "pipeline_reuse_costs": None,
     "pipeline_reuse_memory_budget": None,
     "pipeline_reuse_trace": None,
+    "pipeline_reuse_timeout": DEFAULT_TIMEOUT_S,
 }
 
 # Megatron settings that also decide which layers go where; PRT owns the layer layout.
@@ -127,6 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="PATH",
         help="Write a Chrome trace of a traced iteration to PATH.json (and PATH.png).",
     )
+    group.add_argument(
+        "--pipeline-reuse-timeout",
+        type=_seconds,
+        default=_DEPENDENT_DEFAULTS["pipeline_reuse_timeout"],
+        metavar="SECONDS",
+        help="How long a rank waits on a peer before it stops with a PipelineError naming "
+        f"the rank it waited on (default {DEFAULT_TIMEOUT_S:g}).",
+    )
     return parser
 
 
@@ -137,9 +149,22 @@ _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 def _bytes(text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     try:
-        return float(match.group(1)) * _UNITS[match.group(2).upper()]
+        value = float(match.group(1)) * _UNITS[match.group(2).upper()]
     except (AttributeError, ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 24GiB)") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a byte count > 0 (e.g. 24GiB), got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:
@@ -263,8 +288,8 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
 
     try:
         cost = CostModel.load(args.pipeline_reuse_costs)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--pipeline-reuse-costs {args.pipeline_reuse_costs}: {exc}") from exc
+    except ConfigError as exc:  # the message starts with the file name
+        raise ConfigError(f"--pipeline-reuse-costs {exc}") from exc
     if len(cost.layers) != args.num_layers:
         raise ConfigError(
             f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "
@@ -277,7 +302,11 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
             "--micro-batch-size and --global-batch-size"
         )
     budget = getattr(args, "pipeline_reuse_memory_budget", None)
-    result = partition(cost, placement, microbatches, budget_bytes=budget)
+    try:
+        result = partition(cost, placement, microbatches, budget_bytes=budget)
+    except ConfigError as exc:  # e.g. no split within --pipeline-reuse-memory-budget
+        flag = "--pipeline-reuse-memory-budget" if budget else "--pipeline-reuse-partition"
+        raise ConfigError(f"{flag}: {exc}") from exc
     return result.balanced.stage_layers
 
 
@@ -308,12 +337,15 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
     )
     stage_layers = args.pipeline_reuse_stage_layers
     if args.pipeline_reuse_partition == "balanced":
+        # the uniform split's rule, so balanced never hands out stages with no layer either
+        check_layers_fill_stages(num_layers, placement.depth, "--num-layers", "--pipeline-reuse")
         stage_layers = _balanced_stage_layers(args, placement)
     return ReuseConfig(
         placement=placement,
         num_layers=num_layers,
         stage_layers=stage_layers,
         trace_path=args.pipeline_reuse_trace,
+        timeout_s=getattr(args, "pipeline_reuse_timeout", DEFAULT_TIMEOUT_S),
     )
 
 

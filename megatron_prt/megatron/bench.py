@@ -8,7 +8,10 @@ function a Megatron-LM training loop calls), on the same data for every variant.
 the simulator's predictions start from; :func:`calibrate_replica_sum` times the bi
 replica-gradient sum of megatron's finalize path for them. The timing loop, the message
 costs and the report live in :mod:`megatron_prt.bench.bert`, which imports this module
-inside the ranks only.
+inside the ranks only. For the partition-memory benchmark
+(:mod:`megatron_prt.bench.partition_memory`), :func:`step_memory` runs one training step
+under megatron's DDP and Adam (:func:`training_setup`) and counts activation and
+training-state bytes.
 
 Every variant shares one megatron parallel state
 (:func:`megatron_prt.megatron.pretrain.init_parallel_state`: pipeline size P, embedding group
@@ -29,12 +32,21 @@ import torch
 from megatron.core import parallel_state
 
 from ..core.placement import Placement
+from ..runtime.replica_timing import calibrate_replica_sync
 from .config import ReuseConfig
 from .model import build_chunks, prepare_model, transformer_config_kwargs
-from .pretrain import SEED, bert_forward_step, build_model, random_batches, transformer_config
+from .pretrain import (
+    SEED,
+    bert_forward_step,
+    build_model,
+    init_parallel_state,
+    random_batches,
+    transformer_config,
+)
 from .profile import profile_model
 from .schedule import grad_attr as chunks_grad_attr
 from .schedule import make_forward_backward_func
+from .training import build_training
 from .weights import global_state, load_global
 
 
@@ -188,14 +200,103 @@ def calibrate_replica_sum(shape: BertShape, placement: Placement, repeats: int) 
     """The bi replica-gradient sum of megatron's finalize path
     (``MegatronPipeline.reduce_replica_grads`` on the gradients it sums), timed on the
     benchmarked model and on one of hidden size ``2 * heads`` with a 64-token vocabulary,
-    and fitted (:func:`megatron_prt.bench.common.calibrate_replica_sum`). Collective."""
-    from ..bench.common import calibrate_replica_sum as fit
-
+    and fitted (:func:`megatron_prt.runtime.replica_timing.calibrate_replica_sync`).
+    Collective."""
     small = replace(shape, hidden=2 * shape.heads, vocab=min(shape.vocab, 64))
     runners = [BertRunner(s, placement, "prt", 2) for s in (small, shape)]
     try:
         pipelines = [runner.forward_backward.pipeline() for runner in runners]
-        return fit(*pipelines, repeats=repeats, grad_attr=runners[1].grad_attr)
+        return calibrate_replica_sync(*pipelines, repeats=repeats, grad_attr=runners[1].grad_attr)
     finally:
         for runner in runners:
             runner.close()
+
+
+# -- partition_memory: one training step with megatron's DDP and Adam, memory counted ---------
+def step_memory(shape: BertShape, reuse: ReuseConfig, microbatches: int) -> dict[str, int]:
+    """One training step of this rank's chunks of ``shape`` under ``reuse``, as Megatron-LM
+    drives it (megatron's DDP and Adam around PRT's forward-backward); collective over the
+    pipeline group. Returns bytes: ``act_peak`` / ``act_held_after`` activations held for
+    backward (the runtime's meter during the step: the peak; what is left at the end),
+    ``params`` / ``grads`` / ``optimizer`` distinct storages after the optimizer step
+    (:func:`state_bytes`)."""
+    chunks, optimizer = training_setup(shape, reuse)
+    forward_backward = make_forward_backward_func(reuse, timeout_s=300, measure_memory=True)
+    batches = random_batches(microbatches, shape.vocab, shape.mbs, shape.seq, seed=0)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward(
+        forward_step_func=bert_forward_step,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=microbatches,
+        seq_length=shape.seq,
+        micro_batch_size=shape.mbs,
+    )
+    stats = forward_backward.memory_stats()
+    optimizer.step()  # Adam allocates its moments on the first step
+    forward_backward.pipeline().close()
+    params, grads, moments = state_bytes(chunks, optimizer)
+    return {
+        "act_peak": stats["peak_bytes"],
+        "act_held_after": stats["held_bytes"],
+        "params": params,
+        "grads": grads,
+        "optimizer": moments,
+    }
+
+
+def training_setup(shape: BertShape, reuse: ReuseConfig) -> tuple[list, object]:
+    """This rank's chunks in megatron's DDP (no overlap, as on CPU) and megatron's Adam, set
+    up by :func:`megatron_prt.megatron.training.build_training`."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    chunks_per_rank = reuse.placement.chunks_per_rank
+    init_parallel_state(reuse.placement.ranks, chunks_per_rank if chunks_per_rank > 1 else None)
+    torch.manual_seed(1234)
+    config = transformer_config(
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        deallocate_pipeline_outputs=True,  # as Megatron-LM runs: sent outputs are freed
+        **transformer_config_kwargs(reuse),
+    )
+    provider = partial(build_model, "bert", vocab_size=shape.vocab, seq_length=shape.seq)
+    chunks = build_chunks(provider, reuse, config=config)
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-4)
+    training = build_training(chunks, config, optimizer_config=optimizer_config, reuse=reuse)
+    return training.chunks, training.optimizer
+
+
+def state_bytes(chunks: list, optimizer) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of distinct storages: a storage shared
+    by several tensors (DDP's gradient buffer, ``param.grad`` aliasing ``main_grad``)
+    counts once, in the first category that holds it."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    moments = [
+        value
+        for torch_optimizer in _torch_optimizers(optimizer)
+        for state in torch_optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    ]
+    seen: set = set()
+    return tuple(_distinct_bytes(group, seen) for group in (params, grads, moments))
+
+
+def _distinct_bytes(tensors: list[torch.Tensor], seen: set) -> int:
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside megatron's (chained or single) optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in inner]

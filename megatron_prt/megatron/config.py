@@ -8,23 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.layers import stage_layer_counts
-from ..core.placement import Placement
+from ..core.placement import ConfigError, Placement
 
 
 @dataclass(frozen=True)
 class ReuseConfig:
     """``placement``: P, R, loop|wave, uni|bi. ``stage_layers``: transformer layers of each
     model stage ``0..D-1`` in flow order (``None``: as even as possible, earlier stages take the
-    remainder). ``trace_path``: where a traced iteration's Chrome trace goes (``None``: off)."""
+    remainder). ``trace_path``: where a traced iteration's Chrome trace goes (``None``: off).
+    ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`."""
 
     placement: Placement
     num_layers: int
     stage_layers: tuple[int, ...] | None = None
     trace_path: str | None = None
     schedule: str = "prt"
+    timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--pipeline-reuse-timeout must be > 0 seconds, got {self.timeout_s}")
 
     def layers_per_stage(self) -> tuple[int, ...]:
         """Layer count of every model stage ``0..D-1``; raises :class:`ConfigError`."""

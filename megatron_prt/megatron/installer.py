@@ -23,13 +23,19 @@ _ORIGINALS: dict[str, object] = {}
 _INSTALLED: dict[str, object] = {}
 
 
-def install(reuse: ReuseConfig | None, timeout_s: float = 600.0) -> bool:
+def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
     """Use PRT for ``reuse`` (``None``: PRT not configured, nothing changes). Idempotent;
-    installing another config replaces the previous one. Returns whether PRT is installed."""
+    installing another config replaces the previous one. Returns whether PRT is installed.
+
+    ``timeout_s`` bounds every wait on a peer rank before :class:`PipelineError` names it;
+    ``None``: ``reuse.timeout_s`` (``--pipeline-reuse-timeout``, default 60 s)."""
     if reuse is None:
         return bool(_INSTALLED)
-    current = _INSTALLED.get("reuse")
-    if current == reuse:
+    if timeout_s is None:
+        timeout_s = reuse.timeout_s
+    elif not timeout_s > 0:
+        raise ValueError(f"install: timeout_s must be > 0 seconds, got {timeout_s}")
+    if _INSTALLED.get("reuse") == reuse and _INSTALLED.get("timeout_s") == timeout_s:
         return True
     forward_backward = make_forward_backward_func(reuse, timeout_s)
 
@@ -41,7 +47,7 @@ def install(reuse: ReuseConfig | None, timeout_s: float = 600.0) -> bool:
         module = sys.modules[name]
         _ORIGINALS.setdefault(name, module.get_forward_backward_func)
         module.get_forward_backward_func = get_forward_backward_func
-    _INSTALLED.update(reuse=reuse, func=forward_backward)
+    _INSTALLED.update(reuse=reuse, func=forward_backward, timeout_s=timeout_s)
     return True
 
 

@@ -12,6 +12,8 @@ takes a :class:`~megatron_prt.megatron.config.ReuseConfig`. A patched script pas
 
 and ``megatron/training/initialize.py`` calls :func:`validate_args` right before Megatron's own
 ``validate_args``. Without ``--pipeline-reuse`` every hook leaves Megatron's behaviour as is.
+``--pipeline-reuse-timeout`` travels in the :class:`ReuseConfig` to :func:`install`: it bounds
+every wait on a pipeline peer before a ``PipelineError`` names that peer.
 """
 
 from __future__ import annotations

@@ -143,6 +143,7 @@ def profile_model(
         "--num-layers": num_layers,
         "--hidden-size": hidden_size,
         "--num-attention-heads": num_attention_heads,
+        "--ffn-hidden-size": ffn_hidden_size,
         "--seq-length": seq_length,
         "--micro-batch-size": micro_batch_size,
         "--vocab-size": vocab_size,
@@ -200,6 +201,12 @@ def _check(kind: str, sizes: dict, dtype: str, device: str) -> None:
     for flag, value in sizes.items():
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    hidden, heads = sizes["--hidden-size"], sizes["--num-attention-heads"]
+    if heads >= 1 and hidden % heads:
+        raise ValueError(
+            f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads} (each "
+            "head gets hidden/heads channels); change either so that it divides"
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device not in ("cpu", "cuda"):

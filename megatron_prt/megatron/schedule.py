@@ -38,7 +38,9 @@ from megatron.core.utils import get_model_config
 
 from ..core.actions import Op
 from ..core.schedules import build_plan
-from ..runtime.executor import PipelineRuntime, run_backward
+from ..runtime.callbacks import StageCallbacks, run_backward
+from ..runtime.errors import PipelineError
+from ..runtime.executor import PipelineRuntime
 from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
 from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
@@ -92,8 +94,121 @@ class ChunkData:
         self.read, self.ahead = 0, {}
 
 
+class MegatronCallbacks(StageCallbacks):
+    """megatron's stage computations (see the module docstring): ``forward`` through
+    ``schedules.forward_step``, the gradient-sync and parameter-sync hooks, loss scaling.
+    :meth:`use` gives it one iteration's forward step function and data; the runtime's
+    ``begin`` starts the iteration."""
+
+    def __init__(self, plan, rank: int, chunks: list, config) -> None:
+        self.config = config
+        self.chunks = chunks
+        self.placement = plan.placement
+        self.num_microbatches = plan.num_microbatches
+        self.stage_chunk = {s: c for c, s in enumerate(plan.placement.rank_stages[rank])}
+        self.last_backward = {a.stage: a.mb for a in plan.ranks[rank] if a.op is Op.B}
+        # megatron checks a chunk's vp_stage against the one passed; read it once, not per mb
+        self.vp_stage = [getattr(unwrap(chunk), "vp_stage", None) for chunk in chunks]
+        self.chunk_sync: list[contextlib.ExitStack] | None = None
+
+    def use(self, forward_step_func, data, collect_non_loss_data, first_val_step) -> None:
+        self.step_fn, self.data = forward_step_func, data
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+
+    def begin(self, inputs, targets, forward_only) -> None:
+        self.forward_only = forward_only
+        self.store: dict[int, object] = {}  # mb -> forward_data_store entry
+        self.num_tokens = torch.zeros([], dtype=torch.int)
+        self.forwarded: set[int] = set()  # chunks that ran a forward this iteration
+
+    # -- gradient and parameter sync hooks ----------------------------------------------------
+    def per_chunk(self, hook):
+        if hook is None or isinstance(hook, list):
+            return hook
+        return [hook] * len(self.chunks)
+
+    def hold_grad_sync(self, stack: contextlib.ExitStack) -> None:
+        """For one iteration (until ``stack`` closes): hold gradient reduction."""
+        no_sync = self.config.no_sync_func
+        if isinstance(no_sync, list):
+            self.chunk_sync = [contextlib.ExitStack() for _ in self.chunks]
+            for chunk_stack, func in zip(self.chunk_sync, no_sync, strict=True):
+                chunk_stack.enter_context(func())
+                stack.push(chunk_stack.__exit__)
+        else:  # one context for the whole model: released after the schedule
+            self.chunk_sync = None
+            if no_sync is not None:
+                stack.enter_context(no_sync())
+
+    def release_grad_sync(self, chunk: int) -> None:
+        """Before a chunk's last backward: let its gradients reduce as they become ready
+        (megatron's overlap); ``bi`` holds them until replicas are summed."""
+        if self.placement.direction == "bi" or self.chunk_sync is None:
+            return
+        self.chunk_sync[chunk].close()
+
+    # -- stage computations ---------------------------------------------------------------
+    def forward(self, stage, mb, x):
+        chunk = self.stage_chunk[stage]
+        first = chunk not in self.forwarded
+        if first:
+            self.forwarded.add(chunk)
+            param_sync = self.per_chunk(self.config.param_sync_func)
+            if param_sync is not None and not self.forward_only:
+                param_sync[chunk](self.chunks[chunk].parameters())
+        store: list = []
+        is_last = self.placement.is_last(stage)
+        with running_chunk(self.placement.is_first(stage), is_last):
+            out, num_tokens = self.megatron_forward(chunk, mb, x, store, first, is_last)
+        if is_last:
+            self.num_tokens += num_tokens.cpu()
+            if store:
+                self.store[mb] = store[0]
+        return out
+
+    def megatron_forward(self, chunk, mb, x, store, first, is_last):
+        return schedules.forward_step(
+            self.step_fn,
+            self.data[chunk].for_mb(mb),
+            self.chunks[chunk],
+            self.num_microbatches,
+            x,
+            store,
+            self.config,
+            parallel_state.get_context_parallel_world_size(),
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=schedules.check_first_val_step(
+                self.first_val_step, self.forward_only, first
+            ),
+            current_microbatch=mb,
+            vp_stage=self.vp_stage[chunk],
+            is_last_stage=is_last,
+        )
+
+    def loss_grad(self, stage, mb, loss):
+        return None  # the loss is already scaled by 1/m (or per token) in forward_step
+
+    def backward(self, stage, mb, out, grad):
+        chunk = self.stage_chunk[stage]
+        last = self.last_backward[stage] == mb
+        if last:
+            self.release_grad_sync(chunk)
+        config = self.config
+        if config.timers is not None:
+            config.timers("backward-compute", log_level=2).start()
+        if grad is None and config.grad_scale_func is not None:
+            out = config.grad_scale_func(out)
+        if out.requires_grad:
+            run_backward(out, grad)
+        if config.timers is not None:
+            config.timers("backward-compute").stop()
+        if last and config.grad_sync_func is not None and self.placement.direction != "bi":
+            self.per_chunk(config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
+
+
 class MegatronPipeline(PipelineRuntime):
-    """The executor with megatron's stage computations (see the module docstring)."""
+    """The executor with :class:`MegatronCallbacks` and megatron's iteration (:meth:`run`)."""
 
     def __init__(
         self,
@@ -109,9 +224,8 @@ class MegatronPipeline(PipelineRuntime):
     ) -> None:
         self.config = config
         self.chunks = list(model)
-        rank = dist.get_rank(group)
-        self.stage_chunk = {s: c for c, s in enumerate(plan.placement.rank_stages[rank])}
-        stages = {s: self.chunks[c] for s, c in self.stage_chunk.items()}
+        callbacks = MegatronCallbacks(plan, dist.get_rank(group), self.chunks, config)
+        stages = {s: self.chunks[c] for s, c in callbacks.stage_chunk.items()}
         super().__init__(
             plan,
             stages,
@@ -125,113 +239,21 @@ class MegatronPipeline(PipelineRuntime):
             variable_shapes=bool(config.variable_seq_lengths),
             transport=transport,
             measure_memory=measure_memory,
+            callbacks=callbacks,
         )
-        actions = self.plan.ranks[self.rank]
-        self._last_backward = {a.stage: a.mb for a in actions if a.op is Op.B}
-        # megatron checks a chunk's vp_stage against the one passed; read it once, not per mb
-        self._vp_stage = [getattr(unwrap(chunk), "vp_stage", None) for chunk in self.chunks]
 
     def run(self, forward_step_func, data, forward_only, collect_non_loss_data, first_val_step):
         """One iteration: ``{mb: forward_data_store entry}`` of this rank's last stages and
         the number of tokens they counted (per-token loss)."""
-        self._step_fn, self._data = forward_step_func, data
-        self._collect_non_loss_data = collect_non_loss_data
-        self._first_val_step = first_val_step
-        self._store: dict[int, object] = {}
-        self._num_tokens = torch.zeros([], dtype=torch.int)
-        self._forwarded: set[int] = set()
-        self._sync_stack = contextlib.ExitStack()
-        with self._sync_stack:
+        callbacks = self.callbacks
+        callbacks.use(forward_step_func, data, collect_non_loss_data, first_val_step)
+        with contextlib.ExitStack() as sync_stack:
             if not forward_only:
-                self._hold_grad_sync()
-            self._run(forward_only)
+                callbacks.hold_grad_sync(sync_stack)
+            self.step(None, None, forward_only)
         for d in data:
             d.finish(self.plan.num_microbatches)
-        return self._store, self._num_tokens
-
-    # -- gradient and parameter sync hooks ----------------------------------------------------
-    def _per_chunk(self, hook):
-        if hook is None or isinstance(hook, list):
-            return hook
-        return [hook] * len(self.chunks)
-
-    def _hold_grad_sync(self) -> None:
-        no_sync = self.config.no_sync_func
-        if isinstance(no_sync, list):
-            self._chunk_sync = [contextlib.ExitStack() for _ in self.chunks]
-            for stack, func in zip(self._chunk_sync, no_sync, strict=True):
-                stack.enter_context(func())
-                self._sync_stack.push(stack.__exit__)
-        else:  # one context for the whole model: released after the schedule
-            self._chunk_sync = None
-            if no_sync is not None:
-                self._sync_stack.enter_context(no_sync())
-
-    def _release_grad_sync(self, chunk: int) -> None:
-        """Before a chunk's last backward: let its gradients reduce as they become ready
-        (megatron's overlap); ``bi`` holds them until replicas are summed."""
-        if self.plan.placement.direction == "bi" or self._chunk_sync is None:
-            return
-        self._chunk_sync[chunk].close()
-
-    # -- stage computations ---------------------------------------------------------------
-    def _stage_forward(self, stage, mb, x):
-        chunk = self.stage_chunk[stage]
-        first = chunk not in self._forwarded
-        if first:
-            self._forwarded.add(chunk)
-            param_sync = self._per_chunk(self.config.param_sync_func)
-            if param_sync is not None and not self._forward_only:
-                param_sync[chunk](self.chunks[chunk].parameters())
-        store: list = []
-        placement = self.plan.placement
-        is_last = placement.next_stage(stage) is None
-        with running_chunk(placement.prev_stage(stage) is None, is_last):
-            out, num_tokens = self._megatron_forward(chunk, mb, x, store, first, is_last)
-        if is_last:
-            self._num_tokens += num_tokens.cpu()
-            if store:
-                self._store[mb] = store[0]
-        return out
-
-    def _megatron_forward(self, chunk, mb, x, store, first, is_last):
-        return schedules.forward_step(
-            self._step_fn,
-            self._data[chunk].for_mb(mb),
-            self.chunks[chunk],
-            self.plan.num_microbatches,
-            x,
-            store,
-            self.config,
-            parallel_state.get_context_parallel_world_size(),
-            collect_non_loss_data=self._collect_non_loss_data,
-            is_first_microbatch=schedules.check_first_val_step(
-                self._first_val_step, self._forward_only, first
-            ),
-            current_microbatch=mb,
-            vp_stage=self._vp_stage[chunk],
-            is_last_stage=is_last,
-        )
-
-    def _loss_grad(self, stage, mb, loss):
-        return None  # the loss is already scaled by 1/m (or per token) in forward_step
-
-    def _stage_backward(self, stage, mb, out, grad):
-        chunk = self.stage_chunk[stage]
-        last = self._last_backward[stage] == mb
-        if last:
-            self._release_grad_sync(chunk)
-        config = self.config
-        if config.timers is not None:
-            config.timers("backward-compute", log_level=2).start()
-        if grad is None and config.grad_scale_func is not None:
-            out = config.grad_scale_func(out)
-        if out.requires_grad:
-            run_backward(out, grad)
-        if config.timers is not None:
-            config.timers("backward-compute").stop()
-        if last and config.grad_sync_func is not None and self.plan.placement.direction != "bi":
-            self._per_chunk(config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
+        return callbacks.store, callbacks.num_tokens
 
 
 def make_forward_backward_func(
@@ -380,7 +402,13 @@ def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, dev
     elif senders and rank == last_rank:
         for sender in senders:
             payload = [None]
-            dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
+            try:
+                dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
+            except RuntimeError as exc:  # gloo/NCCL: peer closed or the group's timeout
+                raise PipelineError(
+                    f"rank {rank}: waiting on rank {sender} for the losses of its last stages: "
+                    f"{str(exc).splitlines()[0]} (rank {sender} may have failed or be stuck)"
+                ) from exc
             theirs, tokens = payload[0]
             store.update(_to_device(theirs, device))
             num_tokens = num_tokens + tokens

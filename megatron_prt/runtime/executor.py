@@ -1,10 +1,22 @@
 """Execute a lowered plan on this rank: a dispatch table from op to handler.
 
+Every action of the rank's lowered plan, compute (``F``, ``B``) and communication
+(``SEND_F``, ``SEND_B``, ``RECV_F``, ``RECV_B``), has one handler. The program is compiled
+once per runtime: each action is bound to its handler and to what it reads and writes,
+found through the dependency rule (:mod:`megatron_prt.core.deps`: which action produced an
+input, on which stage and rank) and :func:`megatron_prt.core.lower.message_key`, so a step
+only indexes dictionaries. What a stage computes is a :class:`StageCallbacks` object
+(:mod:`megatron_prt.runtime.callbacks`); split backward (``I``, ``W``) would add two compute
+handlers calling its ``input_grad`` / ``weight_grad``, and ``SEND_B`` already sends
+whatever input-gradient the producing action left, ``B``'s or ``I``'s.
+
 Contract
 --------
 * ``stages`` maps every stage on this rank (pipeline 0 and, for ``bi``, pipeline 1) to an
-  ``nn.Module`` taking one tensor and returning one tensor. The last stage of a pipeline
-  feeds its output to ``loss_fn(output, target) -> scalar``.
+  ``nn.Module``; by default (:class:`ModuleCallbacks`) each takes one tensor and returns
+  one tensor, and the last stage of a pipeline feeds its output to
+  ``loss_fn(output, target) -> scalar``. ``callbacks`` replaces that computation (the
+  megatron-core integration passes its own).
 * ``step(inputs, targets)`` takes per-micro-batch lists (only the entries this rank uses
   are read: inputs at first stages, targets at last stages) and returns per-micro-batch
   losses, ``None`` where another rank computed them. Gradients accumulate into the local
@@ -23,23 +35,23 @@ import platform
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from ..core.actions import Action, Op
-from ..core.lower import lower, message_key
+from ..core.deps import carries_tensor, consumers, producers
+from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
+from .callbacks import LossFn, ModuleCallbacks, StageCallbacks
 from .errors import PipelineError, pipeline_error
 from .memory import ActivationMeter
 from .p2p import ShmTransport, TorchTransport, wire_device
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
 
 
@@ -52,16 +64,17 @@ class PipelineRuntime:
     or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); ``variable_shapes``: activation shapes
     may differ between micro-batches (each message then carries its shape);
     ``measure_memory``: count the activation bytes this rank holds for backward during each
-    step (:meth:`memory_stats`; the attribute may also be switched between steps).
-    Construction is collective: it checks that every rank holds the same plan and sets up
-    the transport.
+    step (:meth:`memory_stats`; the attribute may also be switched between steps);
+    ``callbacks``: what the stages compute (default :class:`ModuleCallbacks` over ``stages``
+    and ``loss_fn``, which may be None when ``callbacks`` is given). Construction is
+    collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
     def __init__(
         self,
         plan: Plan,
         stages: Mapping[int, torch.nn.Module],
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
@@ -74,6 +87,7 @@ class PipelineRuntime:
         shm_capacity: int = 32 << 20,
         variable_shapes: bool = False,
         measure_memory: bool = False,
+        callbacks: StageCallbacks | None = None,
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
@@ -93,6 +107,13 @@ class PipelineRuntime:
         self.trace_enabled = trace
         self.variable_shapes = variable_shapes
         self.measure_memory = measure_memory
+        if callbacks is None:
+            if loss_fn is None:
+                raise ValueError(f"rank {self.rank}: give loss_fn, or callbacks that compute")
+            callbacks = ModuleCallbacks(
+                self.stages, loss_fn, placement, plan.num_microbatches, self.device
+            )
+        self.callbacks = callbacks
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -103,20 +124,24 @@ class PipelineRuntime:
         self.recv_lookahead = recv_lookahead
         self.spans: list[tuple[Action, float, float]] = []
         self._group = group
+        self._split = self.plan.split_backward
+        self._compute_handlers = {Op.F: self._forward, Op.B: self._backward}
+        self._comm_handlers = {
+            Op.SEND_F: self._send_output,
+            Op.SEND_B: self._send_input_grad,
+            Op.RECV_F: self._post_recv,
+            Op.RECV_B: self._post_recv,
+        }
         self._programs = {}
         for forward_only in (False, True):
             compute = self.plan.forward_only() if forward_only else self.plan
             lowered = lower(compute)
             validate(lowered)
             stream = lowered.ranks[self.rank]
-            recvs = [message_key(a) for a in stream if a.op in (Op.RECV_F, Op.RECV_B)]
-            self._programs[forward_only] = (lowered, _compile(stream), recvs)
+            program, recvs = self._compile(stream)
+            self._programs[forward_only] = (lowered, program, recvs)
         check_same_plan(self.plan, group, self.device, timeout_s)
         self.transport = self._make_transport(transport, shm_capacity)
-        self._handlers = {
-            Op.F: self._forward,
-            Op.B: self._backward,
-        }
 
     def _make_transport(self, kind: str, shm_capacity: int):
         """``torch``: torch.distributed p2p. ``shm``: shared memory between ranks on one
@@ -146,9 +171,9 @@ class PipelineRuntime:
         for lowered, _, _ in self._programs.values():
             for a in lowered.ranks[self.rank]:
                 if a.op in (Op.RECV_F, Op.RECV_B):
-                    senders.add(placement.rank_of(message_key(a)[1]))
+                    senders.add(placement.rank_of(comm_key(a, placement, self._split)[1]))
                 elif a.op in (Op.SEND_F, Op.SEND_B):
-                    receivers.add(placement.rank_of(message_key(a)[2]))
+                    receivers.add(placement.rank_of(comm_key(a, placement, self._split)[2]))
         mirrors = replica_peers(placement, self.rank)  # bi: gradient sums go both ways
         senders |= mirrors
         receivers |= mirrors
@@ -176,34 +201,28 @@ class PipelineRuntime:
         for name, data in (("inputs", inputs), ("targets", targets)):
             if data is not None and len(data) != m:
                 raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
-        self._inputs, self._targets = inputs, targets
+        self.callbacks.begin(inputs, targets, forward_only)
         self._run(forward_only)
         losses, self._losses = self._losses, None
         return losses
 
     def _run(self, forward_only: bool) -> None:
-        """Run this rank's program once; subclasses supply the stage computations through
-        :meth:`_stage_forward`, :meth:`_loss_grad` and :meth:`_stage_backward`."""
+        """Run this rank's program once: each entry's handler on its precomputed operand."""
         lowered, program, self._recv_order = self._programs[forward_only]
         self._begin(forward_only)
         self._prepost()
         t0 = time.perf_counter()
-        step = 0
+        step = 0  # index in the lowered plan, for errors
         action: Action | None = None
         try:
-            for entry in program:
-                kind, step, payload = entry  # step: index in the lowered plan, for errors
-                if kind == "compute":
-                    action = payload
-                    self._handlers[action.op](action)
+            for step, action, handler, operand, is_compute in program:  # noqa: B007 (errors)
+                handler(operand)
+                if is_compute:
                     self._prepost()
                     if self.trace_enabled:  # span: from inputs ready to compute done
                         end = time.perf_counter()
                         self.spans.append((action, self._ready_at - t0, end - t0))
                     self._reap_sends(block=False)
-                else:
-                    action = payload[0]
-                    self._communicate(payload)
             self._reap_sends(block=True)
         except PipelineError:
             raise
@@ -238,6 +257,63 @@ class PipelineRuntime:
     def memory_peak(self) -> int:
         """Most activation bytes this rank held for backward during the last step."""
         return self.memory_stats()["peak_bytes"]
+
+    # -- the program: each action bound to its handler and operands, once ----------------
+    def _compile(self, stream: Sequence[Action]) -> tuple[list[tuple], list[tuple]]:
+        """This rank's program and the message keys of its receives, in plan order.
+
+        Program entries are ``(step, action, handler, operand, is_compute)``: one per compute
+        action, and one per run of consecutive comm actions (issued together, then flushed:
+        one batch on NCCL), whose operand lists ``(handler, message key, (stage, mb))``."""
+        placement, split = self.plan.placement, self._split
+        program: list[tuple] = []
+        recvs: list[tuple] = []
+        for step, action in enumerate(stream):
+            if action.op.is_compute:
+                handler = self._compute_handlers.get(action.op)
+                if handler is None:
+                    raise NotImplementedError(
+                        f"rank {self.rank}: {action}: the runtime has no {action.op} handler "
+                        "(split backward is not implemented); build the plan with B actions"
+                    )
+                program.append((step, action, handler, self._operand(action), True))
+                continue
+            producer, consumer = message_ends(action, placement, split)
+            key = message_key(producer, consumer)
+            if _is_recv(action):
+                recvs.append(key)
+            entry = (self._comm_handlers[action.op], key, (producer.stage, producer.mb))
+            if program and not program[-1][4]:
+                program[-1][3].append(entry)
+            else:
+                program.append((step, action, self._communicate, [entry], False))
+        return program, recvs
+
+    def _operand(self, action: Action) -> _Compute:
+        """What a compute action reads and keeps, from the dependency rule."""
+        placement, split = self.plan.placement, self._split
+        feeds = [c for c in consumers(action, placement, split) if carries_tensor(action, c)]
+        local_next = [c.stage for c in feeds if placement.rank_of(c.stage) == self.rank]
+        return _Compute(
+            action,
+            *self._tensor_in(action),
+            local_next=local_next[0] if local_next else None,
+            is_loss=action.op is Op.F and not feeds,
+            input_from=self._tensor_in(Action(action.stage, Op.F, action.mb))[0],
+        )
+
+    def _tensor_in(self, action: Action) -> tuple[tuple | None, tuple | None]:
+        """Where ``action``'s tensor input comes from: ``((stage, mb) of its producer, None)``
+        on this rank, ``(None, message key)`` from another rank, ``(None, None)`` for none
+        (a pipeline's first F, its last B: the loss)."""
+        placement = self.plan.placement
+        fed = [p for p in producers(action, placement, self._split) if carries_tensor(p, action)]
+        if not fed:
+            return None, None
+        (producer,) = fed  # one tensor input per action: see megatron_prt.core.deps
+        if placement.rank_of(producer.stage) == self.rank:
+            return (producer.stage, producer.mb), None
+        return None, message_key(producer, action)
 
     # -- step state ------------------------------------------------------------------------
     def _begin(self, forward_only: bool) -> None:
@@ -278,121 +354,103 @@ class PipelineRuntime:
             self.transport.flush()
 
     # -- compute handlers --------------------------------------------------------------------
-    def _forward(self, action: Action) -> None:
-        stage, _, mb = action
-        placement = self.plan.placement
-        prev = placement.prev_stage(stage)
-        if prev is None:
-            x = None
+    def _forward(self, op: _Compute) -> None:
+        forward_only = self._forward_only
+        if op.local_in is not None:
+            held = self._outputs
+            x = held.pop(op.local_in) if forward_only else held[op.local_in]
+        elif op.remote_in is not None:
+            x = self._take_received(op.remote_in)
         else:
-            if placement.rank_of(prev) == self.rank:
-                x = self._outputs[(prev, mb)]
-                if self._forward_only:
-                    del self._outputs[(prev, mb)]
-            else:
-                x = self._take_received(message_key(Action(prev, Op.F, mb)))
-            x = x.detach().requires_grad_(not self._forward_only)
+            x = None
+        if x is not None:
+            x = x.detach().requires_grad_(not forward_only)
         self._ready_at = time.perf_counter()
-        with torch.set_grad_enabled(not self._forward_only), self._saving(stage, mb):
-            out = self._stage_forward(stage, mb, x)
+        with torch.set_grad_enabled(not forward_only), self._saving(op.where):
+            out = self.callbacks.forward(op.stage, op.mb, x)
             if out is x and x is not None:
                 # A stage without layers hands on its own input: give the output a grad_fn
                 # of its own, so freeing the sent output's data cannot free the input and
                 # its backward routes the gradient into x.grad.
                 out = x.view_as(x)
-        if not self._forward_only:
-            self._saved_inputs[(stage, mb)] = x
-        if placement.next_stage(stage) is not None or not self._forward_only:
-            self._outputs[(stage, mb)] = out
+        if op.is_loss:
+            self._losses[op.mb] = out.detach()
+        if not forward_only:
+            self._saved_inputs[op.where] = x
+            self._outputs[op.where] = out
+        elif not op.is_loss:
+            self._outputs[op.where] = out
         if self._memory is not None:
-            self._count_kept(stage, mb, x, out)
+            self._count_kept(op, x, out)
 
-    def _backward(self, action: Action) -> None:
-        stage, _, mb = action
-        placement = self.plan.placement
-        out = self._outputs.pop((stage, mb))
-        nxt = placement.next_stage(stage)
-        if nxt is None:
-            grad = self._loss_grad(stage, mb, out)
-        elif placement.rank_of(nxt) == self.rank:
-            grad = self._input_grads.pop((nxt, mb))
+    def _backward(self, op: _Compute) -> None:
+        out = self._outputs.pop(op.where)
+        if op.local_in is not None:
+            grad = self._input_grads.pop(op.local_in)
+        elif op.remote_in is not None:
+            grad = self._take_received(op.remote_in)
         else:
-            grad = self._take_received(message_key(Action(nxt, Op.B, mb)))
+            grad = self.callbacks.loss_grad(op.stage, op.mb, out)
         self._ready_at = time.perf_counter()
-        self._stage_backward(stage, mb, out, grad)
-        x = self._saved_inputs.pop((stage, mb))
+        self.callbacks.backward(op.stage, op.mb, out, grad)
+        x = self._saved_inputs.pop(op.where)
         if x is not None:
-            self._input_grads[(stage, mb)] = x.grad
-            prev = placement.prev_stage(stage)
-            if self.deallocate_outputs and placement.rank_of(prev) == self.rank:
+            self._input_grads[op.where] = x.grad
+            if self.deallocate_outputs and op.input_from is not None:
                 # A same-rank hand-off: once its consumer's backward ran, the producer's
                 # output data is dead (its backward needs only the grad_fn), as for a send.
-                _free_data(self._outputs[(prev, mb)])
+                _free_data(self._outputs[op.input_from])
         if self._memory is not None:
-            self._memory.release((stage, mb))
-            self._memory.mark(str(action))
+            self._memory.release(op.where)
+            self._memory.mark(str(op.action))
 
     # -- activation memory (measure_memory) ---------------------------------------------------
-    def _saving(self, stage: int, mb: int):
+    def _saving(self, where: tuple[int, int]):
         """Around a stage's forward: what autograd saves is held by ``(stage, mb)``."""
         if self._memory is None or self._forward_only:
             return contextlib.nullcontext()
-        return self._memory.saving((stage, mb))
+        return self._memory.saving(where)
 
-    def _count_kept(self, stage: int, mb: int, x: torch.Tensor | None, out) -> None:
+    def _count_kept(self, op: _Compute, x: torch.Tensor | None, out) -> None:
         """After a stage's forward: the executor keeps the input for its gradient, and an
         output until this stage's backward unless it is sent and ``deallocate_outputs``
         frees its data once sent."""
         if not self._forward_only:
             if x is not None:
-                self._memory.hold((stage, mb), x)
-            nxt = self.plan.placement.next_stage(stage)
-            local = nxt is not None and self.plan.placement.rank_of(nxt) == self.rank
+                self._memory.hold(op.where, x)
+            local = op.local_next is not None
             if local and self.deallocate_outputs:  # freed by the consumer's backward
-                self._memory.hold((nxt, mb), out)
-            elif nxt is not None and (local or not self.deallocate_outputs):
-                self._memory.hold((stage, mb), out)
-        self._memory.mark(f"{stage}F{mb}")
+                self._memory.hold((op.local_next, op.mb), out)
+            elif not op.is_loss and (local or not self.deallocate_outputs):
+                self._memory.hold(op.where, out)
+        self._memory.mark(str(op.action))
 
-    # -- what a stage computes (overridden by the megatron-core integration) -------------------
-    def _stage_forward(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
-        """Stage output for ``mb`` (``x`` is None at a first stage); at a last stage the loss."""
-        if x is None:
-            x = self._inputs[mb].to(self.device)
-        out = self.stages[stage](x)
-        if self.plan.placement.next_stage(stage) is None:
-            out = self.loss_fn(out, self._targets[mb].to(self.device))
-            self._losses[mb] = out.detach()
-        return out
-
-    def _loss_grad(self, stage: int, mb: int, loss: torch.Tensor) -> torch.Tensor | None:
-        """Gradient that seeds a last stage's backward: the mean over micro-batches."""
-        return torch.full_like(loss, 1.0 / self.plan.num_microbatches)
-
-    def _stage_backward(
-        self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None
-    ) -> None:
-        run_backward(out, grad)
-
-    # -- communication -----------------------------------------------------------------------
-    def _communicate(self, actions: list[Action]) -> None:
-        for action in actions:
-            key = message_key(action)
-            if action.op is Op.SEND_F:
-                where = (action.stage, action.mb)
-                out = self._outputs.pop(where) if self._forward_only else self._outputs[where]
-                free = out if self.deallocate_outputs and not self._forward_only else None
-                self._sends.append((self.transport.send(key, out), free))
-            elif action.op is Op.SEND_B:
-                grad = self._input_grads.pop((action.stage, action.mb))
-                self._sends.append((self.transport.send(key, grad), None))
-            else:
-                self._plan_recvs += 1
-                if self._plan_recvs <= self._next_recv:  # already posted ahead
-                    continue
-                self._received[key] = self.transport.recv(key)
-                self._next_recv += 1
+    # -- communication handlers ------------------------------------------------------------
+    def _communicate(self, batch: list[tuple]) -> None:
+        for handler, key, where in batch:
+            handler(key, where)
         self.transport.flush()
+
+    def _send_output(self, key: tuple, where: tuple[int, int]) -> None:
+        """SEND_F: the activation ``where`` = (stage, mb) computed."""
+        if self._forward_only:
+            out, free = self._outputs.pop(where), None
+        else:
+            out = self._outputs[where]
+            free = out if self.deallocate_outputs else None
+        self._sends.append((self.transport.send(key, out), free))
+
+    def _send_input_grad(self, key: tuple, where: tuple[int, int]) -> None:
+        """SEND_B: the input-gradient the backward of ``where`` left (B's, or I's)."""
+        self._sends.append((self.transport.send(key, self._input_grads.pop(where)), None))
+
+    def _post_recv(self, key: tuple, where: tuple[int, int]) -> None:
+        """RECV_F / RECV_B: post the receive, unless :meth:`_prepost` already did."""
+        self._plan_recvs += 1
+        if self._plan_recvs <= self._next_recv:  # already posted ahead
+            return
+        self._received[key] = self.transport.recv(key)
+        self._next_recv += 1
 
     def _reap_sends(self, block: bool) -> None:
         while self._sends:
@@ -404,6 +462,46 @@ class PipelineRuntime:
             self._sends.popleft()
             if free is not None:
                 _free_data(free)
+
+
+class _Compute:
+    """A compute action's operands, resolved when the program is compiled. ``where``: its
+    (stage, mb), under which its output, saved input and input-gradient are kept;
+    ``local_in`` / ``remote_in``: its tensor input's producer (stage, mb) on this rank or
+    message key (both None: none); ``local_next``: F's consumer stage on this rank, if
+    any; ``is_loss``: F's output is the loss (nothing consumes it); ``input_from``: B's
+    stage input came from this rank's (stage, mb)."""
+
+    __slots__ = (
+        "action",
+        "input_from",
+        "is_loss",
+        "local_in",
+        "local_next",
+        "mb",
+        "remote_in",
+        "stage",
+        "where",
+    )
+
+    def __init__(
+        self,
+        action: Action,
+        local_in: tuple | None,
+        remote_in: tuple | None,
+        *,
+        local_next: int | None,
+        is_loss: bool,
+        input_from: tuple | None,
+    ) -> None:
+        self.action, self.stage, self.mb = action, action.stage, action.mb
+        self.where = (action.stage, action.mb)
+        self.local_in, self.remote_in = local_in, remote_in
+        self.local_next, self.is_loss, self.input_from = local_next, is_loss, input_from
+
+
+def _is_recv(action: Action) -> bool:
+    return action.op in (Op.RECV_F, Op.RECV_B)
 
 
 _DEAD: dict[tuple, torch.Tensor] = {}  # one shared placeholder per (device, dtype)
@@ -419,40 +517,15 @@ def _free_data(out: torch.Tensor) -> None:
     out.data = _DEAD[key]
 
 
-def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Backward from ``out`` whose data may have been freed (shape then differs from grad);
-    ``grad`` None: ``out`` is a scalar loss."""
-    if grad is None:
-        grad = torch.ones_like(out)
-    if out.shape == grad.shape:
-        torch.autograd.backward(out, grad)
-    else:
-        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
-
-
-def _compile(stream: Sequence[Action]) -> list[tuple[str, int, object]]:
-    """Group consecutive comm actions into one batch; compute actions stand alone."""
-    program: list[tuple[str, int, object]] = []
-    for step, action in enumerate(stream):
-        if action.op.is_compute:
-            program.append(("compute", step, action))
-        elif program and program[-1][0] == "comm":
-            program[-1][2].append(action)
-        else:
-            program.append(("comm", step, [action]))
-    return program
-
-
 def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     if action is None:
         return text
     placement = plan.placement
     peer = None
-    if action.op is Op.F and placement.prev_stage(action.stage) is not None:
-        peer = placement.rank_of(placement.prev_stage(action.stage))
-    elif action.op is Op.B and placement.next_stage(action.stage) is not None:
-        peer = placement.rank_of(placement.next_stage(action.stage))
+    if action.op.is_compute:  # the rank of the action's tensor input, if any
+        fed = producers(action, placement, plan.split_backward)
+        peer = next((placement.rank_of(p.stage) for p in fed if carries_tensor(p, action)), None)
     if peer is not None and any(
         w in text.lower() for w in ("timeout", "timed out", "closed", "reset", "connection")
     ):

@@ -272,8 +272,64 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str) -> CostModel:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """Read a cost JSON file (the format of the module docstring).
+
+        Raises :class:`ConfigError` whose message starts with ``path`` and names the key at
+        fault, for a missing or unreadable file, text that is not JSON, and JSON of the wrong
+        shape: not an object, unknown or missing keys, a value of the wrong type or range."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}: {exc.strerror or exc}; give the path of a cost JSON "
+                "(`megatron-prt profile ... -o FILE` writes one)"
+            ) from exc
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise ConfigError(f"{path}: not JSON ({exc})") from exc
+        try:
+            _check_value_types(data)
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _check_value_types(data: object) -> None:
+    """Refuse JSON values that :meth:`CostModel.from_dict` would turn into a ``TypeError``
+    deep inside (a string for a time, a list that is not one): numbers where numbers go
+    (``null`` and ``Infinity`` only where the field's default is ``None`` or infinite), lists
+    and objects where they go. Keys and ranges are from_dict's to check."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a JSON object of cost keys, got {type(data).__name__}")
+    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict}
+    for key, kind in parts.items():
+        value = data.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ConfigError(f"key {key} must be a JSON {kind.__name__}, got {value!r}")
+    _check_numbers(data, CostModel, "", skip=parts)
+    for index, count in enumerate(data.get("stage_layers") or ()):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ConfigError(f"key stage_layers[{index}] must be an integer, got {count!r}")
+    entries = [(f"layers[{i}]", layer) for i, layer in enumerate(data.get("layers") or ())]
+    entries += [(end, data[end]) for end in ("embedding", "head") if data.get(end) is not None]
+    for where, entry in entries:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"key {where} must be an object with fwd, bwd, act, param")
+        _check_numbers(entry, LayerCost, f"{where}.")
+
+
+def _check_numbers(data: dict, kind: type, prefix: str, skip=()) -> None:
+    for name, spec in kind.__dataclass_fields__.items():
+        if name in skip or name not in data:
+            continue
+        value = data[name]
+        open_ended = spec.default is None or spec.default == math.inf
+        if value is None and open_ended:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or math.isnan(value) or (math.isinf(value) and not open_ended):
+            allowed = " (or null)" if open_ended else ""
+            raise ConfigError(f"key {prefix}{name} must be a number{allowed}, got {value!r}")
 
 
 # Keys :meth:`CostModel.to_dict` leaves out at these values, so that a file without them

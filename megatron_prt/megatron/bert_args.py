@@ -1,0 +1,261 @@
+"""Flags of ``examples/pretrain_bert.py``: Megatron-LM's names and meanings plus megatron-prt's
+``--pipeline-reuse*``, checked before anything heavy loads.
+
+Every impossible setting ends the process through :func:`refuse`: one line on stderr (rank 0
+only, so a torchrun launch prints it once) and exit status 2, before any collective call, so
+every rank stops the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
+
+import torch
+
+PROG = "pretrain_bert.py"
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit status 2, like our refusals."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse(message)
+
+
+def refuse(message: str) -> NoReturn:
+    """Stop with ``PROG: error: message`` (rank 0 only, so a torchrun launch prints it once)
+    and exit status 2. Called before any collective, so every rank stops the same way."""
+    stop(message, status=2)
+
+
+def stop(message: str, status: int) -> NoReturn:
+    """Exit with ``status`` after ``PROG: error: message`` on stderr (rank 0 only). Every rank
+    must call it for the same reason at the same point, so every rank stops."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """Every flag: Megatron-LM's names and meanings, plus megatron-prt's ``--pipeline-reuse*``;
+    ``description`` heads ``--help``."""
+    from .args import add_arguments
+
+    parser = _OneLineParser(
+        prog=PROG,
+        description=description,
+        epilog="Baseline for PRT comparisons: --pipeline-reuse 1 (PRT's 1F1B-equivalent plan); "
+        "megatron's own pipelined schedule (no --pipeline-reuse, pipeline size > 1) needs CUDA.",
+    )
+    _add_model_flags(parser.add_argument_group("model"))
+    _add_training_flags(parser.add_argument_group("training"))
+    _add_parallel_flags(parser.add_argument_group("parallelism and device"))
+    _add_data_flags(parser.add_argument_group("data"))
+    _add_output_flags(parser.add_argument_group("checkpoints and logging"))
+    add_arguments(parser)
+    return parser
+
+
+def _add_model_flags(group) -> None:
+    group.add_argument("--num-layers", type=int, default=8)
+    group.add_argument("--hidden-size", type=int, default=64)
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
+    group.add_argument("--num-attention-heads", type=int, default=4)
+    group.add_argument("--seq-length", type=int, default=64)
+    group.add_argument(
+        "--max-position-embeddings", type=int, default=None, help="default --seq-length"
+    )
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument(
+        "--bert-no-binary-head",
+        dest="bert_binary_head",
+        action="store_false",
+        help="no sentence-order (binary) head: samples are single segments, no sop loss",
+    )
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _add_training_flags(group) -> None:
+    group.add_argument("--micro-batch-size", type=int, default=2)
+    group.add_argument("--global-batch-size", type=int, default=8)
+    group.add_argument("--train-iters", type=int, default=20)
+    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--bf16", action="store_true", help="bfloat16 model (CUDA only)")
+    group.add_argument("--fp16", action="store_true", help="float16 model, loss scaling (CUDA)")
+    group.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        "--no-stop-on-nan",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="train on after a NaN or infinite loss or gradient norm (default: stop with an "
+        "error naming the iteration)",
+    )
+
+
+def _add_parallel_flags(group) -> None:
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="only 1 is supported here"
+    )
+    group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+
+
+def _add_data_flags(group) -> None:
+    group.add_argument("--data-path", default=None, help="indexed dataset prefix (no .bin/.idx)")
+    group.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt of --data-path")
+    group.add_argument("--split", default="90,5,5", help="train,valid,test document weights")
+    group.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="where the default corpus is prepared and sample indices are cached (default "
+        "$XDG_CACHE_HOME/megatron-prt, or beside --data-path for its indices)",
+    )
+
+
+def _add_output_flags(group) -> None:
+    group.add_argument("--eval-interval", type=int, default=10)
+    group.add_argument("--eval-iters", type=int, default=2, help="global batches per evaluation")
+    group.add_argument("--log-interval", type=int, default=5)
+    group.add_argument("--save", default=None, metavar="DIR")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--load", default=None, metavar="DIR")
+    group.add_argument("--exit-interval", type=int, default=None, help="stop after iteration N")
+    group.add_argument("--tensorboard-dir", default=None)
+
+
+def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:
+    """Parsed and checked flags. Impossible settings end the process (exit status 2, one line)
+    before anything heavy loads; sets ``args.reuse`` (ReuseConfig or None) and
+    ``args.data_parallel_size``."""
+    from ..core import ConfigError
+    from .args import validate_args
+
+    args = build_parser(description).parse_args(argv)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.context_parallel_size = 1
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _refuse_unsupported(args)
+    try:
+        args.reuse = validate_args(args)  # PRT settings checked before any collective
+    except ConfigError as exc:
+        refuse(str(exc))
+    return args
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    for message in _problems(args):
+        refuse(message)
+
+
+def _problems(args: argparse.Namespace) -> Iterator[str]:
+    """Why ``args`` cannot run, most basic first (each a one-line message with the fix)."""
+    if args.tensor_model_parallel_size != 1:
+        yield (
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} is not supported "
+            "by this example (megatron-prt replaces the pipeline schedule only); use 1"
+        )
+    if args.bf16 and args.fp16:
+        yield "--bf16 and --fp16 exclude each other; pick one"
+    if (args.bf16 or args.fp16) and args.device == "cpu":
+        flag = "--bf16" if args.bf16 else "--fp16"
+        yield (
+            f"{flag} needs --device cuda: on CPU megatron-core trains in fp32 here "
+            "(megatron_prt.megatron.cpu supports no half-precision optimizer); drop it"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        yield "--device cuda but torch sees no GPU; use --device cpu"
+    yield from _layout_problems(args)
+    yield from _size_problems(args)
+    yield from _output_problems(args)
+
+
+def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
+    pp = args.pipeline_model_parallel_size
+    if pp < 1 or args.world_size % pp:
+        yield (
+            f"--pipeline-model-parallel-size {pp} must divide the number of ranks "
+            f"({args.world_size}); the rest is data parallel"
+        )
+        return
+    args.data_parallel_size = args.world_size // pp
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.micro_batch_size < 1 or args.global_batch_size % per_step:
+        yield (
+            f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+            f"--micro-batch-size * data-parallel size = {per_step}"
+        )
+    if pp > 1 and args.pipeline_reuse is None and args.device == "cpu":
+        yield (
+            "megatron's own pipelined schedule needs CUDA (its p2p calls CUDA); on CPU use "
+            "--pipeline-reuse 1 for 1F1B (PRT's equivalent plan) or --pipeline-reuse R"
+        )
+
+
+def _size_problems(args: argparse.Namespace) -> Iterator[str]:
+    if args.hidden_size % args.num_attention_heads:
+        yield (
+            f"--hidden-size {args.hidden_size} must be a multiple of --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    if args.max_position_embeddings < args.seq_length:
+        yield (
+            f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+            f"{args.seq_length}"
+        )
+    if args.seq_length < 5:
+        yield f"--seq-length {args.seq_length} leaves no room for text ([CLS] A [SEP] B [SEP])"
+    if args.train_iters < 1:
+        yield f"--train-iters must be >= 1, got {args.train_iters}"
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        yield (
+            f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay length "
+            f"{args.lr_decay_iters} (--lr-decay-iters, default --train-iters)"
+        )
+    if args.min_lr > args.lr:
+        yield f"--min-lr {args.min_lr} exceeds --lr {args.lr}"
+    for flag in ("log_interval", "eval_interval"):
+        if getattr(args, flag) < 1:
+            yield f"--{flag.replace('_', '-')} must be >= 1"
+
+
+def _output_problems(args: argparse.Namespace) -> Iterator[str]:
+    if args.data_path is not None and args.vocab_file is None:
+        yield "--data-path needs --vocab-file (the WordPiece vocab.txt its ids come from)"
+    if args.data_path is not None and not os.path.isfile(args.data_path + ".idx"):
+        yield f"--data-path {args.data_path}: no {args.data_path}.idx (give the prefix)"
+    if args.vocab_file is not None and not os.path.isfile(args.vocab_file):
+        yield f"--vocab-file {args.vocab_file} does not exist"
+    if args.save_interval is not None and args.save is None:
+        yield "--save-interval needs --save DIR"
+    if args.save_interval is not None and args.save_interval < 1:
+        yield "--save-interval must be >= 1"
+    if args.tensorboard_dir is not None and not _tensorboard_available():
+        yield (
+            "--tensorboard-dir needs torch.utils.tensorboard, which needs the tensorboard "
+            "package: pip install tensorboard (or drop --tensorboard-dir)"
+        )
+
+
+def _tensorboard_available() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,117 @@
+"""What a stage computes, as one object the executor calls: :class:`StageCallbacks`.
+
+The executor (:mod:`megatron_prt.runtime.executor`) decides *when* each action runs and
+moves tensors between stages; the callbacks decide *what* a stage computes. The executor
+calls, on the rank that owns ``stage``:
+
+* ``begin(inputs, targets, forward_only)`` once at the start of every step, with the
+  arguments of :meth:`PipelineRuntime.step`;
+* ``forward(stage, mb, x)`` for ``F``: ``x`` is the stage input (``None`` at a pipeline's
+  first stage, where the callbacks supply the micro-batch themselves), already detached
+  and requiring grad unless ``forward_only``; it runs under ``torch.set_grad_enabled(not
+  forward_only)``. Returns the stage output, or at a pipeline's last stage the loss, which
+  :meth:`PipelineRuntime.step` returns for that micro-batch;
+* ``loss_grad(stage, mb, loss)`` at a last stage before its backward: the gradient that
+  seeds it, or ``None`` for a scalar loss that is seeded with one;
+* ``backward(stage, mb, out, grad)`` for ``B``: accumulate parameter gradients and the
+  input's ``.grad`` from ``out`` (the forward's return value, whose data may have been
+  freed once sent: use :func:`run_backward`) and ``grad`` (from ``loss_grad`` or the next
+  stage).
+
+Room for split backward (``I`` then ``W``, zero-bubble style): ``input_grad(stage, mb, out,
+grad)`` would compute only the input gradient (and keep what ``W`` needs) and
+``weight_grad(stage, mb)`` the parameter gradients. The executor has no handler for ``I``
+and ``W`` yet; the base class raises :class:`NotImplementedError` for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch.autograd import Variable
+
+from ..core.placement import Placement
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageCallbacks:
+    """Base class of stage computations (see the module docstring for the contract)."""
+
+    def begin(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        forward_only: bool,
+    ) -> None:
+        """Start of a step; the default keeps nothing."""
+
+    def forward(self, stage: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.forward (stage {stage}, mb {mb})")
+
+    def loss_grad(self, stage: int, mb: int, loss: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def backward(self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        run_backward(out, grad)
+
+    def input_grad(self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        raise NotImplementedError(
+            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
+            "build the plan with full backward (B) actions"
+        )
+
+    def weight_grad(self, stage: int, mb: int) -> None:
+        raise NotImplementedError(
+            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
+            "build the plan with full backward (B) actions"
+        )
+
+
+class ModuleCallbacks(StageCallbacks):
+    """The plain-PyTorch stages: ``stages[stage]`` is an ``nn.Module`` taking one tensor and
+    returning one; a first stage reads ``inputs[mb]``, a last stage returns
+    ``loss_fn(output, targets[mb])`` and seeds its backward with ``1/m``, so gradients are
+    those of the mean loss over the ``num_microbatches`` micro-batches."""
+
+    def __init__(
+        self,
+        stages: Mapping[int, torch.nn.Module],
+        loss_fn: LossFn,
+        placement: Placement,
+        num_microbatches: int,
+        device: torch.device,
+    ) -> None:
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.placement = placement
+        self.num_microbatches = num_microbatches
+        self.device = device
+        self.inputs: Sequence[torch.Tensor] | None = None
+        self.targets: Sequence[torch.Tensor] | None = None
+
+    def begin(self, inputs, targets, forward_only) -> None:
+        self.inputs, self.targets = inputs, targets
+
+    def forward(self, stage, mb, x):
+        if x is None:
+            x = self.inputs[mb].to(self.device)
+        out = self.stages[stage](x)
+        if self.placement.is_last(stage):
+            out = self.loss_fn(out, self.targets[mb].to(self.device))
+        return out
+
+    def loss_grad(self, stage, mb, loss):
+        return torch.full_like(loss, 1.0 / self.num_microbatches)
+
+
+def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward from ``out`` whose data may have been freed (shape then differs from grad);
+    ``grad`` None: ``out`` is a scalar loss."""
+    if grad is None:
+        grad = torch.ones_like(out)
+    if out.shape == grad.shape:
+        torch.autograd.backward(out, grad)
+    else:
+        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)

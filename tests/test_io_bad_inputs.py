@@ -1,0 +1,297 @@
+"""Bad input at the edges: CLI flags, cost files, ``--pipeline-reuse*`` flags, BERT data.
+
+Every case must end in one clear message that names the flag or file (and the fix), never in
+a traceback from deep inside, never in a silently wrong result. The cases are run in-process
+and need neither a process group nor a model, except one ``profile`` case (megatron import).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_megatron_args import BASE, parse, refusal
+
+from megatron_prt.core.placement import ConfigError
+
+LAYER = {"fwd": 1.0, "bwd": 2.0, "act": 10.0, "param": 5.0}
+
+
+def _layers(count: int) -> dict:
+    return {"layers": [LAYER] * count}
+
+
+PROFILE = ["profile", "--num-layers", 1, "--hidden-size", 8, "--num-attention-heads", 4]
+PROFILE += ["--seq-length", 4, "--micro-batch-size", 1, "--vocab-size", 16]
+
+# -- megatron-prt plan / simulate / compare / partition / profile --------------------------------
+# (argv, cost file content: dict (JSON), str or bytes (raw), None (no file), message). "COSTS"
+# in argv is the cost file's path, "DIR" the test's temporary directory.
+CLI_CASES = {
+    "costs: a bool for a time": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"fwd_time": True},
+        "COSTS: key fwd_time must be a number, got True",
+    ),
+    "costs: NaN time": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        '{"fwd_time": NaN}',
+        "COSTS: key fwd_time must be a number, got nan",
+    ),
+    "costs: layers not a list": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"layers": {"fwd": 1}},
+        "COSTS: key layers must be a JSON list",
+    ),
+    "costs: a string layer time": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"layers": [{"fwd": 1, "bwd": "2"}]},
+        "COSTS: key layers[0].bwd must be a number, got '2'",
+    ),
+    "costs: fractional stage_layers": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {**_layers(1), "stage_layers": [0.5, 0.5]},
+        "COSTS: key stage_layers[0] must be an integer, got 0.5",
+    ),
+    "costs: head not an object": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"head": [1]},
+        "COSTS: key head must be a JSON dict",
+    ),
+    "costs: not UTF-8": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        b"\xff\xfe{",
+        "COSTS: not JSON",
+    ),
+    "costs: a directory": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "DIR"],
+        None,
+        "--costs DIR: Is a directory",
+    ),
+    "costs: zero bandwidth": (
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"p2p_bandwidth": 0},
+        "--costs COSTS: cost p2p_bandwidth must be > 0",
+    ),
+    "costs: stage_layers for another depth": (
+        ["simulate", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", "COSTS"],
+        {**_layers(4), "stage_layers": [2, 2]},
+        "--costs COSTS: stage_layers splits the layers over 2 stages, but this runs D = R*P = 4",
+    ),
+    "compare: stage_layers fix one depth": (
+        ["compare", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {**_layers(4), "stage_layers": [1, 1, 1, 1]},
+        "stages, but this runs D = R*P = 2 and 4",
+    ),
+    "compare: costs of zero time": (
+        ["compare", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"fwd_time": 0, "bwd_time": 0},
+        "the costs give every stage zero time",
+    ),
+    "plan: -o is a directory": (
+        ["plan", "--pp", 2, "-m", 4, "-o", "DIR"],
+        None,
+        "-o DIR: Is a directory; choose a file",
+    ),
+    "plan: -o in a missing directory": (
+        ["plan", "--pp", 2, "-m", 4, "--format", "csv", "-o", "DIR/no/such/plan.csv"],
+        None,
+        "-o DIR/no/such/plan.csv: No such file or directory",
+    ),
+    "simulate: infinite forward time": (
+        ["simulate", "--pp", 2, "-m", 4, "--fwd-time", "inf"],
+        None,
+        "argument --fwd-time: must be a finite number > 0, got 'inf'",
+    ),
+    "compare: NaN hop time": (
+        ["compare", "--pp", 2, "-m", 4, "--p2p-time", "nan"],
+        None,
+        "argument --p2p-time: must be a finite number >= 0, got 'nan'",
+    ),
+    "compare: negative micro-batches": (
+        ["compare", "--pp", 2, "-m", -3],
+        None,
+        "argument --microbatches/-m: must be an integer >= 1, got '-3'",
+    ),
+    "partition: NaN slack": (
+        ["partition", "--pp", 2, "-m", 4, "--costs", "COSTS", "--slack", "nan"],
+        _layers(4),
+        "argument --slack: expected a fraction >= 0",
+    ),
+    "partition: more stages than layers": (
+        ["partition", "--pp", 2, "--reuse", 3, "-m", 4, "--costs", "COSTS"],
+        _layers(4),
+        "--costs COSTS: layer count 4 cannot fill D = R*P = 6 stages; use at least 6 layers",
+    ),
+    "partition: zero reuse": (
+        ["partition", "--pp", 2, "--reuse", 0, "-m", 4, "--costs", "COSTS"],
+        _layers(4),
+        "argument --reuse: must be an integer >= 1, got '0'",
+    ),
+    "profile: -o in a missing directory": (
+        [*PROFILE, "-o", "DIR/no/such/costs.json"],
+        None,
+        "-o DIR/no/such/costs.json: directory DIR/no/such does not exist",
+    ),
+    "profile: zero ffn size": (
+        [*PROFILE, "--ffn-hidden-size", 0],
+        None,
+        "argument --ffn-hidden-size: must be an integer >= 1, got '0'",
+    ),
+    "profile: heads do not divide hidden": (
+        [*PROFILE, "--hidden-size", 30],
+        None,
+        "--hidden-size 30 is not divisible by --num-attention-heads 4",
+    ),
+}
+
+
+@pytest.mark.parametrize("argv, content, message", CLI_CASES.values(), ids=list(CLI_CASES))
+def test_cli_refuses_with_one_line_naming_the_flag(run_cli, tmp_path, argv, content, message):
+    if "heads do not divide" in message or "not divisible" in message:
+        pytest.importorskip("megatron.core")
+    costs = tmp_path / "costs.json"
+    if isinstance(content, dict):
+        costs.write_text(json.dumps(content))
+    elif isinstance(content, str):
+        costs.write_text(content)
+    elif isinstance(content, bytes):
+        costs.write_bytes(content)
+
+    def place(text: str) -> str:
+        return str(text).replace("COSTS", str(costs)).replace("DIR", str(tmp_path))
+
+    code, out, err = run_cli(*map(place, argv))
+    lines = err.strip().splitlines()
+    assert code == 2, (out, err)
+    assert lines[-1].startswith("megatron-prt"), err
+    assert place(message) in lines[-1], err
+    assert "Traceback" not in err
+    if argv[0] != "profile":  # profile reports progress on stderr before it fails
+        assert len(lines) == 1, err
+
+
+# -- --pipeline-reuse* flags ---------------------------------------------------------------------
+BALANCED = ("--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
+
+# (extra argv, cost file content or None, message). BASE: 8 layers, P=4, 4 micro-batches.
+FLAG_CASES = {
+    "costs: a string time": (
+        (*BALANCED, "--pipeline-reuse-costs", "COSTS"),
+        {**_layers(8), "fwd_time": "fast"},
+        "--pipeline-reuse-costs COSTS: key fwd_time must be a number, got 'fast'",
+    ),
+    "costs: a layer without bwd": (
+        (*BALANCED, "--pipeline-reuse-costs", "COSTS"),
+        {"layers": [{"fwd": 1}] * 8},
+        "--pipeline-reuse-costs COSTS: cost layers[0] has keys ['fwd']; it needs fwd and bwd",
+    ),
+    "costs: missing file": (
+        (*BALANCED, "--pipeline-reuse-costs", "DIR/none.json"),
+        None,
+        "--pipeline-reuse-costs DIR/none.json: No such file or directory; give the path",
+    ),
+    "costs: for another layer count": (
+        (*BALANCED, "--pipeline-reuse-costs", "COSTS"),
+        _layers(12),
+        "--pipeline-reuse-costs COSTS describes 12 layers, --num-layers is 8",
+    ),
+    "balanced: fewer layers than stages": (
+        (
+            "--pipeline-reuse",
+            3,
+            "--pipeline-reuse-partition",
+            "balanced",
+            "--pipeline-reuse-costs",
+            "COSTS",
+        ),
+        _layers(8),
+        "--num-layers 8 cannot fill D = R*P = 12 stages; use at least 12 layers or lower "
+        "--pipeline-reuse",
+    ),
+    "balanced: a budget nothing fits": (
+        (*BALANCED, "--pipeline-reuse-costs", "COSTS", "--pipeline-reuse-memory-budget", "1"),
+        _layers(8),
+        "--pipeline-reuse-memory-budget: no layer partition fits the budget",
+    ),
+    "uniform: reuse beyond the layers": (
+        ("--pipeline-reuse", 3),
+        None,
+        "--num-layers 8 cannot fill D = R*P = 12 stages",
+    ),
+    "stage layers: a plan for another depth": (
+        ("--pipeline-reuse", 2, "--pipeline-reuse-stage-layers", "4,4"),
+        None,
+        "--pipeline-reuse-stage-layers 4,4 must give D = R*P = 8 counts",
+    ),
+}
+
+
+@pytest.mark.parametrize("extra, content, message", FLAG_CASES.values(), ids=list(FLAG_CASES))
+def test_reuse_flags_refuse_naming_the_flag(tmp_path, extra, content, message):
+    costs = tmp_path / "costs.json"
+    if content is not None:
+        costs.write_text(json.dumps(content))
+
+    def place(text) -> str:
+        return str(text).replace("COSTS", str(costs)).replace("DIR", str(tmp_path))
+
+    assert place(message) in refusal(*BASE, *map(place, extra))
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--pipeline-reuse-memory-budget", "0", "must be a byte count > 0"),
+        ("--pipeline-reuse-memory-budget", "lots", "not a byte count: 'lots'"),
+        ("--pipeline-reuse-timeout", "-1", "must be a number of seconds > 0"),
+        ("--pipeline-reuse-stage-layers", "2,,2", "expected comma-separated integers"),
+    ],
+)
+def test_malformed_reuse_flag_values_are_argparse_errors(capsys, flag, value, message):
+    with pytest.raises(SystemExit):
+        parse(*BASE, "--pipeline-reuse", 2, f"{flag}={value}")
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {message}" in err
+
+
+def test_a_refused_config_is_a_config_error_not_a_crash(tmp_path):
+    """A cost file of the wrong shape used to escape as TypeError from the partitioner."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layers": "eight"}))
+    with pytest.raises(ConfigError, match="key layers must be a JSON list"):
+        from megatron_prt.megatron.args import validate_args
+
+        validate_args(parse(*BASE, *BALANCED, "--pipeline-reuse-costs", costs))
+
+
+# -- examples/bert_data.py -----------------------------------------------------------------------
+EXAMPLE = Path(__file__).parents[1] / "examples" / "bert_data.py"
+
+
+@pytest.fixture(scope="module")
+def bert_data():
+    if "bert_data" not in sys.modules:  # test_bert_data.py may have loaded it already
+        spec = importlib.util.spec_from_file_location("bert_data", EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bert_data"] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules["bert_data"]
+
+
+@pytest.mark.parametrize("split", ["a,b", "0,0,0", "1,2,3,4", "1,-1,0", "nan,1,1", ""])
+def test_a_split_megatron_would_divide_by_zero_on_is_refused(bert_data, split):
+    pytest.importorskip("megatron.core")
+    with pytest.raises(bert_data.DataError, match="expected up to three weights >= 0"):
+        bert_data.split_document_ranges(10, split)
+
+
+def test_a_data_path_without_files_is_refused(bert_data, tmp_path):
+    """``show --data-path`` to a prefix with no files used to fail in megatron's
+    IndexedDataset (AssertionError, then AttributeError from its __del__)."""
+    pytest.importorskip("megatron.core")
+    with pytest.raises(bert_data.DataError, match=r"nope\.idx does not exist"):
+        bert_data.samples_per_epoch(str(tmp_path / "nope"), 32)
