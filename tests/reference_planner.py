@@ -279,9 +279,9 @@ def reference_prt(
 
 
 def reference_stuck(plan: Plan) -> dict[int, int]:
-    """The old blocking send/recv replay of megatron_prt.core.validate, one action at a
-    time: ``{rank: step}`` where each rank that cannot finish stands."""
-    from megatron_prt.core.lower import message_key
+    """The blocking send/recv replay megatron_prt.core.validate ran before it was compiled,
+    one action at a time: ``{rank: step}`` where each rank that cannot finish stands."""
+    from megatron_prt.core.lower import comm_key, message_ends, message_key
 
     placement, split, streams = plan.placement, plan.split_backward, plan.ranks
     pos = [0] * len(streams)
@@ -293,7 +293,7 @@ def reference_stuck(plan: Plan) -> dict[int, int]:
             if placement.rank_of(dep.stage) == rank:
                 if dep not in done:
                     return False
-            elif message_key(dep, consumer_stage=action.stage) not in received:
+            elif message_key(dep, action) not in received:
                 return False
         return True
 
@@ -308,12 +308,13 @@ def reference_stuck(plan: Plan) -> dict[int, int]:
                         break
                     done.add(action)
                 elif action.op in (Op.SEND_F, Op.SEND_B):
-                    key = message_key(action)
-                    peer = placement.rank_of(key[2])
+                    producer, consumer = message_ends(action, placement, split)
+                    key = message_key(producer, consumer)
+                    peer = placement.rank_of(consumer.stage)
                     head = streams[peer][pos[peer]] if pos[peer] < len(streams[peer]) else None
                     if head is None or head.op not in (Op.RECV_F, Op.RECV_B):
                         break
-                    if message_key(head) != key:
+                    if comm_key(head, placement, split) != key:
                         break
                     received.add(key)
                     pos[peer] += 1
@@ -322,3 +323,34 @@ def reference_stuck(plan: Plan) -> dict[int, int]:
                 pos[rank] += 1
                 progress = True
     return {r: p for r, p in enumerate(pos) if p < len(streams[r])}
+
+
+def reference_lower(plan: Plan, times: StageTimes | None = None) -> Plan:
+    """The lowering pass as it was before events became integers: one sort of tuples."""
+    from dataclasses import replace
+
+    from megatron_prt.core.deps import comm_ops
+
+    placement = plan.placement
+    timeline = replay(plan, times)
+    actions = list(timeline.start)
+    consumers = consumers_map(actions, placement, plan.split_backward)
+    rank_of = placement.stage_to_rank
+    events = []  # (time, kind: 0 = message, 1 = compute, rank, action, consumer)
+    for action, begin in timeline.start.items():
+        rank = rank_of[action.stage]
+        events.append((begin, 1, rank, action, None))
+        for consumer in consumers[action]:
+            if rank_of[consumer.stage] != rank:
+                events.append((timeline.end[action], 0, rank, action, consumer))
+    step = {a: i for acts in plan.ranks for i, a in enumerate(acts)}
+    events.sort(key=lambda e: (e[0], e[1], e[2], step[e[3]]))
+    streams: list[list[Action]] = [[] for _ in range(placement.ranks)]
+    for _, kind, rank, action, consumer in events:
+        if kind == 1:
+            streams[rank].append(action)
+            continue
+        send_op, recv_op = comm_ops(action)
+        streams[rank].append(Action(action.stage, send_op, action.mb))
+        streams[rank_of[consumer.stage]].append(Action(consumer.stage, recv_op, action.mb))
+    return replace(plan, ranks=tuple(tuple(s) for s in streams), lowered=True)

@@ -140,3 +140,21 @@ def test_blocking_replay_stops_where_the_reference_does(placement, direction):
         assert stuck_ranks(bad) == expected
         stuck_seen += bool(expected)
     assert stuck_seen > 10  # the swaps do break plans
+
+
+@pytest.mark.parametrize(
+    "placement, direction", [("loop", "uni"), ("wave", "uni"), ("loop", "bi"), ("wave", "bi")]
+)
+@pytest.mark.parametrize("kind", ["uniform", "unequal", "cpu", "idle"])
+def test_lowering_matches_the_reference(placement, direction, kind):
+    """The same SEND/RECV streams as the tuple-sorting lowering, under stage times with
+    ties (uniform, idle ranks) and without."""
+    from megatron_prt.core.lower import lower
+
+    for p, r, m in ((1, 2, 3), (2, 2, 4), (3, 2, 7), (4, 1, 5)):
+        place = Placement(p, r, placement, direction)
+        plan = prt(place, m)
+        times = _times(place, kind)
+        lowered = lower(plan, times)
+        assert lowered == ref.reference_lower(plan, times)
+        validate(lowered)

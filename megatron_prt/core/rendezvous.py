@@ -5,8 +5,8 @@ same-rank producers are done and the messages from its other producers are recei
 and its matching RECV complete together, when the sender stands at the SEND and the receiver
 at the RECV; a RECV never completes on its own. Producers come from
 :func:`megatron_prt.core.deps.producers`, message identity from
-:func:`megatron_prt.core.lower.message_key`, both asked once per kind of action (stage, op)
-and shifted to every micro-batch.
+:func:`megatron_prt.core.lower.message_key` and :func:`~megatron_prt.core.lower.message_ends`,
+all asked once per kind of action (stage, op) and shifted to every micro-batch.
 
 Every condition is a *token* ``base + mb`` in one byte array: a compute action's "done", a
 message's "received", plus a block that is always set (no producer) and one that never is (a
@@ -20,12 +20,12 @@ from operator import itemgetter
 
 from .actions import Action, Op
 from .deps import producers
-from .lower import message_key
+from .lower import message_ends, message_key
 from .plan import Plan
 
 _KIND = itemgetter(0, 1)  # action -> (stage, op)
 _MB = itemgetter(2)
-_COMPUTE, _SEND, _RECV = 0, 1, 2
+_COMPUTE, _SEND, _RECV, _BAD = 0, 1, 2, 3  # _BAD: a SEND/RECV that carries no one tensor
 _TYPE = {Op.SEND_F: _SEND, Op.SEND_B: _SEND, Op.RECV_F: _RECV, Op.RECV_B: _RECV}
 
 
@@ -47,6 +47,7 @@ class _Tables:
             return messages[key]
 
         self.type, self.need, self.own, self.peer = [], [], [], []
+        self.errors: dict[int, ValueError] = {}  # kind -> why its SEND/RECV is malformed
         for i, (stage, op) in enumerate(kinds):
             own = 2 * mbs + i * mbs
             kind_type = _TYPE.get(op, _COMPUTE)
@@ -54,23 +55,31 @@ class _Tables:
             if kind_type == _COMPUTE:
                 for slot, dep in enumerate(producers(Action(stage, op, 0), placement, split)):
                     if rank_of[dep.stage] != rank_of[stage]:
-                        need[slot] = message_base(message_key(dep, consumer_stage=stage)[:3])
+                        need[slot] = message_base(message_key(dep, Action(stage, op, 0))[:3])
                     elif (dep.stage, dep.op) in kind_index:
                         need[slot] = 2 * mbs + kind_index[dep.stage, dep.op] * mbs
                     else:
                         need[slot] = self.never
-            else:  # a SEND or RECV sets the message's token
-                own = message_base(message_key(Action(stage, op, 0))[:3])
+            peer_stage = stage
+            if kind_type != _COMPUTE:  # a SEND or RECV sets the message's token
+                try:
+                    producer, consumer = message_ends(Action(stage, op, 0), placement, split)
+                except ValueError as exc:
+                    self.errors[i], kind_type = exc, _BAD
+                else:
+                    own = message_base(message_key(producer, consumer)[:3])
+                    peer_stage = consumer.stage
             self.type.append(kind_type)
             self.need.append(need)
             self.own.append(own)
-            peer_stage = message_key(Action(stage, op, 0))[2] if kind_type == _SEND else stage
             self.peer.append(rank_of[peer_stage])
 
 
 def stuck_ranks(plan: Plan) -> dict[int, int]:
     """Replay ``plan``'s streams under blocking send/recv: ``{rank: step}`` for every rank
-    that cannot finish (where it stands), empty when every rank does.
+    that cannot finish (where it stands), empty when every rank does. Raises the
+    ``ValueError`` of :func:`~megatron_prt.core.lower.message_ends` when a rank stops at a
+    SEND or RECV that carries no one tensor.
 
     One loop over all actions on purpose (it is most of validating a lowered plan); local
     names keep it fast."""
@@ -115,12 +124,18 @@ def stuck_ranks(plan: Plan) -> dict[int, int]:
                     break
                 pos[receiver] = at + 1
                 todo.append(receiver)
-            else:  # a RECV waits for its SEND: wake the senders waiting for this rank
+            elif what == _RECV:  # it waits for its SEND: wake the senders waiting for this rank
                 todo += on_rank.pop(rank, ())
+                break
+            else:
                 break
             token = own[kind] + mb
             done[token] = 1
             todo += on_token.pop(token, ())
             i += 1
         pos[rank] = i
-    return {rank: at for rank, at in enumerate(pos) if at < len(streams[rank])}
+    stuck = {rank: at for rank, at in enumerate(pos) if at < len(streams[rank])}
+    for rank, at in stuck.items():
+        if kind_type[kind_of[rank][at]] == _BAD:
+            raise tables.errors[kind_of[rank][at]]
+    return stuck

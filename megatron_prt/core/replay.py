@@ -164,6 +164,19 @@ class Replayer:
             out.append(tuple(mine))
         return out
 
+    def remote_producers(self) -> list[int]:
+        """Per action: the index of its producer on another rank, or -1 (the dependency
+        rule gives an action at most one producer on another rank: the tensor it
+        receives)."""
+        n = len(self.actions)
+        (first, second), (first_crosses, second_crosses) = self._dep, self._crosses
+        if any(a and b for a, b in zip(first_crosses, second_crosses, strict=True)):
+            raise ValueError("an action with two producers on other ranks: lowering needs one")
+        return [
+            a if ca and a < n else b if cb and b < n else -1
+            for a, b, ca, cb in zip(first, second, first_crosses, second_crosses, strict=True)
+        ]
+
     def _done(self, orders) -> tuple[list[int], set[Action]]:
         """At a deadlock: per rank the actions that ran, and the set of them."""
         ran = {self.actions[i] for i in self.order}
