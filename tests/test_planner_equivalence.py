@@ -158,3 +158,39 @@ def test_lowering_matches_the_reference(placement, direction, kind):
         lowered = lower(plan, times)
         assert lowered == ref.reference_lower(plan, times)
         validate(lowered)
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+def test_census_says_yes_only_to_complete_plans(lowered):
+    """The quick completeness check that lets validation skip its action-by-action pass:
+    yes for generated plans, no after any one action is dropped, doubled, moved to another
+    rank or given another micro-batch."""
+    from megatron_prt.core.actions import Action
+    from megatron_prt.core.census import looks_complete
+    from megatron_prt.core.lower import lower
+    from megatron_prt.core.plan import Plan
+
+    rng = random.Random(3)
+    for placement, direction in itertools.product(["loop", "wave"], ["uni", "bi"]):
+        plan = prt(Placement(3, 2, placement, direction), 5)
+        plan = lower(plan) if lowered else plan
+        assert looks_complete(plan)
+        assert not looks_complete(Plan(plan.placement, 5, plan.ranks[:-1], lowered=lowered))
+        for _ in range(40):
+            ranks = [list(acts) for acts in plan.ranks]
+            rank = rng.randrange(len(ranks))
+            step = rng.randrange(len(ranks[rank]))
+            stage, op, mb = action = ranks[rank][step]
+            if not op.is_compute:
+                continue
+            change = rng.choice(["drop", "double", "move", "mb"])
+            if change == "drop":
+                del ranks[rank][step]
+            elif change == "double":
+                ranks[rank].insert(rng.randrange(len(ranks[rank])), action)
+            elif change == "move":
+                ranks[(rank + 1) % len(ranks)].append(ranks[rank].pop(step))
+            else:
+                ranks[rank][step] = Action(stage, op, (mb + rng.randrange(1, 5)) % 6)
+            bad = Plan(plan.placement, 5, tuple(map(tuple, ranks)), lowered=lowered)
+            assert not looks_complete(bad), (change, action)

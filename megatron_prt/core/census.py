@@ -9,7 +9,7 @@ half a million actions costs a few set and map passes, not a Python step per act
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import floordiv, itemgetter
 
 from .actions import Op
@@ -29,34 +29,41 @@ def looks_complete(plan: Plan) -> bool:
     placement, m = plan.placement, plan.num_microbatches
     if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
         return False
-    kinds: set[tuple] = set()
+    compute_ops: set[Op] = set()
+    computes = 0
+    unique: set = set()  # the compute actions
     for rank, acts in enumerate(plan.ranks):
-        kinds.update(zip(map(_STAGE, acts), map(_OP, acts), repeat(rank)))
-        mbs = list(map(_MB, acts))
-        if mbs and not (0 <= min(mbs) and max(mbs) < m):
+        if not acts:
+            continue
+        stages, ops, mbs = list(map(_STAGE, acts)), list(map(_OP, acts)), list(map(_MB, acts))
+        if not (0 <= min(stages) and max(stages) < placement.num_stages):
             return False
-        if placement.num_pipelines > 1 and not _same_pipeline(plan, acts, mbs):
+        if not (0 <= min(mbs) and max(mbs) < m):
             return False
-    compute_ops = set()
-    for stage, op, rank in kinds:
-        if not 0 <= stage < placement.num_stages:
+        kinds_of_op = set(ops)
+        if not plan.lowered and not kinds_of_op <= _COMPUTE:
             return False
-        if op in _COMPUTE:
-            compute_ops.add(op)
-            if placement.stage_to_rank[stage] != rank:
-                return False
-        elif not plan.lowered:
+        if kinds_of_op <= _COMPUTE:
+            compute, compute_stages = acts, stages
+        else:
+            mask = list(map(_COMPUTE.__contains__, ops))
+            compute, compute_stages = compress(acts, mask), list(compress(stages, mask))
+        if set(map(placement.stage_to_rank.__getitem__, compute_stages)) - {rank}:
             return False
+        if placement.num_pipelines > 1 and not _same_pipeline(plan, stages, mbs):
+            return False
+        compute_ops |= kinds_of_op & _COMPUTE
+        computes += len(compute_stages)
+        unique.update(compute)
     if Op.I in compute_ops:
-        ops = {Op.F, Op.I, Op.W}
+        ops_needed = {Op.F, Op.I, Op.W}
     else:
-        ops = {Op.F, Op.B} if compute_ops & _BACKWARD else {Op.F}
-    compute = [a for acts in plan.ranks for a in acts if a[1] in _COMPUTE]
-    expected = m * placement.depth * len(ops)
-    return compute_ops <= ops and len(compute) == expected == len(set(compute))
+        ops_needed = {Op.F, Op.B} if compute_ops & _BACKWARD else {Op.F}
+    expected = m * placement.depth * len(ops_needed)
+    return compute_ops <= ops_needed and computes == expected == len(unique)
 
 
-def _same_pipeline(plan: Plan, acts, mbs: list[int]) -> bool:
-    pipelines = map(floordiv, map(_STAGE, acts), repeat(plan.placement.depth))
+def _same_pipeline(plan: Plan, stages: list[int], mbs: list[int]) -> bool:
+    pipelines = map(floordiv, stages, repeat(plan.placement.depth))
     pairs = set(zip(pipelines, map(plan.mb_pipeline.__getitem__, mbs), strict=True))
     return all(stage_pipe == mb_pipe for stage_pipe, mb_pipe in pairs)
