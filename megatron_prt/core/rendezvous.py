@@ -85,7 +85,7 @@ def stuck_ranks(plan: Plan) -> dict[int, int]:
     names keep it fast."""
     streams = plan.ranks
     kinds_of = [list(map(_KIND, acts)) for acts in streams]
-    kinds = sorted({kind for per_rank in kinds_of for kind in per_rank})
+    kinds = sorted(set().union(*kinds_of))
     kind_index = {kind: i for i, kind in enumerate(kinds)}
     kind_of = [list(map(kind_index.__getitem__, per_rank)) for per_rank in kinds_of]
     mb_of = [list(map(_MB, acts)) for acts in streams]
@@ -94,21 +94,25 @@ def stuck_ranks(plan: Plan) -> dict[int, int]:
     kind_type, need, own, peer = tables.type, tables.need, tables.own, tables.peer
     done = bytearray(tables.size)
     done[: tables.always + mbs] = b"\x01" * mbs
-    on_token: dict[int, list[int]] = {}  # token -> ranks waiting for it
+    on_token: list[list[int] | None] = [None] * tables.size  # token -> ranks waiting for it
     on_rank: dict[int, list[int]] = {}  # rank -> senders waiting for it to reach a RECV
     pos = [0] * len(streams)
     todo = list(range(len(streams)))
     while todo:
         rank = todo.pop()
         kinds_here, mbs_here, i = kind_of[rank], mb_of[rank], pos[rank]
-        while i < len(kinds_here):
+        end = len(kinds_here)
+        while i < end:
             kind, mb = kinds_here[i], mbs_here[i]
             what = kind_type[kind]
             if what == _COMPUTE:
                 first, second = need[kind]
                 token = first + mb if not done[first + mb] else second + mb
                 if not done[token]:
-                    on_token.setdefault(token, []).append(rank)
+                    if on_token[token] is None:
+                        on_token[token] = [rank]
+                    else:
+                        on_token[token].append(rank)
                     break
             elif what == _SEND:
                 pos[rank] = i  # in case a malformed plan sends to its own rank
@@ -131,7 +135,9 @@ def stuck_ranks(plan: Plan) -> dict[int, int]:
                 break
             token = own[kind] + mb
             done[token] = 1
-            todo += on_token.pop(token, ())
+            if on_token[token] is not None:
+                todo += on_token[token]
+                on_token[token] = None
             i += 1
         pos[rank] = i
     stuck = {rank: at for rank, at in enumerate(pos) if at < len(streams[rank])}
