@@ -18,6 +18,7 @@ from ..core.validate import validate
 from ..sim.cost import CostModel
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
+from .peers import peer_results
 
 
 class _Parser(argparse.ArgumentParser):
@@ -303,6 +304,7 @@ def cmd_compare(args) -> int:
             continue
         validate(plan)
         results.append((label, simulate(plan, cost), ""))
+    results += peer_results(args.pp, args.microbatches, args.reuse, cost)
     base = results[0][1].makespan
     if not base > 0:
         raise ConfigError(
