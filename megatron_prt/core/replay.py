@@ -65,7 +65,7 @@ class Replayer:
     done) when no rank runs the producer."""
 
     def __init__(self, plan: Plan) -> None:
-        self.placement = plan.placement
+        self.placement, self._num_microbatches = plan.placement, plan.num_microbatches
         orders = [[a for a in acts if a[1] in _COMPUTE] for acts in plan.ranks]
         self.actions = actions = [a for acts in orders for a in acts]
         self.rank_of = [r for r, acts in enumerate(orders) for _ in acts]
@@ -83,9 +83,10 @@ class Replayer:
         ``crosses[1][i]``: whether that edge crosses ranks."""
         actions, n, placement = self.actions, len(self.actions), self.placement
         mb_of = list(map(_MB, actions))
-        if mb_of and min(mb_of) < 0:
-            raise PlanError(f"negative micro-batch in {min(actions, key=_MB)}")
-        mbs = max(mb_of, default=-1) + 1
+        mbs = self._num_microbatches
+        if mb_of and not (0 <= min(mb_of) and max(mb_of) < mbs):
+            bad = next(a for a in actions if not 0 <= a[2] < mbs)
+            raise PlanError(f"{bad} (mb {bad[2]}): no such micro-batch (m={mbs})")
         split = any(op is Op.I for _, op in self.kinds)
         rank_of = placement.stage_to_rank
         # per kind and slot: (offset from the action's key to its producer's, crosses)
