@@ -194,3 +194,19 @@ def test_census_says_yes_only_to_complete_plans(lowered):
                 ranks[rank][step] = Action(stage, op, (mb + rng.randrange(1, 5)) % 6)
             bad = Plan(plan.placement, 5, tuple(map(tuple, ranks)), lowered=lowered)
             assert not looks_complete(bad), (change, action)
+
+
+@pytest.mark.parametrize("placement, direction", [("loop", "uni"), ("wave", "bi")])
+def test_replay_of_forward_only_and_single_micro_batch_plans(placement, direction):
+    """Plans where a producer's kind sits right before its consumer's and m is small (the
+    table that finds producers must not confuse them with 'no producer'): one micro-batch
+    forward-only takes the sum of its forward times (uni), and the plans validate."""
+    for p, r in ((1, 1), (2, 3), (3, 2)):
+        place = Placement(p, r, placement, direction)
+        m = place.num_pipelines  # one micro-batch per pipeline
+        plan = prt(place, m)
+        validate(plan)
+        forward = plan.forward_only()
+        validate(forward)
+        if direction == "uni":
+            assert replay(forward).makespan == pytest.approx(place.depth * 1.0)

@@ -89,31 +89,28 @@ class Replayer:
             raise PlanError(f"{bad} (mb {bad[2]}): no such micro-batch (m={mbs})")
         split = any(op is Op.I for _, op in self.kinds)
         rank_of = placement.stage_to_rank
-        # per kind and slot: (offset from the action's key to its producer's, crosses)
-        slots: list[list[tuple[int | None, bool]]] = [[], []]
-        for kind, (stage, op) in enumerate(self.kinds):
+        # where[kind * m + mb]: the action's index; two more blocks of m after the kinds':
+        # n (no producer, always done) and n + 1 (a producer no rank runs, never done)
+        none, nobody = len(self.kinds) * mbs, (len(self.kinds) + 1) * mbs
+        where = [n + 1] * none + [n] * mbs + [n + 1] * mbs
+        for i in range(n - 1, -1, -1):  # the first of any repeat wins
+            where[self.kind_of[i] * mbs + mb_of[i]] = i
+        # per kind and slot: (the producer's block in where, whether the edge crosses ranks)
+        slots: list[list[tuple[int, bool]]] = [[], []]
+        for stage, op in self.kinds:
             deps = producers(Action(stage, op, 0), placement, split)
             for slot in (0, 1):
                 if slot >= len(deps):
-                    slots[slot].append((None, False))
+                    slots[slot].append((none, False))
                     continue
                 dep_kind = kind_index.get((deps[slot].stage, deps[slot].op))
-                offset = -1 if dep_kind is None else (dep_kind - kind) * mbs
-                slots[slot].append((offset, rank_of[deps[slot].stage] != rank_of[stage]))
-        keys = [kind * mbs + mb for kind, mb in zip(self.kind_of, mb_of, strict=True)]
-        where = [n + 1] * (len(self.kinds) * mbs)  # key -> index; n + 1: no rank runs it
-        for i in range(n - 1, -1, -1):  # the first of any repeat wins
-            where[keys[i]] = i
+                block = nobody if dep_kind is None else dep_kind * mbs
+                slots[slot].append((block, rank_of[deps[slot].stage] != rank_of[stage]))
         self._dep, self._crosses = [], []
         for per_kind in slots:
-            self._dep.append(
-                [
-                    n if off is None else n + 1 if off == -1 else where[key + off]
-                    for key, (off, _) in zip(
-                        keys, map(per_kind.__getitem__, self.kind_of), strict=True
-                    )
-                ]
-            )
+            blocks = [block for block, _ in per_kind]
+            starts = map(blocks.__getitem__, self.kind_of)
+            self._dep.append([where[block + mb] for block, mb in zip(starts, mb_of, strict=True)])
             flags = [crosses for _, crosses in per_kind]
             self._crosses.append(list(map(flags.__getitem__, self.kind_of)))
 
