@@ -51,10 +51,11 @@ def build_training(
     (its ``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func`` and, with fp16,
     ``grad_scale_func`` are set here); ``optimizer_config``: megatron-core's
     ``OptimizerConfig``; ``ddp_config``: its ``DistributedDataParallelConfig`` (default: no
-    overlapped gradient reduction, as megatron-prt's schedule reduces each chunk's gradients
-    after its last backward); ``reuse``: the PRT configuration, ``None`` for megatron's own
-    schedule (nothing to prepare). Collective over the pipeline group when ``reuse`` is given
-    (``prepare_model`` exchanges replica and tied weights)."""
+    overlapped gradient reduction: ``finalize_model_grads`` reduces each gradient buffer once
+    after the schedule; with ``overlap_grad_reduce`` (CUDA) megatron-prt's schedule starts each
+    chunk's reduction after its last backward instead); ``reuse``: the PRT configuration,
+    ``None`` for megatron's own schedule (nothing to prepare). Collective over the pipeline
+    group when ``reuse`` is given (``prepare_model`` exchanges replica and tied weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
