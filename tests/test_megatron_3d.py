@@ -14,6 +14,11 @@ reduction per bucket and iteration.
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -87,3 +92,58 @@ FAST = [
 @pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction", FAST)
 def test_tp_pp_dp_training_matches_megatron(kind, tp, dp, p, r, placement, direction):
     _check(kind, tp, dp, p, r, placement, direction)
+
+
+# Every model with every TP x DP size, each under two layouts that together cross R 2 / 3,
+# loop / wave and uni / bi (the other pairing for alternate sizes): 24 runs on 4 or 8 ranks.
+LAYOUTS = (((2, "wave", "uni"), (3, "loop", "bi")), ((2, "loop", "bi"), (3, "wave", "uni")))
+GRID = [
+    (kind, tp, dp, 2, r, placement, direction)
+    for i, (kind, tp, dp) in enumerate(
+        (kind, tp, dp) for kind in ("gpt", "gpt-untied", "bert") for tp in (1, 2) for dp in (1, 2)
+    )
+    for r, placement, direction in LAYOUTS[(i + i // 4) % 2]
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction", GRID)
+def test_tp_pp_dp_grid_matches_megatron(kind, tp, dp, p, r, placement, direction):
+    _check(kind, tp, dp, p, r, placement, direction)
+
+
+def _torchrun(ranks: int, example: str, *flags: str) -> str:
+    """stdout and stderr of ``examples/<example>`` under torchrun on ``ranks`` CPU ranks."""
+    path = pathlib.Path(__file__).parents[1] / "examples" / example
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), str(path), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+def test_gpt_example_trains_with_tensor_pipeline_and_data_parallelism():
+    output = _torchrun(
+        8, "megatron_gpt.py", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--pipeline-reuse", "2",
+        "--pipeline-reuse-direction", "bi", "--train-iters", "4",
+    )  # fmt: skip
+    losses = [float(line.split()[4]) for line in output.splitlines() if "lm loss" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0], output[-2000:]
+
+
+@pytest.mark.slow
+def test_bert_example_trains_with_tensor_parallelism(tmp_path):
+    output = _torchrun(
+        4, "pretrain_bert.py", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--pipeline-reuse", "2",
+        "--pipeline-reuse-placement", "wave", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "1",
+        "--train-iters", "6", "--eval-interval", "3", "--data-cache-path", str(tmp_path),
+    )  # fmt: skip
+    losses = [float(m) for m in re.findall(r"iteration +\d+/\d+ \| lm loss (\S+) \|", output)]
+    assert len(losses) == 6 and losses[-1] < losses[0], output[-2000:]

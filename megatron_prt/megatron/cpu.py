@@ -22,12 +22,20 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
 * ``torch.Tensor.cuda`` returns the tensor itself (process-wide): megatron's tied-embedding
   set-up calls it in ``LanguageModule.setup_embeddings_and_output_layer``.
 
-Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; tensor and
-context parallel sizes of 1; DDP without ``overlap_grad_reduce`` (CUDA streams) and without
-the distributed optimizer; fp32 only (no fp16 / bf16 optimizer); megatron's own pipelined
-schedules are not covered (their p2p still calls CUDA; megatron-prt's schedule replaces
-them). Anything else that needs CUDA still fails loudly. Never call this in a CUDA process:
-it changes module attributes for the whole process.
+Tensor parallelism needs nothing more: megatron-core's column / row / vocab-parallel layers
+and its vocab-parallel cross entropy run on gloo (all-reduce, all-gather), and the tracker
+above gives each TP rank its ``model-parallel-rng`` state. Data parallelism is megatron's DDP
+(one gradient all-reduce per buffer and iteration, in ``finalize_model_grads``).
+``tests/test_megatron_3d.py`` checks TP x PP x DP training against megatron's no-pipelining
+schedule in float64.
+
+Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; context
+parallel size 1; DDP without ``overlap_grad_reduce`` (CUDA streams) and without the
+distributed optimizer; fp32 / fp64 only (no fp16 / bf16 optimizer; gradient clipping in
+fp32 only, as megatron's); megatron's own pipelined schedules are not covered (their p2p
+still calls CUDA; megatron-prt's schedule replaces them). Anything else that needs CUDA still
+fails loudly. Never call this in a CUDA process: it changes module attributes for the whole
+process.
 """
 
 from __future__ import annotations
