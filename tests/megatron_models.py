@@ -303,7 +303,9 @@ def grad_buffer_reductions(chunks) -> tuple[list, list[int]]:
 LAYERS_3D = 6
 
 
-def parallel_train(rank, world, kind, tp, m, reuse=None, states=None, ddp=None, sp=False):
+def parallel_train(
+    rank, world, kind, tp, m, reuse=None, states=None, ddp=None, sp=False, dtype=DTYPE
+):
     """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only)
     on TP x PP x DP ranks: megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
     else PRT. DP rank ``d`` trains on micro-batches ``d*m .. d*m+m-1`` of each step's
@@ -319,18 +321,18 @@ def parallel_train(rank, world, kind, tp, m, reuse=None, states=None, ddp=None, 
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_prt.megatron import make_forward_backward_func
-    from megatron_prt.megatron.model import transformer_config_kwargs
+    from megatron_prt.megatron.model import transformer_config_kwargs, unwrap
     from megatron_prt.megatron.training import build_training
     from megatron_prt.megatron.weights import local_state
 
     fields = dict(tensor_model_parallel_size=tp, sequence_parallel=sp)
     if reuse is None:
         setup_megatron(1, None, tp)
-        config = transformer_config(LAYERS_3D, **fields)
+        config = transformer_config(LAYERS_3D, dtype, **fields)
         forward_backward = forward_backward_no_pipelining
     else:
         setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank, tp)
-        config = transformer_config(**fields, **transformer_config_kwargs(reuse))
+        config = transformer_config(dtype=dtype, **fields, **transformer_config_kwargs(reuse))
         forward_backward = make_forward_backward_func(reuse, timeout_s=120)
     tp_rank, dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
@@ -341,7 +343,7 @@ def parallel_train(rank, world, kind, tp, m, reuse=None, states=None, ddp=None, 
     state = local_state(model, is_tied(kind))
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0, adam_eps=EPS,
-        params_dtype=DTYPE, use_distributed_optimizer=bool((ddp or {}).get(
+        params_dtype=dtype, use_distributed_optimizer=bool((ddp or {}).get(
             "use_distributed_optimizer")),
     )  # fmt: skip
     ddp_config = DistributedDataParallelConfig(**{"overlap_grad_reduce": False, **(ddp or {})})
@@ -350,6 +352,10 @@ def parallel_train(rank, world, kind, tp, m, reuse=None, states=None, ddp=None, 
     )
     model, optimizer = training.chunks, training.optimizer
     out = {"tp": tp_rank, "dp": dp_rank, "state": state, "losses": [], "grads": [], "counts": []}
+    out["sent_shapes"] = sent = set()  # output shapes of chunks that send on (not the last)
+    for chunk in model:
+        if not unwrap(chunk).post_process:
+            unwrap(chunk).register_forward_hook(lambda m, i, o: sent.add(tuple(o.shape)))
     for step in range(STEPS):
         for chunk in model:
             chunk.zero_grad_buffer()

@@ -44,7 +44,7 @@ import contextlib
 import functools
 import importlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -57,6 +57,9 @@ _PROXIED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
 )
 _FACTORIES = (
     "arange", "as_tensor", "empty", "empty_like", "full", "full_like", "ones", "ones_like",
@@ -71,9 +74,10 @@ def enable() -> None:
         return
     from megatron.core import utils
     from megatron.core.fusions import fused_softmax
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer import utils as transformer_utils
 
     utils.GlobalMemoryBuffer.get_tensor = _get_tensor
@@ -89,6 +93,8 @@ def enable() -> None:
     # optimizer.py bound the name at import, so both modules need the CPU version.
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _sort_cpu_params_as_cuda(distrib_optimizer.DistributedOptimizer)
+    _allow_sequence_parallel_torch_norm(torch_norm.WrappedTorchNorm)
     _ENABLED = True
 
 
@@ -103,6 +109,72 @@ def _install_rng_tracker(random) -> None:
 
     initialize_rng_tracker.original = original_init  # type: ignore[attr-defined]
     random.initialize_rng_tracker = initialize_rng_tracker
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cpu_params_named_as_cuda() -> Iterator[None]:
+    """While open, ``Tensor.type()`` names a CPU fp32 / fp16 / bf16 tensor as its CUDA type."""
+    own = "type" in vars(torch.Tensor)
+    original = torch.Tensor.type
+
+    def type_name(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.type = original
+        else:
+            del torch.Tensor.type
+
+
+def _allow_sequence_parallel_torch_norm(norm_class) -> None:
+    """torch's LayerNorm (the local spec's norm without apex) refuses ``sequence_parallel``;
+    a norm is per token, so on a sequence shard it computes what it computes on the whole
+    sequence. Built as for ``sequence_parallel`` off, its parameters are then marked
+    ``sequence_parallel`` as apex's ``FusedLayerNorm`` marks them, so megatron's
+    ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group."""
+    new = norm_class.__new__
+
+    @functools.wraps(new)
+    def build(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = new(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    norm_class.__new__ = build
+
+
+def _sort_cpu_params_as_cuda(optimizer_class) -> None:
+    """The distributed optimizer's constructor sorts parameters into fp32 / 16-bit groups by
+    ``param.type()`` and refuses any but CUDA type names: it sees CPU parameters under their
+    CUDA names (nothing else changes, and only while it runs)."""
+    init = optimizer_class.__init__
+
+    @functools.wraps(init)
+    def init_on_cpu(self, *args, **kwargs):
+        with _cpu_params_named_as_cuda():
+            init(self, *args, **kwargs)
+
+    optimizer_class.__init__ = init_on_cpu
 
 
 def _cpu_device(device):
