@@ -8,6 +8,7 @@ parameters find their reference.
 
 from __future__ import annotations
 
+import multiprocessing
 from functools import partial
 
 import torch
@@ -304,7 +305,7 @@ LAYERS_3D = 6
 
 
 def parallel_train(
-    rank, world, kind, tp, m, reuse=None, states=None, ddp=None, sp=False, dtype=DTYPE
+    rank, world, kind, tp, m, reuse=None, states=None, ddp=None, sp=False, dtype=DTYPE, ckpt=None
 ):
     """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only)
     on TP x PP x DP ranks: megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
@@ -312,7 +313,9 @@ def parallel_train(
     ``m * DP``. ``states``: initial weights by TP rank (a reference run's ``state``);
     ``ddp``: ``DistributedDataParallelConfig`` fields. Returns this rank's TP / DP ranks,
     initial ``state``, per-step losses (where megatron reads them), per-step reduced grads
-    and per-step counts of collectives per gradient bucket, and the final parameters."""
+    and per-step counts of collectives per gradient bucket, and the final parameters.
+    ``ckpt``: ``{"steps": (first, end), "load": dir, "save": dir}`` (each optional): train
+    steps ``first .. end-1`` after loading a checkpoint, then save one."""
     import contextlib
 
     from megatron.core import parallel_state as ps
@@ -321,6 +324,7 @@ def parallel_train(
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_prt.megatron import make_forward_backward_func
+    from megatron_prt.megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron_prt.megatron.model import transformer_config_kwargs, unwrap
     from megatron_prt.megatron.training import build_training
     from megatron_prt.megatron.weights import local_state
@@ -351,12 +355,15 @@ def parallel_train(
         model, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=reuse
     )
     model, optimizer = training.chunks, training.optimizer
+    ckpt = ckpt or {}
+    if ckpt.get("load"):
+        assert load_checkpoint(ckpt["load"], model, optimizer) == ckpt["steps"][0]
     out = {"tp": tp_rank, "dp": dp_rank, "state": state, "losses": [], "grads": [], "counts": []}
     out["sent_shapes"] = sent = set()  # output shapes of chunks that send on (not the last)
     for chunk in model:
         if not unwrap(chunk).post_process:
             unwrap(chunk).register_forward_hook(lambda m, i, o: sent.add(tuple(o.shape)))
-    for step in range(STEPS):
+    for step in range(*ckpt.get("steps", (0, STEPS))):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -379,4 +386,9 @@ def parallel_train(
         ok, _, _ = optimizer.step()
         assert ok
     out["params"] = params_by_name(model, is_tied(kind))
+    if ckpt.get("save"):
+        # torch_dist writes through forked writer processes; run_local's ranks are daemonic
+        # (torchrun's are not), and a daemonic process may not fork children
+        multiprocessing.current_process()._config["daemon"] = False
+        save_checkpoint(ckpt["save"], model, optimizer, ckpt["steps"][1])
     return out

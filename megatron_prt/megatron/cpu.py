@@ -11,7 +11,11 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
 * the module attribute ``torch`` of ``core.utils`` (``local_multi_tensor_l2_norm``),
   ``distributed.param_and_grad_buffer`` (DDP's grad buffers),
   ``pipeline_parallel.schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (loss
-  scale tensors) and ``optimizer.clip_grads`` (grad norm, zero count) becomes a proxy of
+  scale tensors), ``optimizer.clip_grads`` (grad norm, zero count),
+  ``optimizer.distrib_optimizer`` (state buffers), ``tensor_parallel.mappings`` and
+  ``tensor_parallel.layers`` (sequence-parallel gather / reduce-scatter buffers) and
+  ``dist_checkpointing.strategies.filesystem_async`` / ``state_dict_saver`` (the torch_dist
+  writer's synchronize and device) becomes a proxy of
   torch whose tensor factories turn ``device="cuda"`` into CPU and whose ``torch.cuda``
   answers ``current_device()`` with ``"cpu"`` and makes ``synchronize()`` a no-op. The real
   ``torch`` and ``torch.cuda`` modules are left alone; everything else is delegated to them.
@@ -19,6 +23,10 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
   which imports the name) asserts ``torch.cuda.FloatTensor`` grads: a CPU version with the
   same contract (every grad present is scaled; the shared / tensor-parallel-duplicate filter
   belongs to the norm, which stays megatron's) checks for fp32 instead.
+* the distributed optimizer's constructor sorts parameters by CUDA type names
+  (``torch.cuda.FloatTensor``): while it runs, CPU tensors answer ``type()`` with those.
+* torch's LayerNorm (the local spec's norm without apex) refuses ``sequence_parallel``: it
+  is built as without and its parameters marked ``sequence_parallel`` as apex marks them.
 * ``torch.Tensor.cuda`` returns the tensor itself (process-wide): megatron's tied-embedding
   set-up calls it in ``LanguageModule.setup_embeddings_and_output_layer``.
 
@@ -26,16 +34,15 @@ Tensor parallelism needs nothing more: megatron-core's column / row / vocab-para
 and its vocab-parallel cross entropy run on gloo (all-reduce, all-gather), and the tracker
 above gives each TP rank its ``model-parallel-rng`` state. Data parallelism is megatron's DDP
 (one gradient all-reduce per buffer and iteration, in ``finalize_model_grads``).
-``tests/test_megatron_3d.py`` checks TP x PP x DP training against megatron's no-pipelining
-schedule in float64.
+``tests/test_megatron_3d.py`` checks TP x PP x DP training (with the distributed optimizer
+and sequence parallelism too) against megatron's no-pipelining schedule.
 
 Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; context
-parallel size 1; DDP without ``overlap_grad_reduce`` (CUDA streams) and without the
-distributed optimizer; fp32 / fp64 only (no fp16 / bf16 optimizer; gradient clipping in
-fp32 only, as megatron's); megatron's own pipelined schedules are not covered (their p2p
-still calls CUDA; megatron-prt's schedule replaces them). Anything else that needs CUDA still
-fails loudly. Never call this in a CUDA process: it changes module attributes for the whole
-process.
+parallel size 1; DDP without ``overlap_grad_reduce`` (CUDA streams); fp32 / fp64 only (no
+fp16 / bf16 optimizer; the distributed optimizer and gradient clipping in fp32 only, as
+megatron's); megatron's own pipelined schedules are not covered (their p2p still calls CUDA;
+megatron-prt's schedule replaces them). Anything else that needs CUDA still fails loudly.
+Never call this in a CUDA process: it changes module attributes for the whole process.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ _PROXIED_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 _FACTORIES = (
     "arange", "as_tensor", "empty", "empty_like", "full", "full_like", "ones", "ones_like",
