@@ -108,7 +108,7 @@ def test_mismatched_plans_are_refused_at_setup():
 
 
 def test_wrong_stages_for_rank_is_refused():
-    plan = build_plan(Placement(2, 2), 2)
+    plan = build_plan(Placement(1, 2), 2)
     stages = {0: torch.nn.Identity()}
     try:
         if not dist.is_initialized():
@@ -116,7 +116,7 @@ def test_wrong_stages_for_rank_is_refused():
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         PipelineRuntime(plan, stages, loss_fn)
     except ValueError as exc:
-        assert "stages [0] given, the plan places [0, 2] here" in str(exc)
+        assert "stages [0] given, the plan places [0, 1] here" in str(exc)
     else:
         raise AssertionError("expected a ValueError")
     finally:

@@ -197,7 +197,7 @@ class _Recording(StageCallbacks):
 def _recording_worker(rank, world, placement, direction):
     plan = build_plan(Placement(world, 2, placement, direction), 4)
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
-    inner = ModuleCallbacks(stages, loss_fn, plan.placement, 4, torch.device("cpu"))
+    inner = ModuleCallbacks(stages, loss_fn, plan.placement, 4, torch.device("cpu"), rank)
     callbacks = _Recording(inner)
     runtime = PipelineRuntime(
         plan, stages, None, dtype=torch.float64, timeout_s=30, callbacks=callbacks

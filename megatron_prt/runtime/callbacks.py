@@ -32,6 +32,7 @@ import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
+from .errors import check_batch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -82,8 +83,10 @@ class ModuleCallbacks(StageCallbacks):
         placement: Placement,
         num_microbatches: int,
         device: torch.device,
+        rank: int,
     ) -> None:
         self.stages = stages
+        self.rank = rank
         self.loss_fn = loss_fn
         self.placement = placement
         self.num_microbatches = num_microbatches
@@ -92,6 +95,14 @@ class ModuleCallbacks(StageCallbacks):
         self.targets: Sequence[torch.Tensor] | None = None
 
     def begin(self, inputs, targets, forward_only) -> None:
+        """Refuses (naming the argument, the rank and the fix) a batch this rank cannot read:
+        not one tensor per micro-batch where its first stages read inputs or its last stages
+        read targets."""
+        for name, data, ends in (
+            ("inputs", inputs, [s for s in self.stages if self.placement.is_first(s)]),
+            ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
+        ):
+            check_batch(self.rank, name, data, ends, self.num_microbatches)
         self.inputs, self.targets = inputs, targets
 
     def forward(self, stage, mb, x):
@@ -109,6 +120,8 @@ class ModuleCallbacks(StageCallbacks):
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward from ``out`` whose data may have been freed (shape then differs from grad);
     ``grad`` None: ``out`` is a scalar loss."""
+    if not out.requires_grad:  # a first stage without parameters: nothing to differentiate
+        return
     if grad is None:
         grad = torch.ones_like(out)
     if out.shape == grad.shape:

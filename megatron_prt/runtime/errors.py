@@ -1,9 +1,28 @@
-"""Runtime errors that say where the pipeline stopped."""
+"""Runtime errors that say where the pipeline stopped, and why on every rank.
+
+A rank that fails posts its error to the job's rendezvous store (the failure board) before
+raising. A rank whose wait on a peer then fails (a timeout, a connection reset by a peer
+that exited) reads the board and names the rank that failed first and its message, so with
+any number of ranks every rank reports the root cause, not only the dead rank's neighbours.
+A rank that stops without posting (killed, out of memory) is named as silent.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
 from ..core.actions import Action
 from ..core.grid import format_grid
+
+_BOARD = "megatron_prt/failure/"
+_WAIT_WORDS = ("timeout", "timed out", "closed", "reset", "connection", "broken pipe")
+REPORT_WAIT_S = 2.0  # how long a rank whose wait failed looks for its peers' reports
 
 
 class PipelineError(RuntimeError):
@@ -11,8 +30,189 @@ class PipelineError(RuntimeError):
     shows that rank's plan grid around the step."""
 
 
+def is_wait_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed wait on a peer (timeout, connection lost) rather than an
+    error of this rank's own."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, TimeoutError) or any(w in text for w in _WAIT_WORDS)
+
+
 def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) -> PipelineError:
+    """The error of ``rank`` at lowered ``step``; also posted to the failure board, as a root
+    cause unless the exception being handled is a failed wait on a peer."""
     where = f"rank {rank}, step {step}"
     if action is not None:
         where += f": {action} (stage {action.stage}, mb {action.mb})"
+    handling = sys.exc_info()[1]
+    post_failure(f"{where}: {why}", root=handling is None or not is_wait_failure(handling))
     return PipelineError(f"{where}: {why}\n{format_grid(plan.ranks, {rank: step})}")
+
+
+# -- the failure board -----------------------------------------------------------------------
+def _store():
+    """The default process group's rendezvous store, or None without one. torch has no
+    public accessor for it: this private call is the only one in the package, so a torch
+    change can only cost the cross-rank reports, never a run."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def post_failure(text: str, root: bool) -> None:
+    """Publish this process's error for the other ranks (``root``: its own fault, not a
+    failed wait on a peer). Never raises: reporting must not hide the error itself."""
+    store = _store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):
+        first = text.splitlines()[0] if text else ""
+        store.set(f"{_BOARD}{dist.get_rank()}", f"{'R' if root else 'P'}{time.time():.6f} {first}")
+
+
+def clear_failure() -> None:
+    """Forget this process's earlier report (a new runtime starts clean)."""
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.delete_key(f"{_BOARD}{dist.get_rank()}")
+
+
+def _reports(group) -> dict[int, tuple[bool, float, str]]:
+    """Posted errors of ``group``'s ranks: group rank -> (root, time, first line)."""
+    store = _store()
+    if store is None:
+        return {}
+    found = {}
+    with contextlib.suppress(Exception):
+        for rank, global_rank in enumerate(dist.get_process_group_ranks(group or dist.group.WORLD)):
+            key = f"{_BOARD}{global_rank}"
+            if store.check([key]):
+                value = store.get(key).decode()
+                stamp, _, text = value[1:].partition(" ")
+                found[rank] = (value[0] == "R", float(stamp), text)
+    return found
+
+
+def root_cause(group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True) -> str:
+    """What the other ranks of ``group`` reported: the first root-cause report (waiting up
+    to ``wait_s`` for one to appear), else (``name_silent``) the ranks that stopped without
+    a word; empty if neither."""
+    me = dist.get_rank(group)
+    deadline = time.monotonic() + wait_s
+    while True:
+        reports = {r: v for r, v in _reports(group).items() if r != me}
+        roots = sorted((stamp, r, text) for r, (root, stamp, text) in reports.items() if root)
+        if roots:
+            _, rank, text = roots[0]
+            return f"rank {rank} failed first: {text}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    silent = [r for r in range(dist.get_world_size(group)) if r != me and r not in reports]
+    if silent and name_silent:
+        return (
+            f"rank(s) {silent} stopped without reporting an error (killed, out of memory, or "
+            "stuck): see their logs"
+        )
+    return ""
+
+
+@contextlib.contextmanager
+def collective(what: str, group):
+    """Around a collective of the runtime (plan check, transport set-up, replica sums): a
+    failed wait becomes a :class:`PipelineError` naming this rank, the collective and the
+    root cause reported by the other ranks."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as exc:
+        rank = dist.get_rank(group)
+        detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        head = f"rank {rank}: {what} failed"
+        post_failure(f"{head}: {detail}", root=not is_wait_failure(exc))
+        cause = root_cause(group) if is_wait_failure(exc) else ""
+        text = f"{head}: {cause}\n  this rank saw: {detail}" if cause else f"{head}: {detail}"
+        raise PipelineError(text) from exc
+
+
+# -- argument checks -------------------------------------------------------------------------
+def check_batch(rank: int, name: str, data, ends: list[int], m: int) -> None:
+    """``data`` (``inputs`` or ``targets`` of step) holds one tensor per micro-batch where
+    this rank reads it: at the stages in ``ends`` (first stages for inputs, last for
+    targets); elsewhere it may be None. A refusal is posted for the other ranks, which are
+    by then waiting for this one."""
+    problem = _batch_problem(rank, name, data, ends, m)
+    if problem is not None:
+        post_failure(str(problem), root=True)
+        raise problem
+
+
+def _batch_problem(rank: int, name: str, data, ends: list[int], m: int) -> Exception | None:
+    if data is None:
+        if ends:
+            return ValueError(
+                f"rank {rank}: {name}=None, but this rank holds stage(s) {ends} which read "
+                f"{name}; pass a list of {m} tensors, one per micro-batch"
+            )
+        return None
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        return TypeError(
+            f"rank {rank}: {name} is a {type(data).__name__}; pass a list of {m} tensors"
+        )
+    if len(data) != m:
+        return ValueError(f"rank {rank}: {len(data)} {name} for {m} micro-batches")
+    for mb in range(m) if ends else ():
+        if not isinstance(data[mb], torch.Tensor):
+            return TypeError(
+                f"rank {rank}: {name}[{mb}] is a {type(data[mb]).__name__}, not a tensor "
+                f"(stage {ends[0]}, mb {mb}): each micro-batch's {name[:-1]} must be one "
+                "tensor; pack several into one, or unpack them inside the stage module"
+            )
+    return None
+
+
+def digest(text: str) -> int:
+    """A 60-bit hash of ``text`` (fits an int64 tensor for all_gather)."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+_SETTINGS = (
+    False,
+    True,
+    *(getattr(torch, n) for n in ("float32", "float64", "float16", "bfloat16")),
+)
+
+
+def setting_code(value) -> int:
+    """An int64 for a runtime setting (a dtype, a flag) that :func:`setting_text` reads
+    back; a digest for any other value."""
+    for code, known in enumerate(_SETTINGS):
+        if type(value) is type(known) and value == known:
+            return code
+    return digest(repr(value))
+
+
+def setting_text(code: int) -> str:
+    return str(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
+
+
+def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> None:
+    """Raise on every rank unless all ranks gathered the same ``values`` of ``name``
+    (``show`` writes a value for the message)."""
+    if len(set(values)) == 1:
+        return
+    holders: dict[int, list[int]] = {}
+    for r, value in enumerate(values):
+        holders.setdefault(value, []).append(r)
+    what = "; ".join(f"ranks {r} hold {name} {show(v)}" for v, r in holders.items())
+    fix = (
+        "every rank must build the same plan (same P, R, placement, direction, micro-batches, "
+        "schedule)"
+        if name == "plan"
+        else f"pass the same {name}= on every rank"
+    )
+    raise PipelineError(f"rank {rank}: ranks disagree on the {name} ({what}); {fix}")

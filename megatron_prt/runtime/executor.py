@@ -31,12 +31,12 @@ Contract
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,12 +47,26 @@ from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
 from .callbacks import LossFn, ModuleCallbacks, StageCallbacks
-from .errors import PipelineError, pipeline_error
+from .errors import (
+    PipelineError,
+    collective,
+    is_wait_failure,
+    pipeline_error,
+    root_cause,
+)
 from .memory import ActivationMeter
-from .p2p import ShmTransport, TorchTransport, wire_device
+from .p2p import (
+    ShmTransport,
+    TorchTransport,
+    ring_bytes,
+    shm_free_bytes,
+    shm_too_small,
+)
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
+from .startup import check_same_plan
 
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
+_log = logging.getLogger(__name__)
 
 
 class PipelineRuntime:
@@ -91,13 +105,8 @@ class PipelineRuntime:
     ) -> None:
         self.rank = dist.get_rank(group)
         self.plan = plan.compute_only()
-        placement = plan.placement
-        expected = set(placement.rank_stages[self.rank])
-        if set(stages) != expected:
-            raise ValueError(
-                f"rank {self.rank}: stages {sorted(stages)} given, the plan places "
-                f"{sorted(expected)} here"
-            )
+        settings = {"dtype": dtype, "variable_shapes": variable_shapes}
+        check_same_plan(self.plan, group, device, timeout_s, stages, settings)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
         self.device = torch.device(device)
@@ -111,7 +120,7 @@ class PipelineRuntime:
             if loss_fn is None:
                 raise ValueError(f"rank {self.rank}: give loss_fn, or callbacks that compute")
             callbacks = ModuleCallbacks(
-                self.stages, loss_fn, placement, plan.num_microbatches, self.device
+                self.stages, loss_fn, plan.placement, plan.num_microbatches, self.device, self.rank
             )
         self.callbacks = callbacks
         self._memory: ActivationMeter | None = None
@@ -140,24 +149,43 @@ class PipelineRuntime:
             stream = lowered.ranks[self.rank]
             program, recvs = self._compile(stream)
             self._programs[forward_only] = (lowered, program, recvs)
-        check_same_plan(self.plan, group, self.device, timeout_s)
         self.transport = self._make_transport(transport, shm_capacity)
 
     def _make_transport(self, kind: str, shm_capacity: int):
         """``torch``: torch.distributed p2p. ``shm``: shared memory between ranks on one
-        host. ``auto``: shm when every rank is on this x86 host and either computes on the
-        CPU or shares GPUs over gloo (which has no CUDA send/recv); else torch."""
+        host. ``auto``: shm when every rank is on this x86 host, either computes on the CPU
+        or shares GPUs over gloo (which has no CUDA send/recv), and /dev/shm has room for
+        the rings (else torch, with one warning line); an explicit ``shm`` without room
+        raises before any segment is created (a full /dev/shm kills with SIGBUS)."""
         if kind not in ("auto", "torch", "shm"):
-            raise ValueError(f"transport must be auto, torch or shm, got {kind!r}")
+            raise ValueError(
+                f"rank {self.rank}: transport must be auto, torch or shm, got {kind!r}"
+            )
         placement = self.plan.placement
-        if kind == "auto":
+        if kind != "torch":
+            rings = {r: self._shm_peers(r) for r in range(placement.ranks)}
+            need = sum(len(senders) for senders, _ in rings.values()) * ring_bytes(shm_capacity)
             hosts: list = [None] * dist.get_world_size(self._group)
-            dist.all_gather_object(hosts, socket.gethostname(), group=self._group)
+            with collective("the transport set-up", self._group):
+                dist.all_gather_object(hosts, (socket.gethostname(), shm_free_bytes()), self._group)
+            free = min(f for _, f in hosts)
+            fits = need <= free
+            if kind == "shm" and not fits:
+                raise PipelineError(shm_too_small(self.rank, need, free, shm_capacity))
+        if kind == "auto":
             # The ring publishes a message with a plain store after the copy; only x86's
             # store order makes that safe without a fence, so elsewhere auto means torch.
             staged = self.device.type == "cpu" or dist.get_backend(self._group) == "gloo"
-            same_host = len(set(hosts)) == 1 and platform.machine() in _TSO_MACHINES
-            kind = "shm" if staged and same_host else "torch"
+            same_host = len({h for h, _ in hosts}) == 1 and platform.machine() in _TSO_MACHINES
+            kind = "shm" if staged and same_host and fits else "torch"
+            if staged and same_host and not fits and self.rank == 0:
+                _log.warning(
+                    "megatron_prt: /dev/shm has %d bytes free, the shared-memory rings need %d: "
+                    "using the torch transport (docker run --shm-size=1g or --ipc=host gives "
+                    "the faster one)",
+                    free,
+                    need,
+                )
         if kind == "torch":
             return TorchTransport(
                 self._group,
@@ -167,24 +195,28 @@ class PipelineRuntime:
                 self.timeout_s,
                 self.variable_shapes,
             )
-        senders, receivers = set(), set()
-        for lowered, _, _ in self._programs.values():
-            for a in lowered.ranks[self.rank]:
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    senders.add(placement.rank_of(comm_key(a, placement, self._split)[1]))
-                elif a.op in (Op.SEND_F, Op.SEND_B):
-                    receivers.add(placement.rank_of(comm_key(a, placement, self._split)[2]))
-        mirrors = replica_peers(placement, self.rank)  # bi: gradient sums go both ways
-        senders |= mirrors
-        receivers |= mirrors
         return ShmTransport(
             self._group,
             placement.rank_of,
-            (senders, receivers),
+            rings[self.rank],
             self.timeout_s,
             shm_capacity,
             self.device,
         )
+
+    def _shm_peers(self, rank: int) -> tuple[set[int], set[int]]:
+        """The ranks ``rank`` receives from and sends to, over both programs and (``bi``) the
+        replica gradient sums: one shared-memory ring per (sender, receiver)."""
+        placement = self.plan.placement
+        senders, receivers = set(), set()
+        for lowered, _, _ in self._programs.values():
+            for a in lowered.ranks[rank]:
+                if a.op in (Op.RECV_F, Op.RECV_B):
+                    senders.add(placement.rank_of(comm_key(a, placement, self._split)[1]))
+                elif a.op in (Op.SEND_F, Op.SEND_B):
+                    receivers.add(placement.rank_of(comm_key(a, placement, self._split)[2]))
+        mirrors = replica_peers(placement, rank)  # bi: gradient sums go both ways
+        return senders | mirrors, receivers | mirrors
 
     def close(self) -> None:
         """Release transport resources (shared memory); the runtime is unusable after."""
@@ -197,10 +229,8 @@ class PipelineRuntime:
         targets: Sequence[torch.Tensor] | None,
         forward_only: bool = False,
     ) -> list[torch.Tensor | None]:
-        m = self.plan.num_microbatches
-        for name, data in (("inputs", inputs), ("targets", targets)):
-            if data is not None and len(data) != m:
-                raise ValueError(f"rank {self.rank}: {len(data)} {name} for {m} micro-batches")
+        if getattr(self.transport, "closed", False):
+            raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
         self.callbacks.begin(inputs, targets, forward_only)
         self._run(forward_only)
         losses, self._losses = self._losses, None
@@ -511,6 +541,8 @@ def _free_data(out: torch.Tensor) -> None:
     """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
     holds what it saved), only its grad_fn; drop the storage. Every freed output points at
     one shared 1-element placeholder, never read."""
+    if out.grad_fn is None:  # outside autograd (a first stage without layers hands on the
+        return  # caller's input): nothing needs its grad_fn, and the data is not ours to free
     key = (out.device, out.dtype)
     if key not in _DEAD:
         _DEAD[key] = torch.empty((1,), device=out.device, dtype=out.dtype)
@@ -518,7 +550,14 @@ def _free_data(out: torch.Tensor) -> None:
 
 
 def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
+    """The reason for the error text; a failed wait on a peer names the root cause the other
+    ranks posted (:mod:`megatron_prt.runtime.errors`), else the rank waited on."""
     text = f"{type(exc).__name__}: {exc}".strip()
+    if not is_wait_failure(exc):
+        return text
+    cause = root_cause(None, name_silent=False)
+    if cause:
+        return f"{cause}\n  this rank saw: {text}"
     if action is None:
         return text
     placement = plan.placement
@@ -526,33 +565,9 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
     if action.op.is_compute:  # the rank of the action's tensor input, if any
         fed = producers(action, placement, plan.split_backward)
         peer = next((placement.rank_of(p.stage) for p in fed if carries_tensor(p, action)), None)
-    if peer is not None and any(
-        w in text.lower() for w in ("timeout", "timed out", "closed", "reset", "connection")
-    ):
+    else:
+        _, src, dst, _ = comm_key(action, placement, plan.split_backward)
+        peer = placement.rank_of(dst if action.op in (Op.SEND_F, Op.SEND_B) else src)
+    if peer is not None:
         text += f" (waiting on rank {peer}: it may have failed or be stuck)"
     return text
-
-
-def check_same_plan(plan: Plan, group, device: torch.device, timeout_s: float) -> None:
-    """Refuse to start unless every rank holds the same plan (compares a hash)."""
-    digest = int(plan.fingerprint(), 16) & ((1 << 62) - 1)
-    mine = torch.tensor([digest], dtype=torch.int64, device=wire_device(group, device))
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    work.wait(timedelta(seconds=timeout_s))
-    values = [int(t) for t in gathered]
-    if len(set(values)) > 1:
-        groups: dict[int, list[int]] = {}
-        for rank, value in enumerate(values):
-            groups.setdefault(value, []).append(rank)
-        raise PipelineError(
-            f"rank {dist.get_rank(group)}: ranks disagree on the plan ("
-            + "; ".join(f"ranks {r} hold plan {v:016x}" for v, r in groups.items())
-            + "); every rank must build the same plan (same P, R, placement, direction, "
-            "micro-batches, schedule)"
-        )
-    if world != plan.placement.ranks:
-        raise PipelineError(
-            f"plan is for {plan.placement.ranks} pipeline ranks, the group has {world}"
-        )

@@ -33,6 +33,10 @@ def _entry(fn, rank, world, store, queue, args):
         result = pickle.dumps(fn(rank, world, *args))
         queue.put((rank, "ok", result))
     except BaseException as exc:
+        from .errors import PipelineError, post_failure
+
+        if not isinstance(exc, PipelineError):  # the runtime posted its own errors already
+            post_failure(f"rank {rank}: {type(exc).__name__}: {exc}", root=True)
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         queue.close()

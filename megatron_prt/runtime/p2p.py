@@ -10,12 +10,20 @@ them), so they need no tags.
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
   with its shape (every message, with ``variable_shapes``; such receives wait for their
   header where the plan receives, the position the plan's deadlock check proves safe).
+  The sender refuses, naming the flag, a message whose dtype is not the runtime's
+  ``dtype`` or whose shape differs from its edge's first without ``variable_shapes``:
+  the receiver would read it into a buffer of the wrong size (a wrong result, or gloo
+  aborting the process).
 * :class:`ShmTransport` (ranks on one x86 host) copies through one shared-memory ring
   per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
   Ranks whose tensors live on a GPU stage each message through host memory (a device to
   host copy on send, host to device on receive): the way several ranks share one GPU,
   where NCCL refuses two ranks on the same device and gloo has no CUDA send/recv.
+  Set-up checks that /dev/shm has room for every ring (a full tmpfs kills a rank with
+  SIGBUS on first touch), removes segments a killed job left behind, and unlinks each
+  segment (mode 0600, random name) as soon as both ends have it mapped. A wait on a peer
+  also checks that the peer's process still runs, so a dead peer fails it within 0.1 s.
 
 The executor sees only ``send``/``recv`` (returning handles with ``is_completed``/``wait``)
 and ``flush`` (issue what was queued).
@@ -23,7 +31,9 @@ and ``flush`` (issue what was queued).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import struct
 import time
 import uuid
@@ -80,6 +90,7 @@ class TorchTransport:
         # p2p is asynchronous already, and its coalescing path does not mix safely with the
         # plain receive that learns a new edge's shape.
         self._batched = dist.get_backend(group) == "nccl"
+        self.closed = False
 
     def _peer(self, stage: int) -> int:
         rank = self.rank_of_stage(stage)
@@ -94,6 +105,16 @@ class TorchTransport:
         return key[:3] in self.shapes and not self.variable_shapes
 
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype:
+            raise _not_sendable(key, tensor, self.dtype)
+        known = self.shapes.get(key[:3])
+        if known is not None and tensor.shape != known and not self.variable_shapes:
+            raise ValueError(
+                f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
+                f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
+                f"{tuple(known)}: micro-batches whose shapes differ need "
+                "PipelineRuntime(..., variable_shapes=True) (or pad them to one shape)"
+            )
         peer = self._peer(key[2])
         header = None
         if not self.knows(key):
@@ -140,7 +161,7 @@ class TorchTransport:
         return handle.tensor
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
     def _queue(self, op: dist.P2POp, handle: _Handle) -> None:
         self._ops.append(op)
@@ -153,8 +174,94 @@ class TorchTransport:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
+_KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
+
+
+def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exception:
+    """The error for a message that is not a tensor of the runtime's dtype."""
+    where = f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage {key[2]}"
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(
+            f"{where} is a {type(tensor).__name__}, not a tensor: a stage must return one "
+            "tensor (pack several into one, or unpack them inside the next stage)"
+        )
+    return TypeError(
+        f"{where} is {tensor.dtype}, the runtime sends {dtype}: pass "
+        f"PipelineRuntime(..., dtype={tensor.dtype}) (or cast the model to {dtype})"
+    )
+
+
 # -- shared memory ---------------------------------------------------------------------------
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+SHM_DIR = "/dev/shm"
+# Free bytes to assume in /dev/shm instead of asking statvfs: for tests, and for hosts whose
+# tmpfs reports more than its memory limit really allows.
+SHM_FREE_ENV = "MEGATRON_PRT_SHM_FREE_BYTES"
+_SEGMENT = re.compile(r"prt[0-9a-f]{12}_(\d+)_\d+_\d+")  # prt<run>_<creator pid>_<src>_<dst>
+_PAGE = 4096
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in /dev/shm (or ``$MEGATRON_PRT_SHM_FREE_BYTES``)."""
+    override = os.environ.get(SHM_FREE_ENV)
+    if override:
+        return int(override)
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize
+
+
+def ring_bytes(capacity: int) -> int:
+    """Shared memory one ring of ``capacity`` data bytes occupies (whole pages)."""
+    return (_DATA + capacity + _PAGE - 1) // _PAGE * _PAGE
+
+
+def shm_too_small(rank: int, need: int, free: int, capacity: int) -> str:
+    return (
+        f"rank {rank}: transport='shm' needs {need} bytes in {SHM_DIR} (rings of "
+        f"shm_capacity={capacity} bytes), {free} are free; give the container more shared "
+        "memory (docker run --shm-size=1g, or --ipc=host), pass a smaller shm_capacity=, or "
+        "use transport='torch' (a full /dev/shm kills the ranks with SIGBUS)"
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not); True where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")
+    except OSError:
+        return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink this user's ring segments whose creator died before unlinking them (a job
+    killed during set-up); returns their names."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            match = _SEGMENT.fullmatch(name)
+            path = os.path.join(SHM_DIR, name)
+            if match and not _alive(int(match.group(1))):
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_uid == os.getuid():
+                        os.unlink(path)
+                        removed.append(name)
+    return removed
+
+
 _MSG = struct.Struct("<11q")  # payload bytes, dtype code, ndim, 8 dims
 _CURSORS = struct.Struct("<2q")  # write, read
 _CURSOR = struct.Struct("<q")
@@ -241,17 +348,26 @@ class ShmTransport:
         self.timeout_s = timeout_s
         self.capacity = capacity  # bytes of each ring
         self.device = torch.device(device)
+        self.closed = False
         me = dist.get_rank(group)
-        run = [uuid.uuid4().hex[:12] if me == 0 else None]
-        dist.broadcast_object_list(
-            run, src=dist.get_global_rank(group, 0) if group else 0, group=group
-        )
         senders, receivers = peers
+        # One exchange settles the run's segment names, every rank's pid (a peer that dies
+        # is noticed by its pid, not only by a timeout) and whether the rings fit.
+        mine = (uuid.uuid4().hex[:12], os.getpid(), shm_free_bytes(), len(senders))
+        infos: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, mine, group=group)
+        run = infos[0][0]
+        self.pids = [pid for _, pid, _, _ in infos]
+        need = sum(count for *_, count in infos) * ring_bytes(capacity)
+        free = min(free for _, _, free, _ in infos)
+        if need > free:
+            raise RuntimeError(shm_too_small(me, need, free, capacity))
+        remove_stale_segments()
         self._owned = []
         self._in: dict[int, tuple[_Ring, deque]] = {}
-        for src in sorted(senders):  # the receiver creates each inbound ring
+        for src in sorted(senders):  # the receiver creates each inbound ring (mode 0600)
             shm = shared_memory.SharedMemory(
-                name=f"prt{run[0]}_{src}_{me}", create=True, size=_DATA + capacity
+                name=f"prt{run}_{os.getpid()}_{src}_{me}", create=True, size=_DATA + capacity
             )
             self._owned.append(shm)
             ring = _Ring(shm, capacity)
@@ -260,7 +376,7 @@ class ShmTransport:
         dist.barrier(group=group)
         self._out: dict[int, _Ring] = {}
         for dst in sorted(receivers):
-            shm = shared_memory.SharedMemory(name=f"prt{run[0]}_{me}_{dst}")
+            shm = shared_memory.SharedMemory(name=f"prt{run}_{self.pids[dst]}_{me}_{dst}")
             resource_tracker.unregister(shm._name, "shared_memory")  # the creator owns it
             self._out[dst] = _Ring(shm, capacity)
         dist.barrier(group=group)
@@ -271,6 +387,13 @@ class ShmTransport:
         return True  # every message carries its shape
 
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
+        if not isinstance(tensor, torch.Tensor):
+            raise _not_sendable(key, tensor, None)
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(
+                f"stage {key[1]}, mb {key[3]}: {tensor.dtype} cannot cross the shared-memory "
+                "transport; pass transport='torch'"
+            )
         dst = self.rank_of_stage(key[2])
         ring = self._out[dst]
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -278,10 +401,11 @@ class ShmTransport:
         need = _message_bytes(len(payload))
         if need > ring.capacity:
             raise ValueError(
-                f"message of {len(payload)} bytes exceeds the shared-memory ring "
-                f"({ring.capacity} bytes); raise shm_capacity"
+                f"stage {key[1]}, mb {key[3]}: a message of {len(payload)} bytes exceeds the "
+                f"shared-memory ring ({ring.capacity} bytes); pass shm_capacity= of at least "
+                f"{need}"
             )
-        self._spin(lambda: ring.free_space() >= need, f"rank {dst} to make room")
+        self._spin(lambda: ring.free_space() >= need, f"rank {dst} to make room", dst)
         dims = list(tensor.shape) + [0] * (8 - tensor.dim())
         header = _MSG.pack(len(payload), _DTYPES.index(tensor.dtype), tensor.dim(), *dims)
         ring.write(header, payload)
@@ -306,10 +430,13 @@ class ShmTransport:
         return handle.tensor is not None
 
     def wait(self, handle: _Handle) -> torch.Tensor | None:
-        self._spin(lambda: self.is_completed(handle), f"a message from rank {handle.peer}")
+        self._spin(
+            lambda: self.is_completed(handle), f"a message from rank {handle.peer}", handle.peer
+        )
         return handle.tensor
 
     def close(self) -> None:
+        self.closed = True
         rings, self._out, self._in = (
             [*self._out.values(), *(r for r, _ in self._in.values())],
             {},
@@ -331,15 +458,16 @@ class ShmTransport:
         while pending and ring.available():
             pending.popleft().tensor = ring.read().to(self.device)
 
-    def _spin(self, ready: Callable[[], bool], what: str) -> None:
+    def _spin(self, ready: Callable[[], bool], what: str, peer: int) -> None:
         """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has
         nothing else to do, and sleeping would add a timer tick to every hop), then back off
-        with growing sleeps so a long wait costs no CPU, until ``timeout_s``."""
+        with growing sleeps so a long wait costs no CPU, until ``timeout_s``. Every 0.1 s
+        of a long wait checks that ``peer``'s process still runs."""
         if ready():
             return
         start = time.monotonic()
         deadline = start + self.timeout_s
-        pause = 1e-5
+        pause, check_at = 1e-5, start + 0.1
         while not ready():
             now = time.monotonic()
             if now - start < 2e-3:
@@ -347,5 +475,12 @@ class ShmTransport:
                 continue
             if now > deadline:
                 raise TimeoutError(f"timed out after {self.timeout_s:g} s waiting for {what}")
+            if now > check_at:
+                if not _alive(self.pids[peer]):
+                    raise ConnectionError(
+                        f"rank {peer} (pid {self.pids[peer]}) exited while this rank waited "
+                        f"for {what}"
+                    )
+                check_at = now + 0.1
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ..core.placement import Placement
+from ..core.placement import DIRECTIONS, PLACEMENTS, Placement
+from .errors import PipelineError, collective
 from .p2p import wire_device
 
 
@@ -81,8 +82,48 @@ def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=Non
 
 
 def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
-    """Pipeline-1 replicas take pipeline 0's parameters (and buffers)."""
-    copy_stages(placement.replica_pairs(), placement.rank_of, stages, group)
+    """Pipeline-1 replicas take pipeline 0's parameters (and buffers). Collective over
+    ``group`` for every direction (a no-op copy for ``uni``): it first checks that every rank
+    holds the same placement, so ranks that disagree (e.g. ``uni`` against ``bi``) fail here
+    with the difference named instead of a timeout."""
+    tensors = [t for module in stages.values() for t in (*module.parameters(), *module.buffers())]
+    check_same_placement(placement, group, tensors[0].device if tensors else "cpu")
+    with collective("sync_replicas", group):
+        copy_stages(placement.replica_pairs(), placement.rank_of, stages, group)
+
+
+def check_same_placement(placement: Placement, group=None, device="cpu") -> None:
+    """Raise on every rank unless all ranks of ``group`` hold ``placement`` (one all_gather
+    of four integers; ``device``: where this rank computes, for NCCL)."""
+    codes = [
+        placement.ranks,
+        placement.reuse,
+        PLACEMENTS.index(placement.placement),
+        DIRECTIONS.index(placement.direction),
+    ]
+    mine = torch.tensor(codes, dtype=torch.int64, device=wire_device(group, device))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with collective("the placement check of sync_replicas", group):
+        dist.all_gather(gathered, mine, group=group)
+    held = [Placement(p, r, PLACEMENTS[k], DIRECTIONS[d]) for p, r, k, d in map(_ints, gathered)]
+    if len(set(held)) > 1:
+        rank = dist.get_rank(group)
+        holders: dict[Placement, list[int]] = {}
+        for r, p in enumerate(held):
+            holders.setdefault(p, []).append(r)
+        what = "; ".join(f"ranks {r} hold {_describe(p)}" for p, r in holders.items())
+        raise PipelineError(
+            f"rank {rank}: ranks disagree on the placement ({what}); every rank must pass the "
+            "same P, reuse, placement and direction (--direction uni|bi)"
+        )
+
+
+def _ints(t: torch.Tensor) -> list[int]:
+    return [int(v) for v in t]
+
+
+def _describe(p: Placement) -> str:
+    return f"P={p.ranks} R={p.reuse} {p.placement} {p.direction}"
 
 
 def reduce_replica_grads(
@@ -106,14 +147,15 @@ def reduce_replica_grads(
     def apply(stage, received, own):
         _unflat(own + received, grads(stage))
 
-    exchange_pairs(
-        placement.replica_pairs(),
-        placement.rank_of,
-        group,
-        lambda stage: _flat(grads(stage)),
-        apply,
-        both_ways=True,
-    )
+    with collective("reduce_replica_grads", group):
+        exchange_pairs(
+            placement.replica_pairs(),
+            placement.rank_of,
+            group,
+            lambda stage: _flat(grads(stage)),
+            apply,
+            both_ways=True,
+        )
 
 
 def replica_peers(placement: Placement, rank: int) -> set[int]:
@@ -147,18 +189,24 @@ def reduce_replica_grads_shm(
                 setattr(p, grad_attr, torch.zeros_like(p))
         return [getattr(p, grad_attr) for p in params]
 
-    for a, b in placement.replica_pairs():
-        here = [s for s in (a, b) if placement.rank_of(s) == rank]
-        if len(here) == 2:
-            mine, theirs = _flat(grads(a)), _flat(grads(b))
-            total = mine + theirs
-            _unflat(total, grads(a))
-            _unflat(total, grads(b))
-        elif here:
-            mine_stage = here[0]
-            peer_stage = b if mine_stage == a else a
-            own = _flat(grads(mine_stage))
-            _unflat(own + _exchange_flat(transport, own, mine_stage, peer_stage), grads(mine_stage))
+    with collective("reduce_replica_grads", None):
+        for a, b in placement.replica_pairs():
+            _reduce_pair_shm(placement, transport, rank, a, b, grads)
+
+
+def _reduce_pair_shm(placement: Placement, transport, rank: int, a: int, b: int, grads) -> None:
+    """Sum the gradients of replica pair ``(a, b)`` where ``rank`` holds one or both."""
+    here = [s for s in (a, b) if placement.rank_of(s) == rank]
+    if len(here) == 2:
+        mine, theirs = _flat(grads(a)), _flat(grads(b))
+        total = mine + theirs
+        _unflat(total, grads(a))
+        _unflat(total, grads(b))
+    elif here:
+        mine_stage = here[0]
+        peer_stage = b if mine_stage == a else a
+        own = _flat(grads(mine_stage))
+        _unflat(own + _exchange_flat(transport, own, mine_stage, peer_stage), grads(mine_stage))
 
 
 def _exchange_flat(transport, flat: torch.Tensor, mine: int, peer: int) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""What every rank checks before its runtime's first message: the group has the plan's P
+ranks, each rank was given the stages the plan places there, and all ranks hold the same plan
+and settings. A mismatch is refused on every rank, naming the ranks that differ."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..core.plan import Plan
+from .errors import (
+    PipelineError,
+    clear_failure,
+    collective,
+    digest,
+    refuse_disagreement,
+    setting_code,
+    setting_text,
+)
+from .p2p import wire_device
+
+
+def check_same_plan(
+    plan: Plan,
+    group,
+    device: torch.device,
+    timeout_s: float,
+    stages: Mapping[int, torch.nn.Module] | None = None,
+    settings: Mapping[str, object] | None = None,
+) -> None:
+    """Refuse to start unless the group has the plan's P ranks (checked locally, before any
+    communication), every rank was given the stages the plan places there, and every rank
+    holds the same plan and the same ``settings`` (e.g. ``dtype``): one all_gather of hashes,
+    after which every rank raises, naming the ranks that differ."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    placement = plan.placement
+    if world != placement.ranks:
+        raise PipelineError(
+            f"rank {rank}: the plan is for P = {placement.ranks} pipeline ranks, the group has "
+            f"{world}; build the plan for Placement({world}, ...) or pass group= a group of "
+            f"{placement.ranks} ranks"
+        )
+    if not timeout_s > 0:  # also refuses NaN
+        raise ValueError(f"rank {rank}: timeout_s={timeout_s!r}; pass a positive number of seconds")
+    clear_failure()  # a report of an earlier runtime in this job is not this one's
+    settings = dict(settings or {})
+    expected = sorted(placement.rank_stages[rank])
+    given = None if stages is None else sorted(stages)
+    values = [digest(plan.fingerprint()), int(given not in (None, expected))]
+    values += [setting_code(v) for v in settings.values()]
+    mine = torch.tensor(values, dtype=torch.int64, device=wire_device(group, device))
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    with collective("the plan check at start-up", group):
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        work.wait(timedelta(seconds=timeout_s))
+    rows = [[int(v) for v in t] for t in gathered]
+    if given not in (None, expected):
+        raise ValueError(f"rank {rank}: stages {given} given, the plan places {expected} here")
+    wrong = [r for r, row in enumerate(rows) if row[1]]
+    if wrong:
+        raise PipelineError(
+            f"rank {rank}: rank(s) {wrong} were given other stages than the plan places there "
+            "(see their errors); pass each rank the stages of build_stages(plan.placement, rank, "
+            "...)"
+        )
+    columns = {"plan": 0, **{name: 2 + i for i, name in enumerate(settings)}}
+    for name, column in columns.items():
+        show = (lambda code: f"{code:016x}") if name == "plan" else setting_text
+        refuse_disagreement(rank, name, [row[column] for row in rows], show)

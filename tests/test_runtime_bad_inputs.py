@@ -1,0 +1,312 @@
+"""A sweep of bad inputs and faults: each case ends, on every rank, in an error naming the
+problem (checked per rank) or in the right result, within the run's deadline."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+from parity_models import batch, loss_fn, make_layer
+from test_runtime_faults import TIMEOUT_S, WAIT_S, expect_errors, run_case, runtime
+
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.core.placement import ConfigError
+from megatron_prt.runtime import PipelineRuntime, build_stages
+from megatron_prt.runtime.local import run_local
+
+
+def _step(rank, world, **kw):
+    """Build the default runtime (P = world, R = 2, m = 4) and run one training step."""
+    rt, _ = runtime(rank, world, **kw)
+    return rt.step(*batch("mlp", 4))
+
+
+def _stages_of(rank_for_stages):
+    def body(rank, world):
+        plan = build_plan(Placement(world, 2), 4)
+        stages = build_stages(
+            plan.placement, rank_for_stages(rank), lambda i: make_layer("mlp", i), 8
+        )
+        PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
+
+    return body
+
+
+def _extra_stage(rank, world):
+    plan = build_plan(Placement(world, 2), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    if rank == 0:
+        stages[7] = torch.nn.Identity()
+    PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
+
+
+def _with_batch(change_xs=None, change_ys=None, ranks=(0, 1)):
+    def body(rank, world):
+        rt, _ = runtime(rank, world)
+        xs, ys = batch("mlp", 4)
+        if rank in ranks:
+            xs = change_xs(xs) if change_xs else xs
+            ys = change_ys(ys) if change_ys else ys
+        return rt.step(xs, ys)
+
+    return body
+
+
+def _tuple_output(transport):
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport=transport)
+        if rank == 0:
+            rt.stages[0] = Pair()
+        return rt.step(*batch("mlp", 4))
+
+    return body
+
+
+def _per_rank(**by_rank):
+    """Runtime keyword arguments that differ by rank: ``name=(rank 0's, rank 1's)``."""
+
+    def body(rank, world):
+        kw = {name: values[rank] for name, values in by_rank.items()}
+        m = kw.pop("m", 4)
+        rt, _ = runtime(rank, world, m=m, **kw)
+        return rt.step(*batch("mlp", m))
+
+    return body
+
+
+def _after_close(rank, world):
+    rt, _ = runtime(rank, world, transport="shm")
+    rt.close()
+    return rt.step(*batch("mlp", 4))
+
+
+def _stall(rank, world):
+    rt, _ = runtime(rank, world, timeout_s=TIMEOUT_S)
+    if rank == 1:
+        time.sleep(600)  # the harness kills this rank
+    return rt.step(*batch("mlp", 4))
+
+
+def _killed_mid_step(transport):
+    class Die(torch.nn.Module):
+        def forward(self, x):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport=transport)
+        if rank == 1:
+            rt.stages[3] = Die()  # rank 1's second stage: rank 0 is then waiting on it
+        return rt.step(*batch("mlp", 4))
+
+    return body
+
+
+WAITED = "rank 0 failed first"  # what rank 1 says when rank 0 refused its own arguments
+# case id -> (body, substrings every rank reports, per-rank substrings, ranks that answer)
+ERROR_CASES = {
+    "stages-of-another-rank": (
+        _stages_of(lambda rank: 0),
+        [],
+        {"r1": ["stages [0, 2] given, the plan places [1, 3] here"], "r0": ["rank(s) [1]"]},
+    ),
+    "extra-stage": (
+        _extra_stage,
+        [],
+        {"r0": ["stages [0, 2, 7] given"], "r1": ["rank(s) [0] were given other stages"]},
+    ),
+    "targets-too-few": (
+        _with_batch(change_ys=lambda ys: ys[:3], ranks=(1,)),
+        [],
+        {"r1": ["3 targets for 4 micro-batches"], "r0": ["rank 1 failed first"]},
+    ),
+    "inputs-too-many": (
+        _with_batch(change_xs=lambda xs: xs + xs[:1], ranks=(0,)),
+        [],
+        {"r0": ["5 inputs for 4 micro-batches"], "r1": [WAITED]},
+    ),
+    "targets-none-at-last-stage": (
+        _with_batch(change_ys=lambda ys: None, ranks=(1,)),
+        [],
+        {"r1": ["targets=None, but this rank holds stage(s) [3]"], "r0": ["rank 1 failed"]},
+    ),
+    "inputs-generator": (
+        _with_batch(change_xs=lambda xs: (x for x in xs), ranks=(0,)),
+        [],
+        {"r0": ["inputs is a generator; pass a list of 4 tensors"], "r1": [WAITED]},
+    ),
+    "inputs-dict": (
+        _with_batch(change_xs=lambda xs: [{"x": x} for x in xs], ranks=(0,)),
+        [],
+        {"r0": ["inputs[0] is a dict, not a tensor"], "r1": [WAITED]},
+    ),
+    "inputs-float32-for-float64-model": (
+        _with_batch(change_xs=lambda xs: [x.float() for x in xs], ranks=(0,)),
+        [],
+        {"r0": ["0F0 (stage 0, mb 0)", "dtype"], "r1": [WAITED]},
+    ),
+    "tuple-output-torch": (
+        _tuple_output("torch"),
+        ["is a tuple, not a tensor: a stage must return one tensor"],
+        {"r1": [WAITED]},
+    ),
+    "tuple-output-shm": (
+        _tuple_output("shm"),
+        ["is a tuple, not a tensor: a stage must return one tensor"],
+        {"r1": [WAITED]},
+    ),
+    "dtype-disagrees": (
+        _per_rank(dtype=(torch.float64, torch.float32)),
+        [
+            "ranks disagree on the dtype (ranks [0] hold dtype torch.float64; "
+            "ranks [1] hold dtype torch.float32)",
+            "pass the same dtype= on every rank",
+        ],
+        {},
+    ),
+    "variable-shapes-disagrees": (
+        _per_rank(variable_shapes=(True, False)),
+        [
+            "ranks disagree on the variable_shapes (ranks [0] hold variable_shapes True; "
+            "ranks [1] hold variable_shapes False)"
+        ],
+        {},
+    ),
+    "micro-batches-disagree": (
+        _per_rank(m=(4, 2)),
+        ["ranks disagree on the plan", "micro-batches"],
+        {},
+    ),
+    "uni-and-bi-plans": (
+        _per_rank(placement=(Placement(2, 2, direction="bi"), Placement(2, 2))),
+        ["ranks disagree on the plan"],
+        {},
+    ),
+    "timeout-zero": (_per_rank(timeout_s=(0, 0)), ["timeout_s=0; pass a positive"], {}),
+    "timeout-negative": (_per_rank(timeout_s=(-1, -1)), ["timeout_s=-1"], {}),
+    "timeout-nan": (_per_rank(timeout_s=(math.nan, math.nan)), ["timeout_s=nan"], {}),
+    "unknown-transport": (
+        _per_rank(transport=("nccl", "nccl")),
+        ["transport must be auto, torch or shm, got 'nccl'"],
+        {},
+    ),
+    "shm-ring-too-small": (
+        _per_rank(transport=("shm", "shm"), shm_capacity=(64, 64)),
+        [],
+        {"r0": ["pass shm_capacity= of at least"], "r1": [WAITED]},
+    ),
+    "step-after-close": (_after_close, ["step() after close(); build a new runtime"], {}),
+    "killed-mid-step-shm": (_killed_mid_step("shm"), ["rank 1", "exited while"], {}),
+    "killed-mid-step-torch": (_killed_mid_step("torch"), ["waiting on rank 1"], {}),
+}
+ANSWERING = {"killed-mid-step-shm": [0], "killed-mid-step-torch": [0]}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_bad_input_fails_clearly_on_every_rank(case):
+    body, every, per_rank = ERROR_CASES[case]
+    answering = ANSWERING.get(case)
+    results = run_case(2, body, wait_for=answering)
+    expect_errors(results, *every, ranks=answering, **per_rank)
+
+
+@pytest.mark.slow
+def test_rank_stalling_mid_step_times_out_the_others():
+    results = run_case(2, _stall, wait_for={0})
+    assert results[1][0] == "killed"
+    expect_errors(results, "rank 0, step", "waiting on rank 1", ranks=[0])
+
+
+def test_wrong_device_fails_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    results = run_case(2, _per_rank(device=("cuda", "cuda")))
+    expect_errors(results, "CUDA", "(stage ")
+
+
+# -- inputs that are unusual but right --------------------------------------------------------
+def test_zero_micro_batches_are_refused_by_the_plan():
+    with pytest.raises(ConfigError, match="micro-batches must be an integer >= 1, got 0"):
+        build_plan(Placement(2, 2), 0)
+
+
+def _close_twice(rank, world):
+    rt, _ = runtime(rank, world, transport="shm")
+    losses = rt.step(*batch("mlp", 4))
+    rt.close()
+    rt.close()
+    return losses
+
+
+def _nan_input(rank, world):
+    rt, _ = runtime(rank, world)
+    xs, ys = batch("mlp", 4)
+    xs[2] = torch.full_like(xs[2], math.nan)
+    return rt.step(xs, ys)
+
+
+def _stacked_inputs(rank, world):
+    rt, _ = runtime(rank, world)
+    xs, ys = batch("mlp", 4)
+    return rt.step(torch.stack(xs), torch.stack(ys))
+
+
+def _none_on_middle_rank(rank, world):
+    rt, _ = runtime(rank, world, placement=Placement(world, 1))
+    xs, ys = batch("mlp", 4)
+    return rt.step(xs if rank == 0 else None, ys if rank == world - 1 else None)
+
+
+@pytest.mark.parametrize(
+    "case, body, world",
+    [
+        ("close-twice", _close_twice, 2),
+        ("nan-input", _nan_input, 2),
+        ("stacked-tensor-inputs", _stacked_inputs, 2),
+        ("none-where-unused", _none_on_middle_rank, 3),
+    ],
+)
+def test_unusual_inputs_give_the_reference_losses(case, body, world):
+    results = run_case(world, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+    model = torch.nn.Sequential(*(make_layer("mlp", i) for i in range(8)))
+    xs, ys = batch("mlp", 4)
+    if case == "nan-input":
+        xs[2] = torch.full_like(xs[2], math.nan)
+    with torch.no_grad():
+        want = [float(loss_fn(model(x), y)) for x, y in zip(xs, ys, strict=True)]
+    got = [float(v) for v in results[-1][1]["value"]]
+    assert got == pytest.approx(want, rel=1e-12, nan_ok=True)
+    assert math.isnan(got[2]) == (case == "nan-input")
+
+
+def _user_code_fails_between_steps(rank, world):
+    rt, _ = runtime(rank, world, transport="torch", placement=Placement(world, 1, "loop", "bi"))
+    rt.step(*batch("mlp", 4))
+    if rank == 0:
+        raise RuntimeError("user code failed between steps")  # out of run_local's function
+    start = time.monotonic()
+    try:
+        rt.reduce_replica_grads()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_error_outside_the_runtime_is_reported_to_the_peers():
+    results = run_local(2, _user_code_fails_between_steps, deadline_s=2 * WAIT_S)
+    assert results[0][0] == "error" and "user code failed" in results[0][1]
+    expect_errors(
+        results,
+        "reduce_replica_grads failed: rank 0 failed first",
+        "user code failed between steps",
+        ranks=[1],
+    )

@@ -1,0 +1,317 @@
+"""Faults that used to end in a wrong result, a hang, a raw gloo error or a dead process:
+each now ends, on every rank, in an error naming the problem and the fix (or in the right
+result). Ranks are local gloo processes (:func:`megatron_prt.runtime.local.run_local`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import HIDDEN, batch, loss_fn, make_layer
+
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
+from megatron_prt.runtime.local import run_local
+from megatron_prt.runtime.p2p import SHM_FREE_ENV, TorchTransport
+
+TIMEOUT_S = 4.0  # where a test waits for a timeout to fire
+WAIT_S = 60.0  # everywhere else: generous, so a loaded machine cannot fail a run
+
+
+def attempt(rank, world, body):
+    """Run ``body(rank, world)``: ``{"error": text or None, "value", "elapsed"}``."""
+    start = time.monotonic()
+    try:
+        value = body(rank, world)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - start}
+    return {"error": None, "value": value, "elapsed": time.monotonic() - start}
+
+
+def run_case(world, body, deadline_s=2 * WAIT_S, wait_for=None):
+    results = run_local(world, attempt, body, deadline_s=deadline_s, wait_for=wait_for)
+    return results
+
+
+def expect_errors(results, *every, ranks=None, **per_rank):
+    """Every rank in ``ranks`` (default all) reported an error containing all of ``every``
+    (and ``per_rank["r<k>"]`` for rank k). Returns the slowest time to error."""
+    ranks = range(len(results)) if ranks is None else ranks
+    slowest = 0.0
+    for rank in ranks:
+        status, payload = results[rank]
+        assert status == "ok", f"rank {rank}: {status}: {payload}"
+        text = payload["error"]
+        assert text is not None, f"rank {rank} finished without an error: {payload}"
+        for want in (*every, *per_rank.get(f"r{rank}", ())):
+            assert want in text, f"rank {rank}: {want!r} not in:\n{text}"
+        slowest = max(slowest, payload["elapsed"])
+        print(f"rank {rank} after {payload['elapsed']:.2f} s: {text.splitlines()[0]}")  # pytest -s
+    return slowest
+
+
+def runtime(rank, world, m=4, layers=8, transport="torch", **kw):
+    """A P = world, R = 2 MLP runtime (float64) with its stages."""
+    placement = kw.pop("placement", None) or Placement(world, 2)
+    plan = build_plan(placement, m)
+    stage_layers = kw.pop("stage_layers", None)
+    stages = build_stages(
+        plan.placement, rank, lambda i: make_layer("mlp", i), layers, stage_layers
+    )
+    kw.setdefault("dtype", torch.float64)
+    kw.setdefault("timeout_s", WAIT_S)
+    rt = PipelineRuntime(plan, stages, loss_fn, transport=transport, **kw)
+    return rt, stages
+
+
+def reference_losses(xs, ys, layers=8):
+    model = torch.nn.Sequential(*(make_layer("mlp", i) for i in range(layers)))
+    with torch.no_grad():
+        return [float(loss_fn(model(x), y)) for x, y in zip(xs, ys, strict=True)]
+
+
+def ragged_batch(sizes):
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, HIDDEN, generator=g, dtype=torch.float64) for n in sizes]
+    ys = [torch.randn(n, HIDDEN, generator=g, dtype=torch.float64) for n in sizes]
+    return xs, ys
+
+
+# -- 1. shapes and dtype on the torch transport ---------------------------------------------
+@pytest.mark.parametrize(
+    "sizes, forward_only",
+    [((2, 1, 2, 2), True), ((2, 1, 2, 2), False), ((2, 2, 3, 2), True), ((2, 2, 3, 2), False)],
+    ids=["shorter-fwd", "shorter-train", "longer-fwd", "longer-train"],
+)
+def test_varying_shapes_without_flag_fail_on_every_rank(sizes, forward_only):
+    def body(rank, world):
+        rt, _ = runtime(rank, world)
+        return rt.step(*ragged_batch(sizes), forward_only=forward_only)
+
+    results = run_case(2, body)
+    expect_errors(
+        results,
+        "the activation sent to stage 1 has shape",
+        "variable_shapes=True",
+        r1=["rank 0 failed first"],
+    )
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_varying_shapes_with_flag_give_the_reference_losses(transport):
+    xs, ys = ragged_batch((2, 1, 3, 2))
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport=transport, variable_shapes=True)
+        return [rt.step(xs, ys, forward_only=True), rt.step(xs, ys)]
+
+    results = run_case(2, body)
+    want = reference_losses(xs, ys)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+    for losses in results[1][1]["value"]:  # rank 1 holds the last stage
+        assert [float(v) for v in losses] == pytest.approx(want, rel=1e-12)
+
+
+def test_float64_model_with_default_dtype_names_the_dtype_argument():
+    def body(rank, world):
+        rt, _ = runtime(rank, world, dtype=torch.float32)
+        return rt.step(*batch("mlp", 4))
+
+    results = run_case(2, body)
+    expect_errors(results, "dtype=torch.float64", r1=["rank 0 failed first"])
+
+
+# -- 2. shared memory ------------------------------------------------------------------------
+def test_explicit_shm_without_room_names_shm_size():
+    def body(rank, world):
+        os.environ[SHM_FREE_ENV] = str(1 << 20)
+        runtime(rank, world, transport="shm")
+
+    results = run_case(2, body)
+    expect_errors(results, "--shm-size", "--ipc=host")
+
+
+def test_auto_without_room_falls_back_to_torch():
+    xs, ys = batch("mlp", 4)
+
+    def body(rank, world):
+        os.environ[SHM_FREE_ENV] = str(1 << 20)
+        warnings = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logging.getLogger("megatron_prt").addHandler(handler)
+        rt, _ = runtime(rank, world, transport="auto")
+        return isinstance(rt.transport, TorchTransport), rt.step(xs, ys), warnings
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        assert payload["value"][0]
+    warned = [w for _, payload in results for w in payload["value"][2]]
+    assert len(warned) == 1 and "--shm-size" in warned[0], warned
+    losses = [float(v) for v in results[1][1]["value"][1]]
+    assert losses == pytest.approx(reference_losses(xs, ys), rel=1e-12)
+
+
+def test_shm_segments_are_unlinked_and_stale_ones_removed():
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    stale = f"/dev/shm/prt{'ab' * 6}_{dead}_0_1"
+    with open(stale, "wb") as handle:
+        handle.write(b"\0" * 64)
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport="shm")
+        dist.barrier()
+        mine = tuple(f"_{pid}_" for pid in rt.transport.pids)
+        names = sorted(
+            n for n in os.listdir("/dev/shm") if n.startswith("prt") and any(p in n for p in mine)
+        )
+        rt.close()
+        return names
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        assert payload["value"] == [], payload["value"]  # every name unlinked once attached
+    assert not os.path.exists(stale)
+
+
+# -- 3. a plan for fewer ranks than the group ------------------------------------------------
+def test_plan_for_fewer_ranks_than_group_is_refused_everywhere():
+    def body(rank, world):
+        placement = Placement(2, 2)
+        plan = build_plan(placement, 4)
+        stages = build_stages(placement, min(rank, 1), lambda i: make_layer("mlp", i), 8)
+        PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
+
+    results = run_case(3, body)
+    expect_errors(results, "the plan is for P = 2 pipeline ranks, the group has 3", "group=")
+
+
+# -- 4. ranks that disagree on the direction ---------------------------------------------------
+def test_direction_disagreement_is_named_by_sync_replicas():
+    def body(rank, world):
+        placement = Placement(world, 2, direction="bi" if rank == 0 else "uni")
+        stages = build_stages(placement, rank, lambda i: make_layer("mlp", i), 8)
+        sync_replicas(placement, stages)  # README order: before the runtime
+        runtime(rank, world, placement=placement)
+
+    results = run_case(2, body)
+    expect_errors(results, "ranks disagree on the placement", "P=2 R=2 loop bi", "P=2 R=2 loop uni")
+
+
+# -- 5. inputs the stages cannot take ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, want",
+    [
+        (lambda xs: None, "inputs=None, but this rank holds stage(s) [0]"),
+        (lambda xs: [(x, x) for x in xs], "inputs[0] is a tuple, not a tensor"),
+    ],
+    ids=["none", "tuples"],
+)
+def test_unusable_inputs_are_named(make, want):
+    def body(rank, world):
+        rt, _ = runtime(rank, world)
+        xs, ys = batch("mlp", 4)
+        return rt.step(make(xs) if rank == 0 else xs, ys)
+
+    results = run_case(2, body)
+    expect_errors(results, want, r1=["rank 0 failed first"])
+
+
+# -- 6. a first stage without layers --------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_empty_first_stage_passes_the_input_through(transport):
+    xs, ys = batch("mlp", 4)
+    shapes = [x.shape for x in xs]
+    originals = [x.clone() for x in xs]
+
+    def body(rank, world):
+        rt, stages = runtime(rank, world, transport=transport, stage_layers=[0, 3, 3, 2])
+        fwd = rt.step(xs, ys, forward_only=True)
+        train = rt.step(xs, ys)
+        intact = all(
+            x.shape == s and torch.equal(x, o)
+            for x, s, o in zip(xs, shapes, originals, strict=True)
+        )
+        grads = {
+            stage: [p.grad.clone() for p in module.parameters()] for stage, module in stages.items()
+        }
+        return fwd, train, intact, grads
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        assert payload["value"][2], "the caller's inputs changed"
+    model = torch.nn.Sequential(*(make_layer("mlp", i) for i in range(8)))
+    per_mb = [loss_fn(model(x), y) for x, y in zip(xs, ys, strict=True)]
+    (sum(per_mb) / 4).backward()
+    want = [v.item() for v in per_mb]
+    fwd, train, _, _ = results[1][1]["value"]
+    assert [float(v) for v in fwd] == pytest.approx(want, rel=1e-12)
+    assert [float(v) for v in train] == pytest.approx(want, rel=1e-12)
+    # stage 1 (rank 1) holds layers 0..2: its gradients are the reference's
+    got = results[1][1]["value"][3][1]
+    ref = [p.grad for i in range(3) for p in model[i].parameters()]
+    for g, r in zip(got, ref, strict=True):
+        assert torch.allclose(g, r, rtol=1e-10, atol=1e-14)
+
+
+# -- 7. a dead rank -------------------------------------------------------------------------------
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_rank_killed_before_the_plan_check_is_named():
+    def body(rank, world):
+        if rank == 1:
+            _die()
+        runtime(rank, world)
+
+    results = run_case(2, body, wait_for={0})
+    assert results[1][0] == "killed"
+    expect_errors(results, "the plan check at start-up failed", "rank(s) [1] stopped", ranks=[0])
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_rank_killed_before_the_replica_sum_is_named(transport):
+    def body(rank, world):
+        rt, _ = runtime(
+            rank, world, transport=transport, placement=Placement(world, 1, "loop", "bi")
+        )
+        rt.step(*batch("mlp", 4))
+        if rank == 1:
+            _die()
+        rt.reduce_replica_grads()
+
+    results = run_case(2, body, wait_for={0})
+    expect_errors(results, "reduce_replica_grads failed", "[1]", ranks=[0])
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_every_rank_of_four_names_the_failing_rank(transport):
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("injected failure in stage forward")
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport=transport)
+        if rank == 0:
+            rt.stages[world] = Boom()  # the rank's second stage, on its first micro-batch
+        return rt.step(*batch("mlp", 4))
+
+    results = run_case(4, body)
+    expect_errors(
+        results,
+        "injected failure",
+        **{f"r{r}": ["rank 0 failed first"] for r in (1, 2, 3)},
+    )
