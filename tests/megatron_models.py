@@ -8,6 +8,7 @@ parameters find their reference.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from functools import partial
 
@@ -304,8 +305,36 @@ def grad_buffer_reductions(chunks) -> tuple[list, list[int]]:
 LAYERS_3D = 6
 
 
+@contextlib.contextmanager
+def _counting_recomputed_blocks(out: dict):
+    """While open, ``out["recomputed"]`` counts blocks megatron checkpoints for recompute."""
+    import unittest.mock
+
+    from megatron.core.tensor_parallel import random
+
+    forward = random.CheckpointFunction.forward
+
+    def counted(ctx, *args, **kwargs):
+        out["recomputed"] = out.get("recomputed", 0) + 1
+        return forward(ctx, *args, **kwargs)
+
+    with unittest.mock.patch.object(random.CheckpointFunction, "forward", staticmethod(counted)):
+        yield
+
+
 def parallel_train(
-    rank, world, kind, tp, m, reuse=None, states=None, ddp=None, sp=False, dtype=DTYPE, ckpt=None
+    rank,
+    world,
+    kind,
+    tp,
+    m,
+    reuse=None,
+    states=None,
+    ddp=None,
+    sp=False,
+    dtype=DTYPE,
+    ckpt=None,
+    recompute=None,
 ):
     """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only)
     on TP x PP x DP ranks: megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
@@ -315,9 +344,8 @@ def parallel_train(
     initial ``state``, per-step losses (where megatron reads them), per-step reduced grads
     and per-step counts of collectives per gradient bucket, and the final parameters.
     ``ckpt``: ``{"steps": (first, end), "load": dir, "save": dir}`` (each optional): train
-    steps ``first .. end-1`` after loading a checkpoint, then save one."""
-    import contextlib
-
+    steps ``first .. end-1`` after loading a checkpoint, then save one. ``recompute``:
+    megatron's ``recompute_granularity`` (``full``: every layer, ``uniform`` method)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -330,6 +358,10 @@ def parallel_train(
     from megatron_prt.megatron.weights import local_state
 
     fields = dict(tensor_model_parallel_size=tp, sequence_parallel=sp)
+    if recompute is not None:
+        fields["recompute_granularity"] = recompute
+    if recompute == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=1)
     if reuse is None:
         setup_megatron(1, None, tp)
         config = transformer_config(LAYERS_3D, dtype, **fields)
@@ -372,6 +404,7 @@ def parallel_train(
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
+            stack.enter_context(_counting_recomputed_blocks(out))
             store = forward_backward(
                 forward_step_func=partial(forward_step, kind, False),
                 data_iterator=[iter(mine) for _ in model],

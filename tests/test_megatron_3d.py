@@ -53,20 +53,25 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _check(kind, tp, dp, p, r, placement, direction, ddp=(), sp=False, dtype=torch.float64):
+def _check(
+    kind, tp, dp, p, r, placement, direction, ddp=(), sp=False, dtype=torch.float64,
+    recompute=None,
+):  # fmt: skip
     refs = _reference(kind, tp, dp, ddp, sp, dtype)
     states = {t: refs[(t, 0)]["state"] for t in range(tp)}
     reuse = ReuseConfig(Placement(p, r, placement, direction), LAYERS_3D)
     world = tp * p * dp
     results = all_ok(
         run_local(
-            world, parallel_train, kind, tp, M, reuse, states, dict(ddp), sp, dtype,
-            deadline_s=600,
+            world, parallel_train, kind, tp, M, reuse, states, dict(ddp), sp, dtype, None,
+            recompute, deadline_s=600,
         )
     )  # fmt: skip
     exact = dtype == torch.float64
     with_losses = set()
     for rank, result in enumerate(results):
+        # each rank ran megatron's recomputation (or none) in every step
+        assert (result.get("recomputed", 0) >= STEPS) == (recompute is not None), rank
         ref = refs[(result["tp"], result["dp"])]
         if result["losses"][0]:
             with_losses.add((result["tp"], result["dp"]))
@@ -195,3 +200,19 @@ def test_distributed_optimizer_bi_matches_megatron():
 @pytest.mark.parametrize("case", SHARDED[1:], ids=lambda c: "-".join(map(str, c[:7])))
 def test_distributed_optimizer_and_sequence_parallel_match_megatron(case):
     _check(*case)
+
+
+# Activation recomputation under PRT (megatron's recompute_granularity) changes no number:
+# compared with the reference trained without it.
+RECOMPUTED = [
+    ("gpt", 2, 1, 2, 2, "wave", "bi", "full"),
+    ("bert", 1, 2, 2, 3, "loop", "uni", "selective"),
+    ("gpt-untied", 2, 1, 2, 3, "loop", "uni", "selective"),
+    ("bert", 2, 1, 2, 2, "wave", "bi", "full"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction,recompute", RECOMPUTED)
+def test_recomputed_activations_match_megatron(kind, tp, dp, p, r, placement, direction, recompute):
+    _check(kind, tp, dp, p, r, placement, direction, recompute=recompute)

@@ -8,6 +8,9 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
 * ``transformer.utils.get_default_causal_mask`` builds its mask with ``device="cuda"``.
 * the model-parallel RNG tracker forks CUDA generator states: a CPU tracker forks the CPU
   generator instead, with the same add / fork / reset / get_states contract.
+  Activation recomputation's save / restore of the "CUDA" generator state
+  (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) reads and sets
+  the CPU generator.
 * the module attribute ``torch`` of ``core.utils`` (``local_multi_tensor_l2_norm``),
   ``distributed.param_and_grad_buffer`` (DDP's grad buffers),
   ``pipeline_parallel.schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (loss
@@ -118,6 +121,18 @@ def _install_rng_tracker(random) -> None:
 
     initialize_rng_tracker.original = original_init  # type: ignore[attr-defined]
     random.initialize_rng_tracker = initialize_rng_tracker
+    # Activation recomputation saves and restores the "CUDA" generator around each
+    # recomputed block; on CPU that generator is the CPU one the tracker forks.
+    random._get_cuda_rng_state = _get_cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _get_cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
 
 
 _CUDA_TYPE_NAMES = {
