@@ -25,7 +25,17 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch
-from megatron_models import HIDDEN, LAYERS_3D, MBS, SEQ, STEPS, parallel_train
+from megatron_models import (
+    HIDDEN,
+    LAYERS_3D,
+    MBS,
+    SEQ,
+    STEPS,
+    model_chunks,
+    parallel_train,
+    setup_megatron,
+    transformer_config,
+)
 
 from megatron_prt.core import Placement
 from megatron_prt.megatron.config import ReuseConfig
@@ -216,3 +226,35 @@ RECOMPUTED = [
 @pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction,recompute", RECOMPUTED)
 def test_recomputed_activations_match_megatron(kind, tp, dp, p, r, placement, direction, recompute):
     _check(kind, tp, dp, p, r, placement, direction, recompute=recompute)
+
+
+def test_overlapped_reduction_untied_uni_matches_megatron():
+    """DDP's hooks start each bucket's reduction during the chunk's last backward (gloo's
+    asynchronous all-reduce on CPU): once per bucket, and the same numbers."""
+    _check("gpt-untied", 1, 2, 2, 3, "loop", "uni", ddp=(("overlap_grad_reduce", True),))
+
+
+def _overlap_refusal(rank, world, kind, direction):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_prt.megatron.model import transformer_config_kwargs
+    from megatron_prt.megatron.training import build_training
+
+    reuse = ReuseConfig(Placement(2, 1, "loop", direction), LAYERS_3D)
+    setup_megatron(2, 1)
+    config = transformer_config(**transformer_config_kwargs(reuse))
+    with pytest.raises(ValueError) as refused:
+        build_training(
+            model_chunks(kind, config, reuse), config,
+            optimizer_config=OptimizerConfig(optimizer="adam", lr=1e-3),
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True), reuse=reuse,
+        )  # fmt: skip
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("kind,direction", [("gpt", "uni"), ("gpt-untied", "bi")])
+def test_overlap_with_sums_after_the_schedule_is_refused_naming_the_flag(kind, direction):
+    for message in all_ok(run_local(2, _overlap_refusal, kind, direction)):
+        assert "overlap_grad_reduce (--overlap-grad-reduce)" in message
+        assert ("tied embeddings" if kind == "gpt" else "bi") in message

@@ -41,11 +41,12 @@ above gives each TP rank its ``model-parallel-rng`` state. Data parallelism is m
 and sequence parallelism too) against megatron's no-pipelining schedule.
 
 Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; context
-parallel size 1; DDP without ``overlap_grad_reduce`` (CUDA streams); fp32 / fp64 only (no
-fp16 / bf16 optimizer; the distributed optimizer and gradient clipping in fp32 only, as
-megatron's); megatron's own pipelined schedules are not covered (their p2p still calls CUDA;
-megatron-prt's schedule replaces them). Anything else that needs CUDA still fails loudly.
-Never call this in a CUDA process: it changes module attributes for the whole process.
+parallel size 1; fp32 / fp64 only (no fp16 / bf16 optimizer; the distributed optimizer and
+gradient clipping in fp32 only, as megatron's); megatron's own pipelined schedules are not
+covered (their p2p still calls CUDA; megatron-prt's schedule replaces them). Anything else
+that needs CUDA still fails loudly. Never call this in a CUDA process: it changes module
+attributes for the whole process. ``overlap_grad_reduce`` runs on gloo's asynchronous
+all-reduce.
 """
 
 from __future__ import annotations
