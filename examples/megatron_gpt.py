@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/megatron_gpt.py \\
         --pipeline-model-parallel-size 2 --pipeline-reuse 2 --pipeline-reuse-placement wave
+    torchrun --nproc-per-node 8 examples/megatron_gpt.py --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --pipeline-reuse 2   # and data-parallel size 2
 
 Megatron-LM flag names and meanings; the model, DDP, optimizer, gradient clipping and
 finalize step are megatron-core's own; megatron-prt supplies the layer layout, the chunks'
@@ -38,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     group.add_argument("--lr", type=float, default=1e-3)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     group.add_argument(
@@ -51,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     add_arguments(parser)
     args = parser.parse_args()
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
-    args.tensor_model_parallel_size = args.context_parallel_size = 1
+    args.context_parallel_size = 1
     try:
         args.reuse = validate_args(args)  # impossible settings stop here, before any collective
     except ConfigError as exc:
@@ -80,6 +83,7 @@ def build(args, reuse):
         masked_softmax_fusion=args.device == "cuda",
         bias_dropout_fusion=args.device == "cuda",
         persist_layer_norm=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
     if reuse is not None:
@@ -143,6 +147,7 @@ def setup_training(args, device):
 
     reuse = args.reuse
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size
         if reuse
@@ -170,12 +175,15 @@ def main() -> None:
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     forward_backward = pipeline_parallel.get_forward_backward_func()  # looked up after install
     last_rank = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()  # TP ranks share the loss
     for step in range(args.train_iters):
         start = time.perf_counter()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = data(args, microbatches, step)
+        # every data-parallel rank its own micro-batches of the step's global batch
+        dp_rank = parallel_state.get_data_parallel_rank()
+        batches = data(args, microbatches * dp, step)[dp_rank * microbatches :][:microbatches]
         losses = forward_backward(
             forward_step_func=lambda it, m: forward_step(args, device, it, m),
             data_iterator=[iter(batches) for _ in model],
@@ -185,7 +193,7 @@ def main() -> None:
             micro_batch_size=args.micro_batch_size,
         )
         _, grad_norm, _ = optimizer.step()
-        if last_rank and parallel_state.get_data_parallel_rank() == 0:
+        if last_rank and parallel_state.get_data_parallel_rank() == 0 and tp_rank == 0:
             loss = sum(float(x["lm loss"]) for x in losses) / len(losses)
             print(
                 f"iteration {step + 1}/{args.train_iters}: lm loss {loss:.6f} "

@@ -8,6 +8,8 @@ parameters find their reference.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 from functools import partial
 
 import torch
@@ -22,10 +24,10 @@ DTYPE = torch.float64
 DEVICE = torch.device("cpu")
 
 
-def setup_megatron(pp: int, vp: int | None):
+def setup_megatron(pp: int, vp: int | None, tp: int = 1):
     from megatron_prt.megatron.pretrain import init_parallel_state
 
-    init_parallel_state(pp, vp, on_cpu=DEVICE.type == "cpu")
+    init_parallel_state(pp, vp, on_cpu=DEVICE.type == "cpu", tensor=tp)
 
 
 def transformer_config(num_layers: int, dtype: torch.dtype = DTYPE, **extra):
@@ -261,3 +263,165 @@ def train(rank, world, kind, m, reuse, ref_state):
 
 
 LAYERS_TRAIN = 8
+
+
+def grad_buffer_reductions(chunks) -> tuple[list, list[int]]:
+    """(patches, counts): while the patches are entered, ``counts[i]`` counts the data-parallel
+    collectives (all-reduce or reduce-scatter) issued on gradient bucket ``i`` of ``chunks``'
+    megatron DDP buffers."""
+    import unittest.mock
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    buckets = [bucket for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]
+    counts = [0] * len(buckets)
+
+    def counting(collective):
+        def call(tensor, *args, **kwargs):
+            for i, bucket in enumerate(buckets):
+                if tensor.data_ptr() == bucket.grad_data.data_ptr():
+                    counts[i] += 1
+            return collective(tensor, *args, **kwargs)
+
+        return call
+
+    def counting_scatter(collective):  # (output, input, ...): the bucket is the input
+        def call(output, tensor, *args, **kwargs):
+            counting(lambda *a, **k: None)(tensor)
+            return collective(output, tensor, *args, **kwargs)
+
+        return call
+
+    scatter = param_and_grad_buffer.dist_reduce_scatter_func
+    patches = [
+        unittest.mock.patch.object(dist, "all_reduce", counting(dist.all_reduce)),
+        unittest.mock.patch.object(
+            param_and_grad_buffer, "dist_reduce_scatter_func", counting_scatter(scatter)
+        ),
+    ]
+    return patches, counts
+
+
+LAYERS_3D = 6
+
+
+@contextlib.contextmanager
+def _counting_recomputed_blocks(out: dict):
+    """While open, ``out["recomputed"]`` counts blocks megatron checkpoints for recompute."""
+    import unittest.mock
+
+    from megatron.core.tensor_parallel import random
+
+    forward = random.CheckpointFunction.forward
+
+    def counted(ctx, *args, **kwargs):
+        out["recomputed"] = out.get("recomputed", 0) + 1
+        return forward(ctx, *args, **kwargs)
+
+    with unittest.mock.patch.object(random.CheckpointFunction, "forward", staticmethod(counted)):
+        yield
+
+
+def parallel_train(
+    rank,
+    world,
+    kind,
+    tp,
+    m,
+    reuse=None,
+    states=None,
+    ddp=None,
+    sp=False,
+    dtype=DTYPE,
+    ckpt=None,
+    recompute=None,
+):
+    """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only)
+    on TP x PP x DP ranks: megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
+    else PRT. DP rank ``d`` trains on micro-batches ``d*m .. d*m+m-1`` of each step's
+    ``m * DP``. ``states``: initial weights by TP rank (a reference run's ``state``);
+    ``ddp``: ``DistributedDataParallelConfig`` fields. Returns this rank's TP / DP ranks,
+    initial ``state``, per-step losses (where megatron reads them), per-step reduced grads
+    and per-step counts of collectives per gradient bucket, and the final parameters.
+    ``ckpt``: ``{"steps": (first, end), "load": dir, "save": dir}`` (each optional): train
+    steps ``first .. end-1`` after loading a checkpoint, then save one. ``recompute``:
+    megatron's ``recompute_granularity`` (``full``: every layer, ``uniform`` method)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_prt.megatron import make_forward_backward_func
+    from megatron_prt.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_prt.megatron.model import transformer_config_kwargs, unwrap
+    from megatron_prt.megatron.training import build_training
+    from megatron_prt.megatron.weights import local_state
+
+    fields = dict(tensor_model_parallel_size=tp, sequence_parallel=sp)
+    if recompute is not None:
+        fields["recompute_granularity"] = recompute
+    if recompute == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=1)
+    if reuse is None:
+        setup_megatron(1, None, tp)
+        config = transformer_config(LAYERS_3D, dtype, **fields)
+        forward_backward = forward_backward_no_pipelining
+    else:
+        setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank, tp)
+        config = transformer_config(dtype=dtype, **fields, **transformer_config_kwargs(reuse))
+        forward_backward = make_forward_backward_func(reuse, timeout_s=120)
+    tp_rank, dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(7)
+    model = model_chunks(kind, config, reuse)
+    if states is not None:
+        load_global(model, states[tp_rank], is_tied(kind))
+    state = local_state(model, is_tied(kind))
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0, adam_eps=EPS,
+        params_dtype=dtype, use_distributed_optimizer=bool((ddp or {}).get(
+            "use_distributed_optimizer")),
+    )  # fmt: skip
+    ddp_config = DistributedDataParallelConfig(**{"overlap_grad_reduce": False, **(ddp or {})})
+    training = build_training(
+        model, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=reuse
+    )
+    model, optimizer = training.chunks, training.optimizer
+    ckpt = ckpt or {}
+    if ckpt.get("load"):
+        assert load_checkpoint(ckpt["load"], model, optimizer) == ckpt["steps"][0]
+    out = {"tp": tp_rank, "dp": dp_rank, "state": state, "losses": [], "grads": [], "counts": []}
+    out["sent_shapes"] = sent = set()  # output shapes of chunks that send on (not the last)
+    for chunk in model:
+        if not unwrap(chunk).post_process:
+            unwrap(chunk).register_forward_hook(lambda m, i, o: sent.add(tuple(o.shape)))
+    for step in range(*ckpt.get("steps", (0, STEPS))):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        mine = batches(m * dp, step)[dp_rank * m : (dp_rank + 1) * m]
+        patches, counts = grad_buffer_reductions(model)
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            stack.enter_context(_counting_recomputed_blocks(out))
+            store = forward_backward(
+                forward_step_func=partial(forward_step, kind, False),
+                data_iterator=[iter(mine) for _ in model],
+                model=model,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+            )
+        out["counts"].append(counts)
+        out["losses"].append([float(s["lm loss"]) for s in store])
+        out["grads"].append(grads_by_name(model, is_tied(kind)))
+        ok, _, _ = optimizer.step()
+        assert ok
+    out["params"] = params_by_name(model, is_tied(kind))
+    if ckpt.get("save"):
+        # torch_dist writes through forked writer processes; run_local's ranks are daemonic
+        # (torchrun's are not), and a daemonic process may not fork children
+        multiprocessing.current_process()._config["daemon"] = False
+        save_checkpoint(ckpt["save"], model, optimizer, ckpt["steps"][1])
+    return out

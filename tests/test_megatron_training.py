@@ -272,8 +272,9 @@ def _built(rank, world, reuse):
                 if placement.pipeline_of(stage) == 1]  # fmt: skip
     return {
         "ddp": all(isinstance(chunk, DistributedDataParallel) for chunk in chunks),
-        "no_sync": config.no_sync_func == [chunk.no_sync for chunk in chunks],
-        "grad_sync": config.grad_sync_func == [chunk.start_grad_sync for chunk in chunks],
+        # without overlap_grad_reduce finalize reduces each buffer once: no per-chunk hooks
+        "no_sync": config.no_sync_func is None,
+        "grad_sync": config.grad_sync_func is None,
         "finalize": config.finalize_model_grads_func is not None,
         "optimizer_sees_wrapped": optimized == {id(p) for c in chunks for p in c.parameters()},
         "same_config": training.config is config,

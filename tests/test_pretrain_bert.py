@@ -228,7 +228,9 @@ def test_refused_flag_exits_2_with_one_line():
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.splitlines()) == 1, done.stderr
-    assert "--tensor-model-parallel-size 2 is not supported" in done.stderr
+    # one rank cannot hold two tensor-parallel shards
+    assert "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 must " in done.stderr
+    assert "divide the number of ranks (1)" in done.stderr
 
 
 @pytest.mark.parametrize(

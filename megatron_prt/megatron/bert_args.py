@@ -111,7 +111,10 @@ def _add_training_flags(group) -> None:
 def _add_parallel_flags(group) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument(
-        "--tensor-model-parallel-size", type=int, default=1, help="only 1 is supported here"
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="megatron-core's tensor parallelism inside every pipeline stage",
     )
     group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
@@ -166,11 +169,6 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 
 def _problems(args: argparse.Namespace) -> Iterator[str]:
     """Why ``args`` cannot run, most basic first (each a one-line message with the fix)."""
-    if args.tensor_model_parallel_size != 1:
-        yield (
-            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} is not supported "
-            "by this example (megatron-prt replaces the pipeline schedule only); use 1"
-        )
     if args.bf16 and args.fp16:
         yield "--bf16 and --fp16 exclude each other; pick one"
     if (args.bf16 or args.fp16) and args.device == "cpu":
@@ -187,14 +185,19 @@ def _problems(args: argparse.Namespace) -> Iterator[str]:
 
 
 def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
-    pp = args.pipeline_model_parallel_size
-    if pp < 1 or args.world_size % pp:
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    if pp < 1 or tp < 1 or args.world_size % (pp * tp):
         yield (
-            f"--pipeline-model-parallel-size {pp} must divide the number of ranks "
-            f"({args.world_size}); the rest is data parallel"
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must "
+            f"divide the number of ranks ({args.world_size}); the rest is data parallel"
         )
         return
-    args.data_parallel_size = args.world_size // pp
+    if args.num_attention_heads % tp:
+        yield (
+            f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
+            f"--tensor-model-parallel-size {tp} (each tensor-parallel rank holds whole heads)"
+        )
+    args.data_parallel_size = args.world_size // (pp * tp)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.micro_batch_size < 1 or args.global_batch_size % per_step:
         yield (

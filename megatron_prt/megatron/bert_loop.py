@@ -161,8 +161,9 @@ def _log_start(args: argparse.Namespace, chunks: list, microbatches: int) -> Non
     counts: list = [None] * dist.get_world_size()
     dist.all_gather_object(counts, params)
     log(
-        f"schedule {_schedule_name(args.reuse)}: {args.world_size} ranks (pipeline "
-        f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}), "
+        f"schedule {_schedule_name(args.reuse)}: {args.world_size} ranks (tensor "
+        f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size} "
+        f"x data {args.data_parallel_size}), "
         f"{len(chunks)} chunk(s) per rank, {microbatches} micro-batches per iteration; "
         f"parameters per rank {counts}"
     )

@@ -57,6 +57,7 @@ def _init_model_parallel(args: argparse.Namespace) -> None:
     from .model import embedding_ranks
 
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size
         if args.reuse
@@ -80,12 +81,14 @@ def set_random_seed(seed: int) -> None:
 
 
 def is_logging_rank() -> bool:
-    """Pipeline rank P-1 of data-parallel replica 0: where megatron reads the losses."""
+    """Pipeline rank P-1 of data-parallel replica 0 and tensor-parallel rank 0: where megatron
+    reads the losses (every TP rank holds the same)."""
     from megatron.core import parallel_state
 
     return (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_tensor_model_parallel_rank() == 0
     )
 
 
@@ -96,8 +99,13 @@ def log(message: str) -> None:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Megatron-LM pads the vocab to a multiple of ``--make-vocab-size-divisible-by`` (x TP)."""
-    return math.ceil(vocab_size / divisible_by) * divisible_by
+    """Megatron-LM pads the vocab to a multiple of ``--make-vocab-size-divisible-by`` x the
+    tensor-parallel size (every TP rank holds an equal slice of the embedding). Needs
+    megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    multiple = divisible_by * parallel_state.get_tensor_model_parallel_world_size()
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -144,6 +152,7 @@ def transformer_config(args: argparse.Namespace):
         masked_softmax_fusion=cuda and _has_fused_softmax(),
         bias_dropout_fusion=cuda,
         persist_layer_norm=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
     if args.reuse is not None:

@@ -8,10 +8,17 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
 * ``transformer.utils.get_default_causal_mask`` builds its mask with ``device="cuda"``.
 * the model-parallel RNG tracker forks CUDA generator states: a CPU tracker forks the CPU
   generator instead, with the same add / fork / reset / get_states contract.
+  Activation recomputation's save / restore of the "CUDA" generator state
+  (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) reads and sets
+  the CPU generator.
 * the module attribute ``torch`` of ``core.utils`` (``local_multi_tensor_l2_norm``),
   ``distributed.param_and_grad_buffer`` (DDP's grad buffers),
   ``pipeline_parallel.schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (loss
-  scale tensors) and ``optimizer.clip_grads`` (grad norm, zero count) becomes a proxy of
+  scale tensors), ``optimizer.clip_grads`` (grad norm, zero count),
+  ``optimizer.distrib_optimizer`` (state buffers), ``tensor_parallel.mappings`` and
+  ``tensor_parallel.layers`` (sequence-parallel gather / reduce-scatter buffers) and
+  ``dist_checkpointing.strategies.filesystem_async`` / ``state_dict_saver`` (the torch_dist
+  writer's synchronize and device) becomes a proxy of
   torch whose tensor factories turn ``device="cuda"`` into CPU and whose ``torch.cuda``
   answers ``current_device()`` with ``"cpu"``, makes ``synchronize()`` a no-op and gives
   streams that never wait. The real ``torch`` and ``torch.cuda`` modules are left alone;
@@ -20,15 +27,27 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
   which imports the name) asserts ``torch.cuda.FloatTensor`` grads: a CPU version with the
   same contract (every grad present is scaled; the shared / tensor-parallel-duplicate filter
   belongs to the norm, which stays megatron's) checks for fp32 instead.
+* the distributed optimizer's constructor sorts parameters by CUDA type names
+  (``torch.cuda.FloatTensor``): while it runs, CPU tensors answer ``type()`` with those.
+* torch's LayerNorm (the local spec's norm without apex) refuses ``sequence_parallel``: it
+  is built as without and its parameters marked ``sequence_parallel`` as apex marks them.
 * ``torch.Tensor.cuda`` returns the tensor itself (process-wide): megatron's tied-embedding
   set-up calls it in ``LanguageModule.setup_embeddings_and_output_layer``.
 
-Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; tensor and
-context parallel sizes of 1; DDP without ``overlap_grad_reduce`` (CUDA streams) and without
-the distributed optimizer; fp32 only (no fp16 / bf16 optimizer); megatron's own pipelined
-schedules are not covered (their p2p still calls CUDA; megatron-prt's schedule replaces
-them). Anything else that needs CUDA still fails loudly. Never call this in a CUDA process:
-it changes module attributes for the whole process.
+Tensor parallelism needs nothing more: megatron-core's column / row / vocab-parallel layers
+and its vocab-parallel cross entropy run on gloo (all-reduce, all-gather), and the tracker
+above gives each TP rank its ``model-parallel-rng`` state. Data parallelism is megatron's DDP
+(one gradient all-reduce per buffer and iteration, in ``finalize_model_grads``).
+``tests/test_megatron_3d.py`` checks TP x PP x DP training (with the distributed optimizer
+and sequence parallelism too) against megatron's no-pipelining schedule.
+
+Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; context
+parallel size 1; fp32 / fp64 only (no fp16 / bf16 optimizer; the distributed optimizer and
+gradient clipping in fp32 only, as megatron's); megatron's own pipelined schedules are not
+covered (their p2p still calls CUDA; megatron-prt's schedule replaces them). Anything else
+that needs CUDA still fails loudly. Never call this in a CUDA process: it changes module
+attributes for the whole process. ``overlap_grad_reduce`` runs on gloo's asynchronous
+all-reduce.
 """
 
 from __future__ import annotations
@@ -37,7 +56,7 @@ import contextlib
 import functools
 import importlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -50,6 +69,11 @@ _PROXIED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 _FACTORIES = (
     "arange", "as_tensor", "empty", "empty_like", "full", "full_like", "ones", "ones_like",
@@ -64,9 +88,10 @@ def enable() -> None:
         return
     from megatron.core import utils
     from megatron.core.fusions import fused_softmax
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer import utils as transformer_utils
 
     utils.GlobalMemoryBuffer.get_tensor = _get_tensor
@@ -82,6 +107,8 @@ def enable() -> None:
     # optimizer.py bound the name at import, so both modules need the CPU version.
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _sort_cpu_params_as_cuda(distrib_optimizer.DistributedOptimizer)
+    _allow_sequence_parallel_torch_norm(torch_norm.WrappedTorchNorm)
     _ENABLED = True
 
 
@@ -96,6 +123,84 @@ def _install_rng_tracker(random) -> None:
 
     initialize_rng_tracker.original = original_init  # type: ignore[attr-defined]
     random.initialize_rng_tracker = initialize_rng_tracker
+    # Activation recomputation saves and restores the "CUDA" generator around each
+    # recomputed block; on CPU that generator is the CPU one the tracker forks.
+    random._get_cuda_rng_state = _get_cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _get_cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cpu_params_named_as_cuda() -> Iterator[None]:
+    """While open, ``Tensor.type()`` names a CPU fp32 / fp16 / bf16 tensor as its CUDA type."""
+    own = "type" in vars(torch.Tensor)
+    original = torch.Tensor.type
+
+    def type_name(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.type = original
+        else:
+            del torch.Tensor.type
+
+
+def _allow_sequence_parallel_torch_norm(norm_class) -> None:
+    """torch's LayerNorm (the local spec's norm without apex) refuses ``sequence_parallel``;
+    a norm is per token, so on a sequence shard it computes what it computes on the whole
+    sequence. Built as for ``sequence_parallel`` off, its parameters are then marked
+    ``sequence_parallel`` as apex's ``FusedLayerNorm`` marks them, so megatron's
+    ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group."""
+    new = norm_class.__new__
+
+    @functools.wraps(new)
+    def build(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = new(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    norm_class.__new__ = build
+
+
+def _sort_cpu_params_as_cuda(optimizer_class) -> None:
+    """The distributed optimizer's constructor sorts parameters into fp32 / 16-bit groups by
+    ``param.type()`` and refuses any but CUDA type names: it sees CPU parameters under their
+    CUDA names (nothing else changes, and only while it runs)."""
+    init = optimizer_class.__init__
+
+    @functools.wraps(init)
+    def init_on_cpu(self, *args, **kwargs):
+        with _cpu_params_named_as_cuda():
+            init(self, *args, **kwargs)
+
+    optimizer_class.__init__ = init_on_cpu
 
 
 def _cpu_device(device):

@@ -138,17 +138,26 @@ def build_chunks(provider: Callable, reuse: ReuseConfig | None, **kwargs) -> lis
 
 
 def connect_model_hooks(config, chunks: list) -> None:
-    """The config hooks megatron's training loop sets for DDP-wrapped ``chunks``: gradient
-    reduction held back per chunk until its last backward (``no_sync_func`` /
-    ``grad_sync_func``; for one chunk the callables themselves, megatron's convention) and
-    ``finalize_model_grads`` at the end."""
+    """The config hooks for DDP-wrapped ``chunks``: ``finalize_model_grads`` at the end and,
+    only with ``overlap_grad_reduce``, gradient reduction held back per chunk until its last
+    backward (``no_sync_func``; for one chunk the callable itself, megatron's convention).
+    ``grad_sync_func`` stays unset: each gradient buffer is reduced once per iteration.
+
+    Without overlap, megatron's ``finish_grad_sync`` (called by ``finalize_model_grads``)
+    starts and finishes the reduction itself. With overlap, DDP's gradient hooks start each
+    bucket's reduction as its last gradient arrives (once the chunk's ``no_sync`` is
+    released) and ``finish_grad_sync`` waits for it (or, in the first iteration, starts it);
+    an explicit ``start_grad_sync`` after the chunk's last backward would reduce a buffer a
+    second time (megatron asserts against it)."""
     from megatron.core.distributed import finalize_model_grads
 
-    config.no_sync_func = [chunk.no_sync for chunk in chunks]
-    config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
-    if len(chunks) == 1:
-        config.no_sync_func, config.grad_sync_func = chunks[0].no_sync, chunks[0].start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = config.grad_sync_func = None
+    if not all(chunk.ddp_config.overlap_grad_reduce for chunk in chunks):
+        return
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    if len(chunks) == 1:
+        config.no_sync_func = chunks[0].no_sync
 
 
 def transformer_config_kwargs(reuse: ReuseConfig) -> dict:

@@ -23,10 +23,15 @@ SEED = 1234
 
 
 def init_parallel_state(
-    ranks: int, virtual: int | None = None, seed: int = SEED, on_cpu: bool = True
+    ranks: int,
+    virtual: int | None = None,
+    seed: int = SEED,
+    on_cpu: bool = True,
+    tensor: int = 1,
 ) -> None:
     """megatron's parallel state for ``ranks`` pipeline ranks of ``virtual`` chunks each
-    (``None``: one), with megatron-prt's embedding group
+    (``None``: one) and ``tensor`` tensor-parallel ranks (the data-parallel size is what
+    the world size leaves), with megatron-prt's embedding group
     (:func:`megatron_prt.megatron.embedding_ranks`) and, ``on_cpu``, the CPU shim
     (:mod:`megatron_prt.megatron.cpu`); seeds megatron's RNG tracker with ``seed``.
     Collective."""
@@ -41,6 +46,7 @@ def init_parallel_state(
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=ranks,
         virtual_pipeline_model_parallel_size=virtual,
         get_embedding_ranks=embedding_ranks,

@@ -51,10 +51,13 @@ def build_training(
     (its ``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func`` and, with fp16,
     ``grad_scale_func`` are set here); ``optimizer_config``: megatron-core's
     ``OptimizerConfig``; ``ddp_config``: its ``DistributedDataParallelConfig`` (default: no
-    overlapped gradient reduction, as megatron-prt's schedule reduces each chunk's gradients
-    after its last backward); ``reuse``: the PRT configuration, ``None`` for megatron's own
-    schedule (nothing to prepare). Collective over the pipeline group when ``reuse`` is given
-    (``prepare_model`` exchanges replica and tied weights)."""
+    overlapped gradient reduction: ``finalize_model_grads`` reduces each gradient buffer once
+    after the schedule; with ``overlap_grad_reduce`` DDP's hooks start it during each chunk's
+    last backward: refused for PRT models with tied embeddings or ``bi`` replicas, whose sums
+    run after the schedule, on buffers that would then be in flight); ``reuse``: the PRT
+    configuration, ``None`` for megatron's own schedule (nothing to prepare). Collective over
+    the pipeline group when ``reuse`` is given (``prepare_model`` exchanges replica and tied
+    weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -62,6 +65,8 @@ def build_training(
 
     if ddp_config is None:
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    if reuse is not None and ddp_config.overlap_grad_reduce:
+        _check_overlap(chunks, reuse)
     wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     if reuse is not None:
         prepare_model(wrapped, reuse)  # bi replicas, tied output weight copies
@@ -70,3 +75,19 @@ def build_training(
     if optimizer_config.fp16:
         config.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling
     return Training(chunks=wrapped, optimizer=optimizer, config=config)
+
+
+def _check_overlap(chunks: list, reuse: ReuseConfig) -> None:
+    """``overlap_grad_reduce`` starts each bucket's data-parallel reduction inside the
+    schedule; tied embedding and ``bi`` replica gradients are summed after it."""
+    from .model import unwrap
+
+    tied = any(getattr(unwrap(c), "share_embeddings_and_output_weights", False) for c in chunks)
+    if tied or reuse.placement.direction == "bi":
+        what = "tied embeddings" if tied else "--pipeline-reuse-direction bi"
+        raise ValueError(
+            f"overlap_grad_reduce (--overlap-grad-reduce) with {what} under PRT: their "
+            "gradient sums run after the schedule, while the overlapped data-parallel "
+            "reduction is in flight; set overlap_grad_reduce=False (or untie the embeddings "
+            "and use uni)"
+        )

@@ -1,0 +1,61 @@
+"""Checkpoints of PRT model chunks and their megatron-core optimizer through
+``megatron.core.dist_checkpointing`` (``torch_dist`` format), resumable under another layout.
+
+Each chunk's ``sharded_state_dict`` names its tensors by their place in the whole model: layer
+keys carry global layer numbers (the PRT layer layout gives every chunk its layers' global
+offsets), tensor-parallel shards carry their global offsets, and ``bi`` replica chunks and
+tied output weights are non-main replicas (:func:`~megatron_prt.megatron.model.prepare_model`),
+so every tensor is written once. A checkpoint is therefore one set of tensors of the
+unpipelined model: any layout can load it (another R, placement, direction, pipeline size,
+tensor-parallel size or data-parallel size), with the optimizer state alongside.
+
+Both functions are collective over every rank of the job.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .model import unwrap
+
+# The distributed optimizer's format that loads under any other TP / PP / DP layout.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
+    state = {f"chunk{c}": unwrap(chunk).sharded_state_dict() for c, chunk in enumerate(chunks)}
+    if optimizer is not None:  # maps its parameters to the model's sharded tensors
+        state["optimizer"] = optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
+    return state
+
+
+def save_checkpoint(directory: str, chunks: list, optimizer=None, iteration: int = 0) -> None:
+    """Write ``chunks`` (this rank's model chunks, DDP-wrapped or not) and ``optimizer``
+    (megatron-core's, or ``None``) to ``directory`` (created; must hold no checkpoint) with
+    ``iteration``. Collective."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    state = _sharded_state(chunks, optimizer, is_loading=False)
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, directory, sharded_strategy=("torch_dist", 1))
+
+
+def load_checkpoint(directory: str, chunks: list, optimizer=None) -> int:
+    """Load a :func:`save_checkpoint` directory into ``chunks`` and ``optimizer`` built under
+    any layout of the same model (see the module docstring); returns the saved iteration.
+    Raises ``FileNotFoundError`` naming ``directory`` when it holds no checkpoint. Collective."""
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.check_is_distributed_checkpoint(directory):
+        raise FileNotFoundError(
+            f"{directory} holds no torch_dist checkpoint (written by save_checkpoint)"
+        )
+    state = dist_checkpointing.load(_sharded_state(chunks, optimizer, True), directory)
+    for c, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(state[f"chunk{c}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return int(state["iteration"])
