@@ -51,6 +51,7 @@ from .tables import (
     paper_table,
     sensitivity_table,
 )
+from .zb import balanced_split_jobs, keep_non_split, split_jobs, split_section
 
 
 def cpu_seconds() -> float:
@@ -59,7 +60,11 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) -> str:
+def report(
+    argv: Sequence[str], s: Settings, results: Results, wall_s: float, split: Results
+) -> str:
+    """The markdown report; ``split`` holds ``results`` and the split-backward and torch rows
+    (:mod:`.zb`), which only their own section reads."""
     link = LINKS[MAIN_LINK]
     lines = [
         "# PRT at the paper's scale (simulated): BERT and ResNet on 8 GPUs",
@@ -67,7 +72,7 @@ def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) ->
         f"Command: `{' '.join(['python benchmarks/paper_scale.py', *argv])}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; wall time {wall_s:.0f} s (CPU {cpu_seconds():.0f} s) "
-        f"for {len(results)} simulated iterations. No GPU was used: every number below is "
+        f"for {len(split)} simulated iterations. No GPU was used: every number below is "
         "a simulator prediction from the cost model described under Assumptions.",
         "",
         *summary(results, s),
@@ -113,6 +118,7 @@ def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) ->
         *candidates_table(results, s.names, MAIN_LINK, s.microbatches, s.reuses),
         "",
         *h200_section(results, s),
+        *split_section(split, s),
         *assumptions(s),
         "",
     ]
@@ -136,6 +142,11 @@ def parse_args(argv: Sequence[str]):
         default=REUSES,
         help="R values PRT may use, comma-separated (default 2,4)",
     )
+    p.add_argument(
+        "--no-split",
+        action="store_true",
+        help="leave out the split-backward and torch rows (their section)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     return p.parse_args(argv)
 
@@ -145,9 +156,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     s = settings_of(args)
-    results = keep_faster_split(Results(run_all(all_jobs(s), args.jobs)))
-    text = report(argv, s, results, time.perf_counter() - started)
+    jobs = all_jobs(s)
+    results = keep_faster_split(Results(run_all(jobs, args.jobs)))
+    split = Results(results)
+    if not args.no_split:
+        extra = split_jobs(jobs, s) + balanced_split_jobs(results, s)
+        split = keep_non_split(Results({**results, **run_all(extra, args.jobs)}))
+    text = report(argv, s, results, time.perf_counter() - started, split)
     out = args.out or (None if args.quick else DEFAULT_OUT)
+    if out and os.path.isdir(out):  # --out docs/benchmarks: the report's usual name there
+        out = os.path.join(out, os.path.basename(DEFAULT_OUT))
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
