@@ -2,7 +2,7 @@
 
     python benchmarks/paper_scale.py                  # writes out/bench/paper_scale.md
     python benchmarks/paper_scale.py --quick          # m=8 only, no extras; prints the report
-    python benchmarks/paper_scale.py --out docs/benchmarks/paper_scale.md  # the committed one
+    python benchmarks/paper_scale.py --out docs/benchmarks  # the committed one
 
 No GPU is used. The costs come from the analytic cost source
 (:mod:`megatron_prt.sim.analytic`: FLOP and byte counts of each unit, V100 peak figures times
@@ -16,7 +16,10 @@ stages, and the faster is kept (:func:`.jobs.candidate_plans`). Every figure and
 used is stated in the report (:func:`.prose.assumptions`), and every number its summary
 quotes is computed from the simulations (:func:`.prose.summary`). The section on BERT costs
 profiled on an H200 also times 1F1B and PRT uni on the partitioner's fastest layer split
-(:func:`.jobs.balanced_cost`).
+(:func:`.jobs.balanced_cost`). The last section (:mod:`.zb`, ``--no-split`` leaves it out)
+times split-backward plans (ZB-H1, PRT with split backward) and torch's own schedules under
+the same costs, on the main links at the main table's m; it reads the other rows, which it
+does not change.
 """
 
 from __future__ import annotations
