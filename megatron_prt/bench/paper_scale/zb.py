@@ -154,7 +154,7 @@ def best_zb(summary: dict[str, Outcome]) -> Outcome:
 
 def _row(o: Outcome, one_f_one_b: float) -> tuple:
     v = o.job.variant
-    label = v.label if v.role in ("baseline", "zb", "peer") else f"PRT {v.label}"
+    label = v.label if v.role in ("baseline", "zb", "peer") else f"non-split PRT {v.label}"
     if v.role == "zb" and v.label != "ZB-H1":
         label = f"PRT {label}"
     if not math.isfinite(o.ms):
@@ -315,7 +315,8 @@ def split_section(results: Results, s: Settings) -> list[str]:
         "rows are torch.distributed.pipelining's own orders read into our plan IR "
         "(`megatron_prt.runtime.peers`) and simulated under the same costs; torch refuses "
         "some configurations (n/a, with its reason). *Busiest rank compute ÷ iteration*: "
-        "1.0 = no bubble on the busiest rank.",
+        "1.0 = no bubble on the busiest rank. *non-split PRT*: the fastest PRT row of the "
+        "tables above, for comparison.",
         "",
         f"### Per model and m (`{MAIN_LINK}`)",
         "",
