@@ -2,7 +2,7 @@
 
     python benchmarks/paper_scale.py                  # writes out/bench/paper_scale.md
     python benchmarks/paper_scale.py --quick          # m=8 only, no extras; prints the report
-    python benchmarks/paper_scale.py --out docs/benchmarks/paper_scale.md  # the committed one
+    python benchmarks/paper_scale.py --out docs/benchmarks  # the committed one
 
 The code is :mod:`megatron_prt.bench.paper_scale` (costs: :mod:`megatron_prt.sim.analytic`).
 """

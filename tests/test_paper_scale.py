@@ -7,7 +7,9 @@ business, not a test's)."""
 import pytest
 
 from megatron_prt.bench import paper_scale
-from megatron_prt.bench.paper_scale import jobs, profiles, prose
+from megatron_prt.bench.paper_scale import jobs, profiles, prose, zb
+from megatron_prt.bench.paper_scale.split import TORCH
+from megatron_prt.runtime import peers
 from megatron_prt.sim import analytic
 from megatron_prt.tune import partition
 
@@ -258,3 +260,93 @@ def test_analytic_costs_are_a_cost_file(name):
     assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
     assert cost.stage_layers == partition.uniform_layers(len(model.layers), placement.depth)
     assert cost.message_bytes > 0 and cost.p2p_bandwidth == 25e9 / 1e3  # bytes per ms
+
+
+# -- split backward (zero bubble) and torch's schedules -------------------------------------------
+@pytest.fixture(scope="module")
+def split_rows():
+    """BERT-base on NVLink at m = 8, R = 2: every non-split row, every split-backward and
+    torch row (raw, and after :func:`zb.keep_non_split`)."""
+    s = jobs.Settings(("BERT-base",), (8,), (8,), (2,), (), 8, h200_names=(), h200_links=())
+    base = [jobs.Job("BERT-base", jobs.MAIN_LINK, 8, v) for v in jobs.all_variants(s.reuses)]
+    plain = jobs.Results(jobs.run_all(base, 1))
+    raw = jobs.Results({**plain, **jobs.run_all(zb.split_jobs(base, s), 1)})
+    return s, raw, zb.keep_non_split(raw)
+
+
+def _role(results, role):
+    return [o for j, o in results.items() if j.variant.role == role]
+
+
+def test_split_rows_exist_for_every_placement_and_torch_schedule(split_rows):
+    _, raw, _ = split_rows
+    labels = {o.job.variant.label for o in _role(raw, "zb")}
+    assert labels == {"ZB-H1", "ZB bi R=1"} | {
+        f"ZB R=2 {pl}/{d}" for pl in ("loop", "wave") for d in ("uni", "bi")
+    }
+    torch_rows = {o.job.variant.schedule for o in _role(raw, "peer")}
+    assert torch_rows == {TORCH + p.name for p in peers.PEERS}
+
+
+def test_split_row_is_never_slower_than_the_non_split_row_of_its_placement(split_rows):
+    _, raw, kept = split_rows
+    for o in _role(kept, "zb"):
+        same = [
+            x
+            for x in kept.values()
+            if x.job.variant.role in ("prt", "baseline", "reference")
+            and x.job.variant.placement == o.job.variant.placement
+        ]
+        assert same and o.ms <= min(x.ms for x in same)
+        assert o.ms <= raw[o.job].ms  # only ever replaced by a faster order
+
+
+def test_zb_h1_beats_1f1b_under_its_memory(split_rows):
+    """ZB-H1 fills 1F1B's bubbles with W under 1F1B's activation cap: faster, no more memory."""
+    _, raw, _ = split_rows
+    first = next(o for o in raw.values() if o.job.variant.label == "1F1B")
+    h1 = next(o for o in raw.values() if o.job.variant.label == "ZB-H1")
+    assert h1.plan == "split backward"
+    assert h1.ms < first.ms and h1.busiest > first.busiest
+    assert h1.peak_gib <= first.peak_gib * (1 + 1e-9)
+
+
+def test_torch_1f1b_row_equals_ours(split_rows):
+    _, raw, _ = split_rows
+    ours = next(o for o in raw.values() if o.job.variant.label == "1F1B")
+    torch_1f1b = next(o for o in raw.values() if o.job.variant.label == "torch 1F1B")
+    assert torch_1f1b.ms == pytest.approx(ours.ms, rel=1e-12)
+    assert torch_1f1b.peak_gib == pytest.approx(ours.peak_gib, rel=1e-12)
+
+
+def test_busiest_rank_share_is_between_mean_share_and_one(split_rows):
+    _, raw, _ = split_rows
+    for o in raw.values():
+        if o.plan.startswith("refused"):
+            assert "torch" in o.plan and o.ms == float("inf")
+            continue
+        assert 1 - o.bubble - 1e-9 <= o.busiest <= 1 + 1e-9
+
+
+def test_only_split_rows_get_the_wgrad_fraction():
+    """The W share is set for split-backward and torch rows only: the other rows' costs (and
+    numbers) are what they were."""
+    for variant in (*jobs.all_variants((2,)), *zb.zb_variants((2,)), *zb.torch_variants((2,))):
+        cost = jobs.job_cost(jobs.Job("BERT-large", jobs.MAIN_LINK, 8, variant))
+        split_row = variant.role in jobs.SPLIT_ROLES
+        assert cost.wgrad_fraction == (jobs.WGRAD_FRACTION if split_row else None)
+
+
+def test_split_section_rows(split_rows):
+    s, _, kept = split_rows
+    text = "\n".join(zb.split_section(kept, s))
+    assert "| BERT-base | 8 | ZB-H1 | " in text
+    assert "| BERT-base | 8 | torch ZB1P R=2 | " in text
+    assert "| BERT-base | nvlink | 8 | " in text  # the summary over models and m
+
+
+def test_quick_report_has_the_split_section(quick_report):
+    assert "## Split backward (zero bubble) and torch's schedules" in quick_report
+    for name in (*analytic.models(), *profiles.PROFILES):
+        assert f"| {name} | 8 | ZB-H1 | " in quick_report
+        assert f"| {name} | 8 | torch 1F1B | " in quick_report

@@ -2,7 +2,7 @@
 
     python benchmarks/paper_scale.py                  # writes out/bench/paper_scale.md
     python benchmarks/paper_scale.py --quick          # m=8 only, no extras; prints the report
-    python benchmarks/paper_scale.py --out docs/benchmarks/paper_scale.md  # the committed one
+    python benchmarks/paper_scale.py --out docs/benchmarks  # the committed one
 
 No GPU is used. The costs come from the analytic cost source
 (:mod:`megatron_prt.sim.analytic`: FLOP and byte counts of each unit, V100 peak figures times
@@ -16,7 +16,10 @@ stages, and the faster is kept (:func:`.jobs.candidate_plans`). Every figure and
 used is stated in the report (:func:`.prose.assumptions`), and every number its summary
 quotes is computed from the simulations (:func:`.prose.summary`). The section on BERT costs
 profiled on an H200 also times 1F1B and PRT uni on the partitioner's fastest layer split
-(:func:`.jobs.balanced_cost`).
+(:func:`.jobs.balanced_cost`). The last section (:mod:`.zb`, ``--no-split`` leaves it out)
+times split-backward plans (ZB-H1, PRT with split backward) and torch's own schedules under
+the same costs, on the main links at the main table's m; it reads the other rows, which it
+does not change.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from .tables import (
     paper_table,
     sensitivity_table,
 )
+from .zb import balanced_split_jobs, keep_non_split, split_jobs, split_section
 
 
 def cpu_seconds() -> float:
@@ -59,7 +63,11 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) -> str:
+def report(
+    argv: Sequence[str], s: Settings, results: Results, wall_s: float, split: Results
+) -> str:
+    """The markdown report; ``split`` holds ``results`` and the split-backward and torch rows
+    (:mod:`.zb`), which only their own section reads."""
     link = LINKS[MAIN_LINK]
     lines = [
         "# PRT at the paper's scale (simulated): BERT and ResNet on 8 GPUs",
@@ -67,7 +75,7 @@ def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) ->
         f"Command: `{' '.join(['python benchmarks/paper_scale.py', *argv])}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; wall time {wall_s:.0f} s (CPU {cpu_seconds():.0f} s) "
-        f"for {len(results)} simulated iterations. No GPU was used: every number below is "
+        f"for {len(split)} simulated iterations. No GPU was used: every number below is "
         "a simulator prediction from the cost model described under Assumptions.",
         "",
         *summary(results, s),
@@ -113,6 +121,7 @@ def report(argv: Sequence[str], s: Settings, results: Results, wall_s: float) ->
         *candidates_table(results, s.names, MAIN_LINK, s.microbatches, s.reuses),
         "",
         *h200_section(results, s),
+        *split_section(split, s),
         *assumptions(s),
         "",
     ]
@@ -136,6 +145,11 @@ def parse_args(argv: Sequence[str]):
         default=REUSES,
         help="R values PRT may use, comma-separated (default 2,4)",
     )
+    p.add_argument(
+        "--no-split",
+        action="store_true",
+        help="leave out the split-backward and torch rows (their section)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     return p.parse_args(argv)
 
@@ -145,9 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     s = settings_of(args)
-    results = keep_faster_split(Results(run_all(all_jobs(s), args.jobs)))
-    text = report(argv, s, results, time.perf_counter() - started)
+    jobs = all_jobs(s)
+    results = keep_faster_split(Results(run_all(jobs, args.jobs)))
+    split = Results(results)
+    if not args.no_split:
+        extra = split_jobs(jobs, s) + balanced_split_jobs(results, s)
+        split = keep_non_split(Results({**results, **run_all(extra, args.jobs)}))
+    text = report(argv, s, results, time.perf_counter() - started, split)
     out = args.out or (None if args.quick else DEFAULT_OUT)
+    if out and os.path.isdir(out):  # --out docs/benchmarks: the report's usual name there
+        out = os.path.join(out, os.path.basename(DEFAULT_OUT))
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:

@@ -11,6 +11,7 @@ from functools import cache
 from itertools import pairwise
 
 from ...core import Placement, build_plan
+from ...core.placement import ConfigError
 from ...core.plan import Plan
 from ...sim.analytic import GIB, H200_LINKS, H200_MEMORY, LINKS, cost_model, models
 from ...sim.cost import CostModel
@@ -19,6 +20,7 @@ from ...tune.partition import (
     partition,
 )
 from .profiles import PROFILES, profiled_cost
+from .split import split_plans
 
 RANKS = 8  # the paper used 8 GPUs; we put all of them in one pipeline
 DEFAULT_OUT = "out/bench/paper_scale.md"
@@ -92,6 +94,7 @@ class Job:
     variant: Variant
     replica_sum: bool = False
     partition: str = "even"
+    stage_layers: tuple[int, ...] = ()  # given split (split-backward rows on a balanced one)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class Outcome:
     replica_ms: float = 0.0
     stage_layers: tuple[int, ...] = ()
     search: str = ""
+    busiest: float = 0.0  # the busiest rank's compute over the makespan (1.0: no bubble)
 
 
 @cache
@@ -127,12 +131,32 @@ def runtime_plan(placement: Placement, microbatches: int) -> Plan:
 
 
 def job_cost(job: Job) -> CostModel:
+    """The job's costs; split-backward jobs (:data:`SPLIT_ROLES`) also give W's share of
+    every backward, :data:`WGRAD_FRACTION`, and a job's own ``stage_layers`` replace the
+    even split."""
+    cost = _model_cost(job)
+    if job.variant.role in SPLIT_ROLES:
+        cost = replace(cost, wgrad_fraction=WGRAD_FRACTION)
+    if job.stage_layers:
+        cost = replace(cost, stage_layers=job.stage_layers)
+    return cost
+
+
+def _model_cost(job: Job) -> CostModel:
     if job.model == IDEAL:
         return CostModel()
     if job.model in PROFILES:
         link = LINKS[job.link]
         return profiled_cost(job.model, job.variant.placement, link, job.replica_sum)
     return cost_model(models()[job.model], job.variant.placement, LINKS[job.link])
+
+
+# W's share of backward in the split-backward rows. The FLOP model prices a backward as twice
+# its forward: one GEMM of the forward's FLOPs for the input gradient, one for the weight
+# gradient, so W is half (attention's score products have no weights, which this ignores);
+# the H200 profiles time backward whole, and take the same half.
+WGRAD_FRACTION = 0.5
+SPLIT_ROLES = ("zb", "peer")
 
 
 def rank_loads(cost: CostModel, placement: Placement) -> list[float]:
@@ -150,6 +174,8 @@ def candidate_plans(job: Job, cost: CostModel) -> list[tuple[str, Plan]]:
     greedy choices can cascade into a worse order), so its plan for uniform stages, the one
     the runtime executes by default, is timed too and the faster one kept."""
     placement, m = job.variant.placement, job.microbatches
+    if job.variant.role in SPLIT_ROLES:
+        return split_plans(placement, m, job.variant.schedule, cost)
     if job.variant.schedule != "prt":
         return [("textbook", build_plan(placement, m, job.variant.schedule))]
     plans = [("cost-aware", build_plan(placement, m, "prt", cost.stage_times(placement)))]
@@ -179,9 +205,12 @@ def run_job(job: Job) -> list[tuple[Job, Outcome]]:
     """The job's outcome; a bi job that pays the replica-gradient sum also gives the same
     job without it, from the same plans (the sum changes no stage time, so no plan)."""
     cost, search = job_cost(job), ""
-    if job.partition == "balanced":
+    if job.partition == "balanced" and not job.stage_layers:
         cost, search = balanced_cost(job, cost)
-    plans = candidate_plans(job, cost)
+    try:
+        plans = candidate_plans(job, cost)
+    except ConfigError as exc:  # torch refuses the configuration
+        return [(job, refused(job, str(exc)))]
     out = [(job, best_outcome(job, cost, plans, search))]
     free = cost.without_replica_sync()
     if job.variant.direction == "bi" and free != cost:
@@ -210,6 +239,15 @@ def best_outcome(
         result.replica_sync_time,
         cost.layer_counts(job.variant.placement.depth) if cost.layers else (),
         search,
+        max(r.busy for r in result.per_rank) / result.makespan,
+    )
+
+
+def refused(job: Job, why: str) -> Outcome:
+    """A torch schedule torch refuses for the job's configuration: no time (``inf``),
+    ``plan`` says why."""
+    return Outcome(
+        job, math.inf, math.nan, math.nan, math.nan, math.nan, 0, f"refused: {why}", math.inf
     )
 
 
@@ -221,6 +259,8 @@ def job_weight(job: Job) -> float:
     placement = job.variant.placement
     size = placement.depth * job.microbatches
     weight = 3.0 * size if job.variant.schedule == "prt" else 0.1 * size
+    if job.variant.schedule == "zb":  # a portfolio of list schedules with memory caps
+        weight = 8.0 * size
     return weight + (5.0 * size if job.partition == "balanced" else 0.0)
 
 
