@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node N scripts/gpu_megatron_parity.py [--full]
     torchrun --standalone --nproc-per-node 2 scripts/gpu_megatron_parity.py --backend gloo
 
-For every configuration of tests/test_megatron_parity.py with P = N (the CI subset, or with
+For every configuration of tests/megatron/test_megatron_parity.py with P = N (the CI subset, or with
 ``--full`` the whole grid), each rank builds megatron's GPTModel / BertModel chunks for its
 stages on its GPU (rank i on GPU i mod the GPU count), runs one PRT iteration through
 megatron_prt.megatron's forward-backward function and compares its losses (rank P-1) and
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests" / "megatron"))
 import megatron_models
 from megatron_models import reference, run_prt
 from test_megatron_parity import GRID, LAYERS, SUBSET, M, _reuse

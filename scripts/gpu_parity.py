@@ -4,7 +4,7 @@ processes sharing GPUs over gloo.
     torchrun --standalone --nproc-per-node N scripts/gpu_parity.py [--full]
     torchrun --standalone --nproc-per-node 4 scripts/gpu_parity.py --backend gloo  # 1 GPU
 
-Every rank runs each configuration of tests/test_runtime_parity.py's grid for P = N on its
+Every rank runs each configuration of tests/runtime/test_runtime_parity.py's grid for P = N on its
 GPU (rank i on GPU i mod the GPU count) and compares losses, gradients and parameters after
 three SGD steps with the non-pipelined reference computed on the CPU (float64, 1e-10
 relative). NCCL refuses two ranks on one GPU; with ``--backend gloo`` activations and
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests" / "runtime"))
 from parity_models import reference
 from test_runtime_parity import STEPS, TOL, _check_config, grid
 

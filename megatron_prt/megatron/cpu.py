@@ -38,7 +38,7 @@ Tensor parallelism needs nothing more: megatron-core's column / row / vocab-para
 and its vocab-parallel cross entropy run on gloo (all-reduce, all-gather), and the tracker
 above gives each TP rank its ``model-parallel-rng`` state. Data parallelism is megatron's DDP
 (one gradient all-reduce per buffer and iteration, in ``finalize_model_grads``).
-``tests/test_megatron_3d.py`` checks TP x PP x DP training (with the distributed optimizer
+``tests/megatron/test_megatron_3d.py`` checks TP x PP x DP training (with the distributed optimizer
 and sequence parallelism too) against megatron's no-pipelining schedule.
 
 Limits: local (non-Transformer-Engine) specs only, no TE / apex, no fused kernels; context

@@ -10,7 +10,7 @@ has started too, so a pair begins at the later of the two ranks' last compute en
 odd P the middle rank is its own mirror: it sums its replicas in place and waits for no one.
 
 Durations come from :meth:`megatron_prt.sim.cost.CostModel.replica_sync_time`;
-``tests/test_sim_replicas.py`` checks the pairing and the bytes against the runtime.
+``tests/sim/test_sim_replicas.py`` checks the pairing and the bytes against the runtime.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ simulated partition; the uniform one is simulated too, so the answer never loses
 the objective (with a budget the uniform fits, the answer is at least as fast; without,
 if the uniform is within the slack, the answer peaks no higher); no screened single move
 improves it; there is no global-optimality guarantee. Forced onto the small cases of
-``tests/test_partition.py`` it comes within 1% of brute force.
+``tests/tune/test_partition.py`` it comes within 1% of brute force.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _model_assumptions(s: Settings) -> list[str]:
         "its time is inside the achieved fraction. The calculator reproduces torchvision's "
         "parameter counts (25,557,032 / 44,549,160 / 60,192,808) and 4.09 / 7.80 / 11.51 "
         "GMAC for ResNet-50/101/152, and BERT-base's 109,482,240 parameters without the "
-        "classifier (`tests/test_paper_scale.py`).",
+        "classifier (`tests/bench/test_paper_scale.py`).",
         "- **Activation bytes** (kept from forward to backward, fp16, no recomputation): "
         "transformer layer sbh(34 + 5as/h) (Korthikanti et al. 2022, *Reducing Activation "
         "Recomputation in Large Transformer Models*, no tensor or sequence parallelism); "

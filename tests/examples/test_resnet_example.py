@@ -24,7 +24,7 @@ from megatron_prt.runtime import PipelineRuntime, build_stages, reduce_replica_g
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.stages import layer_ranges
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resnet_pipeline.py"
 
 

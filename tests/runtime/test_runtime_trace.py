@@ -17,7 +17,7 @@ from megatron_prt.runtime import PipelineRuntime, build_stages
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.trace import gather_spans, write_measured
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def _traced(rank, world, prefix):

@@ -225,7 +225,7 @@ def test_trace_flag_writes_the_measured_timeline(tmp_path):
     assert (tmp_path / "sub" / "prt.png").stat().st_size > 0
 
 
-EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "megatron_gpt.py"
+EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "megatron_gpt.py"
 
 
 def test_megatron_example_trains_under_torchrun():

@@ -37,7 +37,7 @@ from megatron_models import (
 from megatron_prt.megatron import megatron_lm
 from megatron_prt.runtime.local import all_ok, run_local
 
-PATCHES = pathlib.Path(__file__).parents[1] / "patches"
+PATCHES = pathlib.Path(__file__).parents[2] / "patches"
 LAYERS, M = 8, 4
 
 

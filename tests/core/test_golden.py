@@ -9,7 +9,7 @@ from megatron_prt.cli.main import build_parser
 from megatron_prt.core import Placement, Plan, build_plan
 from megatron_prt.core.lower import lower
 
-HERE = pathlib.Path(__file__).parent / "golden"
+HERE = pathlib.Path(__file__).parents[1] / "golden"
 CASES = [
     line.split(maxsplit=1)
     for line in (HERE / "cases.txt").read_text().splitlines()

@@ -25,7 +25,7 @@ from megatron_prt.megatron import bert_args
 from megatron_prt.megatron.bert_step import MicroBatchSampler
 from megatron_prt.megatron.pipeline_probe import measured_bubble
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_bert.py"
 # A tiny BERT: a launch takes about 15 s on 2 cores, most of it imports.
 TINY = (

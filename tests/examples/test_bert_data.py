@@ -16,7 +16,7 @@ import pytest
 
 from megatron_prt.runtime.local import all_ok, run_local
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "bert_data.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "bert_data.py"
 _spec = importlib.util.spec_from_file_location("bert_data", EXAMPLE)
 bert_data = importlib.util.module_from_spec(_spec)
 sys.modules["bert_data"] = bert_data  # dataclasses look their module up here

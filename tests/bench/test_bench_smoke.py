@@ -14,7 +14,7 @@ from megatron_prt.cli.main import main as cli
 
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,7 @@ def test_tp_pp_dp_grid_matches_megatron(kind, tp, dp, p, r, placement, direction
 
 def _torchrun(ranks: int, example: str, *flags: str) -> str:
     """stdout and stderr of ``examples/<example>`` under torchrun on ``ranks`` CPU ranks."""
-    path = pathlib.Path(__file__).parents[1] / "examples" / example
+    path = pathlib.Path(__file__).parents[2] / "examples" / example
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), str(path), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")

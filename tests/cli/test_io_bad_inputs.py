@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_megatron_args import BASE, parse, refusal
+from megatron_flags import BASE, parse, refusal
 
 from megatron_prt.core.placement import ConfigError
 
@@ -269,7 +269,7 @@ def test_a_refused_config_is_a_config_error_not_a_crash(tmp_path):
 
 
 # -- examples/bert_data.py -----------------------------------------------------------------------
-EXAMPLE = Path(__file__).parents[1] / "examples" / "bert_data.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "bert_data.py"
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ def test_megatron_builds_bert_and_gpt_datasets_from_it(corpus, tokenizer, tmp_pa
 def bert_data_cli():
     import importlib.util
 
-    path = Path(__file__).parents[1] / "examples" / "bert_data.py"
+    path = Path(__file__).parents[2] / "examples" / "bert_data.py"
     if "bert_data" not in sys.modules:
         spec = importlib.util.spec_from_file_location("bert_data", path)
         module = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "imdb_finetune.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "imdb_finetune.py"
 _spec = importlib.util.spec_from_file_location("imdb_finetune", EXAMPLE)
 imdb = importlib.util.module_from_spec(_spec)
 sys.modules["imdb_finetune"] = imdb  # dataclasses look their module up here

@@ -15,7 +15,7 @@ from megatron_prt.sim.cost import CostModel
 from megatron_prt.sim.simulate import simulate
 from megatron_prt.sim.split_backward import markdown_table, target_row, target_rows
 
-DOC = pathlib.Path(__file__).parent.parent / "docs" / "theory.md"
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "theory.md"
 
 
 def sim(placement, m, schedule="zb"):
