@@ -1,0 +1,255 @@
+"""The tuner: the fastest plan that fits a memory budget, from measured costs.
+
+Search space, for ``P`` ranks and ``m`` micro-batches over the cost model's ``L`` layers:
+
+* schedule family: ``1f1b``; megatron-core's ``interleaved`` (R >= 2, where megatron-core
+  accepts ``m``); ``prt`` for every placement (loop, wave) x direction (uni, bi) x reuse
+  ``R = 1 .. L // P`` (every stage keeps a layer, the rule of the training flags); and, when
+  :data:`~megatron_prt.core.schedules.SCHEDULES` has split-backward generators
+  (:data:`SPLIT_BACKWARD_SCHEDULES`), those over the same placements;
+* layer partition: ``uniform`` (the runtime's even split) and ``balanced``
+  (:func:`megatron_prt.tune.partition.partition`: the fastest split within the budget, or
+  the fastest found when there is none);
+* the plan for that partition: built for equal stages and free messages (what
+  :func:`~megatron_prt.core.schedules.build_plan` gives without times) and, for generators
+  that read times, built for the partition's real stage and message times; the faster one
+  under the real costs is kept, the equal-stage plan on a tie.
+
+Every candidate is scored by :func:`megatron_prt.sim.simulate.simulate` under the full cost
+model (messages and, for ``bi``, the replica-gradient sum included). Memory is the simulator's
+per-rank peak activation bytes plus the rank's parameter bytes; a candidate fits when its
+largest per-rank peak is at most the budget.
+
+Ranking (deterministic, documented tie-break): :attr:`Candidate.key` = (predicted iteration
+time, largest per-rank peak, p2p messages, enumeration order). The enumeration order is
+schedule family (1f1b, interleaved, prt, then split backward), R ascending, loop before wave,
+uni before bi, uniform before balanced. Same inputs give the same winner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from ..core.layers import even_layers
+from ..core.placement import ConfigError, Placement
+from ..core.plan import Plan
+from ..core.schedules import SCHEDULES, build_plan
+from ..core.validate import validate
+from ..sim.cost import CostModel
+from ..sim.simulate import SimResult, simulate
+from .memory import format_bytes
+from .partition import partition
+
+# split-backward generators, used when the planner has them (absent names are skipped)
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name in ("zb",) if name in SCHEDULES)
+# generators whose order depends on the stage times they are given
+TIME_AWARE_SCHEDULES = ("prt", "gpipe", *SPLIT_BACKWARD_SCHEDULES)
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One schedule on one placement: what the partition and the plan are chosen for."""
+
+    order: int  # enumeration order (the last tie-break)
+    schedule: str
+    placement: Placement
+
+    @property
+    def label(self) -> str:
+        c = self.placement
+        if self.schedule == "1f1b":
+            return "1F1B"
+        if self.schedule == "interleaved":
+            return f"interleaved R={c.reuse}"
+        name = "PRT" if self.schedule == "prt" else self.schedule
+        return f"{name} {c.placement}/{c.direction} R={c.reuse}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A scored plan: ``stage_layers`` its partition (``partition`` says which kind),
+    ``planned_for`` ``"equal stages"`` or ``"costs"``, ``result`` its simulation."""
+
+    family: Family
+    partition: str
+    planned_for: str
+    stage_layers: tuple[int, ...]
+    plan: Plan
+    result: SimResult
+
+    @property
+    def label(self) -> str:
+        return self.family.label
+
+    @property
+    def makespan(self) -> float:
+        return self.result.makespan
+
+    @property
+    def rank_peaks(self) -> tuple[float, ...]:
+        return tuple(r.peak_activation_bytes + r.param_bytes for r in self.result.per_rank)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.rank_peaks)
+
+    @property
+    def key(self) -> tuple:
+        """The ranking key (module docstring)."""
+        part = 0 if self.partition == "uniform" else 1
+        return (self.makespan, self.peak_bytes, self.result.p2p_messages, self.family.order, part)
+
+    def fits(self, budget_bytes: float | None) -> bool:
+        return budget_bytes is None or self.peak_bytes <= budget_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "schedule": self.family.schedule,
+            **self.family.placement.to_dict(),
+            "partition": self.partition,
+            "planned_for": self.planned_for,
+            "stage_layers": list(self.stage_layers),
+            "makespan": self.makespan,
+            "bubble_fraction": self.result.bubble_fraction,
+            "peak_bytes": self.peak_bytes,
+            "rank_peak_bytes": list(self.rank_peaks),
+            "p2p_messages": self.result.p2p_messages,
+            "p2p_bytes": self.result.p2p_bytes,
+            "replica_sync_time": self.result.replica_sync_time,
+        }
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """``ranked``: every candidate, best first by :attr:`Candidate.key`; ``winner``: the
+    first that fits ``budget_bytes``; ``skipped``: (family label, reason) not built."""
+
+    ranked: tuple[Candidate, ...]
+    winner: Candidate
+    budget_bytes: float | None
+    skipped: tuple[tuple[str, str], ...]
+    seconds: float
+
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.ranked if c.fits(self.budget_bytes)]
+
+
+def max_reuse(num_layers: int, ranks: int) -> int:
+    """Largest R giving every one of the R*P stages a layer."""
+    return max(1, num_layers // ranks)
+
+
+def families(ranks: int, num_layers: int) -> list[Family]:
+    """The schedule families searched, in enumeration order (module docstring)."""
+    top = max_reuse(num_layers, ranks)
+    rows = [("1f1b", Placement(ranks, 1))]
+    rows += [("interleaved", Placement(ranks, r)) for r in range(2, top + 1)]
+    for schedule in ("prt", *SPLIT_BACKWARD_SCHEDULES):
+        for r in range(1, top + 1):
+            for where in ("loop", "wave"):
+                if where == "wave" and r == 1:
+                    continue  # one pass: wave is loop
+                for direction in ("uni", "bi"):
+                    rows.append((schedule, Placement(ranks, r, where, direction)))
+    return [Family(i, schedule, placement) for i, (schedule, placement) in enumerate(rows)]
+
+
+def tune(
+    cost: CostModel,
+    ranks: int,
+    num_microbatches: int,
+    *,
+    budget_bytes: float | None = None,
+    progress: Progress | None = None,
+) -> TuneResult:
+    """Score every candidate (module docstring) and pick the fastest that fits.
+
+    ``cost`` needs per-layer costs (its ``stage_layers`` are ignored). Raises
+    :class:`ConfigError` when nothing fits ``budget_bytes``, naming the smallest peak found."""
+    if not cost.layers:
+        raise ConfigError(
+            'tuning needs per-layer costs: give a "layers" list in the cost model '
+            "(`megatron-prt profile` writes one)"
+        )
+    if budget_bytes is not None and not budget_bytes > 0:
+        raise ConfigError(f"--memory-budget must be > 0 bytes, got {budget_bytes!r}")
+    start = time.perf_counter()
+    found, skipped = [], []
+    todo = families(ranks, len(cost.layers))
+    for done, family in enumerate(todo):
+        if progress is not None:
+            progress(done, len(todo), family.label)
+        try:
+            found += _score_family(cost, family, num_microbatches, budget_bytes)
+        except ConfigError as exc:
+            skipped.append((family.label, str(exc).split(";")[0]))
+    if progress is not None:
+        progress(len(todo), len(todo), "")
+    ranked = tuple(sorted(found, key=lambda c: c.key))
+    fits = [c for c in ranked if c.fits(budget_bytes)]
+    if not fits:
+        raise _nothing_fits(ranked, budget_bytes, skipped)
+    seconds = time.perf_counter() - start
+    return TuneResult(ranked, fits[0], budget_bytes, tuple(skipped), seconds)
+
+
+def _nothing_fits(ranked, budget_bytes, skipped) -> ConfigError:
+    if not ranked:
+        why = "; ".join(f"{label}: {reason}" for label, reason in skipped[:3])
+        return ConfigError(f"no schedule could be built for these settings ({why})")
+    least = min(ranked, key=lambda c: (c.peak_bytes, c.key))
+    rank = least.rank_peaks.index(least.peak_bytes)
+    return ConfigError(
+        f"no plan fits the memory budget of {format_bytes(budget_bytes)} per rank: the "
+        f"smallest peak found is {format_bytes(least.peak_bytes)} ({least.label}, "
+        f"{least.partition} partition, rank {rank}); raise --memory-budget, add ranks "
+        "(--pp) or lower activation memory (smaller micro-batches, recomputation)"
+    )
+
+
+def _score_family(
+    cost: CostModel, family: Family, num_microbatches: int, budget_bytes: float | None
+) -> list[Candidate]:
+    placement, schedule = family.placement, family.schedule
+    equal_plan = build_plan(placement, num_microbatches, schedule)
+    validate(equal_plan)
+    out = []
+    for kind, counts in _partitions(cost, family, num_microbatches, budget_bytes):
+        priced = replace(cost, stage_layers=counts)
+        best = Candidate(
+            family, kind, "equal stages", counts, equal_plan, simulate(equal_plan, priced)
+        )
+        if schedule in TIME_AWARE_SCHEDULES:
+            plan = build_plan(placement, num_microbatches, schedule, priced.stage_times(placement))
+            result = simulate(plan, priced)
+            if result.makespan < best.makespan:
+                validate(plan)
+                best = Candidate(family, kind, "costs", counts, plan, result)
+        out.append(best)
+    return out
+
+
+def _partitions(
+    cost: CostModel, family: Family, num_microbatches: int, budget_bytes: float | None
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``uniform``, then ``balanced`` when the partitioner finds a different split."""
+    uniform = even_layers(len(cost.layers), family.placement.depth)
+    yield "uniform", uniform
+    try:
+        # without a budget: the fastest split the partitioner finds (an infinite budget)
+        result = partition(
+            cost,
+            family.placement,
+            num_microbatches,
+            budget_bytes=budget_bytes or float("inf"),
+            schedule=family.schedule,
+        )
+    except ConfigError:  # no split within the budget: the uniform one is scored anyway
+        return
+    if result.stage_layers != uniform:
+        yield "balanced", result.stage_layers
