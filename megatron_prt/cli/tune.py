@@ -46,6 +46,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="per-rank limit on peak activations + parameters (40GiB, 40GB, 4e10); "
         "default: no limit",
     )
+    p.add_argument(
+        "--max-reuse",
+        type=positive_int,
+        metavar="R",
+        help="try reuse factors up to R (default: up to layers // P, every stage a layer)",
+    )
     p.add_argument("--top", type=positive_int, default=10, help="candidates printed (default 10)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the winner as a plan file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -61,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             args.pp,
             args.microbatches,
             budget_bytes=args.memory_budget,
+            reuse_limit=args.max_reuse,
             progress=_Progress(),
         )
         if args.output:

@@ -32,10 +32,12 @@ import argparse
 import math
 import os
 import re
+from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from .config import ReuseConfig
+from .plan_flag import apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -126,6 +128,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--num-layers. Overrides --pipeline-reuse-partition.",
     )
     group.add_argument(
+        "--pipeline-reuse-plan",
+        default=None,
+        metavar="FILE",
+        help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
+        "direction and layer split replace the other --pipeline-reuse-* flags (a conflicting "
+        "one is refused); checked against --num-layers, --pipeline-model-parallel-size and "
+        "the micro-batches per iteration.",
+    )
+    group.add_argument(
         "--pipeline-reuse-trace",
         default=None,
         metavar="PATH",
@@ -187,16 +198,19 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     before Megatron's ``validate_args`` (see the module docstring); a repeated call returns
     the stored config.
     """
+    if getattr(args, "pipeline_reuse_config", None) is not None:
+        return args.pipeline_reuse_config
+    plan_file = apply_plan_file(args, _DEPENDENT_DEFAULTS, _microbatches_per_iteration(args))
     if getattr(args, "pipeline_reuse", None) is None:
         _refuse_flags_without_reuse(args)
         return None
-    if getattr(args, "pipeline_reuse_config", None) is not None:
-        return args.pipeline_reuse_config
     _refuse_late_call(args)
     _check_reuse_and_pipeline(args)
     _check_balanced_partition(args)
     _refuse_megatron_layouts(args)
     config = _reuse_config(args)
+    if plan_file is not None:
+        config = replace(config, plan=plan_file.plan)
     _check_microbatches(args, config.placement)
     _check_grad_overlap(args, config.placement)
     if config.trace_path is not None:

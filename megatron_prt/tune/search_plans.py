@@ -144,9 +144,11 @@ def max_reuse(num_layers: int, ranks: int) -> int:
     return max(1, num_layers // ranks)
 
 
-def families(ranks: int, num_layers: int) -> list[Family]:
-    """The schedule families searched, in enumeration order (module docstring)."""
+def families(ranks: int, num_layers: int, reuse_limit: int | None = None) -> list[Family]:
+    """The schedule families searched, in enumeration order (module docstring); R at most
+    ``reuse_limit`` when given."""
     top = max_reuse(num_layers, ranks)
+    top = top if reuse_limit is None else min(top, reuse_limit)
     rows = [("1f1b", Placement(ranks, 1))]
     rows += [("interleaved", Placement(ranks, r)) for r in range(2, top + 1)]
     for schedule in ("prt", *SPLIT_BACKWARD_SCHEDULES):
@@ -165,11 +167,13 @@ def tune(
     num_microbatches: int,
     *,
     budget_bytes: float | None = None,
+    reuse_limit: int | None = None,
     progress: Progress | None = None,
 ) -> TuneResult:
     """Score every candidate (module docstring) and pick the fastest that fits.
 
-    ``cost`` needs per-layer costs (its ``stage_layers`` are ignored). Raises
+    ``cost`` needs per-layer costs (its ``stage_layers`` are ignored); ``reuse_limit``
+    caps R below what the layers allow (a shorter search). Raises
     :class:`ConfigError` when nothing fits ``budget_bytes``, naming the smallest peak found."""
     if not cost.layers:
         raise ConfigError(
@@ -180,7 +184,7 @@ def tune(
         raise ConfigError(f"--memory-budget must be > 0 bytes, got {budget_bytes!r}")
     start = time.perf_counter()
     found, skipped = [], []
-    todo = families(ranks, len(cost.layers))
+    todo = families(ranks, len(cost.layers), reuse_limit)
     for done, family in enumerate(todo):
         if progress is not None:
             progress(done, len(todo), family.label)
