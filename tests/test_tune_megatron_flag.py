@@ -110,3 +110,30 @@ def test_unreadable_plan_file_is_refused(tmp_path):
     missing = tmp_path / "missing.json"
     message = refusal(*MODEL, "--pipeline-reuse-plan", missing)
     assert f"--pipeline-reuse-plan {missing}" in message and "megatron-prt tune" in message
+
+
+@pytest.mark.parametrize("which", ["winner", "balanced plan for the costs"])
+def test_megatron_runs_a_tuned_plan_file_with_parity(tmp_path, which):
+    """megatron-core BERT on 2 ranks runs the file's plan (built for uneven costs, not the
+    plan megatron-prt would build by default) and matches the non-pipelined model."""
+    pytest.importorskip("megatron.core")
+    from test_megatron_parity import LAYERS, M, _check
+    from tune_costs import cost_dict
+
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.tune.search_plans import tune
+
+    tuned = tune(CostModel.from_dict(cost_dict(LAYERS)), 2, M, reuse_limit=2)
+    chosen = tuned.winner
+    if which != "winner":
+        chosen = next(
+            c for c in tuned.ranked if (c.partition, c.planned_for) == ("balanced", "costs")
+        )
+    assert chosen.plan != build_plan(chosen.plan.placement, M, chosen.plan.schedule)
+    path = str(tmp_path / "plan.json")
+    PlanFile(chosen.plan, chosen.stage_layers).write(path)
+    model = ("--num-layers", LAYERS, "--pipeline-model-parallel-size", 2)
+    batches = ("--micro-batch-size", 1, "--global-batch-size", M)
+    config = validate_args(parse(*model, *batches, "--pipeline-reuse-plan", path, world_size=2))
+    assert config.plan == chosen.plan and config.stage_layers == chosen.stage_layers
+    _check("bert", config)
