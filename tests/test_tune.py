@@ -162,3 +162,8 @@ def test_cli_refusals(tmp_path, run_cli):
     assert code == 2 and "splits 12 layers" in err
     code, _, err = run_cli("simulate")
     assert code == 2 and "--plan FILE" in err
+
+
+def test_parallel_scoring_gives_the_same_ranking(cost, tuned):
+    parallel = tune(cost, P, M, jobs=2)
+    assert [(c.key, c.plan) for c in parallel.ranked] == [(c.key, c.plan) for c in tuned.ranked]

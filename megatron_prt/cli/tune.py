@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -52,6 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="R",
         help="try reuse factors up to R (default: up to layers // P, every stage a layer)",
     )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=min(2, os.cpu_count() or 1),
+        help="processes scoring schedule families at once (default: 2, or 1 on one core)",
+    )
     p.add_argument("--top", type=positive_int, default=10, help="candidates printed (default 10)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the winner as a plan file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             args.microbatches,
             budget_bytes=args.memory_budget,
             reuse_limit=args.max_reuse,
+            jobs=args.jobs,
             progress=_Progress(),
         )
         if args.output:
@@ -89,20 +97,25 @@ def plan_file(winner: Candidate, args: argparse.Namespace) -> PlanFile:
 
 
 class _Progress:
-    """One line on stderr, rewritten in place, once the search has run a while."""
+    """Once the search has run :data:`PROGRESS_AFTER_S`: a line on stderr per scored family,
+    rewritten in place on a terminal."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.shown = False
+        self.in_place = sys.stderr.isatty()
 
     def __call__(self, done: int, total: int, label: str) -> None:
         elapsed = time.perf_counter() - self.start
         if elapsed < PROGRESS_AFTER_S and not self.shown:
             return
         self.shown = True
-        end = "\n" if done == total else ""
-        line = f"tune: {done}/{total} schedule families, {elapsed:.0f} s  {label}"
-        print(f"\r{line:<72}", end=end, file=sys.stderr, flush=True)
+        line = f"tune: {done}/{total} schedule families scored, {elapsed:.0f} s (last: {label})"
+        if self.in_place:
+            end = "\n" if done == total else ""
+            print(f"\r{line:<78}", end=end, file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _as_json(result: TuneResult, args: argparse.Namespace) -> dict:

@@ -28,8 +28,10 @@ uni before bi, uniform before balanced. Same inputs give the same winner.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..core.layers import even_layers
@@ -168,12 +170,14 @@ def tune(
     *,
     budget_bytes: float | None = None,
     reuse_limit: int | None = None,
+    jobs: int = 1,
     progress: Progress | None = None,
 ) -> TuneResult:
     """Score every candidate (module docstring) and pick the fastest that fits.
 
     ``cost`` needs per-layer costs (its ``stage_layers`` are ignored); ``reuse_limit``
-    caps R below what the layers allow (a shorter search). Raises
+    caps R below what the layers allow (a shorter search); ``jobs`` > 1 scores the
+    families in that many forked processes (same result: the ranking is by key). Raises
     :class:`ConfigError` when nothing fits ``budget_bytes``, naming the smallest peak found."""
     if not cost.layers:
         raise ConfigError(
@@ -185,21 +189,41 @@ def tune(
     start = time.perf_counter()
     found, skipped = [], []
     todo = families(ranks, len(cost.layers), reuse_limit)
-    for done, family in enumerate(todo):
+    for done, (family, scored) in enumerate(
+        _scored(cost, todo, num_microbatches, budget_bytes, jobs)
+    ):
         if progress is not None:
-            progress(done, len(todo), family.label)
-        try:
-            found += _score_family(cost, family, num_microbatches, budget_bytes)
-        except ConfigError as exc:
-            skipped.append((family.label, str(exc).split(";")[0]))
-    if progress is not None:
-        progress(len(todo), len(todo), "")
+            progress(done + 1, len(todo), family.label)
+        if isinstance(scored, str):
+            skipped.append((family.label, scored))
+        else:
+            found += scored
     ranked = tuple(sorted(found, key=lambda c: c.key))
     fits = [c for c in ranked if c.fits(budget_bytes)]
     if not fits:
         raise _nothing_fits(ranked, budget_bytes, skipped)
     seconds = time.perf_counter() - start
     return TuneResult(ranked, fits[0], budget_bytes, tuple(skipped), seconds)
+
+
+def _scored(cost, todo, num_microbatches, budget_bytes, jobs) -> Iterator[tuple[Family, object]]:
+    """(family, its candidates or why it was skipped), in enumeration order."""
+    args = [(cost, family, num_microbatches, budget_bytes) for family in todo]
+    if jobs <= 1:
+        yield from zip(todo, (_score_or_skip(*a) for a in args), strict=True)
+        return
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = [pool.submit(_score_or_skip, *a) for a in args]
+        for family, future in zip(todo, futures, strict=True):
+            yield family, future.result()
+
+
+def _score_or_skip(cost, family, num_microbatches, budget_bytes) -> list[Candidate] | str:
+    try:
+        return _score_family(cost, family, num_microbatches, budget_bytes)
+    except ConfigError as exc:
+        return str(exc).split(";")[0]
 
 
 def _nothing_fits(ranked, budget_bytes, skipped) -> ConfigError:
