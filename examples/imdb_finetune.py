@@ -10,8 +10,10 @@
 Data. ``convert`` reads the standard aclImdb folder layout (``ROOT/{train,test}/{pos,neg}/
 <id>_<rating>.txt``; ``train/unsup`` and the other files are ignored), which you download and
 unpack yourself: nothing is downloaded here. HTML line breaks (``<br />``) become spaces. Without
-``--vocab-file`` a WordPiece vocab is trained on the train split (``bert_data.py``'s
-deterministic trainer; ``--vocab-file`` takes e.g. bert-base-uncased's ``vocab.txt``). Every
+``--vocab-file`` a SentencePiece tokenizer is trained on the train split (``bert_data.py``'s,
+loaded through megatron-core's tokenizers; ``--vocab-file`` takes a SentencePiece ``.model`` or
+e.g. bert-base-uncased's WordPiece ``vocab.txt``, which megatron-core loads with
+``transformers``). Every
 review becomes ``[CLS] text [SEP]``, truncated to ``--seq-length`` tokens and padded with
 ``[PAD]``. ``make-tiny`` writes a small synthetic folder in the same layout (reviews of neutral
 words plus a few positive or negative ones, so a small model learns it in a few dozen steps).
@@ -23,7 +25,8 @@ Files written to ``--out DIR`` by ``convert``, for each split ``S`` in ``train``
   ``padding_mask``, the model's attention mask).
 - ``S_label.npy``: ``[N]`` uint8, 0 = negative (``neg/``), 1 = positive (``pos/``).
 - ``S_rating.npy``: ``[N]`` int8, the star rating from the file name (-1 if it has none).
-- ``vocab.txt`` and ``meta.json`` (sequence length, vocab size, counts per split).
+- ``tokenizer.model`` (or ``vocab.txt``) and ``meta.json`` (sequence length, vocab size, the
+  tokenizer's file name, counts per split).
 
 Training. megatron-core's ``BertModel`` (local layer spec, tied embeddings, binary head) is the
 classifier: the binary head, a Linear(hidden, 2) on the pooled ``[CLS]``, scores negative /
@@ -49,7 +52,6 @@ import shutil
 import sys
 import time
 import warnings
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -67,13 +69,7 @@ _EXAMPLES_DIR = str(Path(__file__).resolve().parent)
 if _EXAMPLES_DIR not in sys.path:
     sys.path.insert(0, _EXAMPLES_DIR)
 
-from bert_data import (  # noqa: E402
-    DataError,
-    WordPieceTokenizer,
-    basic_tokenize,
-    train_wordpiece_vocab,
-    write_vocab,
-)
+from bert_data import DataError, load_tokenizer, split_sentences, train_tokenizer  # noqa: E402
 
 LABELS = ("neg", "pos")  # label id = index, as the folder names say
 SPLITS = ("train", "test")
@@ -144,29 +140,23 @@ def read_split(root: str | os.PathLike, split: str) -> list[Review]:
 # ------------------------------------------------------------------------------ convert
 
 
-def encode_review(
-    tokenizer: WordPieceTokenizer, words: Sequence[str], seq_length: int
-) -> tuple[list[int], bool]:
+def encode_review(tokenizer, text: str, seq_length: int) -> tuple[list[int], bool]:
     """``([CLS] ids [SEP])`` cut to ``seq_length`` (the [SEP] is kept) and whether it was cut."""
-    ids = tokenizer.encode_words(words)
+    ids = tokenizer.tokenize(text)
     room = seq_length - 2
     return [tokenizer.cls, *ids[:room], tokenizer.sep], len(ids) > room
 
 
 def encode_split(
-    reviews: Sequence[Review],
-    words: Sequence[Sequence[str]],
-    tokenizer: WordPieceTokenizer,
-    seq_length: int,
+    reviews: Sequence[Review], tokenizer, seq_length: int
 ) -> tuple[dict[str, np.ndarray], int]:
-    """The arrays of :data:`FIELDS` for ``reviews`` (``words``: their basic tokens) and how
-    many reviews were truncated."""
+    """The arrays of :data:`FIELDS` for ``reviews`` and how many reviews were truncated."""
     token_dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     tokens = np.full((len(reviews), seq_length), tokenizer.pad, dtype=token_dtype)
     mask = np.zeros((len(reviews), seq_length), dtype=np.uint8)
     truncated = 0
-    for row, review_words in enumerate(words):
-        ids, cut = encode_review(tokenizer, review_words, seq_length)
+    for row, review in enumerate(reviews):
+        ids, cut = encode_review(tokenizer, review.text, seq_length)
         tokens[row, : len(ids)] = ids
         mask[row, : len(ids)] = 1
         truncated += cut
@@ -179,18 +169,22 @@ def encode_split(
     return arrays, truncated
 
 
-def _vocab_for(out: Path, train_words, vocab_file, vocab_size: int) -> WordPieceTokenizer:
-    path = out / "vocab.txt"
+def _tokenizer_for(out: Path, train: Sequence[Review], vocab_file, vocab_size: int):
+    """``vocab_file`` copied into ``out`` (a ``.txt`` is a WordPiece vocab, anything else a
+    SentencePiece model), or a SentencePiece model trained on the ``train`` reviews."""
+    is_wordpiece = vocab_file is not None and str(vocab_file).endswith(".txt")
+    path = out / ("vocab.txt" if is_wordpiece else "tokenizer.model")
     if vocab_file is not None:
         if not Path(vocab_file).is_file():
             raise DataError(f"no such vocab file: {vocab_file}")
         if Path(vocab_file).resolve() != path.resolve():
             shutil.copyfile(vocab_file, path)
     else:
-        counts = Counter(word for review in train_words for word in review)
-        _progress(f"training a WordPiece vocab of {vocab_size} on {len(counts):,} distinct words")
-        write_vocab(train_wordpiece_vocab(counts, vocab_size), path)
-    return WordPieceTokenizer(path)
+        sentences = [s for review in train for s in split_sentences(review.text)]
+        _progress(f"training a SentencePiece tokenizer of {vocab_size} on {len(sentences):,} "
+                  "sentences")  # fmt: skip
+        train_tokenizer(sentences, path, vocab_size)
+    return load_tokenizer(path)
 
 
 def convert(
@@ -201,7 +195,7 @@ def convert(
     vocab_file: str | os.PathLike | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> dict:
-    """Write the arrays of both splits, ``vocab.txt`` and ``meta.json`` (see the module
+    """Write the arrays of both splits, the tokenizer and ``meta.json`` (see the module
     docstring) into ``out_dir``; returns the meta dict. The same inputs give the same bytes.
     Raises :class:`DataError` for a folder not in the aclImdb layout, a missing or unusable
     vocab file, or ``seq_length`` < 3."""
@@ -211,18 +205,18 @@ def convert(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reviews = {split: read_split(root, split) for split in SPLITS}
-    words = {s: [basic_tokenize(r.text) for r in reviews[s]] for s in SPLITS}
     _progress(", ".join(f"{s}: {len(reviews[s])} reviews" for s in SPLITS) + f" from {root}")
-    tokenizer = _vocab_for(out, words["train"], vocab_file, vocab_size)
+    tokenizer = _tokenizer_for(out, reviews["train"], vocab_file, vocab_size)
     meta = {
         "format": FORMAT_VERSION,
         "seq_length": seq_length,
         "vocab_size": tokenizer.vocab_size,
+        "tokenizer": Path(tokenizer.path).name,
         "labels": list(LABELS),
         "splits": {},
     }
     for split in SPLITS:
-        arrays, truncated = encode_split(reviews[split], words[split], tokenizer, seq_length)
+        arrays, truncated = encode_split(reviews[split], tokenizer, seq_length)
         for field in FIELDS:
             np.save(out / f"{split}_{field}.npy", arrays[field])
         meta["splits"][split] = {
@@ -757,12 +751,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     tiny.add_argument("--train-per-class", type=int, default=64)
     tiny.add_argument("--test-per-class", type=int, default=32)
     tiny.add_argument("--seed", type=int, default=0)
-    conv = commands.add_parser("convert", help="aclImdb folder -> vocab.txt + token arrays")
+    conv = commands.add_parser("convert", help="aclImdb folder -> tokenizer + token arrays")
     conv.add_argument("--imdb", required=True, help="ROOT holding {train,test}/{pos,neg}")
     conv.add_argument("--out", required=True, help="output folder")
     conv.add_argument("--seq-length", type=int, default=DEFAULT_SEQ_LENGTH)
     vocab = conv.add_mutually_exclusive_group()
-    vocab.add_argument("--vocab-file", help="use this vocab.txt instead of training one")
+    vocab.add_argument(
+        "--vocab-file", help="use this SentencePiece .model or WordPiece vocab.txt, train none"
+    )
     vocab.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     train_parser = commands.add_parser("train", help="fine-tune (run under torchrun)")
     _add_train_flags(train_parser)

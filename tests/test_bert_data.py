@@ -1,21 +1,18 @@
-"""examples/bert_data.py: offline corpus -> WordPiece vocab -> indexed dataset -> BERT samples."""
+"""examples/bert_data.py: offline corpus -> SentencePiece tokenizer -> indexed dataset -> BERT
+samples (the command line and ``prepare``; the pieces are tested in test_data_preprocess.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from megatron_prt.runtime.local import all_ok, run_local
 
@@ -26,6 +23,7 @@ sys.modules["bert_data"] = bert_data  # dataclasses look their module up here
 _spec.loader.exec_module(bert_data)
 
 SEQ = 64
+SMALL_VOCAB = 300  # the 7 special tokens, 256 byte pieces and a few dozen more
 SENTENCES = [
     "The cat sat on the mat.",
     "It was warm there!",
@@ -47,7 +45,7 @@ def prepared(tmp_path_factory):
     return bert_data.prepare(tmp_path_factory.mktemp("pydoc"))
 
 
-# ------------------------------------------------------------------- corpus and tokenizer
+# ------------------------------------------------------------------------------- corpus
 
 
 def test_sentence_splitter_cuts_after_terminators_and_keeps_all_text():
@@ -68,106 +66,54 @@ def test_sentence_splitter_cuts_after_terminators_and_keeps_all_text():
     assert bert_data.split_sentences(" \n\n \n") == []
 
 
-def test_basic_tokenize_follows_bert_rules():
-    assert bert_data.basic_tokenize("Hello, World!") == ["hello", ",", "world", "!"]
-    assert bert_data.basic_tokenize("Naïve Café\u00a0x") == ["naive", "cafe", "x"]
-    assert bert_data.basic_tokenize("a\x00b\tc\u200bd 你好") == ["ab", "cd", "你", "好"]
-    assert bert_data.basic_tokenize("don’t x²") == ["don", "’", "t", "x²"]
-
-
-@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=60))
-def test_ascii_fast_path_equals_general_path(text):
-    general = []
-    for word in bert_data._clean(text).split():
-        general.extend(bert_data._split_punctuation(bert_data._strip_accents(word.lower())))
-    assert bert_data.basic_tokenize(text) == general
-
-
-def test_wordpiece_is_greedy_longest_match_first():
-    vocab = {p: i for i, p in enumerate(["un", "##aff", "##able", "##a", "##ble"])}
-    assert bert_data.wordpiece("unaffable", vocab) == ["un", "##aff", "##able"]
-    assert bert_data.wordpiece("unable", vocab) == ["un", "##able"]
-    # No backtracking, as in BERT: "una" matches first and "##ffable" then matches nothing.
-    assert bert_data.wordpiece("unaffable", {**vocab, "una": 9}) == ["[UNK]"]
-    assert bert_data.wordpiece("unx", vocab) == ["[UNK]"]
-    assert bert_data.wordpiece("un" * 101, {"un": 0, "##un": 1}) == ["[UNK]"]
-
-
-def test_vocab_training_is_deterministic_across_processes():
-    """HF tokenizers' trainer is not (hash-ordered ties); ours must give one vocab."""
-    code = (
-        "import hashlib, sys; from collections import Counter; sys.path.insert(0, sys.argv[1]);"
-        "import bert_data as b; c = Counter(w for d in b.default_corpus()"
-        " for s in b.split_sentences(d) for w in b.basic_tokenize(s));"
-        "print(hashlib.md5(' '.join(b.train_wordpiece_vocab(c, 1500)).encode()).hexdigest())"
-    )
-    digests = {
-        subprocess.run(
-            [sys.executable, "-c", code, str(EXAMPLE.parent)],
-            env={**os.environ, "PYTHONHASHSEED": str(seed)},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        for seed in (1, 2)
-    }
-    assert len(digests) == 1
-
-
-def test_vocab_too_small_for_the_alphabet_is_refused():
-    with pytest.raises(bert_data.DataError, match="too small"):
-        bert_data.train_wordpiece_vocab({"abcdef": 3}, 12)
-
-
 # ------------------------------------------------------------------- prepared default data
 
 
 def test_default_corpus_prepares_deterministically(prepared, tmp_path):
     again = bert_data.prepare(tmp_path)
-    for name in ("vocab.txt", "pydoc_text_sentence.bin", "pydoc_text_sentence.idx"):
+    for name in ("tokenizer.model", "pydoc_text_sentence.bin", "pydoc_text_sentence.idx"):
         first = (Path(prepared.prefix).parent / name).read_bytes()
         assert first == (tmp_path / name).read_bytes(), name
     assert again.tokens == prepared.tokens > 100_000
     assert again.documents + again.dropped_documents == len(bert_data.default_corpus())
 
 
-def test_vocab_holds_the_special_tokens(prepared):
-    lines = Path(prepared.vocab_file).read_text(encoding="utf-8").splitlines()
-    assert tuple(lines[:7]) == bert_data.SPECIAL_TOKENS
-    assert len(lines) == len(set(lines)) == bert_data.DEFAULT_VOCAB_SIZE == prepared.vocab_size
-    tokenizer = bert_data.WordPieceTokenizer(prepared.vocab_file)
+def test_the_tokenizer_holds_the_special_tokens(prepared):
+    tokenizer = bert_data.load_tokenizer(prepared.tokenizer_file)
+    assert prepared.vocab_file == prepared.tokenizer_file  # the name pretrain_bert.py reads
+    assert tokenizer.vocab_size == bert_data.DEFAULT_VOCAB_SIZE == prepared.vocab_size
+    assert [tokenizer.inv_vocab[i] for i in range(7)] == list(bert_data.SPECIAL_TOKENS)
     assert (tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask) == (0, 2, 3, 4)
-    assert tokenizer.eod == tokenizer.eos == 6 and tokenizer.vocab_size == len(lines)
-    assert tokenizer.detokenize(tokenizer.tokenize("Unaffable coroutines!")).replace(" ", "") == (
-        "unaffablecoroutines!"
-    )
+    assert tokenizer.eod == 6
+    text = "Unaffable coroutines!"
+    assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
 
 
-def test_indexed_dataset_reads_back_tokens_and_sentence_boundaries(prepared):
+def test_indexed_dataset_reads_back_the_sentences(prepared):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prepared.prefix)
-    tokenizer = bert_data.WordPieceTokenizer(prepared.vocab_file)
+    tokenizer = bert_data.load_tokenizer(prepared.tokenizer_file)
     bounds = dataset.document_indices
     assert prepared.dropped_documents == 0  # so document i of the corpus is document i here
     assert len(bounds) - 1 == prepared.documents and len(dataset) == prepared.sentences
     assert dataset[0].dtype == np.uint16
-    for doc, text in enumerate(bert_data.default_corpus()):  # none dropped from pydoc
-        sentences = [tokenizer.tokenize(s) for s in bert_data.split_sentences(text)]
-        sentences = [s for s in sentences if s]
+    for doc, text in enumerate(bert_data.default_corpus()):
         items = [dataset[i] for i in range(bounds[doc], bounds[doc + 1])]
-        assert np.concatenate(items).tolist() == [t for s in sentences for t in s]
-        # Every sentence boundary is an item boundary; long sentences are cut further.
-        assert set(np.cumsum([len(s) for s in sentences])) <= set(np.cumsum(list(map(len, items))))
         assert max(map(len, items)) <= bert_data.MAX_SENTENCE_TOKENS
+        if len(items) == len(bert_data.split_sentences(text)):  # no sentence cut
+            assert [tokenizer.detokenize(i) for i in items] == bert_data.split_sentences(text)
+        else:  # a sentence over 512 tokens, cut before a word: the text is all there
+            joined = " ".join(tokenizer.detokenize(i) for i in items)
+            assert joined == " ".join(bert_data.split_sentences(text))
 
 
 # ----------------------------------------------------------------------- BERT datasets
 
 
-def _build_and_sample(rank, world, prefix, vocab_file, num_samples, binary_head):
-    tokenizer = bert_data.WordPieceTokenizer(vocab_file)
+def _build_and_sample(rank, world, prefix, tokenizer_file, num_samples, binary_head):
+    tokenizer = bert_data.load_tokenizer(tokenizer_file)
     datasets = bert_data.build_datasets(
         prefix, tokenizer, SEQ, "80,10,10", num_samples, 1234, binary_head
     )
@@ -184,7 +130,10 @@ def _check_sample(sample, tokenizer, stream: bytes, binary_head: bool) -> None:
     text, loss_mask, labels = sample["text"], sample["loss_mask"], sample["labels"]
     assert text[0] == tokenizer.cls and text[length - 1] == tokenizer.sep
     assert not text[length:].any() and not sample["types"][length:].any()
-    assert 1 <= loss_mask.sum() <= 0.15 * SEQ + 1
+    assert loss_mask.sum() <= 0.15 * SEQ + 1
+    # megatron masks min(0.15 x target length, ...) tokens, none when a short-sequence sample
+    # draws a target under 7 tokens (its length is at most target + 3)
+    assert loss_mask.sum() >= 1 or length < 10
     assert ((labels != -1) == (loss_mask == 1)).all()  # labels exactly at masked positions
     assert (loss_mask[text == tokenizer.mask] == 1).all()
     assert sample["is_random"] in (0, 1) and (binary_head or sample["is_random"] == 0)
@@ -207,16 +156,17 @@ def _occurs(stream: bytes, run: bytes) -> bool:
 
 @pytest.mark.parametrize("binary_head", [True, False])
 def test_bert_datasets_build_on_cpu(prepared, binary_head):
-    tokenizer = bert_data.WordPieceTokenizer(prepared.vocab_file)
+    tokenizer = bert_data.load_tokenizer(prepared.tokenizer_file)
     stream = Path(prepared.prefix + ".bin").read_bytes()
     epoch = bert_data.samples_per_epoch(prepared.prefix, SEQ, "80,10,10", 1234, binary_head)
     assert min(epoch) > 0
     for num_samples in [(None, None, None), (2 * epoch[0], 5, 5)]:
         ((lengths, samples),) = all_ok(
             run_local(
-                1, _build_and_sample, prepared.prefix, prepared.vocab_file, num_samples, binary_head
+                1, _build_and_sample, prepared.prefix, prepared.tokenizer_file, num_samples,
+                binary_head,
             )
-        )
+        )  # fmt: skip
         expected = [epoch[i] if n is None else n for i, n in enumerate(num_samples)]
         assert all(got >= want for got, want in zip(lengths, expected, strict=True))
         if num_samples[0] is None:
@@ -232,24 +182,49 @@ def _show(rank, world, argv):
     return code, out.getvalue()
 
 
+def _write_jsonl(path: Path, count: int) -> None:
+    records = [{"id": i, "body": doc} for i, doc in enumerate(_user_documents(count))]
+    records.append({"id": 99, "body": "A single sentence is dropped."})
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+
+
 def test_user_jsonl_corpus_through_the_cli(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     corpus = tmp_path / "reviews.jsonl"
-    records = [{"id": i, "body": doc} for i, doc in enumerate(_user_documents(30))]
-    records.append({"id": 99, "body": "A single sentence is dropped."})
-    corpus.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    _write_jsonl(corpus, 30)
     argv = ["prepare", "--out", tmp_path, "--input", corpus, "--json-key", "body"]
-    assert bert_data.main([str(a) for a in [*argv, "--vocab-size", "200"]]) == 0
+    assert bert_data.main([str(a) for a in [*argv, "--vocab-size", str(SMALL_VOCAB)]]) == 0
     assert "30 documents" in capsys.readouterr().err
     prefix = tmp_path / "reviews_body_sentence"
-    assert (
-        prefix.with_suffix(".idx").is_file()
-        and len(bert_data.load_vocab(tmp_path / "vocab.txt")) <= 200
-    )
+    assert prefix.with_suffix(".idx").is_file()
+    assert bert_data.load_tokenizer(tmp_path / "tokenizer.model").vocab_size <= SMALL_VOCAB
     ((code, shown),) = all_ok(
         run_local(1, _show, ["show", "--out", str(tmp_path), "--seq-length", "32"])
     )
-    assert code == 0 and "samples train" in shown and "[CLS]" in shown
+    assert code == 0 and "samples train" in shown and "<CLS>" in shown
+
+
+def test_train_tokenizer_then_preprocess_as_with_megatron_lm(tmp_path):
+    """The README's steps: a tokenizer trained on the jsonl, then preprocess_data.py's flags;
+    the result equals what ``prepare`` writes from the same jsonl."""
+    pytest.importorskip("megatron.core")
+    corpus = tmp_path / "reviews.jsonl"
+    _write_jsonl(corpus, 30)
+    model = tmp_path / "steps" / "spm.model"
+    model.parent.mkdir()
+    common = ["--input", str(corpus), "--json-key", "body", "--vocab-size", str(SMALL_VOCAB)]
+    assert bert_data.main(["train-tokenizer", "--tokenizer-model", str(model), *common]) == 0
+    code = bert_data.main(
+        ["preprocess", "--input", str(corpus), "--json-keys", "body", "--output-prefix",
+         str(tmp_path / "steps" / "reviews"), "--tokenizer-type", "SentencePieceTokenizer",
+         "--tokenizer-model", str(model), "--split-sentences", "--min-sentences", "2"]
+    )  # fmt: skip
+    assert code == 0
+    prepared = bert_data.prepare(tmp_path / "once", corpus, json_key="body", vocab_size=SMALL_VOCAB)
+    assert model.read_bytes() == Path(prepared.tokenizer_file).read_bytes()
+    for suffix in (".bin", ".idx"):
+        steps = (tmp_path / "steps" / "reviews_body_sentence").with_suffix(suffix)
+        assert steps.read_bytes() == Path(prepared.prefix + suffix).read_bytes()
 
 
 def test_jsonl_lines_end_at_newline_only(tmp_path):
@@ -259,17 +234,35 @@ def test_jsonl_lines_end_at_newline_only(tmp_path):
     assert bert_data.read_corpus(corpus) == ["One.\u2028Two.", "Three."]
 
 
-def test_plain_text_corpus_and_an_existing_vocab(prepared, tmp_path):
+def test_plain_text_corpus_and_an_existing_tokenizer(prepared, tmp_path):
     corpus = tmp_path / "book.txt"
     corpus.write_text("\n\n".join(_user_documents(10)) + "\n", encoding="utf-8")
-    result = bert_data.prepare(tmp_path / "out", corpus, vocab_file=prepared.vocab_file)
+    result = bert_data.prepare(tmp_path / "out", corpus, tokenizer_model=prepared.tokenizer_file)
     assert result.documents == 10 and result.prefix.endswith("book_text_sentence")
     again = bert_data.prepare(
-        tmp_path / "out", corpus, json_key="body", vocab_file=result.vocab_file
+        tmp_path / "out", corpus, json_key="body", tokenizer_model=result.tokenizer_file
     )
     assert again.prefix == result.prefix  # plain text has no key: "text" as preprocess_data.py
-    digest = hashlib.md5(Path(result.vocab_file).read_bytes()).hexdigest()
-    assert digest == hashlib.md5(Path(prepared.vocab_file).read_bytes()).hexdigest()
+    given = Path(prepared.tokenizer_file).read_bytes()
+    assert Path(result.tokenizer_file).read_bytes() == given
+
+
+def test_a_wordpiece_vocab_prepares_through_megatron_core(tmp_path):
+    """bert-base-uncased style vocab.txt users: megatron-core loads it with transformers."""
+    pytest.importorskip("transformers")
+    vocab = tmp_path / "vocab.txt"
+    words = sorted({w.strip(".!?").lower() for s in SENTENCES for w in s.split()})
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "!", "?", *words]
+    vocab.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    corpus = tmp_path / "book.txt"
+    corpus.write_text("\n\n".join(_user_documents(10)), encoding="utf-8")
+    result = bert_data.prepare(tmp_path / "out", corpus, vocab_file=vocab)
+    tokenizer = bert_data.load_tokenizer(result.tokenizer_file)
+    assert result.tokenizer_file.endswith("vocab.txt") and result.vocab_size == len(tokens)
+    decoded = tokenizer.detokenize(tokenizer.tokenize(SENTENCES[0]))  # "the mat ." or "the mat."
+    assert decoded.replace(" ", "") == SENTENCES[0].lower().replace(" ", "")
+    assert tokenizer.word_start == [True] * len(tokens)  # no ## pieces in this vocab
+    bert_data.check_indexed_dataset(result.prefix, tokenizer.vocab_size)
 
 
 # ------------------------------------------------------------------------- bad input
@@ -284,6 +277,7 @@ def test_plain_text_corpus_and_an_existing_vocab(prepared, tmp_path):
         ("broken.jsonl", "{not json\n", [], "not JSON"),
         ("short.txt", "One sentence only.\n\nAnother lone one.\n", [], "has 2 sentences"),
         ("small.txt", "Tiny. Corpus.\n", ["--vocab-size", "8"], "too small"),
+        ("given.txt", "Tiny. Corpus.\n", ["--tokenizer-model", "nope.model"], "no such tokenizer"),
         ("missing.txt", None, [], "no such corpus file"),
         ("latin1.txt", "Café. Olé.".encode("latin-1"), [], "not UTF-8"),
     ],
@@ -306,7 +300,7 @@ def test_a_split_megatron_cannot_build_is_refused(tmp_path):
     pytest.importorskip("megatron.core")
     corpus = tmp_path / "three.txt"
     corpus.write_text("\n\n".join(_user_documents(3)), encoding="utf-8")
-    prefix = bert_data.prepare(tmp_path, corpus, vocab_size=200).prefix
+    prefix = bert_data.prepare(tmp_path, corpus, vocab_size=SMALL_VOCAB).prefix
     with pytest.raises(bert_data.DataError, match=r"valid set .* no document"):
         bert_data.samples_per_epoch(prefix, SEQ, "98,1,1")
     assert bert_data.samples_per_epoch(prefix, SEQ, "1,0,0")[1:] == [0, 0]
@@ -336,12 +330,12 @@ def test_document_level_data_is_refused_for_the_binary_head(tmp_path):
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """A 30-document dataset (vocab of 200) that each test below copies and damages."""
+    """A 30-document dataset (small vocab) that each test below copies and damages."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("small")
     corpus = root / "corpus.txt"
     corpus.write_text("\n\n".join(_user_documents(30)), encoding="utf-8")
-    return bert_data.prepare(root / "data", corpus, vocab_size=200)
+    return bert_data.prepare(root / "data", corpus, vocab_size=SMALL_VOCAB)
 
 
 def _damaged(small, tmp_path, damage) -> str:
@@ -358,6 +352,10 @@ def _damaged(small, tmp_path, damage) -> str:
 def _cut(path: str, keep: int) -> None:
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[:keep])
+
+
+def _append(path: str, extra: bytes) -> None:
+    Path(path).write_bytes(Path(path).read_bytes() + extra)
 
 
 def _put_token(prefix: str, token: int) -> None:
@@ -381,7 +379,7 @@ def _shift_offsets(prefix: str) -> None:
 DAMAGE = [
     ("truncated bin", lambda p: _cut(p + ".bin", -10), "the .bin is truncated"),
     ("empty bin", lambda p: _cut(p + ".bin", 0), ".bin holds 0 bytes but"),
-    ("bin too long", lambda p: Path(p + ".bin").write_bytes(b"\0" * 2000), "longer than its"),
+    ("bin too long", lambda p: _append(p + ".bin", b"\0\0"), "longer than its"),
     ("missing bin", lambda p: os.remove(p + ".bin"), ".bin does not exist"),
     ("truncated idx", lambda p: _cut(p + ".idx", -7), ".idx is not a readable megatron index"),
     ("empty idx", lambda p: _cut(p + ".idx", 0), ".idx is not a readable megatron index"),
@@ -420,7 +418,7 @@ def _show_with_errors(rank, world, argv):
 
 
 def test_an_intact_dataset_passes_the_check(small):
-    vocab = bert_data.WordPieceTokenizer(small.vocab_file).vocab_size
+    vocab = bert_data.load_tokenizer(small.tokenizer_file).vocab_size
     bert_data.check_indexed_dataset(small.prefix, vocab)
     with pytest.raises(bert_data.DataError, match="token id"):
         bert_data.check_indexed_dataset(small.prefix, 10)
