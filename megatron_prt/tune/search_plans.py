@@ -45,7 +45,7 @@ from .memory import format_bytes
 from .partition import partition
 
 # split-backward generators, used when the planner has them (absent names are skipped)
-SPLIT_BACKWARD_SCHEDULES = tuple(name for name in ("zb",) if name in SCHEDULES)
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name in ("zb", "zb-h2") if name in SCHEDULES)
 # generators whose order depends on the stage times they are given
 TIME_AWARE_SCHEDULES = ("prt", "gpipe", *SPLIT_BACKWARD_SCHEDULES)
 
