@@ -87,6 +87,18 @@ def test_budget_picks_the_fastest_that_fits(cost, tuned):
     assert result.winner.makespan == min(c.makespan for c in fitting)
 
 
+def test_a_plan_over_the_budget_is_kept_only_when_no_variant_fits(cost, tuned):
+    budget = sorted(c.peak_bytes for c in tuned.ranked)[len(tuned.ranked) // 3]
+    result = tune(cost, P, M, budget_bytes=budget)
+    for c in result.ranked:
+        if c.fits(budget):
+            continue
+        equal = build_plan(c.plan.placement, M, c.family.schedule)
+        priced = replace(cost, stage_layers=c.stage_layers)
+        peaks = [r.peak_activation_bytes + r.param_bytes for r in simulate(equal, priced).per_rank]
+        assert max(peaks) > budget, f"{c.label}: the equal-stage plan fits, {c.planned_for} kept"
+
+
 def test_nothing_fits_names_the_smallest_peak(cost, tuned):
     least = min(c.peak_bytes for c in tuned.ranked)
     with pytest.raises(ConfigError, match="smallest peak found is") as caught:

@@ -13,7 +13,8 @@ Search space, for ``P`` ranks and ``m`` micro-batches over the cost model's ``L`
 * the plan for that partition: built for equal stages and free messages (what
   :func:`~megatron_prt.core.schedules.build_plan` gives without times) and, for generators
   that read times, built for the partition's real stage and message times; the faster one
-  under the real costs is kept, the equal-stage plan on a tie.
+  under the real costs of those within the budget is kept (of both when neither fits), the
+  equal-stage plan on a tie.
 
 Every candidate is scored by :func:`megatron_prt.sim.simulate.simulate` under the full cost
 model (messages and, for ``bi``, the replica-gradient sum included). Memory is the simulator's
@@ -249,16 +250,21 @@ def _score_family(
     out = []
     for kind, counts in _partitions(cost, family, num_microbatches, budget_bytes):
         priced = replace(cost, stage_layers=counts)
-        best = Candidate(
-            family, kind, "equal stages", counts, equal_plan, simulate(equal_plan, priced)
-        )
+        variants = [
+            Candidate(
+                family, kind, "equal stages", counts, equal_plan, simulate(equal_plan, priced)
+            )
+        ]
         if schedule in TIME_AWARE_SCHEDULES:
             plan = build_plan(placement, num_microbatches, schedule, priced.stage_times(placement))
-            result = simulate(plan, priced)
-            if result.makespan < best.makespan:
+            if plan != equal_plan:
                 validate(plan)
-                best = Candidate(family, kind, "costs", counts, plan, result)
-        out.append(best)
+                variants.append(
+                    Candidate(family, kind, "costs", counts, plan, simulate(plan, priced))
+                )
+        # the faster plan of those that fit (of all when none does); a tie keeps equal stages
+        fitting = [c for c in variants if c.fits(budget_bytes)] or variants
+        out.append(min(fitting, key=lambda c: c.makespan))
     return out
 
 
