@@ -4,17 +4,20 @@ deterministically, refusals naming the smallest peak, plan files simulated as wr
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 from tune_costs import cost_dict, write_costs
 
+from megatron_prt.cli.partition import parse_bytes
 from megatron_prt.core.layers import even_layers
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.core.validate import validate
 from megatron_prt.sim.cost import CostModel
 from megatron_prt.sim.simulate import simulate
+from megatron_prt.tune.partition import partition
 from megatron_prt.tune.plan_file import PlanFile, load_plan
 from megatron_prt.tune.search_plans import families, max_reuse, tune
 
@@ -102,8 +105,12 @@ def test_a_plan_over_the_budget_is_kept_only_when_no_variant_fits(cost, tuned):
 def test_nothing_fits_names_the_smallest_peak(cost, tuned):
     least = min(c.peak_bytes for c in tuned.ranked)
     with pytest.raises(ConfigError, match="smallest peak found is") as caught:
-        tune(cost, P, M, budget_bytes=least / 2)
+        tune(cost, P, M, budget_bytes=least / 100)
     assert "--memory-budget" in str(caught.value)
+    named = re.search(r"smallest peak found is ([0-9.]+ \w+)", str(caught.value)).group(1)
+    # the partitioner's least-memory split of 1F1B (any speed) is among what was searched
+    lowest = partition(cost, Placement(P, 1), M, slack=1e9, schedule="1f1b").balanced
+    assert parse_bytes(named.replace(" ", "")) <= lowest.peak_bytes * 1.01  # 3 digits printed
 
 
 def test_whole_model_costs_are_refused():

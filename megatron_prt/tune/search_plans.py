@@ -50,6 +50,9 @@ SPLIT_BACKWARD_SCHEDULES = tuple(name for name in ("zb", "zb-h2") if name in SCH
 # generators whose order depends on the stage times they are given
 TIME_AWARE_SCHEDULES = ("prt", "gpipe", *SPLIT_BACKWARD_SCHEDULES)
 
+# the partitioner's slack that makes its no-budget answer the least memory at any speed
+LEAST_MEMORY_SLACK = 1e9
+
 Progress = Callable[[int, int, str], None]
 
 
@@ -271,19 +274,17 @@ def _score_family(
 def _partitions(
     cost: CostModel, family: Family, num_microbatches: int, budget_bytes: float | None
 ) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """``uniform``, then ``balanced`` when the partitioner finds a different split."""
+    """``uniform``, then ``balanced`` when the partitioner finds a different split: the
+    fastest within the budget or, when none is, the least memory it finds (so a refusal
+    names the smallest peak there is)."""
     uniform = even_layers(len(cost.layers), family.placement.depth)
     yield "uniform", uniform
+    args = (cost, family.placement, num_microbatches)
     try:
         # without a budget: the fastest split the partitioner finds (an infinite budget)
-        result = partition(
-            cost,
-            family.placement,
-            num_microbatches,
-            budget_bytes=budget_bytes or float("inf"),
-            schedule=family.schedule,
-        )
-    except ConfigError:  # no split within the budget: the uniform one is scored anyway
-        return
+        budget = budget_bytes or float("inf")
+        result = partition(*args, budget_bytes=budget, schedule=family.schedule)
+    except ConfigError:  # no split within the budget
+        result = partition(*args, slack=LEAST_MEMORY_SLACK, schedule=family.schedule)
     if result.stage_layers != uniform:
         yield "balanced", result.stage_layers
