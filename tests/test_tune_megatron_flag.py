@@ -137,3 +137,7 @@ def test_megatron_runs_a_tuned_plan_file_with_parity(tmp_path, which):
     config = validate_args(parse(*model, *batches, "--pipeline-reuse-plan", path, world_size=2))
     assert config.plan == chosen.plan and config.stage_layers == chosen.stage_layers
     _check("bert", config)
+    if which == "winner":  # evaluation with another count runs the default plan
+        _check("bert", config, m=M + 1, forward_only=True)
+        with pytest.raises(RuntimeError, match=f"--pipeline-reuse-plan schedules {M} micro"):
+            _check("bert", config, m=M + 1)  # training with another count is refused

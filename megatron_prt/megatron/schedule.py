@@ -295,7 +295,10 @@ def make_forward_backward_func(
         group = group or parallel_state.get_pipeline_model_parallel_group()
         key = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length, id(model[0]))
         if key not in pipelines:
-            plan = reuse.plan or build_plan(reuse.placement, num_microbatches, reuse.schedule)
+            plan = reuse.plan
+            if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
+                # evaluation may run another count: the default plan (forward only)
+                plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
             if plan.num_microbatches != num_microbatches:
                 raise ConfigError(
                     f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
