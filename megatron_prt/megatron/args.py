@@ -37,7 +37,7 @@ from dataclasses import replace
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from .config import ReuseConfig
-from .plan_flag import apply_plan_file
+from .plan_flag import add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -127,15 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Transformer layers of each of the R*P model stages in flow order; must sum to "
         "--num-layers. Overrides --pipeline-reuse-partition.",
     )
-    group.add_argument(
-        "--pipeline-reuse-plan",
-        default=None,
-        metavar="FILE",
-        help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
-        "direction and layer split replace the other --pipeline-reuse-* flags (a conflicting "
-        "one is refused); checked against --num-layers, --pipeline-model-parallel-size and "
-        "the micro-batches per iteration.",
-    )
+    add_plan_argument(group)
     group.add_argument(
         "--pipeline-reuse-trace",
         default=None,

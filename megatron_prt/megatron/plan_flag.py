@@ -19,6 +19,19 @@ from ..tune.plan_file import PlanFile, load_plan
 FLAG = "--pipeline-reuse-plan"
 
 
+def add_plan_argument(group) -> None:
+    """Add ``--pipeline-reuse-plan`` to the PRT flags' argument group."""
+    group.add_argument(
+        FLAG,
+        default=None,
+        metavar="FILE",
+        help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
+        "direction and layer split replace the other --pipeline-reuse-* flags (a conflicting "
+        "one is refused); checked against --num-layers, --pipeline-model-parallel-size and "
+        "the micro-batches per iteration.",
+    )
+
+
 def apply_plan_file(
     args: argparse.Namespace, defaults: dict, microbatches: int | None
 ) -> PlanFile | None:
