@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-all lint format clean golden bench bench-runtime demo docker docker-demo gpu-smoke
+.PHONY: install test test-all lint format clean golden bench bench-runtime demo docker docker-demo gpu-smoke \
+	test-megatron-next megatron-lm-smoke
 
 install: $(STAMP)
 
@@ -21,10 +22,32 @@ test: install
 test-all: install
 	$(PY) -m pytest -q -m "slow or not slow"
 
+# The megatron-facing tests against the next megatron-core line (requirements-next.txt) on
+# Python 3.12, in their own venv. Not in CI: the first run installs ~2.6 GB of wheels.
+NEXT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) python3.12)
+NEXT_VENV   ?= .venv-next
+NEXT_TESTS  ?= tests/test_megatron_args.py tests/test_megatron_cpu.py \
+	tests/test_megatron_lm_glue.py tests/test_megatron_order.py tests/test_megatron_parity.py \
+	tests/test_megatron_training.py tests/test_pretrain_bert.py tests/test_megatron_lm_cpu.py
+NEXT_STAMP  := $(NEXT_VENV)/.installed-$(shell cat pyproject.toml requirements-next.txt | cksum | cut -d' ' -f1)
+$(NEXT_STAMP): pyproject.toml requirements-next.txt
+	test -x $(NEXT_VENV)/bin/python || $(NEXT_PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install --quiet -r requirements-next.txt
+	$(NEXT_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	rm -f $(NEXT_VENV)/.installed-* && touch $@
+test-megatron-next: $(NEXT_STAMP)
+	$(NEXT_VENV)/bin/python -m pytest -q -x $(NEXT_TESTS)
+
+# Upstream Megatron-LM (a checkout with patches/ applied) trained on 4 CPU ranks by its own
+# training loop with PRT, checkpoint saved and resumed (scripts/megatron_lm_smoke.sh,
+# docs/gpu.md): make megatron-lm-smoke MEGATRON_LM=/path/to/Megatron-LM PYTHON_MLM=venv/bin/python
+megatron-lm-smoke:
+	PYTHON=$(or $(PYTHON_MLM),python3) scripts/megatron_lm_smoke.sh $(MEGATRON_LM)
+
 lint: install
 	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples scripts
 	$(VENV)/bin/hadolint Dockerfile
-	bash -n scripts/gpu_smoke.sh
+	bash -n scripts/gpu_smoke.sh scripts/megatron_lm_smoke.sh
 
 format: install
 	$(VENV)/bin/ruff format megatron_prt tests benchmarks examples scripts
@@ -63,10 +86,17 @@ docker:
 	docker build -t $(IMAGE) .
 
 # BERT pretraining with PRT (wave, R=2) against 1F1B on every GPU of this machine, inside the
-# image: examples/demo.py with --device cuda (timelines in /workspace/out/demo).
+# image: examples/demo.py with --device cuda (timelines in out/demo). Pipeline ranks take one
+# GPU each over NCCL, so with fewer than 2 GPUs the demo runs on 4 CPU ranks instead.
 docker-demo: docker
-	$(DOCKER_RUN) $(IMAGE) bash -c 'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
-	  python /opt/megatron-prt/examples/demo.py --device cuda --ranks $$n --out /workspace/out/demo'
+	$(DOCKER_RUN) -v $(CURDIR)/out:/workspace/out $(IMAGE) bash -c \
+	  'n=$$(python -c "import torch; print(torch.cuda.device_count())"); \
+	  if [ $$n -ge 2 ]; then \
+	    python /opt/megatron-prt/examples/demo.py --device cuda --ranks $$n --out /workspace/out/demo; \
+	  else \
+	    echo "docker-demo: $$n GPU; a pipeline needs 2 (one rank per GPU): 4 CPU ranks instead" >&2; \
+	    OMP_NUM_THREADS=1 python /opt/megatron-prt/examples/demo.py --ranks 4 --out /workspace/out/demo; \
+	  fi'
 
 gpu-smoke:
 	scripts/gpu_smoke.sh

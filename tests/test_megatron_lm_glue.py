@@ -11,6 +11,7 @@ import inspect
 import pathlib
 import re
 import sys
+import textwrap
 import types
 from functools import partial
 
@@ -83,6 +84,7 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         load_global(model, state, is_tied(kind))
     forward_backward = pipeline_parallel.get_forward_backward_func()
     assert forward_backward.reuse == reuse, "the glue installs PRT on the first chunk"
+    _check_chunk_stage_queries(reuse, rank, len(model))
     store = forward_backward(
         forward_step_func=partial(forward_step, kind, False),
         data_iterator=[iter(batches(M)) for _ in model],
@@ -96,6 +98,21 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         "grads": grads_by_name(model, is_tied(kind)),
         "timeout_s": forward_backward.pipeline().timeout_s,
     }
+
+
+def _check_chunk_stage_queries(reuse, rank, chunks):
+    """Asked per chunk (as Megatron-LM does building data iterators), megatron's stage queries
+    answer for the stage the placement gives that chunk."""
+    from megatron.core import parallel_state
+
+    stages = reuse.placement.rank_stages[rank]
+    for chunk in range(chunks):
+        model_stage = reuse.placement.model_stage(stages[chunk])
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk)
+        assert (first, last) == (model_stage == 0, model_stage == reuse.placement.depth - 1), (
+            f"rank {rank} chunk {chunk} (model stage {model_stage})"
+        )
 
 
 @pytest.mark.parametrize(
@@ -166,15 +183,28 @@ def test_without_reuse_the_glue_changes_nothing():
 
 
 # -- the patch files --------------------------------------------------------------------------
-def _patch_files() -> list[pathlib.Path]:
-    return sorted(PATCHES.glob("*.patch"))
+TAGS = sorted(p.name for p in PATCHES.iterdir() if p.is_dir())
+# The lines each tag's first patch adds where Megatron-LM validates its arguments.
+VALIDATE_HOOKS = {
+    "core_v0.16.1": "0001-initialize-translate-pipeline-reuse-flags.patch",
+    "core_v0.19.0": "0001-arguments-translate-pipeline-reuse-flags.patch",
+}
 
 
-def test_patch_series_is_recorded_and_well_formed():
-    tag, *names = (PATCHES / "series").read_text().splitlines()
-    assert re.fullmatch(r"core_v0\.16\.1 [0-9a-f]{40}", tag), "first line: tag and its commit"
-    assert [p.name for p in _patch_files()] == names
-    for path in _patch_files():
+def _patch_files(tag: str | None = None) -> list[pathlib.Path]:
+    return sorted((PATCHES / tag).glob("*.patch") if tag else PATCHES.glob("*/*.patch"))
+
+
+def test_every_supported_tag_has_patches():
+    assert TAGS == sorted(VALIDATE_HOOKS), "patches/<tag>/ directories"
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_patch_series_is_recorded_and_well_formed(tag):
+    first, *names = (PATCHES / tag / "series").read_text().splitlines()
+    assert re.fullmatch(rf"{re.escape(tag)} [0-9a-f]{{40}}", first), "first line: tag, commit"
+    assert [p.name for p in _patch_files(tag)] == names
+    for path in _patch_files(tag):
         text = path.read_text()
         targets = re.findall(r"^diff --git a/(\S+) b/\1$", text, flags=re.M)
         assert targets, f"{path.name}: no file diffs"
@@ -188,6 +218,51 @@ def test_patch_series_is_recorded_and_well_formed():
             )
 
 
+def _patched_validate_hook(tag: str) -> str:
+    """The lines ``tag``'s first patch adds before Megatron's ``validate_args``, dedented to
+    run on their own."""
+    text = (PATCHES / tag / VALIDATE_HOOKS[tag]).read_text()
+    added = [ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("++")]
+    return textwrap.dedent("\n".join(added))
+
+
+@pytest.mark.parametrize("tag", TAGS)
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--pipeline-reuse-placement", "wave", "--pipeline-reuse-direction", "bi"],
+         "--pipeline-reuse-placement, --pipeline-reuse-direction given without --pipeline-reuse"),
+        (["--pipeline-reuse-timeout", "30"], "--pipeline-reuse-timeout given without"),
+    ],
+)  # fmt: skip
+def test_patched_megatron_refuses_reuse_flags_without_pipeline_reuse(tag, flags, named):
+    """Megatron-LM with the patches: PRT flags without ``--pipeline-reuse`` stop the run with
+    the flag named (they used to be dropped, and plain 1F1B trained)."""
+    import argparse
+
+    from megatron_prt.core.placement import ConfigError
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        exec(_patched_validate_hook(tag), {"args": args})
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_patched_megatron_translates_reuse_flags_and_ignores_other_scripts(tag):
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
+    )
+    args.num_layers, args.pipeline_model_parallel_size = 8, 2
+    exec(_patched_validate_hook(tag), {"args": args})
+    assert args.pipeline_reuse_config.placement.chunks_per_rank == 2
+    assert args.num_virtual_stages_per_pipeline_rank == 2
+    other = argparse.Namespace(num_layers=8)  # a script without add_arguments: untouched
+    exec(_patched_validate_hook(tag), {"args": other})
+    assert vars(other) == {"num_layers": 8}
+
+
 def test_patches_call_hooks_that_exist_with_megatrons_signatures():
     text = "".join(p.read_text() for p in _patch_files())
     for name in re.findall(r"pipeline_reuse\.(\w+)", text):
@@ -199,3 +274,49 @@ def test_patches_call_hooks_that_exist_with_megatrons_signatures():
     for keyword in ("pre_process", "post_process", "vp_stage", "config"):
         assert keyword in wrapped.parameters
     assert list(inspect.signature(megatron_lm.get_embedding_ranks).parameters)[:1] == ["pp_ranks"]
+
+
+def test_checkpointed_args_load_with_torch_weights_only(tmp_path):
+    """Megatron-LM saves ``args`` in every checkpoint and loads them with ``weights_only``:
+    the PRT config they carry must load (it stopped every resume with 'Unsupported global')."""
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"]
+    )
+    args.num_layers, args.pipeline_model_parallel_size = 8, 2
+    reuse = megatron_lm.validate_args(args)
+    torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
+    loaded = torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["args"]
+    assert loaded.pipeline_reuse_config == reuse
+
+
+def test_script_providers_are_chained_and_kept_without_reuse(monkeypatch):
+    """``pretrain_gpt.py`` has its own embedding ranks (MTP) and argument provider (ModelOpt):
+    without --pipeline-reuse they decide; the PRT flags are always added."""
+    import argparse
+
+    seen = []
+
+    def script_ranks(pp_ranks, *rest):
+        seen.append(pp_ranks)
+        return [pp_ranks[0], pp_ranks[-1], 99]
+
+    def script_arguments(parser):
+        parser.add_argument("--script-flag", default="x")
+        return parser
+
+    parser = megatron_lm.add_arguments_and(script_arguments)(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-reuse-timeout", "5"])
+    assert (args.script_flag, args.pipeline_reuse_timeout) == ("x", 5.0)
+    plain = megatron_lm.add_arguments_and(None)(argparse.ArgumentParser()).parse_args([])
+    assert plain.pipeline_reuse is None
+
+    for name in ("megatron.training", "megatron.training.arguments"):  # undone after the test
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    _stand_in_training(argparse.Namespace())  # no pipeline_reuse_config: PRT off
+    assert megatron_lm.embedding_ranks_or(script_ranks)([0, 1, 2]) == [0, 2, 99]
+    training_args = argparse.Namespace(pipeline_reuse_config=object())
+    _stand_in_training(training_args)  # PRT on: only the first rank, the script not asked
+    assert megatron_lm.embedding_ranks_or(script_ranks)([0, 1, 2]) == [0]
+    assert seen == [[0, 1, 2]]

@@ -81,7 +81,7 @@ def test_bi_splits_micro_batches_unevenly_when_m_is_odd():
         (Placement(2, 2), 4, "1f1b", "R=1 uni baseline"),
         (Placement(2, 2, "wave"), 4, "interleaved", "loop --direction uni only"),
         (Placement(2), 0, "prt", "micro-batches must be"),
-        (Placement(2), 4, "zb", "schedule must be one of"),
+        (Placement(2), 4, "nosuch", "schedule must be one of"),
     ],
 )
 def test_refused_configurations(placement, m, schedule, match):

@@ -19,7 +19,13 @@ from megatron_prt.sim.cost import CostModel
 from megatron_prt.sim.simulate import simulate
 from megatron_prt.tune.partition import partition
 from megatron_prt.tune.plan_file import PlanFile, load_plan
-from megatron_prt.tune.search_plans import families, max_reuse, tune
+from megatron_prt.tune.search_plans import (
+    SPLIT_BACKWARD_SCHEDULES,
+    families,
+    max_reuse,
+    plan_for,
+    tune,
+)
 
 P, M = 2, 4
 LAYERS = 6  # R up to 3: a short search
@@ -45,6 +51,17 @@ def test_families_cover_the_space():
             assert f"PRT {where}/{direction} R=2" in labels
     assert "PRT loop/bi R=1" in labels and "PRT wave/uni R=1" not in labels  # wave R=1 = loop
     assert not any("R=3" in label for label in labels)  # 12 stages for 8 layers
+
+
+def test_split_backward_families_compete_when_the_planner_has_them(cost, tuned):
+    split = {f.schedule for f in families(P, LAYERS)} & {"zb", "zb-h2"}
+    assert split == set(SPLIT_BACKWARD_SCHEDULES)
+    assert not {f.schedule for f in families(P, LAYERS, split_backward=False)} & split
+    for c in tuned.ranked:
+        assert c.plan.split_backward == (c.family.schedule in SPLIT_BACKWARD_SCHEDULES)
+    without = tune(cost, P, M, split_backward=False)
+    assert not any(c.plan.split_backward for c in without.ranked)
+    assert tuned.winner.makespan <= without.winner.makespan
 
 
 def test_every_candidate_is_what_the_simulator_says(cost, tuned):
@@ -96,7 +113,7 @@ def test_a_plan_over_the_budget_is_kept_only_when_no_variant_fits(cost, tuned):
     for c in result.ranked:
         if c.fits(budget):
             continue
-        equal = build_plan(c.plan.placement, M, c.family.schedule)
+        equal = plan_for(cost, c.plan.placement, M, c.family.schedule, None)
         priced = replace(cost, stage_layers=c.stage_layers)
         peaks = [r.peak_activation_bytes + r.param_bytes for r in simulate(equal, priced).per_rank]
         assert max(peaks) > budget, f"{c.label}: the equal-stage plan fits, {c.planned_for} kept"

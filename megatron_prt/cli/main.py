@@ -16,6 +16,7 @@ from ..core.plan import Plan
 from ..core.schedules import SCHEDULES, build_plan
 from ..core.timing import StageTimes
 from ..core.validate import validate
+from ..core.zerobubble import MEM_CAPS, zero_bubble
 from ..sim.cost import CostModel
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
@@ -49,6 +50,11 @@ def non_negative_float(text: str) -> float:
     return _number(text, lambda value: value >= 0, ">= 0")
 
 
+def _fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    return _number(text, lambda value: 0 <= value <= 1, "in [0, 1]")
+
+
 def _number(text: str, accept, bound: str) -> float:
     try:
         value = float(text)
@@ -57,6 +63,28 @@ def _number(text: str, accept, bound: str) -> float:
     if not math.isfinite(value) or not accept(value):
         raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
     return value
+
+
+def mem_cap(text: str) -> str | float:
+    """argparse type: a named activation cap or a number of bytes > 0."""
+    return text if text in MEM_CAPS else positive_float(text)
+
+
+def _split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
+    p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="split every backward into input-gradient (I) and weight-gradient (W) work and "
+        "let W fill the bubbles (zero-bubble plans, schedule zb)",
+    )
+    if cap:
+        p.add_argument(
+            "--mem-cap",
+            type=mem_cap,
+            default=None,
+            help="split backward: most activation bytes a rank may hold: 1f1b (default, what "
+            "plain 1F1B holds on its busiest rank), zb-h2 (about twice that) or a number",
+        )
 
 
 def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1, required: bool = True) -> None:
@@ -75,6 +103,11 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (whole model, one micro-batch; any time unit)")
     g.add_argument("--fwd-time", type=positive_float, help="forward time (default 1)")
     g.add_argument("--bwd-time", type=non_negative_float, help="backward time (default 2)")
+    g.add_argument(
+        "--wgrad-fraction",
+        type=_fraction,
+        help="share of the backward time that is weight-gradient (W) work (default 0.5)",
+    )
     g.add_argument("--p2p-time", type=non_negative_float, help="time of one p2p hop (default 0)")
     g.add_argument(
         "--replica-sync-time",
@@ -106,6 +139,7 @@ def _cost(args) -> CostModel:
     for flag, key in (
         ("fwd_time", "fwd_time"),
         ("bwd_time", "bwd_time"),
+        ("wgrad_fraction", "wgrad_fraction"),
         ("p2p_time", "p2p_latency"),
         ("replica_sync_time", "replica_latency"),
     ):
@@ -128,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="generate, validate and show a plan")
     _plan_flags(p)
     p.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    _split_flags(p)
     p.add_argument("--format", choices=("text", "json", "csv", "chrome", "png"), default="text")
     p.add_argument("--lowered", action="store_true", help="include SEND/RECV actions")
     p.add_argument("-o", "--output", help="write to FILE (required for png)")
@@ -142,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of --pp/--reuse/--placement/--direction/--microbatches/--schedule",
     )
     s.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    _split_flags(s)
     s.add_argument("--json", action="store_true", help="print metrics as JSON")
     _cost_flags(s)
 
@@ -150,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
     c.add_argument("--reuse", type=positive_int, default=2, help="R for the reuse variants")
     c.add_argument("--json", action="store_true")
+    _split_flags(c, cap=False)
     _cost_flags(c)
 
     from . import partition, profile, tune
@@ -181,10 +218,46 @@ def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
     _check_stage_layers(args, cost, {placement.depth})
-    times = planning_times(args, cost, placement)
-    plan = build_plan(placement, args.microbatches, args.schedule, times)
+    plan = build(args, cost, placement, _schedule(args))
     validate(plan)
     return plan
+
+
+SPLIT_SCHEDULES = ("zb", "zb-h2")
+
+
+def _schedule(args) -> str:
+    """``--schedule``, with ``--split-backward`` turning the default into ``zb``."""
+    if not args.split_backward or args.schedule in SPLIT_SCHEDULES:
+        return args.schedule
+    if args.schedule != "prt":
+        raise ConfigError(
+            f"--split-backward plans with the zb generator, not --schedule {args.schedule}; "
+            "drop --schedule (or give --schedule zb)"
+        )
+    return "zb"
+
+
+def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
+    """:func:`build_plan`, except that split-backward plans are sized with the cost model:
+    its stage activation bytes and W's share of them (``wgrad_keep_fraction``) for the
+    memory cap, its ``wgrad_fraction`` for the W times."""
+    times = planning_times(args, cost, placement)
+    if schedule not in SPLIT_SCHEDULES:
+        return build_plan(placement, args.microbatches, schedule, times)
+    if times is None:  # equal stages, as the runtime's plan, with the costs' W share
+        times = StageTimes.uniform(placement.depth)
+        if cost.wgrad_fraction is not None:
+            times = times.with_wgrad_fraction(cost.wgrad_fraction)
+    cap = getattr(args, "mem_cap", None) or ("zb-h2" if schedule == "zb-h2" else "1f1b")
+    return zero_bubble(
+        placement,
+        args.microbatches,
+        times,
+        mem_cap=cap,
+        act=cost.stage_activation_bytes(placement),
+        keep=cost.wgrad_keep_fraction,
+    )
 
 
 def cmd_plan(args) -> int:
@@ -314,8 +387,11 @@ def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
     return plan_file.plan, replace(cost, stage_layers=plan_file.stage_layers)
 
 
-def compare_variants(pp: int, reuse: int) -> list[tuple[str, Placement, str]]:
-    """(label, placement, schedule) rows of ``megatron-prt compare``."""
+def compare_variants(
+    pp: int, reuse: int, split_backward: bool = False
+) -> list[tuple[str, Placement, str]]:
+    """(label, placement, schedule) rows of ``megatron-prt compare``; ``split_backward``
+    adds the zero-bubble rows (under 1F1B's activation memory)."""
     rows = [("1F1B", Placement(pp, 1), "1f1b")]
     rows.append((f"interleaved R={reuse}", Placement(pp, reuse), "interleaved"))
     rows += [
@@ -325,18 +401,26 @@ def compare_variants(pp: int, reuse: int) -> list[tuple[str, Placement, str]]:
         (f"PRT loop/bi R={reuse}", Placement(pp, reuse, "loop", "bi"), "prt"),
         (f"PRT wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "prt"),
     ]
+    if split_backward:
+        rows += [
+            ("ZB R=1 (ZB-H1)", Placement(pp, 1), "zb"),
+            ("ZB wave/uni R=2 (ZB-V)", Placement(pp, 2, "wave"), "zb"),
+            (f"ZB loop/uni R={reuse}", Placement(pp, reuse, "loop"), "zb"),
+            (f"ZB wave/uni R={reuse}", Placement(pp, reuse, "wave"), "zb"),
+            ("ZB bi R=1", Placement(pp, 1, "loop", "bi"), "zb"),
+            (f"ZB wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "zb"),
+        ]
     return rows
 
 
 def cmd_compare(args) -> int:
     cost = _cost(args)
-    variants = compare_variants(args.pp, args.reuse)
+    variants = compare_variants(args.pp, args.reuse, args.split_backward)
     _check_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
     results = []
     for label, placement, schedule in variants:
         try:
-            times = planning_times(args, cost, placement)
-            plan = build_plan(placement, args.microbatches, schedule, times)
+            plan = build(args, cost, placement, schedule)
         except ConfigError as exc:
             results.append((label, None, str(exc)))
             continue

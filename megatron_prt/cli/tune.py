@@ -54,6 +54,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="try reuse factors up to R (default: up to layers // P, every stage a layer)",
     )
     p.add_argument(
+        "--no-split-backward",
+        dest="split_backward",
+        action="store_false",
+        help="leave the split-backward (zero-bubble) schedules out of the search",
+    )
+    p.add_argument(
         "--jobs",
         type=positive_int,
         default=min(2, os.cpu_count() or 1),
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             args.microbatches,
             budget_bytes=args.memory_budget,
             reuse_limit=args.max_reuse,
+            split_backward=args.split_backward,
             jobs=args.jobs,
             progress=_Progress(),
         )

@@ -9,6 +9,8 @@
 ``interleaved``  megatron-core's virtual-pipeline order, rebuilt from its schedule table
                  (loop, uni, where megatron-core accepts the configuration).
 ``gpipe``        all forwards, then all backwards (any placement).
+``zb``, ``zb-h2`` split backward (F, I, W) for any placement, direction, R and m, under 1F1B's
+                 or ZB-H2's activation memory (:mod:`megatron_prt.core.zerobubble`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
 from .replay import replay
 from .timing import StageTimes
+from .zerobubble import zero_bubble
 
 Generator = Callable[[Placement, int, StageTimes], Plan]
 
@@ -276,6 +279,8 @@ SCHEDULES: dict[str, Generator] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "gpipe": gpipe,
+    "zb": zero_bubble,  # split backward (F/I/W) under 1F1B's activation memory
+    "zb-h2": functools.partial(zero_bubble, mem_cap="zb-h2"),
 }
 
 

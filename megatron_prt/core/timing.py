@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .actions import Action, Op
 
@@ -13,12 +13,27 @@ class StageTimes:
     it) for one micro-batch. ``p2p``: latency of one cross-rank hop; same-rank hand-offs cost 0.
     ``p2p_cpu``: time one message also takes from its sender's and its receiver's compute
     (CPU transports copy through the kernel; NCCL on GPUs is close to 0). It is charged to
-    the compute action that produces or consumes the message."""
+    the compute action that produces or consumes the message.
+
+    Split backward: ``wgt[k]`` is the weight-gradient (W) part of ``bwd[k]``, the
+    input-gradient (I) part is ``bwd[k] - wgt[k]``; ``None`` splits every backward in
+    half. Plans without I/W never read it."""
 
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     p2p: float = 0.0
     p2p_cpu: float = 0.0
+    wgt: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.wgt is not None and (
+            len(self.wgt) != len(self.bwd)
+            or any(not 0 <= w <= b for w, b in zip(self.wgt, self.bwd, strict=True))
+        ):
+            raise ValueError(
+                f"wgt must give every stage a weight-gradient time in [0, bwd]: wgt={self.wgt}"
+                f", bwd={self.bwd}"
+            )
 
     @classmethod
     def uniform(cls, depth: int, fwd: float = 1.0, bwd: float = 2.0, p2p: float = 0.0):
@@ -29,23 +44,28 @@ class StageTimes:
         """Integer copy (and the tick length) so that event ties are exact: a schedule must
         not change with the time unit or with float rounding (1/6 + 1/6 != 2/6)."""
         positive = [t for t in (*self.fwd, *self.bwd, self.p2p, self.p2p_cpu) if t > 0]
+        positive += [t for t in self.wgt or () if t > 0]
         tick = min(positive) / resolution if positive else 1.0
         as_ticks = lambda ts: tuple(round(t / tick) for t in ts)  # noqa: E731
+        wgt = None if self.wgt is None else as_ticks(self.wgt)
+        if wgt is not None:  # rounding must keep I = B - W >= 0
+            wgt = tuple(min(w, b) for w, b in zip(wgt, as_ticks(self.bwd), strict=True))
         return (
             StageTimes(
                 as_ticks(self.fwd),
                 as_ticks(self.bwd),
                 round(self.p2p / tick),
                 round(self.p2p_cpu / tick),
+                wgt,
             ),
             tick,
         )
 
     def busy(self, action: Action, placement) -> float:
         """Rank time of ``action``: its compute plus ``p2p_cpu`` per message it receives or
-        sends (a neighbouring stage on another rank)."""
+        sends (a neighbouring stage on another rank; ``W`` has no message)."""
         base = self.duration(action)
-        if not self.p2p_cpu:
+        if not self.p2p_cpu or action.op is Op.W:
             return base
         rank = placement.rank_of(action.stage)
         messages = sum(
@@ -62,5 +82,18 @@ class StageTimes:
         if action.op is Op.B:
             return self.bwd[k]
         if action.op in (Op.I, Op.W):
-            return self.bwd[k] // 2 if isinstance(self.bwd[k], int) else self.bwd[k] / 2
+            wgt = self.wgrad(k)
+            return wgt if action.op is Op.W else self.bwd[k] - wgt
         return 0.0
+
+    def wgrad(self, k: int) -> float:
+        """Weight-gradient (W) time of model stage ``k``; the rest of ``bwd[k]`` is I."""
+        if self.wgt is not None:
+            return self.wgt[k]
+        return self.bwd[k] // 2 if isinstance(self.bwd[k], int) else self.bwd[k] / 2
+
+    def with_wgrad_fraction(self, fraction: float) -> StageTimes:
+        """These times with W = ``fraction`` of every backward (0 <= fraction <= 1)."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"wgrad fraction must be in [0, 1], got {fraction}")
+        return replace(self, wgt=tuple(b * fraction for b in self.bwd))

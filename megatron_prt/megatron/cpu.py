@@ -13,8 +13,9 @@ with megatron's own DDP, optimizer and no-pipelining schedule:
   ``pipeline_parallel.schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (loss
   scale tensors) and ``optimizer.clip_grads`` (grad norm, zero count) becomes a proxy of
   torch whose tensor factories turn ``device="cuda"`` into CPU and whose ``torch.cuda``
-  answers ``current_device()`` with ``"cpu"`` and makes ``synchronize()`` a no-op. The real
-  ``torch`` and ``torch.cuda`` modules are left alone; everything else is delegated to them.
+  answers ``current_device()`` with ``"cpu"``, makes ``synchronize()`` a no-op and gives
+  streams that never wait. The real ``torch`` and ``torch.cuda`` modules are left alone;
+  everything else is delegated to them.
 * ``clip_grad_by_total_norm_fp32`` (in ``optimizer.clip_grads`` and ``optimizer.optimizer``,
   which imports the name) asserts ``torch.cuda.FloatTensor`` grads: a CPU version with the
   same contract (every grad present is scaled; the shared / tensor-parallel-duplicate filter
@@ -114,9 +115,24 @@ def _cpu_factory(factory):
     return make
 
 
-class _CpuCuda:
-    """``torch.cuda`` as megatron's allocation code sees it: the current device is the CPU
-    and there is nothing to synchronize. Anything else is the real ``torch.cuda``."""
+class CpuStream:
+    """A CUDA stream on CPU: work is already ordered, every wait returns at once."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CpuCuda:
+    """``torch.cuda`` as megatron's allocation code sees it: the current device is the CPU,
+    there is nothing to synchronize and streams never wait (megatron-core 0.19's DDP waits
+    on the current stream before each gradient reduce). Anything else is the real
+    ``torch.cuda``."""
 
     @staticmethod
     def current_device() -> str:
@@ -126,15 +142,27 @@ class _CpuCuda:
     def synchronize(device=None) -> None:
         return None
 
+    @staticmethod
+    def Stream(*args, **kwargs) -> CpuStream:  # noqa: N802 (torch.cuda's name)
+        return CpuStream()
+
+    @staticmethod
+    def current_stream(device=None) -> CpuStream:
+        return CpuStream()
+
+    @staticmethod
+    def stream(stream) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
 
 
 class CpuTorch:
     """Stands in for ``torch`` inside one megatron module: factories allocate on CPU when
-    asked for CUDA, ``cuda`` is :class:`_CpuCuda`, every other attribute is torch's own."""
+    asked for CUDA, ``cuda`` is :class:`CpuCuda`, every other attribute is torch's own."""
 
-    cuda = _CpuCuda()
+    cuda = CpuCuda()
 
     def __init__(self) -> None:
         for name in _FACTORIES:

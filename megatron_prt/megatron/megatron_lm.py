@@ -1,30 +1,60 @@
-"""Glue for Megatron-LM's training scripts (``pretrain_bert.py``; see ``patches/``).
+"""Glue for Megatron-LM's training scripts (``pretrain_bert.py``, ``pretrain_gpt.py``; see
+``patches/<tag>/``).
 
 Megatron-LM builds its arguments inside ``pretrain()``, so this module is the one place in
 megatron-prt that reads them through ``megatron.training.get_args()``; everything below it
 takes a :class:`~megatron_prt.megatron.config.ReuseConfig`. A patched script passes:
 
-* ``extra_args_provider=add_arguments`` (the ``--pipeline-reuse*`` flags);
-* ``get_embedding_ranks=get_embedding_ranks`` (PRT sums tied embedding gradients itself);
+* ``extra_args_provider=add_arguments`` (the ``--pipeline-reuse*`` flags), or
+  ``add_arguments_and(script_provider)`` for a script with its own;
+* ``get_embedding_ranks=get_embedding_ranks`` (PRT sums tied embedding gradients itself), or
+  ``embedding_ranks_or(script_ranks)`` for a script with its own;
 * ``model_provider(provider)`` instead of ``provider``: chunk roles and the layer layout from
-  the placement, replica/tied weights prepared as chunks are built, and PRT installed as the
-  forward-backward function megatron's training loop looks up.
+  the placement, replica/tied weights prepared as chunks are built, PRT installed as the
+  forward-backward function megatron's training loop looks up, and megatron's per-chunk
+  stage queries answering for the placement.
 
-and ``megatron/training/initialize.py`` calls :func:`validate_args` right before Megatron's own
-``validate_args``. Without ``--pipeline-reuse`` every hook leaves Megatron's behaviour as is.
-``--pipeline-reuse-timeout`` travels in the :class:`ReuseConfig` to :func:`install`: it bounds
-every wait on a pipeline peer before a ``PipelineError`` names that peer.
+and Megatron-LM calls :func:`validate_args` right before its own ``validate_args`` whenever
+the flags are registered (``initialize.py`` at core_v0.16.1, ``arguments.py`` at
+core_v0.19.0): without ``--pipeline-reuse`` it refuses the other ``--pipeline-reuse-*`` flags
+and otherwise leaves Megatron's behaviour as is. ``--pipeline-reuse-timeout`` travels in the
+:class:`ReuseConfig` to :func:`install`: it bounds every wait on a pipeline peer before a
+``PipelineError`` names that peer.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 from collections.abc import Callable
 
-from .args import add_arguments, validate_args
+from .args import add_arguments
+from .args import validate_args as _validate_flags
 from .config import ReuseConfig
 
-__all__ = ["add_arguments", "get_embedding_ranks", "model_provider", "validate_args"]
+__all__ = [
+    "add_arguments",
+    "add_arguments_and",
+    "embedding_ranks_or",
+    "get_embedding_ranks",
+    "model_provider",
+    "validate_args",
+]
+
+
+def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
+    """:func:`megatron_prt.megatron.args.validate_args` (refuse, translate), and under PRT let
+    Megatron's checkpoints hold the result: ``save_checkpoint`` stores ``args``, which now
+    carry ``pipeline_reuse_config``, and ``load_checkpoint`` reads them back with torch's
+    ``weights_only`` loader, which refuses classes it was not told about."""
+    reuse = _validate_flags(args)
+    if reuse is not None:
+        import torch
+
+        from ..core.placement import Placement
+
+        torch.serialization.add_safe_globals([ReuseConfig, Placement])
+    return reuse
 
 
 def _reuse() -> ReuseConfig | None:
@@ -42,6 +72,31 @@ def get_embedding_ranks(pp_ranks: list[int], vp_size: int | None = None) -> list
     if _reuse() is None:
         return parallel_state.default_embedding_ranks(pp_ranks)
     return embedding_ranks(pp_ranks, vp_size)
+
+
+def embedding_ranks_or(script_ranks: Callable) -> Callable:
+    """``get_embedding_ranks`` for a script that has its own (``pretrain_gpt.py``: the MTP
+    ranks join the group): the script's without ``--pipeline-reuse``, :func:`get_embedding_ranks`
+    with it."""
+
+    @functools.wraps(script_ranks)
+    def ranks(pp_ranks: list[int], *args, **kwargs) -> list[int]:
+        if _reuse() is None:
+            return script_ranks(pp_ranks, *args, **kwargs)
+        return get_embedding_ranks(pp_ranks, *args, **kwargs)
+
+    return ranks
+
+
+def add_arguments_and(script_arguments: Callable | None) -> Callable:
+    """``extra_args_provider`` that adds the ``--pipeline-reuse*`` flags, then the script's
+    own (``None``: none, as ``pretrain_gpt.py`` passes without ModelOpt)."""
+
+    def provider(parser):
+        parser = add_arguments(parser)
+        return parser if script_arguments is None else script_arguments(parser)
+
+    return provider
 
 
 def model_provider(provider: Callable) -> Callable:
@@ -71,6 +126,38 @@ def model_provider(provider: Callable) -> Callable:
         built.append(model)
         prepare_chunk(built, reuse)
         install(reuse)
+        _answer_chunk_queries()
         return model
 
     return build
+
+
+def _answer_chunk_queries() -> None:
+    """Under PRT, ``is_pipeline_first_stage`` / ``is_pipeline_last_stage`` asked about chunk
+    ``vp_stage`` (``ignore_virtual=False``) answer for the stage that chunk holds in the
+    placement. Megatron-LM asks them per chunk outside any forward, e.g. ``pretrain_gpt.py``
+    building a data iterator only for the chunks holding the first or last stage: under
+    ``wave`` the last stage is chunk R-1 of rank 0, not the last chunk of rank P-1. Other
+    questions go to the function in place (megatron's, or megatron-prt's answer for the
+    running chunk)."""
+    from megatron.core import parallel_state
+
+    from .layout import chunk_roles
+
+    for name, role_says in (
+        ("is_pipeline_first_stage", lambda role: role.pre_process),
+        ("is_pipeline_last_stage", lambda role: role.post_process),
+    ):
+        current = getattr(parallel_state, name)
+        if getattr(current, "megatron_lm_chunks", False):
+            continue
+
+        def query(ignore_virtual=True, vp_stage=None, _current=current, _says=role_says):
+            reuse = _reuse()
+            if reuse is None or ignore_virtual or vp_stage is None:
+                return _current(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+            rank = parallel_state.get_pipeline_model_parallel_rank()
+            return _says(chunk_roles(reuse, rank)[vp_stage])
+
+        query.megatron_lm_chunks = True  # type: ignore[attr-defined]
+        setattr(parallel_state, name, query)

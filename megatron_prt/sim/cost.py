@@ -48,6 +48,15 @@ transfer). All three default to free, which leaves every prediction without the 
 ``grad`` (``grad_bytes`` for the whole model) defaults to ``param / 4``
 (:data:`PARAM_BYTES_PER_GRAD_BYTE`): ``param`` counts 16 bytes per parameter in fp32 Adam
 (weight, gradient and two moments, 4 bytes each), of which the gradient is 4.
+
+Split backward (plans with I and W, :mod:`megatron_prt.core.zerobubble`). ``bwd`` stays the
+whole backward; its weight-gradient share W is ``wgrad`` per entry (a time, at most
+``bwd``), else ``wgrad_fraction`` of ``bwd`` (default 0.5); I is the rest. After I a stage
+still holds ``wgrad_keep_fraction`` of its ``act`` bytes until W (default
+:data:`~megatron_prt.core.zerobubble.WGRAD_KEEP_FRACTION`, docs/theory.md section 8). Files
+without these keys load as before and describe a backward split in half::
+
+    {"fwd_time": 3.0, "bwd_time": 6.0, "wgrad_fraction": 0.4, "wgrad_keep_fraction": 0.9}
 """
 
 from __future__ import annotations
@@ -59,6 +68,10 @@ from dataclasses import asdict, dataclass, field, replace
 from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
+from ..core.zerobubble import WGRAD_KEEP_FRACTION
+
+# Share of a backward that is weight-gradient work when a cost model does not say.
+DEFAULT_WGRAD_FRACTION = 0.5
 
 # fp32 Adam keeps weight, gradient and two moments (4 bytes each) per parameter: the
 # gradient is a quarter of ``param``. Used where no ``grad`` bytes are given.
@@ -75,14 +88,23 @@ class LayerCost:
     act: float = 0.0  # activation bytes kept for backward, one micro-batch
     param: float = 0.0  # parameter (+ grad + optimizer state) bytes
     grad: float | None = None  # gradient bytes; None: param / PARAM_BYTES_PER_GRAD_BYTE
+    wgrad: float | None = None  # weight-gradient part of bwd; None: the model's fraction
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "bwd", "act", "param", "grad"):
+        for name in ("fwd", "bwd", "act", "param", "grad", "wgrad"):
             value = getattr(self, name)
-            if name == "grad" and value is None:
+            if name in ("grad", "wgrad") and value is None:
                 continue
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"layer cost {name} must be a number >= 0, got {value!r}")
+        if self.wgrad is not None and self.wgrad > self.bwd:
+            raise ConfigError(
+                f"layer cost wgrad ({self.wgrad}) is part of bwd ({self.bwd}); give wgrad <= bwd"
+            )
+
+    def wgrad_time(self, fraction: float) -> float:
+        """Weight-gradient time: ``wgrad``, or ``fraction`` of ``bwd`` when not given."""
+        return fraction * self.bwd if self.wgrad is None else self.wgrad
 
     @property
     def grad_bytes(self) -> float:
@@ -91,8 +113,9 @@ class LayerCost:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        if self.grad is None:  # absent rather than null: older readers accept it
-            del data["grad"]
+        for key in ("grad", "wgrad"):
+            if data[key] is None:  # absent rather than null: older readers accept it
+                del data[key]
         return data
 
     @classmethod
@@ -104,7 +127,7 @@ class LayerCost:
         if set(data) - known or not {"fwd", "bwd"} <= set(data):
             raise ConfigError(
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
-                "act, param and grad"
+                "act, param, grad and wgrad"
             )
         return cls(**data)
 
@@ -127,6 +150,8 @@ class CostModel:
     replica_latency: float = 0.0  # bi: per exchange between two mirrored ranks
     replica_bandwidth: float = math.inf  # bi: gradient bytes per time unit, each way
     replica_add_bandwidth: float = math.inf  # bi: received gradient bytes summed per time unit
+    wgrad_fraction: float | None = None  # split backward: W share of bwd; None: 0.5
+    wgrad_keep_fraction: float = WGRAD_KEEP_FRACTION  # share of act W holds after I
 
     def __post_init__(self) -> None:
         for name in (
@@ -145,6 +170,10 @@ class CostModel:
         for name in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"cost {name} must be > 0")
+        for name in ("wgrad_fraction", "wgrad_keep_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise ConfigError(f"cost {name} must be in [0, 1], got {value}")
         if self.stage_layers:  # the depth is checked where it is known: layer_counts
             check_stage_layers(self.stage_layers, len(self.layers))
 
@@ -189,19 +218,21 @@ class CostModel:
             return check_stage_layers(self.stage_layers, len(self.layers), depth)
         return even_layers(len(self.layers), depth)
 
-    def _per_stage(self, depth: int, total: float, attr: str) -> tuple[float, ...]:
+    def _per_stage(self, depth: int, total: float, attr) -> tuple[float, ...]:
+        """``attr``: a :class:`LayerCost` field name, or a function of a layer cost."""
+        value = attr if callable(attr) else (lambda layer: getattr(layer, attr))
         if not self.layers:
             out = [total / depth] * depth
         else:
-            values = [getattr(layer, attr) for layer in self.layers]
+            values = [value(layer) for layer in self.layers]
             out, first = [], 0
             for count in self.layer_counts(depth):
                 out.append(sum(values[first : first + count]))
                 first += count
         if self.embedding is not None:
-            out[0] += getattr(self.embedding, attr)
+            out[0] += value(self.embedding)
         if self.head is not None:
-            out[-1] += getattr(self.head, attr)
+            out[-1] += value(self.head)
         if attr == "act" and self.layers:
             counts = self.layer_counts(depth)
             out = [a + self.empty_stage_act(k, counts[k], depth) for k, a in enumerate(out)]
@@ -223,7 +254,21 @@ class CostModel:
             self._per_stage(d, self.bwd_time, "bwd"),
             self.hop_time,
             self.p2p_cpu,
+            self.stage_wgrad_times(d),
         )
+
+    def stage_wgrad_times(self, depth: int) -> tuple[float, ...] | None:
+        """Weight-gradient (W) time of every model stage; ``None`` when the model gives no
+        split (no ``wgrad_fraction``, no ``wgrad``): W is then half of every backward."""
+        parts = [*self.layers, self.embedding, self.head]
+        if self.wgrad_fraction is None and all(p is None or p.wgrad is None for p in parts):
+            return None
+        fraction = self.wgrad_fraction
+        if fraction is None:
+            fraction = DEFAULT_WGRAD_FRACTION
+        bwd = self._per_stage(depth, self.bwd_time, "bwd")
+        wgt = self._per_stage(depth, fraction * self.bwd_time, lambda c: c.wgrad_time(fraction))
+        return tuple(min(w, b) for w, b in zip(wgt, bwd, strict=True))  # float rounding
 
     def stage_activation_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.activation_bytes, "act")
@@ -341,4 +386,6 @@ _OPTIONAL_KEYS = {
     "replica_latency": 0.0,
     "replica_bandwidth": math.inf,
     "replica_add_bandwidth": math.inf,
+    "wgrad_fraction": None,
+    "wgrad_keep_fraction": WGRAD_KEEP_FRACTION,
 }

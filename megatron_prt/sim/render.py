@@ -44,13 +44,14 @@ def ascii_grid(spans: Sequence[Sequence[Span]], width: int = 120) -> str:
                 max(round(end * scale), round(start * scale) + 1),
             )
             text = str(action)
-            fill = "-" if action.op is Op.F else "="
+            fill = {Op.F: "-", Op.W: "~"}.get(action.op, "=")
             chunk = (text + fill * (b - a))[: b - a - 1] + "|"
             cells[a:b] = list(chunk)
         lines.append(f"r{rank:<3}| " + "".join(cells))
-    lines.append(
-        f"     time 0 .. {makespan:g}; <stage>F<mb>--| forward, <stage>B<mb>==| backward, . idle"
-    )
+    legend = f"     time 0 .. {makespan:g}; <stage>F<mb>--| forward, <stage>B<mb>==| backward"
+    if any(action.op is Op.W for row in spans for action, _, _ in row):
+        legend += " (split: <stage>I<mb>==| input-grad, <stage>W<mb>~~| weight-grad)"
+    lines.append(legend + ", . idle")
     return "\n".join(lines)
 
 
@@ -96,7 +97,8 @@ def write_chrome_trace(path: str, spans, stage_to_chunk=None, unit_us: float = 1
 def write_png(path: str, spans: Sequence[Sequence[Span]], title: str = "", chunks=None) -> None:
     """A timeline picture (needs matplotlib: ``pip install megatron-prt[plot]``).
 
-    Forwards are blue, backwards orange; darker shades are later chunks; labels are mb ids."""
+    Forwards are blue, backwards (B or I) orange, weight-gradient work (W) green; darker
+    shades are later chunks; labels are mb ids."""
     try:
         import matplotlib
 
@@ -108,12 +110,13 @@ def write_png(path: str, spans: Sequence[Sequence[Span]], title: str = "", chunk
     makespan = max((e for row in spans for _, _, e in row), default=1.0)
     max_chunk = max(chunks or [0]) + 1 if chunks else 1
     fig, ax = plt.subplots(figsize=(min(24, 4 + makespan * 0.25 + 0.2 * ranks), 0.6 + 0.45 * ranks))
-    blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+    colormaps = {Op.F: plt.get_cmap("Blues"), Op.W: plt.get_cmap("Greens")}
+    oranges = plt.get_cmap("Oranges")
     for rank, row in enumerate(spans):
         for action, start, end in row:
             chunk = chunks[action.stage] if chunks else 0
             shade = 0.35 + 0.5 * (chunk / max(1, max_chunk - 1))
-            color = blues(shade) if action.op is Op.F else oranges(shade)
+            color = colormaps.get(action.op, oranges)(shade)
             ax.barh(
                 rank,
                 end - start,

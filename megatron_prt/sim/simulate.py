@@ -2,7 +2,9 @@
 
 Semantics: each rank runs its compute actions in plan order; an action starts when its rank
 is free and every producer has finished (plus one hop time per cross-rank edge). A forward
-allocates its stage's activation bytes when it starts; the backward frees them when it ends.
+allocates its stage's activation bytes when it starts; the backward frees them when it ends
+(split backward: I frees all but the cost's ``wgrad_keep_fraction``, W the rest). Any valid
+plan simulates, F/B or F/I/W, whoever built it.
 Communication overlaps compute (a hop delays the consumer, not the sender).
 
 Direction ``bi`` ends with the replica-gradient sum (:mod:`megatron_prt.sim.replica_sync`):
@@ -20,6 +22,7 @@ from ..core.actions import Action, Op
 from ..core.deps import consumers_map
 from ..core.plan import Plan
 from ..core.replay import Timeline, replay
+from ..core.zerobubble import WGRAD_KEEP_FRACTION
 from .cost import CostModel
 from .replica_sync import ReplicaSync, replica_syncs
 
@@ -80,7 +83,7 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     stats = []
     for rank, mine in enumerate(acts):
         busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
-        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes)
+        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, cost.wgrad_keep_fraction)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
         stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
         stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
@@ -114,16 +117,21 @@ FREES = (Op.B, Op.W)  # the backward that ends an activation's life (W when spli
 
 
 def held_activations(
-    actions: Sequence[Action], timeline: Timeline | None = None
-) -> list[tuple[Action, int]]:
+    actions: Sequence[Action],
+    timeline: Timeline | None = None,
+    keep: float = WGRAD_KEEP_FRACTION,
+) -> list[tuple[Action, float]]:
     """THE memory rule: a rank holds the activation of ``(stage, mb)`` from the start of
-    its forward until the end of the backward that frees it (``B``, or ``W`` when the
-    backward is split). Returns the rank's ``(action, +1 | -1)`` changes in the order it
-    sees them: by time under ``timeline`` (frees before allocations at one instant); without
-    one, in ``actions`` order, which is the time order too (a rank runs its actions one
-    after the other) unless a zero-time backward ends at the very instant a later forward
-    starts."""
-    changes = [(a, 1 if a.op is Op.F else -1) for a in actions if a.op is Op.F or a.op in FREES]
+    its forward until the end of the backward that frees it: all of it until ``B``; with
+    split backward, all of it until ``I`` ends, then the share ``keep`` that ``W`` needs
+    (its weight GEMMs' inputs and output gradients) until ``W`` ends. Returns the rank's
+    ``(action, change)`` changes, in shares of the stage's activation (``+1`` at F, ``-1``
+    at B, ``-(1 - keep)`` at I, ``-keep`` at W), in the order it sees them: by time under
+    ``timeline`` (frees before allocations at one instant); without one, in ``actions``
+    order, which is the time order too (a rank runs its actions one after the other) unless
+    a zero-time backward ends at the very instant a later forward starts."""
+    share = {Op.F: 1, Op.B: -1, Op.I: -(1 - keep), Op.W: -keep}
+    changes = [(a, share[a.op]) for a in actions if a.op in share]
     if timeline is not None:
         changes.sort(key=lambda c: _instant(c, timeline))
     return changes
@@ -135,12 +143,13 @@ def _instant(change: tuple[Action, int], timeline: Timeline) -> tuple[float, int
     return (timeline.start[action], 1) if sign > 0 else (timeline.end[action], 0)
 
 
-def _peak_memory(acts, timeline: Timeline, act_bytes) -> tuple[int, float]:
-    """(most activations held at once, most activation bytes held at once) on one rank."""
+def _peak_memory(acts, timeline: Timeline, act_bytes, keep: float) -> tuple[int, float]:
+    """(most activations held at once, most activation bytes held at once) on one rank; an
+    activation counts as held until the backward that ends its life (B or W)."""
     count = peak_n = 0
     held = peak_b = 0.0
-    for action, change in held_activations(acts, timeline):
-        count += change
+    for action, change in held_activations(acts, timeline, keep):
+        count += 1 if action.op is Op.F else -1 if action.op in FREES else 0
         held += change * act_bytes[action.stage % len(act_bytes)]
         peak_n, peak_b = max(peak_n, count), max(peak_b, held)
     return peak_n, peak_b

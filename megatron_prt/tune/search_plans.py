@@ -39,7 +39,9 @@ from ..core.layers import even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
 from ..core.schedules import SCHEDULES, build_plan
+from ..core.timing import StageTimes
 from ..core.validate import validate
+from ..core.zerobubble import zero_bubble
 from ..sim.cost import CostModel
 from ..sim.simulate import SimResult, simulate
 from .memory import format_bytes
@@ -150,14 +152,17 @@ def max_reuse(num_layers: int, ranks: int) -> int:
     return max(1, num_layers // ranks)
 
 
-def families(ranks: int, num_layers: int, reuse_limit: int | None = None) -> list[Family]:
+def families(
+    ranks: int, num_layers: int, reuse_limit: int | None = None, split_backward: bool = True
+) -> list[Family]:
     """The schedule families searched, in enumeration order (module docstring); R at most
-    ``reuse_limit`` when given."""
+    ``reuse_limit`` when given; the split-backward ones only with ``split_backward``."""
     top = max_reuse(num_layers, ranks)
     top = top if reuse_limit is None else min(top, reuse_limit)
     rows = [("1f1b", Placement(ranks, 1))]
     rows += [("interleaved", Placement(ranks, r)) for r in range(2, top + 1)]
-    for schedule in ("prt", *SPLIT_BACKWARD_SCHEDULES):
+    split = SPLIT_BACKWARD_SCHEDULES if split_backward else ()
+    for schedule in ("prt", *split):
         for r in range(1, top + 1):
             for where in ("loop", "wave"):
                 if where == "wave" and r == 1:
@@ -174,13 +179,15 @@ def tune(
     *,
     budget_bytes: float | None = None,
     reuse_limit: int | None = None,
+    split_backward: bool = True,
     jobs: int = 1,
     progress: Progress | None = None,
 ) -> TuneResult:
     """Score every candidate (module docstring) and pick the fastest that fits.
 
     ``cost`` needs per-layer costs (its ``stage_layers`` are ignored); ``reuse_limit``
-    caps R below what the layers allow (a shorter search); ``jobs`` > 1 scores the
+    caps R below what the layers allow (a shorter search); ``split_backward`` False leaves
+    the split-backward generators out; ``jobs`` > 1 scores the
     families in that many forked processes (same result: the ranking is by key). Raises
     :class:`ConfigError` when nothing fits ``budget_bytes``, naming the smallest peak found."""
     if not cost.layers:
@@ -192,7 +199,7 @@ def tune(
         raise ConfigError(f"--memory-budget must be > 0 bytes, got {budget_bytes!r}")
     start = time.perf_counter()
     found, skipped = [], []
-    todo = families(ranks, len(cost.layers), reuse_limit)
+    todo = families(ranks, len(cost.layers), reuse_limit, split_backward)
     for done, (family, scored) in enumerate(
         _scored(cost, todo, num_microbatches, budget_bytes, jobs)
     ):
@@ -248,7 +255,7 @@ def _score_family(
     cost: CostModel, family: Family, num_microbatches: int, budget_bytes: float | None
 ) -> list[Candidate]:
     placement, schedule = family.placement, family.schedule
-    equal_plan = build_plan(placement, num_microbatches, schedule)
+    equal_plan = plan_for(cost, placement, num_microbatches, schedule, None)
     validate(equal_plan)
     out = []
     for kind, counts in _partitions(cost, family, num_microbatches, budget_bytes):
@@ -259,7 +266,9 @@ def _score_family(
             )
         ]
         if schedule in TIME_AWARE_SCHEDULES:
-            plan = build_plan(placement, num_microbatches, schedule, priced.stage_times(placement))
+            plan = plan_for(
+                priced, placement, num_microbatches, schedule, priced.stage_times(placement)
+            )
             if plan != equal_plan:
                 validate(plan)
                 variants.append(
@@ -269,6 +278,29 @@ def _score_family(
         fitting = [c for c in variants if c.fits(budget_bytes)] or variants
         out.append(min(fitting, key=lambda c: c.makespan))
     return out
+
+
+def plan_for(
+    cost: CostModel, placement: Placement, num_microbatches: int, schedule: str, times
+) -> Plan:
+    """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
+    sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
+    W's share of them under the schedule's cap, equal stages with the cost's W share when
+    ``times`` is None."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return build_plan(placement, num_microbatches, schedule, times)
+    if times is None:
+        times = StageTimes.uniform(placement.depth)
+        if cost.wgrad_fraction is not None:
+            times = times.with_wgrad_fraction(cost.wgrad_fraction)
+    return zero_bubble(
+        placement,
+        num_microbatches,
+        times,
+        mem_cap="zb-h2" if schedule == "zb-h2" else "1f1b",
+        act=cost.stage_activation_bytes(placement),
+        keep=cost.wgrad_keep_fraction,
+    )
 
 
 def _partitions(
