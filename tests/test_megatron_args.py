@@ -130,6 +130,7 @@ def test_flags_live_in_their_own_help_group():
         "pipeline_reuse_plan",
         "pipeline_reuse_trace",
         "pipeline_reuse_timeout",
+        "pipeline_reuse_split_backward",
     }
 
 
@@ -176,6 +177,7 @@ def test_off_returns_none_and_changes_nothing():
         (("--pipeline-reuse-stage-layers", "4,4"), "--pipeline-reuse-stage-layers"),
         (("--pipeline-reuse-trace", "trace"), "--pipeline-reuse-trace"),
         (("--pipeline-reuse-timeout", "5"), "--pipeline-reuse-timeout"),
+        (("--pipeline-reuse-split-backward",), "--pipeline-reuse-split-backward"),
     ],
 )
 def test_reuse_flags_without_pipeline_reuse_are_refused(argv, flag):
@@ -526,6 +528,12 @@ def test_a_repeated_call_returns_the_stored_config():
 
 
 # -- peer-wait timeout ------------------------------------------------------------------------
+
+
+def test_split_backward_flag_reaches_the_config():
+    assert validate_args(parse(*BASE, "--pipeline-reuse", 2)).split_backward is False
+    config = validate_args(parse(*BASE, "--pipeline-reuse", 2, "--pipeline-reuse-split-backward"))
+    assert config.split_backward is True
 
 
 def test_timeout_defaults_to_the_runtimes_60_seconds():

@@ -87,6 +87,7 @@ def test_model_mismatches_are_refused(wave_bi, changed, expected):
         (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition balanced"),
         (("--pipeline-reuse-costs", "costs.json"), "--pipeline-reuse-costs"),
         (("--pipeline-reuse-memory-budget", "1GiB"), "--pipeline-reuse-memory-budget"),
+        (("--pipeline-reuse-split-backward",), "--pipeline-reuse-split-backward conflicts"),
     ],
 )
 def test_conflicting_flags_are_refused(wave_bi, extra, flag):
@@ -112,7 +113,9 @@ def test_unreadable_plan_file_is_refused(tmp_path):
     assert f"--pipeline-reuse-plan {missing}" in message and "megatron-prt tune" in message
 
 
-@pytest.mark.parametrize("which", ["winner", "balanced plan for the costs"])
+@pytest.mark.parametrize(
+    "which", ["winner", "best balanced plan for the costs without split backward"]
+)
 def test_megatron_runs_a_tuned_plan_file_with_parity(tmp_path, which):
     """megatron-core BERT on 2 ranks runs the file's plan (built for uneven costs, not the
     plan megatron-prt would build by default) and matches the non-pipelined model."""
@@ -123,12 +126,13 @@ def test_megatron_runs_a_tuned_plan_file_with_parity(tmp_path, which):
     from megatron_prt.sim.cost import CostModel
     from megatron_prt.tune.search_plans import tune
 
-    cost = CostModel.from_dict(cost_dict(LAYERS))  # split backward: not in megatron yet
-    tuned = tune(cost, 2, M, reuse_limit=2, split_backward=False)
+    tuned = tune(CostModel.from_dict(cost_dict(LAYERS)), 2, M, reuse_limit=2)
     chosen = tuned.winner
     if which != "winner":
         chosen = next(
-            c for c in tuned.ranked if (c.partition, c.planned_for) == ("balanced", "costs")
+            c
+            for c in tuned.ranked
+            if (c.partition, c.planned_for) == ("balanced", "costs") and not c.plan.split_backward
         )
     assert chosen.plan != build_plan(chosen.plan.placement, M, chosen.plan.schedule)
     path = str(tmp_path / "plan.json")

@@ -52,6 +52,7 @@ _DEPENDENT_DEFAULTS = {
     "pipeline_reuse_memory_budget": None,
     "pipeline_reuse_trace": None,
     "pipeline_reuse_timeout": DEFAULT_TIMEOUT_S,
+    "pipeline_reuse_split_backward": False,
 }
 
 # Megatron settings that also decide which layers go where; PRT owns the layer layout.
@@ -141,6 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="How long a rank waits on a peer before it stops with a PipelineError naming "
         f"the rank it waited on (default {DEFAULT_TIMEOUT_S:g}).",
+    )
+    group.add_argument(
+        "--pipeline-reuse-split-backward",
+        action="store_true",
+        help="Split every backward into input gradient (I, sent upstream at once) and weight "
+        "gradient (W, the weight GEMMs alone, later). Default off.",
     )
     return parser
 
@@ -352,6 +359,7 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
         stage_layers=stage_layers,
         trace_path=args.pipeline_reuse_trace,
         timeout_s=getattr(args, "pipeline_reuse_timeout", DEFAULT_TIMEOUT_S),
+        split_backward=bool(getattr(args, "pipeline_reuse_split_backward", False)),
     )
 
 

@@ -18,6 +18,7 @@ class ReuseConfig:
     model stage ``0..D-1`` in flow order (``None``: as even as possible, earlier stages take the
     remainder). ``trace_path``: where a traced iteration's Chrome trace goes (``None``: off).
     ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`.
+    ``split_backward``: run every backward as I (input gradient) then W (weight gradient).
     ``plan``: the plan to run as it is (``--pipeline-reuse-plan``; ``None``: built from
     ``placement`` and ``schedule`` for the micro-batches of each call)."""
 
@@ -27,6 +28,7 @@ class ReuseConfig:
     trace_path: str | None = None
     schedule: str = "prt"
     timeout_s: float = 60.0
+    split_backward: bool = False
     plan: Plan | None = None
 
     def __post_init__(self) -> None:

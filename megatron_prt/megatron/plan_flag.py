@@ -37,8 +37,9 @@ def apply_plan_file(
 ) -> PlanFile | None:
     """Load ``args.pipeline_reuse_plan`` (``None``: no file, nothing done), refuse every
     mismatch with the model and conflicting flag (:class:`ConfigError` naming both and
-    the fix), then set ``--pipeline-reuse``, ``-placement``, ``-direction`` and
-    ``-stage-layers`` from the file. ``defaults``: the dependent flags' defaults;
+    the fix), then set ``--pipeline-reuse``, ``-placement``, ``-direction``,
+    ``-stage-layers`` and ``-split-backward`` from the file. ``defaults``: the dependent
+    flags' defaults;
     ``microbatches``: per iteration as the flags give it (``None``: not known yet, then
     the schedule checks it at the first call)."""
     path = getattr(args, "pipeline_reuse_plan", None)
@@ -53,6 +54,7 @@ def apply_plan_file(
     args.pipeline_reuse_placement = placement.placement
     args.pipeline_reuse_direction = placement.direction
     args.pipeline_reuse_stage_layers = plan_file.stage_layers
+    args.pipeline_reuse_split_backward = plan_file.plan.split_backward
     return plan_file
 
 
@@ -85,7 +87,8 @@ def _check_model(
 
 def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defaults: dict) -> None:
     """A flag given with a value other than the file's is refused."""
-    placement = plan_file.plan.placement
+    plan = plan_file.plan
+    placement = plan.placement
     reuse = getattr(args, "pipeline_reuse", None)
     if reuse is not None and reuse != placement.reuse:
         _conflict(where, "--pipeline-reuse", reuse, placement.reuse)
@@ -103,6 +106,11 @@ def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defa
             "--pipeline-reuse-stage-layers",
             ",".join(map(str, stage_layers)),
             ",".join(map(str, plan_file.stage_layers)),
+        )
+    if getattr(args, "pipeline_reuse_split_backward", False) and not plan.split_backward:
+        raise ConfigError(
+            f"--pipeline-reuse-split-backward conflicts with {where}, whose plan runs whole "
+            "backwards; drop the flag (the file decides) or tune again with split backward"
         )
     for dest in ("pipeline_reuse_costs", "pipeline_reuse_memory_budget"):
         if getattr(args, dest, None) is not None:

@@ -14,7 +14,9 @@ adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) an
   rank P-1, where megatron's training loop reads losses, even when a last stage runs on
   another rank (``wave`` with even R, ``bi``); ``[]`` elsewhere.
 * Hooks: ``no_sync_func`` holds gradient reduction until a chunk's last backward, then
-  ``grad_sync_func`` starts it; ``param_sync_func`` runs before a chunk's first forward;
+  ``grad_sync_func`` starts it (split backward: released before the chunk's last I,
+  started after its last W, so megatron DDP sees every W's gradient); ``param_sync_func``
+  runs before a chunk's first forward;
   after the schedule, ``bi`` replica gradients and tied embedding/output gradients are summed
   and ``finalize_model_grads_func`` runs (data-parallel reduce, per-token scaling);
   ``grad_scale_func`` scales the loss before backward; ``deallocate_pipeline_outputs`` frees
@@ -42,9 +44,11 @@ from ..core.schedules import build_plan
 from ..runtime.callbacks import StageCallbacks, run_backward
 from ..runtime.errors import PipelineError
 from ..runtime.executor import PipelineRuntime
+from ..runtime.split_plan import split_backward_plan
 from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
 from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
+from .split import enable_megatron_split_backward
 
 
 class ChunkData:
@@ -107,7 +111,13 @@ class MegatronCallbacks(StageCallbacks):
         self.placement = plan.placement
         self.num_microbatches = plan.num_microbatches
         self.stage_chunk = {s: c for c, s in enumerate(plan.placement.rank_stages[rank])}
-        self.last_backward = {a.stage: a.mb for a in plan.ranks[rank] if a.op is Op.B}
+        # split backward: a chunk's gradient reduction is released before its last I (its
+        # last gradient hook of a parameter outside split layers) and started after its
+        # last W (the last of every other parameter), see backward / weight_grad
+        self.split = plan.split_backward
+        grad_op = Op.I if self.split else Op.B
+        self.last_backward = {a.stage: a.mb for a in plan.ranks[rank] if a.op is grad_op}
+        self.last_weight_grad = {a.stage: a.mb for a in plan.ranks[rank] if a.op is Op.W}
         # megatron checks a chunk's vp_stage against the one passed; read it once, not per mb
         self.vp_stage = [getattr(unwrap(chunk), "vp_stage", None) for chunk in chunks]
         self.chunk_sync: list[contextlib.ExitStack] | None = None
@@ -191,6 +201,8 @@ class MegatronCallbacks(StageCallbacks):
         return None  # the loss is already scaled by 1/m (or per token) in forward_step
 
     def backward(self, stage, mb, out, grad):
+        """B, and under split backward I (:meth:`StageCallbacks.input_grad` runs this with
+        the weight GEMMs of split layers deferred to :meth:`weight_grad`)."""
         chunk = self.stage_chunk[stage]
         last = self.last_backward[stage] == mb
         if last:
@@ -204,8 +216,32 @@ class MegatronCallbacks(StageCallbacks):
             run_backward(out, grad)
         if config.timers is not None:
             config.timers("backward-compute").stop()
-        if last and config.grad_sync_func is not None and self.placement.direction != "bi":
-            self.per_chunk(config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
+        if last and not self.split:
+            self.start_grad_sync(chunk)
+
+    def weight_grad(self, stage, mb):
+        config = self.config
+        if config.timers is not None:
+            config.timers("backward-compute", log_level=2).start()
+        # a W into main_grad marks it so DDP's hook skips its own add; only for that hand-off
+        # (a tied weight's other gradients, in I, must still be added)
+        marked = [
+            (w.weight, getattr(w.weight, "grad_added_to_main_grad", False))
+            for w in self.deferred_weight_grads(stage, mb)
+            if w.fused is not None
+        ]
+        super().weight_grad(stage, mb)
+        for weight, before in marked:
+            weight.grad_added_to_main_grad = before
+        if config.timers is not None:
+            config.timers("backward-compute").stop()
+        if self.last_weight_grad[stage] == mb:
+            self.start_grad_sync(self.stage_chunk[stage])
+
+    def start_grad_sync(self, chunk: int) -> None:
+        """After a chunk's last gradient: start its reduction (``bi``: after replica sums)."""
+        if self.config.grad_sync_func is not None and self.placement.direction != "bi":
+            self.per_chunk(self.config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
 
 
 class MegatronPipeline(PipelineRuntime):
@@ -226,6 +262,8 @@ class MegatronPipeline(PipelineRuntime):
         self.config = config
         self.chunks = list(model)
         callbacks = MegatronCallbacks(plan, dist.get_rank(group), self.chunks, config)
+        if plan.split_backward:
+            enable_megatron_split_backward(self.chunks)
         stages = {s: self.chunks[c] for s, c in callbacks.stage_chunk.items()}
         super().__init__(
             plan,
@@ -262,8 +300,13 @@ def make_forward_backward_func(
     timeout_s: float = 600.0,
     transport: str = "auto",
     measure_memory: bool = False,
+    w_delay: int | str | None = "zb",
 ) -> Callable:
     """megatron's forward-backward function for ``reuse`` (see the module docstring).
+    ``reuse.split_backward``: backward runs as I and W, in the core's zero-bubble plan
+    (``w_delay`` ``"zb"``, :func:`megatron_prt.core.zerobubble.zero_bubble`) or, for an int
+    or None, in ``reuse.schedule``'s order with each W that many compute actions after its I
+    (None: at the end; :func:`megatron_prt.runtime.split_plan.split_backward_plan`).
     ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``
     and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
     function's ``memory_stats()`` gives the last call's activation memory on this rank."""
@@ -298,7 +341,7 @@ def make_forward_backward_func(
             plan = reuse.plan
             if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
                 # evaluation may run another count: the default plan (forward only)
-                plan = build_plan(reuse.placement, num_microbatches, schedule=reuse.schedule)
+                plan = _plan(reuse, num_microbatches, w_delay)
             if plan.num_microbatches != num_microbatches:
                 raise ConfigError(
                     f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
@@ -346,6 +389,18 @@ def make_forward_backward_func(
         lambda: last[0] if last else None
     )
     return forward_backward_pipelining_with_reuse
+
+
+def _plan(reuse: ReuseConfig, num_microbatches: int, w_delay: int | str | None):
+    """The plan of one iteration: ``reuse.schedule``'s, split as ``w_delay`` says (see
+    :func:`make_forward_backward_func`) when ``reuse.split_backward``."""
+    placement = reuse.placement
+    plan = build_plan(placement, num_microbatches, schedule=reuse.schedule)
+    if not reuse.split_backward or plan.split_backward:
+        return plan
+    if w_delay == "zb":
+        return build_plan(placement, num_microbatches, schedule="zb")
+    return split_backward_plan(plan, w_delay)
 
 
 def _write_trace(path_prefix: str, pipeline: MegatronPipeline, group) -> list[str]:

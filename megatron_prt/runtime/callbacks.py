@@ -18,10 +18,14 @@ calls, on the rank that owns ``stage``:
   freed once sent: use :func:`run_backward`) and ``grad`` (from ``loss_grad`` or the next
   stage).
 
-Room for split backward (``I`` then ``W``, zero-bubble style): ``input_grad(stage, mb, out,
-grad)`` would compute only the input gradient (and keep what ``W`` needs) and
-``weight_grad(stage, mb)`` the parameter gradients. The executor has no handler for ``I``
-and ``W`` yet; the base class raises :class:`NotImplementedError` for both.
+* split backward (``I`` then ``W``): ``input_grad(stage, mb, out, grad)`` for ``I`` takes
+  ``backward``'s arguments and leaves the input's ``.grad`` as ``backward`` does, deferring
+  the weight gradients of split-capable layers (:mod:`megatron_prt.runtime.wgrad`);
+  ``weight_grad(stage, mb)`` for ``W`` computes them; ``held_for_weight_grad(stage, mb)``
+  lists the tensors kept between the two (for the memory meter). The defaults run
+  ``backward`` inside :func:`~megatron_prt.runtime.wgrad.deferring_weight_grads` and keep
+  the deferred work per (stage, mb), so an override of ``backward`` splits too; parameters
+  outside split-capable layers get their gradients in ``I``.
 """
 
 from __future__ import annotations
@@ -33,12 +37,23 @@ from torch.autograd import Variable
 
 from ..core.placement import Placement
 from .errors import check_batch
+from .wgrad import (
+    WeightGradWork,
+    apply_weight_grads,
+    deferring_weight_grads,
+    held_tensors,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageCallbacks:
-    """Base class of stage computations (see the module docstring for the contract)."""
+    """Base class of stage computations (see the module docstring for the contract).
+    ``in_place_weight_grads``: W adds into ``.grad`` directly where it already holds a
+    gradient (see :func:`~megatron_prt.runtime.wgrad.apply_weight_grads`); only where no
+    hook sits on the parameters' gradient accumulators (megatron's DDP puts one there)."""
+
+    in_place_weight_grads = False
 
     def begin(
         self,
@@ -58,16 +73,28 @@ class StageCallbacks:
         run_backward(out, grad)
 
     def input_grad(self, stage: int, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        raise NotImplementedError(
-            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
-            "build the plan with full backward (B) actions"
-        )
+        with deferring_weight_grads() as work:
+            self.backward(stage, mb, out, grad)
+        _deferred(self)[(stage, mb)] = work
 
     def weight_grad(self, stage: int, mb: int) -> None:
-        raise NotImplementedError(
-            f"stage {stage}, mb {mb}: split backward (I/W actions) is not implemented; "
-            "build the plan with full backward (B) actions"
-        )
+        work = _deferred(self).pop((stage, mb), None)
+        if work is None:
+            raise RuntimeError(f"stage {stage}, mb {mb}: W ran before its I (input_grad)")
+        apply_weight_grads(work, in_place=self.in_place_weight_grads)
+
+    def held_for_weight_grad(self, stage: int, mb: int) -> list[torch.Tensor]:
+        return held_tensors(self.deferred_weight_grads(stage, mb))
+
+    def deferred_weight_grads(self, stage: int, mb: int) -> list[WeightGradWork]:
+        """The work ``input_grad`` of (stage, mb) deferred to ``weight_grad`` (empty: none)."""
+        return list(_deferred(self).get((stage, mb), ()))
+
+
+def _deferred(callbacks: StageCallbacks) -> dict[tuple[int, int], list[WeightGradWork]]:
+    """The weight-gradient work ``callbacks`` deferred, by (stage, mb), kept on the object
+    (subclasses need not call a base ``__init__``)."""
+    return callbacks.__dict__.setdefault("_weight_grad_work", {})
 
 
 class ModuleCallbacks(StageCallbacks):
@@ -75,6 +102,8 @@ class ModuleCallbacks(StageCallbacks):
     returning one; a first stage reads ``inputs[mb]``, a last stage returns
     ``loss_fn(output, targets[mb])`` and seeds its backward with ``1/m``, so gradients are
     those of the mean loss over the ``num_microbatches`` micro-batches."""
+
+    in_place_weight_grads = True  # the runtime's own stages: no accumulator hooks
 
     def __init__(
         self,

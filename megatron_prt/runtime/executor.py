@@ -6,9 +6,10 @@ once per runtime: each action is bound to its handler and to what it reads and w
 found through the dependency rule (:mod:`megatron_prt.core.deps`: which action produced an
 input, on which stage and rank) and :func:`megatron_prt.core.lower.message_key`, so a step
 only indexes dictionaries. What a stage computes is a :class:`StageCallbacks` object
-(:mod:`megatron_prt.runtime.callbacks`); split backward (``I``, ``W``) would add two compute
-handlers calling its ``input_grad`` / ``weight_grad``, and ``SEND_B`` already sends
-whatever input-gradient the producing action left, ``B``'s or ``I``'s.
+(:mod:`megatron_prt.runtime.callbacks`). Split backward: ``I`` takes ``B``'s inputs and
+leaves its input-gradient for ``SEND_B`` or the same-rank consumer exactly as ``B`` does,
+through the callbacks' ``input_grad``; ``W`` runs ``weight_grad`` (the deferred weight
+GEMMs, :mod:`megatron_prt.runtime.wgrad`) and reads nothing from other stages.
 
 Contract
 --------
@@ -62,8 +63,11 @@ from .p2p import (
     shm_free_bytes,
     shm_too_small,
 )
+from .program import Compute, free_data, is_recv
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
+from .split_plan import split_backward_plan
 from .startup import check_same_plan
+from .wgrad import enable_split_backward, split_forward
 
 _TSO_MACHINES = ("x86_64", "AMD64", "i686")
 _log = logging.getLogger(__name__)
@@ -80,7 +84,10 @@ class PipelineRuntime:
     ``measure_memory``: count the activation bytes this rank holds for backward during each
     step (:meth:`memory_stats`; the attribute may also be switched between steps);
     ``callbacks``: what the stages compute (default :class:`ModuleCallbacks` over ``stages``
-    and ``loss_fn``, which may be None when ``callbacks`` is given). Construction is
+    and ``loss_fn``, which may be None when ``callbacks`` is given); ``split_backward``: run
+    each ``B`` of ``plan`` as ``I`` then ``W`` (a plan with ``I``/``W`` runs split as given);
+    with the default callbacks a split plan makes the stages' ``nn.Linear`` layers
+    split-capable (:func:`megatron_prt.runtime.wgrad.enable_split_backward`). Construction is
     collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
@@ -102,8 +109,11 @@ class PipelineRuntime:
         variable_shapes: bool = False,
         measure_memory: bool = False,
         callbacks: StageCallbacks | None = None,
+        split_backward: bool = False,
     ) -> None:
         self.rank = dist.get_rank(group)
+        if split_backward:
+            plan = split_backward_plan(plan)
         self.plan = plan.compute_only()
         settings = {"dtype": dtype, "variable_shapes": variable_shapes}
         check_same_plan(self.plan, group, device, timeout_s, stages, settings)
@@ -122,6 +132,9 @@ class PipelineRuntime:
             callbacks = ModuleCallbacks(
                 self.stages, loss_fn, plan.placement, plan.num_microbatches, self.device, self.rank
             )
+            if self.plan.split_backward:
+                for module in self.stages.values():
+                    enable_split_backward(module)
         self.callbacks = callbacks
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
@@ -134,7 +147,12 @@ class PipelineRuntime:
         self.spans: list[tuple[Action, float, float]] = []
         self._group = group
         self._split = self.plan.split_backward
-        self._compute_handlers = {Op.F: self._forward, Op.B: self._backward}
+        self._compute_handlers = {
+            Op.F: self._forward,
+            Op.B: self._backward,
+            Op.I: self._backward,
+            Op.W: self._weight_grad,
+        }
         self._comm_handlers = {
             Op.SEND_F: self._send_output,
             Op.SEND_B: self._send_input_grad,
@@ -300,17 +318,12 @@ class PipelineRuntime:
         recvs: list[tuple] = []
         for step, action in enumerate(stream):
             if action.op.is_compute:
-                handler = self._compute_handlers.get(action.op)
-                if handler is None:
-                    raise NotImplementedError(
-                        f"rank {self.rank}: {action}: the runtime has no {action.op} handler "
-                        "(split backward is not implemented); build the plan with B actions"
-                    )
+                handler = self._compute_handlers[action.op]
                 program.append((step, action, handler, self._operand(action), True))
                 continue
             producer, consumer = message_ends(action, placement, split)
             key = message_key(producer, consumer)
-            if _is_recv(action):
+            if is_recv(action):
                 recvs.append(key)
             entry = (self._comm_handlers[action.op], key, (producer.stage, producer.mb))
             if program and not program[-1][4]:
@@ -319,12 +332,12 @@ class PipelineRuntime:
                 program.append((step, action, self._communicate, [entry], False))
         return program, recvs
 
-    def _operand(self, action: Action) -> _Compute:
+    def _operand(self, action: Action) -> Compute:
         """What a compute action reads and keeps, from the dependency rule."""
         placement, split = self.plan.placement, self._split
         feeds = [c for c in consumers(action, placement, split) if carries_tensor(action, c)]
         local_next = [c.stage for c in feeds if placement.rank_of(c.stage) == self.rank]
-        return _Compute(
+        return Compute(
             action,
             *self._tensor_in(action),
             local_next=local_next[0] if local_next else None,
@@ -384,7 +397,7 @@ class PipelineRuntime:
             self.transport.flush()
 
     # -- compute handlers --------------------------------------------------------------------
-    def _forward(self, op: _Compute) -> None:
+    def _forward(self, op: Compute) -> None:
         forward_only = self._forward_only
         if op.local_in is not None:
             held = self._outputs
@@ -396,7 +409,8 @@ class PipelineRuntime:
         if x is not None:
             x = x.detach().requires_grad_(not forward_only)
         self._ready_at = time.perf_counter()
-        with torch.set_grad_enabled(not forward_only), self._saving(op.where):
+        splitting = split_forward(self._split and not forward_only)
+        with torch.set_grad_enabled(not forward_only), self._saving(op.where), splitting:
             out = self.callbacks.forward(op.stage, op.mb, x)
             if out is x and x is not None:
                 # A stage without layers hands on its own input: give the output a grad_fn
@@ -413,7 +427,8 @@ class PipelineRuntime:
         if self._memory is not None:
             self._count_kept(op, x, out)
 
-    def _backward(self, op: _Compute) -> None:
+    def _backward(self, op: Compute) -> None:
+        """B, or I (split backward): the same inputs, the same input-gradient left behind."""
         out = self._outputs.pop(op.where)
         if op.local_in is not None:
             grad = self._input_grads.pop(op.local_in)
@@ -422,14 +437,29 @@ class PipelineRuntime:
         else:
             grad = self.callbacks.loss_grad(op.stage, op.mb, out)
         self._ready_at = time.perf_counter()
-        self.callbacks.backward(op.stage, op.mb, out, grad)
+        split = op.action.op is Op.I
+        if split:
+            self.callbacks.input_grad(op.stage, op.mb, out, grad)
+        else:
+            self.callbacks.backward(op.stage, op.mb, out, grad)
         x = self._saved_inputs.pop(op.where)
         if x is not None:
             self._input_grads[op.where] = x.grad
             if self.deallocate_outputs and op.input_from is not None:
                 # A same-rank hand-off: once its consumer's backward ran, the producer's
                 # output data is dead (its backward needs only the grad_fn), as for a send.
-                _free_data(self._outputs[op.input_from])
+                free_data(self._outputs[op.input_from])
+        if self._memory is not None:
+            self._memory.release(op.where)
+            if split:  # what W needs stays held until it runs
+                for tensor in self.callbacks.held_for_weight_grad(op.stage, op.mb):
+                    self._memory.hold(op.where, tensor)
+            self._memory.mark(str(op.action))
+
+    def _weight_grad(self, op: Compute) -> None:
+        """W: the weight gradients the stage's I deferred; no tensor in or out."""
+        self._ready_at = time.perf_counter()
+        self.callbacks.weight_grad(op.stage, op.mb)
         if self._memory is not None:
             self._memory.release(op.where)
             self._memory.mark(str(op.action))
@@ -441,7 +471,7 @@ class PipelineRuntime:
             return contextlib.nullcontext()
         return self._memory.saving(where)
 
-    def _count_kept(self, op: _Compute, x: torch.Tensor | None, out) -> None:
+    def _count_kept(self, op: Compute, x: torch.Tensor | None, out) -> None:
         """After a stage's forward: the executor keeps the input for its gradient, and an
         output until this stage's backward unless it is sent and ``deallocate_outputs``
         frees its data once sent."""
@@ -491,62 +521,7 @@ class PipelineRuntime:
                 return
             self._sends.popleft()
             if free is not None:
-                _free_data(free)
-
-
-class _Compute:
-    """A compute action's operands, resolved when the program is compiled. ``where``: its
-    (stage, mb), under which its output, saved input and input-gradient are kept;
-    ``local_in`` / ``remote_in``: its tensor input's producer (stage, mb) on this rank or
-    message key (both None: none); ``local_next``: F's consumer stage on this rank, if
-    any; ``is_loss``: F's output is the loss (nothing consumes it); ``input_from``: B's
-    stage input came from this rank's (stage, mb)."""
-
-    __slots__ = (
-        "action",
-        "input_from",
-        "is_loss",
-        "local_in",
-        "local_next",
-        "mb",
-        "remote_in",
-        "stage",
-        "where",
-    )
-
-    def __init__(
-        self,
-        action: Action,
-        local_in: tuple | None,
-        remote_in: tuple | None,
-        *,
-        local_next: int | None,
-        is_loss: bool,
-        input_from: tuple | None,
-    ) -> None:
-        self.action, self.stage, self.mb = action, action.stage, action.mb
-        self.where = (action.stage, action.mb)
-        self.local_in, self.remote_in = local_in, remote_in
-        self.local_next, self.is_loss, self.input_from = local_next, is_loss, input_from
-
-
-def _is_recv(action: Action) -> bool:
-    return action.op in (Op.RECV_F, Op.RECV_B)
-
-
-_DEAD: dict[tuple, torch.Tensor] = {}  # one shared placeholder per (device, dtype)
-
-
-def _free_data(out: torch.Tensor) -> None:
-    """Megatron's trick: a handed-on output's data is not needed for its backward (autograd
-    holds what it saved), only its grad_fn; drop the storage. Every freed output points at
-    one shared 1-element placeholder, never read."""
-    if out.grad_fn is None:  # outside autograd (a first stage without layers hands on the
-        return  # caller's input): nothing needs its grad_fn, and the data is not ours to free
-    key = (out.device, out.dtype)
-    if key not in _DEAD:
-        _DEAD[key] = torch.empty((1,), device=out.device, dtype=out.dtype)
-    out.data = _DEAD[key]
+                free_data(free)
 
 
 def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:

@@ -17,6 +17,11 @@ model's per-layer ``act`` (:mod:`megatron_prt.megatron.profile`), are the bytes 
   backward). A sent output counts only without ``deallocate_outputs``: by default the
   executor frees its data once sent, keeping only its graph.
 
+Split backward (``I`` then ``W``): ``I`` releases the (stage, micro-batch)'s forward
+storages like ``B`` and the owner then holds what ``W`` needs, each split layer's input and
+output gradient (:func:`megatron_prt.runtime.wgrad.held_tensors`), until its ``W`` releases
+them; an input also saved by the forward is the same storage, counted once.
+
 Not counted: gradients between stages, received activations not yet consumed, memory a
 forward frees before it returns, parameters, gradients and optimizer state.
 

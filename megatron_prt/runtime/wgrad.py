@@ -1,0 +1,284 @@
+"""Split backward's two halves for linear layers: ``I`` computes the input gradient and keeps
+what the weight gradient needs; ``W`` later runs the weight-gradient GEMMs alone.
+
+A split-capable linear layer (:func:`enable_split_backward` for ``nn.Linear``;
+:mod:`megatron_prt.megatron.split` for megatron's parallel linears) is the plain layer,
+except inside a :func:`split_forward` block (the executor opens one around every forward of
+a split plan). There its forward goes through :class:`SplitLinear`, which gives the weight
+and bias no autograd edge: the backward of that graph (``I``) computes only
+``grad_input = grad_output @ weight`` and appends a :class:`WeightGradWork` (the layer's
+saved input and its output gradient) to the open :func:`deferring_weight_grads` block. So
+``I`` neither computes nor touches the weight's gradient, and no hook on its accumulator
+fires early (megatron DDP's ``main_grad`` hook, torch DDP's reducer, post-accumulate hooks).
+:func:`apply_weight_grads` is ``W``: per parameter ``grad_output^T @ input`` (and the bias
+sum), handed to each parameter's gradient accumulator through the autograd engine, so
+``.grad`` accumulates and those hooks fire as after a full backward. Nothing on the
+input-gradient path is recomputed.
+
+Parameters outside split-capable layers (norms, embeddings, attention projections called
+through ``F.linear``, any unknown module) get their gradients in ``I``, from the same
+autograd pass: the generic fallback, exact, at the cost of doing that part of ``W`` early.
+
+Between ``I`` and ``W`` a stage holds, per split layer, its input (already saved by the
+forward) and its output gradient: :func:`held_tensors`, which the executor's memory meter
+counts (:mod:`megatron_prt.runtime.memory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+import torch
+
+
+class WeightGradWork(NamedTuple):
+    """One deferred weight-gradient GEMM: ``weight`` (and ``bias``, or None) receive
+    ``grad_output^T @ input`` (and ``grad_output`` summed over all but its last dim).
+    ``fused``: an accumulation that writes the weight gradient itself (megatron's gradient
+    accumulation fusion into ``main_grad``) and returns the tensor to hand the weight's
+    accumulator instead; None: the plain GEMM."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    input: torch.Tensor
+    grad_output: torch.Tensor
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+_splitting: list[bool] = [False]  # inside split_forward
+
+
+@contextlib.contextmanager
+def split_forward(enabled: bool = True) -> Iterator[None]:
+    """While open (and ``enabled``), split-capable layers build split-backward graphs."""
+    before = _splitting[0]
+    _splitting[0] = enabled
+    try:
+        yield
+    finally:
+        _splitting[0] = before
+
+
+def splitting() -> bool:
+    """Whether a split-capable layer running now should use its split-backward form."""
+    return _splitting[0]
+
+
+# Where backward functions append their work: the list of the innermost open block. A plain
+# global, not thread-local: on CUDA the autograd engine runs backward on its own thread.
+_deferred: list[list[WeightGradWork]] = []
+
+
+@contextlib.contextmanager
+def deferring_weight_grads() -> Iterator[list[WeightGradWork]]:
+    """While open, split-capable layers defer their weight gradients into the yielded list."""
+    work: list[WeightGradWork] = []
+    _deferred.append(work)
+    try:
+        yield work
+    finally:
+        _deferred.pop()
+
+
+def defer(work: WeightGradWork) -> bool:
+    """Record ``work`` in the open :func:`deferring_weight_grads` block; False when none is."""
+    if not _deferred:
+        return False
+    _deferred[-1].append(work)
+    return True
+
+
+def weight_gemms(work: WeightGradWork) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(grad of weight, grad of bias or None)`` of one layer; inputs of any rank ``>= 1``
+    (leading dims are tokens)."""
+    grad_out = work.grad_output.reshape(-1, work.grad_output.shape[-1])
+    inp = work.input.reshape(-1, work.input.shape[-1])
+    grad_weight = grad_out.t().matmul(inp)
+    grad_bias = grad_out.sum(dim=0) if work.bias is not None else None
+    return grad_weight, grad_bias
+
+
+def apply_weight_grads(works: Iterable[WeightGradWork], in_place: bool = False) -> None:
+    """``W``: the weight GEMMs of ``works``, handed to the parameters' accumulators through
+    the autograd engine (one call; a parameter used by several layers gets their sum), so
+    every accumulator hook fires. ``in_place``: a parameter whose ``.grad`` already holds a
+    gradient and that has no tensor hooks gets it as ``grad += grad_output^T @ input`` in
+    one GEMM instead (no temporary, no engine); only for parameters with no hook on their
+    accumulator node either (the plain runtime's stages: nothing there registers one)."""
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(param: torch.Tensor, grad: torch.Tensor) -> None:
+        if param.requires_grad:
+            key = id(param)
+            grads[key] = (param, grad if key not in grads else grads[key][1] + grad)
+
+    for work in works:
+        if work.fused is not None:
+            add(work.weight, work.fused(work.input, work.grad_output))
+            if work.bias is not None:
+                add(work.bias, weight_gemms(work._replace(fused=None))[1])
+        elif in_place and _accumulates_in_place(work):
+            _accumulate_in_place(work)
+        else:
+            grad_weight, grad_bias = weight_gemms(work)
+            add(work.weight, grad_weight)
+            if grad_bias is not None:
+                add(work.bias, grad_bias)
+    if grads:
+        params, values = zip(*grads.values(), strict=True)
+        torch.autograd.backward(params, values)
+
+
+def _accumulates_in_place(work: WeightGradWork) -> bool:
+    params = (work.weight,) if work.bias is None else (work.weight, work.bias)
+    return all(
+        p.requires_grad
+        and p.grad is not None
+        and p._post_accumulate_grad_hooks is None
+        and not p._backward_hooks
+        for p in params
+    )
+
+
+@torch.no_grad()
+def _accumulate_in_place(work: WeightGradWork) -> None:
+    grad_out = work.grad_output.reshape(-1, work.grad_output.shape[-1])
+    work.weight.grad.addmm_(grad_out.t(), work.input.reshape(-1, work.input.shape[-1]))
+    if work.bias is not None:
+        work.bias.grad.add_(grad_out.sum(dim=0))
+
+
+def held_tensors(works: Iterable[WeightGradWork]) -> list[torch.Tensor]:
+    """What deferred ``works`` keep alive until ``W``: each layer's input and output gradient."""
+    return [t for work in works for t in (work.input, work.grad_output)]
+
+
+class SplitLinear(torch.autograd.Function):
+    """``F.linear`` whose parameters reach it outside autograd (``params`` = (weight, bias),
+    a tuple: no edge), so its backward yields the input gradient alone and defers the
+    weight GEMMs (module docstring); outside a deferring block they are applied at once.
+    ``extra`` = (reduce_input_grad, fused): a collective run on the input gradient (tensor
+    parallelism), and :attr:`WeightGradWork.fused`; both may be None."""
+
+    @staticmethod
+    def forward(ctx, x, params, anchor, extra):
+        weight, bias = params
+        ctx.save_for_backward(x)
+        ctx.params, ctx.extra = params, extra  # parameters: accumulators' targets
+        if x.dim() == 2:
+            return torch.nn.functional.linear(x, weight, bias)
+        # F.linear's own folding, but with an output that is no view: a view returned by a
+        # custom Function may not be modified in place (megatron's bias-dropout-add is)
+        out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.params
+        reduce_input_grad, fused = ctx.extra
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+            if reduce_input_grad is not None:
+                reduce_input_grad(grad_input)
+        work = WeightGradWork(weight, bias, x, grad_output, fused)
+        if not defer(work):
+            apply_weight_grads([work])
+        return grad_input, None, None, None
+
+
+def split_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    reduce_input_grad: Callable[[torch.Tensor], None] | None = None,
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:class:`SplitLinear` of ``x``; an input without gradient (a first layer's data) is
+    given a graph node through a gradient-free anchor, so its backward still runs."""
+    anchor = None if x.requires_grad else _anchor(x)
+    return SplitLinear.apply(x, (weight, bias), anchor, (reduce_input_grad, fused))
+
+
+_ANCHORS: dict[tuple, torch.Tensor] = {}
+
+
+def _anchor(x: torch.Tensor) -> torch.Tensor:
+    """One empty leaf requiring grad per (device, dtype): it never receives a gradient."""
+    key = (x.device, x.dtype)
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+    return _ANCHORS[key]
+
+
+def _split_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if splitting() and torch.is_grad_enabled():
+        return split_linear(x, self.weight, self.bias)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def enable_split_backward(module: torch.nn.Module) -> int:
+    """Make every plain ``nn.Linear`` in ``module`` split-capable (inside
+    :func:`split_forward` its forward goes through :class:`SplitLinear`; values and
+    gradients are unchanged). Subclasses with a forward of
+    their own are left alone. Idempotent; returns how many layers are split-capable."""
+    count = 0
+    for layer in module.modules():
+        if not isinstance(layer, torch.nn.Linear) or type(layer).forward is not (
+            torch.nn.Linear.forward
+        ):
+            continue
+        if "forward" not in vars(layer):
+            layer.forward = types.MethodType(_split_linear_forward, layer)
+        count += 1
+    return count
+
+
+def measure_split_overhead(
+    module: torch.nn.Module, x: torch.Tensor, repeats: int = 50
+) -> dict[str, float]:
+    """Seconds of a full backward (``B``) of ``module`` on ``x`` and of the same backward
+    split into ``I`` then ``W`` (on a split-capable copy), alternating, as this thread's CPU
+    time (other processes' load does not count), the least of ``repeats`` (warm, no
+    interference): ``B``, ``I``, ``W`` and ``ratio`` = (I + W) / B; ``*_median`` too.
+    Gradients accumulate across repeats, as over micro-batches. For benchmarks; the runtime
+    does not call it."""
+    split = copy.deepcopy(module)
+    enable_split_backward(split)
+    clock = time.thread_time
+    times: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+    for _ in range(repeats + 3):  # 3 warm-up rounds
+        x_in = x.detach().requires_grad_()
+        out = module(x_in)
+        grad = torch.ones_like(out)
+        t0 = clock()
+        torch.autograd.backward(out, grad)
+        t1 = clock()
+        x_in = x.detach().requires_grad_()
+        with split_forward():
+            out = split(x_in)
+        t2 = clock()
+        with deferring_weight_grads() as work:
+            torch.autograd.backward(out, grad)
+        t3 = clock()
+        apply_weight_grads(work, in_place=True)
+        t4 = clock()
+        times["B"].append(t1 - t0)
+        times["I"].append(t3 - t2)
+        times["W"].append(t4 - t3)
+    out_stats: dict[str, float] = {}
+    for name, values in times.items():
+        values = sorted(values[3:])
+        out_stats[name] = values[0]
+        out_stats[f"{name}_median"] = values[len(values) // 2]
+    out_stats["ratio"] = (out_stats["I"] + out_stats["W"]) / out_stats["B"]
+    out_stats["ratio_median"] = (out_stats["I_median"] + out_stats["W_median"]) / out_stats[
+        "B_median"
+    ]
+    return out_stats

@@ -1,0 +1,269 @@
+"""Split backward (I then W) on the plain-PyTorch runtime: the same losses, gradients and
+optimizer trajectory as the non-pipelined model (float64, 1e-10 relative), for W placed at
+once, a few actions later or at the end of each rank's order; the split layer defers its
+weight GEMMs to W; the memory meter counts what I keeps for W."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
+from test_runtime_parity import STEPS, TOL, _rel
+
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.core.actions import Op
+from megatron_prt.core.validate import validate
+from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
+from megatron_prt.runtime.local import all_ok, run_local
+from megatron_prt.runtime.split_plan import split_backward_plan
+from megatron_prt.runtime.stages import layer_ranges
+from megatron_prt.runtime.wgrad import (
+    apply_weight_grads,
+    deferring_weight_grads,
+    enable_split_backward,
+    held_tensors,
+    split_forward,
+)
+
+# W at once, two compute actions later, at the end of the rank; "zb": core's zero-bubble plan
+W_DELAYS = (0, 2, None, "zb")
+
+
+def _split_plan(p, r, placement, direction, m, w_delay):
+    layout = Placement(p, r, placement, direction)
+    if w_delay == "zb":
+        plan = build_plan(layout, m, schedule="zb")
+    else:
+        plan = split_backward_plan(build_plan(layout, m), w_delay)
+    validate(plan)
+    return plan
+
+
+def _check_config(rank, kind, p, r, placement, direction, m, w_delay, refs):
+    """Errors of one split configuration on this rank (as test_runtime_parity's check)."""
+    plan = _split_plan(p, r, placement, direction, m, w_delay)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer(kind, i), NUM_LAYERS)
+    if direction == "bi":  # replicas start different; sync must make them equal
+        with torch.no_grad():
+            for stage, module in stages.items():
+                if stage >= plan.placement.depth:
+                    for param in module.parameters():
+                        param.add_(1.0)
+        sync_replicas(plan.placement, stages)
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=30)
+    assert runtime.plan.split_backward
+    params = [q for module in stages.values() for q in module.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    ref_losses, ref_grads, ref_params = refs
+    xs, ys = batch(kind, m)
+    err = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    seen = set()
+    ranges = layer_ranges(NUM_LAYERS, plan.placement.depth)
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses = runtime.step(xs, ys)
+        runtime.reduce_replica_grads()
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                seen.add(mb)
+                want = ref_losses[step][mb]
+                err["loss"] = max(err["loss"], abs(float(loss) - want) / abs(want))
+        if step == 0:
+            for stage, module in stages.items():
+                first, _ = ranges[plan.placement.model_stage(stage)]
+                for offset, layer in enumerate(module):
+                    want_grads = ref_grads[first + offset]
+                    for got, want in zip(layer.parameters(), want_grads, strict=True):
+                        err["grad"] = max(err["grad"], _rel(got.grad, want))
+        opt.step()
+    for stage, module in stages.items():
+        first, _ = ranges[plan.placement.model_stage(stage)]
+        for offset, layer in enumerate(module):
+            for got, want in zip(layer.parameters(), ref_params[first + offset], strict=True):
+                err["param"] = max(err["param"], _rel(got.detach(), want))
+    runtime.close()
+    return err, seen
+
+
+def _worker(rank, world, configs):
+    refs, out = {}, []
+    for config in configs:
+        kind, _, r, placement, direction, m, w_delay = config
+        if (kind, m) not in refs:
+            refs[(kind, m)] = reference(kind, m, STEPS)
+        err, seen = _check_config(
+            rank, kind, world, r, placement, direction, m, w_delay, refs[(kind, m)]
+        )
+        out.append((config, err, seen))
+    return out
+
+
+def grid(p: int, full: bool):
+    """Every (kind, R, placement, direction, m) of the runtime parity grid, W placements in
+    turn (all three across the grid); the subset keeps transformer wave, m in {P, 2P+1}."""
+    ms = sorted({1, p - 1, p, 2 * p + 1} - {0})
+    combos = itertools.product(
+        ("mlp", "transformer"), (1, 2, 3), ("loop", "wave"), ("uni", "bi"), ms
+    )
+    index = 0
+    for kind, r, placement, direction, m in combos:
+        if direction == "bi" and m < 2:
+            continue
+        if not full and not (kind == "transformer" and placement == "wave" and m >= p):
+            continue
+        yield (kind, p, r, placement, direction, m, W_DELAYS[index % len(W_DELAYS)])
+        index += 1
+
+
+def _run_grid(p: int, full: bool) -> int:
+    configs = list(grid(p, full))
+    results = all_ok(run_local(p, _worker, configs, deadline_s=1800))
+    for index, config in enumerate(configs):
+        seen = set()
+        for rank_results in results:
+            got_config, err, rank_seen = rank_results[index]
+            assert got_config == config
+            seen |= rank_seen
+            for what, value in err.items():
+                assert value <= TOL, f"{config}: {what} differs by {value:.3g}"
+        assert seen == set(range(config[5])), f"{config}: losses missing for some micro-batches"
+    return len(configs)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_split_parity_subset(p):
+    assert _run_grid(p, full=False) >= 8  # every W placement, zero-bubble plans included
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_split_parity_full_grid(p):
+    assert _run_grid(p, full=True) > 0
+
+
+@pytest.mark.parametrize("w_delay", W_DELAYS[:3])
+def test_split_plans_are_valid_and_keep_each_rank_order(w_delay):
+    plan = build_plan(Placement(3, 2, "wave", "bi"), 7)
+    split = _split_plan(3, 2, "wave", "bi", 7, w_delay)
+    for before, after in zip(plan.ranks, split.ranks, strict=True):
+        renamed = [(a.stage, Op.B if a.op is Op.I else a.op, a.mb) for a in after if a.op != Op.W]
+        assert renamed == [tuple(a) for a in before]
+        weights = [a for a in after if a.op is Op.W]
+        assert sorted(weights) == sorted(a._replace(op=Op.W) for a in before if a.op is Op.B)
+        if w_delay is None:
+            assert all(a.op is Op.W for a in after[-len(weights) :])
+
+
+def _mlp():
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(3):
+        layers += [torch.nn.Linear(6, 5).double(), torch.nn.GELU(), torch.nn.Linear(5, 6).double()]
+    return torch.nn.Sequential(*layers, torch.nn.LayerNorm(6).double())
+
+
+def test_input_grad_defers_exactly_the_linear_weight_gemms():
+    plain, split = _mlp(), _mlp()
+    assert enable_split_backward(split) == 6
+    x = torch.randn(4, 2, 6, dtype=torch.float64)
+    x_plain, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(x_plain).pow(2).sum().backward()
+    with split_forward():
+        loss = split(x_split).pow(2).sum()
+    with deferring_weight_grads() as work:
+        loss.backward()
+    assert len(work) == 6
+    torch.testing.assert_close(x_split.grad, x_plain.grad, rtol=1e-12, atol=0)
+    linear = [m for m in split.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.grad is None and m.bias.grad is None for m in linear)
+    norm = split[-1]  # not split-capable: its gradient comes with the input gradient
+    torch.testing.assert_close(norm.weight.grad, plain[-1].weight.grad, rtol=1e-12, atol=0)
+    held = held_tensors(work)
+    assert len(held) == 12  # each layer's input and output gradient
+    apply_weight_grads(work)
+    for got, want in zip(split.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=0)
+
+
+def test_split_layers_without_deferral_are_plain_linear_and_fire_hooks():
+    plain, split = _mlp(), _mlp()
+    enable_split_backward(split)
+    fired = []
+    first = split[0].weight
+    first.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for model in (plain, split):
+        model(x).sum().backward()
+    for got, want in zip(split.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=0)
+    with split_forward():
+        loss = split(x).sum()
+    with deferring_weight_grads() as work:
+        loss.backward()
+    assert len(fired) == 1  # the deferred weight has not been touched yet
+    apply_weight_grads(work)
+    assert len(fired) == 2 and torch.equal(fired[-1], first.grad)
+
+
+def _memory_worker(rank, world, w_delay):
+    plan = _split_plan(world, 2, "loop", "uni", 4, w_delay)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, measure_memory=True
+    )
+    xs, ys = batch("mlp", 4)
+    runtime.step(xs, ys)
+    stats = runtime.memory_stats()
+    runtime.close()
+    return stats["peak_bytes"], stats["held_bytes"], stats["timeline"]
+
+
+def test_memory_counts_what_input_grad_keeps_until_weight_grad():
+    at_once = all_ok(run_local(2, _memory_worker, 0))
+    at_end = all_ok(run_local(2, _memory_worker, None))
+    for (peak_now, held_now, timeline_now), (peak_late, held_late, timeline_late) in zip(
+        at_once, at_end, strict=True
+    ):
+        assert held_now == held_late == 0
+        assert peak_late >= peak_now
+        for (label, held), (next_label, next_held) in itertools.pairwise(timeline_now):
+            if "I" in label:  # W right after: it frees what I kept for it
+                assert "W" in next_label and next_held < held, (label, next_label)
+        last_i = max(i for i, (label, _) in enumerate(timeline_late) if "I" in label)
+        assert timeline_late[last_i][1] > 0  # every W's operands are still held
+
+
+def _trace_worker(rank, world):
+    plan = build_plan(Placement(world, 2, "wave", "uni"), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, trace=True, split_backward=True
+    )
+    xs, ys = batch("mlp", 4)
+    losses = runtime.step(xs, ys)
+    spans = [(str(a), start, end) for a, start, end in runtime.trace()]
+    grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in stages.items()}
+    runtime.close()
+    return spans, [str(a) for a in runtime.plan.ranks[rank]], losses, grads
+
+
+def test_split_backward_flag_splits_a_b_plan_traced_in_plan_order():
+    ref_losses, ref_grads, _ = reference("mlp", 4, steps=1)
+    ranges = layer_ranges(NUM_LAYERS, 4)
+    for spans, planned, losses, grads in all_ok(run_local(2, _trace_worker)):
+        assert any("I" in label for label in planned) and not any("B" in a for a in planned)
+        assert [label for label, _, _ in spans] == planned
+        ends = {label: end for label, _, end in spans}
+        for label, start, _ in spans:
+            if "W" in label:
+                assert start >= ends[label.replace("W", "I")]
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                assert abs(float(loss) - ref_losses[0][mb]) <= TOL * abs(ref_losses[0][mb])
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage]
+            want = [g for layer in ref_grads[first : first + count] for g in layer]
+            for got, ref in zip(stage_grads, want, strict=True):
+                assert _rel(got, ref) <= TOL, stage
