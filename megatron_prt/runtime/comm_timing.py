@@ -4,9 +4,9 @@ Two figures the simulator reads (:mod:`megatron_prt.sim.cost`), in seconds and b
 
 * a stage-boundary hop, ``p2p_latency + bytes / p2p_bandwidth``: a two-stage pipeline of
   identity stages (``P=2``, one micro-batch, forward only) is stepped after a barrier and the
-  last rank's step time is the hop plus the runtime's fixed work per step. Timed at a small
-  and at the model's message size, the line through the two medians gives the latency
-  (intercept, the fixed work included: a real step pays it too) and the bandwidth (slope);
+  last rank's step time is the hop plus the runtime's fixed work per step. The median at a
+  small size (4 KiB) is the latency (the fixed work included: a real step pays it too), the
+  slope to the median at the model's message size the inverse bandwidth;
 * for ``bi``, the replica-gradient sum: :func:`megatron_prt.runtime.replica_timing.
   calibrate_replica_sync` on two ``bi`` runtimes whose stages hold a small and a large
   gradient, giving ``replica_latency``, ``replica_bandwidth`` and ``replica_add_bandwidth``.
@@ -103,8 +103,10 @@ def measure_comm(
     )
     hops, replica = results[1]  # the receiving rank times the hop
     (b0, t0), (b1, t1) = hops
+    # the small message's time is the latency (its bytes cost next to nothing): unlike the
+    # intercept of the line, noise cannot make it 0 or negative
     slope = max((t1 - t0) / (b1 - b0), 0.0)
-    latency = max(t1 - slope * b1, 0.0)
+    latency = t0
     return {
         "p2p_latency": latency,
         "p2p_bandwidth": _per_second(slope),
