@@ -17,25 +17,43 @@ If every rank is blocked only by its cap (possible with tiny caps on odd placeme
 lowest-keyed waiting forward runs anyway, so the generator never deadlocks. The result also
 reports the makespan and each rank's peak held activations, which the portfolio search in
 :mod:`megatron_prt.core.schedules` ranks policies by.
+
+Speed: a plan of P=64, R=8, m=512 has half a million actions and the portfolio schedules it
+several times, so the scheduler runs on a :class:`Graph` compiled once per (placement,
+micro-batch split): actions are integers, each heap entry is one integer (key, then action)
+and an event is one integer (time, rank). Actions become :class:`Action` values only for the
+plan that is kept.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+from typing import NamedTuple
 
 from .actions import Action, Op
-from .deps import consumers_map, producers
+from .deps import producers
 from .placement import Placement
 from .timing import StageTimes
 
-SortKey = Callable[[Action], tuple]
+
+class SortKey(NamedTuple):
+    """A preference among actions: ``by_stage[stage] + by_mb[mb]``, lower runs first. Two
+    tables rather than a function so that keying half a million actions is arithmetic.
+    Distinct (stage, mb) must get distinct keys (ties would fall to the action id)."""
+
+    by_stage: Sequence[int]
+    by_mb: Sequence[int]
+
+    def __call__(self, stage: int, mb: int) -> int:
+        return self.by_stage[stage] + self.by_mb[mb]
 
 
-def oldest_first(action: Action) -> tuple:
-    return (action.mb, action.stage)
+def oldest_first(num_stages: int, num_microbatches: int) -> SortKey:
+    """(mb, stage): the oldest micro-batch first, then the lowest stage."""
+    return SortKey(range(num_stages), range(0, num_microbatches * num_stages, num_stages))
 
 
 @dataclass(frozen=True)
@@ -43,8 +61,8 @@ class Policy:
     flush: bool = False
     alternate: bool = True
     caps: tuple[int, ...] | None = None  # None: unbounded
-    fwd_key: SortKey = oldest_first
-    bwd_key: SortKey = oldest_first
+    fwd_key: SortKey | None = None  # None: oldest_first
+    bwd_key: SortKey | None = None
 
 
 @dataclass(frozen=True)
@@ -54,16 +72,26 @@ class ListResult:
     peak_held: tuple[int, ...]  # rank -> most activations held at once
 
 
-@dataclass
-class _Rank:
-    arrivals: list  # heap of (ready_time, key, action)
-    fwd: list  # heap of (key, action)
-    bwd: list  # heap of (key, action)
-    forwards_left: int
-    held: int = 0  # activations resident for a later backward
-    peak: int = 0
-    last_was_bwd: bool = False
-    busy: bool = False
+@dataclass(frozen=True)
+class IdResult:
+    """A schedule over :attr:`Graph.actions` ids (what :func:`list_schedule` wraps)."""
+
+    orders: tuple[list[int], ...]
+    ticks: int  # makespan in ticks of the stage times scheduled with
+    makespan: float
+    peak_held: tuple[int, ...]
+
+    def materialise(self, graph: Graph) -> ListResult:
+        actions = graph.actions
+        orders = tuple(tuple([actions[i] for i in ids]) for ids in self.orders)
+        return ListResult(orders, self.makespan, self.peak_held)
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """A schedule abandoned at tick ``at``: its makespan would exceed the limit given."""
+
+    at: int
 
 
 def required_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
@@ -77,6 +105,98 @@ def required_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[A
     return out
 
 
+class Graph:
+    """The F/B actions of (placement, micro-batch split) as integers, with what every policy
+    shares: id ``mb * 2D + 2 * position + (0 for F, 1 for B)`` (position: flow position in
+    the micro-batch's pipeline); ``stage``/``mb``/``rank``/``kinds`` per id (kind:
+    ``2 * stage + op bit``); ``producer_counts`` per id, from
+    :func:`megatron_prt.core.deps.producers`; ``consumers[pipe][offset]``: ``(offset of a
+    consumer, whether the edge crosses ranks)`` within one micro-batch of that pipeline (the
+    rule never crosses micro-batches). Every per-id list is one micro-batch's template
+    repeated. Read-only once built."""
+
+    def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
+        self.placement, self.mb_pipeline = placement, mb_pipeline
+        self.width = width = 2 * placement.depth
+        pipes = range(placement.num_pipelines)
+        stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
+        rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
+        counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
+        self.stage, self.rank, self.kinds, self.producer_counts = [], [], [], []
+        for pipe in mb_pipeline:
+            self.stage += stage_t[pipe]
+            self.rank += rank_t[pipe]
+            self.producer_counts += counts_t[pipe]
+        self.kinds = [2 * s + (j & 1) for j, s in enumerate(self.stage)]
+        self.mb = [mb for mb in range(len(mb_pipeline)) for _ in range(width)]
+        self.n = len(self.stage)
+
+    def _edges(self, pipe: int, ranks: list[int]) -> tuple[list[int], list[tuple]]:
+        """One micro-batch of ``pipe``: producer count and consumers per offset."""
+        placement, depth = self.placement, self.placement.depth
+        counts = [0] * self.width
+        consumers: list[list[tuple[int, bool]]] = [[] for _ in range(self.width)]
+        for offset in range(self.width):
+            action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
+            for dep in producers(action, placement):
+                dep_offset = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
+                counts[offset] += 1
+                consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
+        return counts, [tuple(users) for users in consumers]
+
+    @functools.cached_property
+    def actions(self) -> list[Action]:
+        """id -> :class:`Action` (built on first use: only kept plans need them)."""
+        ops = (Op.F, Op.B) * (self.n // 2)
+        return list(map(Action._make, zip(self.stage, ops, self.mb, strict=True)))
+
+    def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
+        placement = self.placement
+        return [
+            ticks.busy(Action(stage, op, 0), placement)
+            for stage in range(placement.num_stages)
+            for op in (Op.F, Op.B)
+        ]
+
+    def durations(self, ticks: StageTimes) -> list[int]:
+        """id -> its rank's busy time under ``ticks`` (integer stage times)."""
+        per_kind = self._busy_per_kind(ticks)
+        return [per_kind[k] for k in self.kinds]
+
+    def work_per_rank(self, ticks: StageTimes) -> list[int]:
+        """rank -> the busy time of all its actions under ``ticks``."""
+        placement, per_kind = self.placement, self._busy_per_kind(ticks)
+        mbs = [self.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
+        work = [0] * placement.ranks
+        for stage, rank in enumerate(placement.stage_to_rank):
+            both = per_kind[2 * stage] + per_kind[2 * stage + 1]
+            work[rank] += mbs[placement.pipeline_of(stage)] * both
+        return work
+
+    def heap_items(self, fwd_key: SortKey, bwd_key: SortKey) -> list[int]:
+        """id -> its heap entry ``key * n + id``: one integer orders by key, then id."""
+        n, width = self.n, self.width
+        by_stage = (fwd_key.by_stage, bwd_key.by_stage)
+        template = [  # per offset: (by-stage part of the entry, op bit)
+            [(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(self.stage[:width])]
+        ]
+        if self.placement.num_pipelines == 2:
+            second = self.stage[width : 2 * width]
+            template.append([(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(second)])
+        items: list[int] = []
+        for mb, pipe in enumerate(self.mb_pipeline):
+            adds = (fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width)
+            items += [part + adds[bit] for part, bit in template[pipe]]
+        return items
+
+
+@functools.lru_cache(maxsize=8)
+def compile_graph(placement: Placement, mb_pipeline: tuple[int, ...]) -> Graph:
+    """The shared :class:`Graph` of a configuration (cached: a portfolio and the callers
+    comparing plans ask for the same one)."""
+    return Graph(placement, mb_pipeline)
+
+
 def list_schedule(
     placement: Placement,
     mb_pipeline: Sequence[int],
@@ -84,145 +204,179 @@ def list_schedule(
     policy: Policy,
 ) -> ListResult:
     """Schedule every F and B of ``mb_pipeline``'s micro-batches under ``policy``."""
-    return ListScheduler(placement, mb_pipeline, times, policy).run()
+    graph = compile_graph(placement, tuple(mb_pipeline))
+    result = schedule_ids(graph, times, policy)
+    assert isinstance(result, IdResult)  # no limit given: never gives up
+    return result.materialise(graph)
 
 
-class ListScheduler:
-    """One list-scheduling run: every rank's state and the event queue, in integer ticks.
+def schedule_ids(
+    graph: Graph,
+    times: StageTimes,
+    policy: Policy,
+    give_up_above: int | None = None,
+    tails: Sequence[int] | None = None,
+) -> IdResult | GaveUp:
+    """List-schedule ``graph`` under ``policy`` in integer ticks (see :class:`Run`)."""
+    return Run(graph, times, policy, tails).run(give_up_above)
 
-    Events are ``(time, seq, rank, finished action or None for a wake-up)``; ``seq`` keeps
-    ties in push order, so the result is deterministic."""
+
+class Run:
+    """One policy's list scheduling over ``graph``, resumable. :meth:`run` continues it
+    until it finishes (:class:`IdResult`, orders as graph ids) or until its makespan must
+    exceed ``limit`` ticks (:class:`GaveUp`; a later call with a larger limit continues
+    from there). The bound: when a rank starts an action, that start plus the rank's
+    remaining work plus ``tails[rank]`` (time that must follow its last action, e.g. the
+    shortest backward tail) is a lower bound on the makespan."""
 
     def __init__(
-        self, placement: Placement, mb_pipeline: Sequence[int], times: StageTimes, policy: Policy
+        self, graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int] | None
     ) -> None:
-        self.placement, self.policy = placement, policy
-        self.times, self.tick = times.in_ticks()
-        self.actions, self.consumers, producer_counts, forwards = _graph(
-            placement, tuple(mb_pipeline)
-        )
-        self.waiting = dict(producer_counts)
-        self.ready_at = dict.fromkeys(self.actions, 0)
-        self.rank_of = placement.stage_to_rank
-        self.ranks = [_Rank([], [], [], count) for count in forwards]
-        self.order: list[list[Action]] = [[] for _ in self.ranks]
-        self.events: list = []
-        self.seq = 0
+        self._args = (graph, times, policy, tails or [0] * graph.placement.ranks)
+        self._steps = None
+        self.result: IdResult | None = None
 
-    def run(self) -> ListResult:
-        for action in self.actions:
-            if self.waiting[action] == 0:
-                self._arrive(action)
-        done = now = 0
-        while done < len(self.actions):
-            if not self.events:  # every rank blocked by its cap alone
-                rank = self._forced_rank()
-                self._start(rank, self._pick(rank, force=True), now)
-                continue
-            now = self.events[0][0]
-            touched, finished = self._drain(now)
-            done += finished
-            for rank in sorted(touched):
-                state = self.ranks[rank]
-                if not state.busy:
-                    self._admit(state, now)
-                    action = self._pick(rank)
-                    if action is not None:
-                        self._start(rank, action, now)
-        orders = tuple(tuple(acts) for acts in self.order)
-        return ListResult(orders, now * self.tick, tuple(state.peak for state in self.ranks))
-
-    def _drain(self, now: int) -> tuple[set[int], int]:
-        """Every event at ``now`` (ranks touched, actions finished), before any choice, so a
-        backward that becomes ready now is seen by a rank that also became idle now."""
-        touched, finished = set(), 0
-        while self.events and self.events[0][0] == now:
-            _, _, rank, action = heapq.heappop(self.events)
-            touched.add(rank)
-            if action is not None:
-                finished += 1
-                _finish(self.ranks[rank], action)
-                for nxt in self.consumers[action]:
-                    hop = self.times.p2p if self.rank_of[nxt.stage] != rank else 0
-                    self.ready_at[nxt] = max(self.ready_at[nxt], now + hop)
-                    self.waiting[nxt] -= 1
-                    if self.waiting[nxt] == 0:
-                        self._arrive(nxt)
-        return touched, finished
-
-    def _arrive(self, action: Action) -> None:
-        rank = self.rank_of[action.stage]
-        at = self.ready_at[action]
-        heapq.heappush(self.ranks[rank].arrivals, (at, oldest_first(action), action))
-        self.seq += 1
-        heapq.heappush(self.events, (at, self.seq, rank, None))
-
-    def _admit(self, state: _Rank, now: int) -> None:
-        while state.arrivals and state.arrivals[0][0] <= now:
-            _, _, action = heapq.heappop(state.arrivals)
-            if action.op is Op.F:
-                heapq.heappush(state.fwd, (self.policy.fwd_key(action), action))
-            else:
-                heapq.heappush(state.bwd, (self.policy.bwd_key(action), action))
-
-    def _pick(self, rank: int, force: bool = False) -> Action | None:
-        state, policy = self.ranks[rank], self.policy
-        if policy.flush:
-            if state.forwards_left:
-                return heapq.heappop(state.fwd)[1] if state.fwd else None
-            return heapq.heappop(state.bwd)[1] if state.bwd else None
-        # warm-up: rank r admits caps[r] forwards before its first backward (a forward
-        # runs only while fewer than caps[r] activations await their backward); the caps
-        # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps)
-        cap = policy.caps[rank] if policy.caps else None
-        fwd_ok = bool(state.fwd) and (force or cap is None or state.held < cap)
-        # 1F1B alternation: after a backward prefer a forward, after a forward a backward.
-        if fwd_ok and (not state.bwd or (policy.alternate and state.last_was_bwd)):
-            return heapq.heappop(state.fwd)[1]
-        if state.bwd:
-            return heapq.heappop(state.bwd)[1]
-        return None
-
-    def _start(self, rank: int, action: Action, now: int) -> None:
-        state = self.ranks[rank]
-        state.busy = True
-        state.last_was_bwd = action.op is not Op.F
-        if action.op is Op.F:
-            state.held += 1
-            state.peak = max(state.peak, state.held)
-            state.forwards_left -= 1
-        self.order[rank].append(action)
-        self.seq += 1
-        end = now + self.times.busy(action, self.placement)
-        heapq.heappush(self.events, (end, self.seq, rank, action))
-
-    def _forced_rank(self) -> int:
-        """All ranks idle and blocked by caps: the rank of the lowest-keyed admitted forward."""
-        best = None
-        for rank, state in enumerate(self.ranks):
-            if not state.busy and state.fwd and (best is None or state.fwd[0] < best[0]):
-                best = (state.fwd[0], rank)
-        if best is None:
-            raise RuntimeError("list scheduler stalled with no admissible action (bug)")
-        return best[1]
+    def run(self, limit: int | None = None) -> IdResult | GaveUp:
+        if self.result is not None:
+            return self.result
+        try:
+            if self._steps is None:
+                self._steps = _steps(*self._args, limit)
+                return next(self._steps)
+            return self._steps.send(limit)
+        except StopIteration as done:
+            self.result = done.value
+            return self.result
 
 
-@functools.lru_cache(maxsize=32)
-def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
-    """What every policy of a portfolio shares: the actions, their consumers, how many
-    producers each waits for, and each rank's forward count. Read-only for callers."""
-    actions = required_actions(placement, mb_pipeline)
-    consumers = consumers_map(actions, placement)
-    producer_counts = {a: len(producers(a, placement)) for a in actions}
-    rank_of = placement.stage_to_rank
-    forwards = tuple(
-        sum(1 for a in actions if a.op is Op.F and rank_of[a.stage] == r)
-        for r in range(placement.ranks)
+def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int], limit):
+    """The list scheduler as a generator: yields :class:`GaveUp` when past ``limit`` and
+    takes the next limit (None: none); returns the :class:`IdResult`. ``room[rank]``: the
+    latest the rank may start its next action without its bound passing the limit.
+
+    The event loop is one function on purpose: it runs once per action of every portfolio
+    policy, and local variables are what keeps it fast. Events are integers
+    ``time * P + rank`` (a rank's finish or an arrival for it); every event at an instant is
+    taken before any rank chooses, so a backward that becomes ready now is seen by a rank
+    that also became idle now."""
+    ticks, tick = times.in_ticks()
+    n, ranks = graph.n, graph.placement.ranks
+    placement, rank_of, width = graph.placement, graph.rank, graph.width
+    consumers_of_mb = [graph.consumers[pipe] for pipe in graph.mb_pipeline]
+    items = graph.heap_items(
+        policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
+        policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
     )
-    return actions, consumers, producer_counts, forwards
+    duration, hop = graph.durations(ticks), ticks.p2p
+    left = graph.work_per_rank(ticks)
+    unlimited = n * max(duration, default=0) + max(tails, default=0) + 1
+    give_up = unlimited if limit is None else limit
+    room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
+    alternate, flush = policy.alternate, policy.flush
+    caps = policy.caps or (n,) * ranks
+    fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
+    waiting, ready_at = list(graph.producer_counts), [0] * n
+    fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
+    held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
+    current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
+    events = []
+    for i in range(n):
+        if not waiting[i]:  # sources arrive at time 0
+            fheap[rank_of[i]].append(items[i])
+            events.append(rank_of[i])
+    for heap in fheap:
+        heapify(heap)
+    heapify(events)
+    done = now = 0
+    while done < n:
+        forcing = not events  # every rank blocked by its cap alone:
+        if forcing:  # the lowest-keyed waiting forward runs anyway
+            touched = [_forced_rank(fheap, current)]
+        else:
+            now = events[0] // ranks
+            touched = []
+        later = (now + 1) * ranks  # the first event after this instant
+        while events and events[0] < later:
+            rank = heappop(events) % ranks
+            touched.append(rank)
+            action = current[rank]
+            if action < 0 or end[rank] != now:
+                continue
+            current[rank] = -1
+            done += 1
+            held[rank] -= action & 1
+            base = action - action % width
+            for offset, crosses in consumers_of_mb[action // width][action - base]:
+                user = base + offset
+                if hop:  # free hops: every input is ready the instant it is made
+                    at = now + hop if crosses else now
+                    if at > ready_at[user]:
+                        ready_at[user] = at
+                waiting[user] -= 1
+                if not waiting[user]:
+                    user_rank, at = rank_of[user], ready_at[user]
+                    if at <= now:
+                        heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                        touched.append(user_rank)
+                    else:
+                        heappush(pending[user_rank], at * n + user)
+                        heappush(events, at * ranks + user_rank)
+        for rank in touched:  # ranks choose independently: any order
+            if current[rank] >= 0:
+                continue
+            fh, bh, pend = fheap[rank], bheap[rank], pending[rank]
+            while pend and pend[0] < (now + 1) * n:  # arrived by now
+                user = heappop(pend) % n
+                heappush(bheap[rank] if user & 1 else fh, items[user])
+            if flush:
+                heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
+            # warm-up: rank r admits caps[r] forwards before its first backward (a forward
+            # runs only while fewer than caps[r] activations await their backward); the caps
+            # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps).
+            # 1F1B alternation: after a backward prefer a forward, after a forward a backward.
+            elif (
+                fh
+                and (held[rank] < caps[rank] or forcing)
+                and (not bh or (alternate and last_bwd[rank]))
+            ):
+                heap = fh
+            else:
+                heap = bh if bh else None
+            if heap is None:
+                continue
+            while now > room[rank]:
+                limit = yield GaveUp(now)
+                raised = (unlimited if limit is None else limit) - give_up
+                give_up += raised
+                room = [latest + raised for latest in room]
+            action = heappop(heap) % n
+            busy = duration[action]
+            room[rank] += busy
+            current[rank] = action
+            order[rank].append(action)
+            if action & 1:
+                last_bwd[rank] = True
+            else:
+                last_bwd[rank] = False
+                held[rank] += 1
+                fwd_left[rank] -= 1
+                if held[rank] > peak[rank]:
+                    peak[rank] = held[rank]
+            end[rank] = finish = now + busy
+            heappush(events, finish * ranks + rank)
+    return IdResult(tuple(order), now, now * tick, tuple(peak))
 
 
-def _finish(state: _Rank, action: Action) -> None:
-    state.busy = False
-    if action.op is Op.B:
-        state.held -= 1
+def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:
+    """All ranks idle and blocked by caps: the rank of the lowest-keyed admitted forward."""
+    waiting = [(heap[0], rank) for rank, heap in enumerate(fheap) if heap and current[rank] < 0]
+    if not waiting:
+        raise RuntimeError("list scheduler stalled with no admissible action (bug)")
+    return min(waiting)[1]
+
+
+def _forwards_per_rank(graph: Graph) -> list[int]:
+    counts = [0] * graph.placement.ranks
+    for rank in graph.rank[0::2]:
+        counts[rank] += 1
+    return counts

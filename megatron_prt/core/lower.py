@@ -11,14 +11,20 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import replace
+from itertools import accumulate, compress, pairwise, repeat
+from operator import itemgetter
 
 from .actions import Action, Op
-from .deps import carries_tensor, comm_ops, consumers, consumers_map, producers
+from .deps import carries_tensor, comm_ops, consumers, producers
+from .gcpause import without_gc
 from .placement import Placement
 from .plan import Plan
-from .replay import replay
+from .replay import Replayer, Ticks, compiled, keep_compiled
 from .timing import StageTimes
+
+_STAGE, _MB = itemgetter(0), itemgetter(2)
 
 
 def message_key(producer: Action, consumer: Action) -> tuple:
@@ -60,31 +66,76 @@ def comm_key(comm: Action, placement: Placement, split: bool = False) -> tuple:
     return message_key(*message_ends(comm, placement, split))
 
 
+@without_gc
 def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
-    """Return ``plan`` with SEND/RECV actions inserted (idempotent on lowered plans)."""
+    """Return ``plan`` with SEND/RECV actions inserted (idempotent on lowered plans).
+
+    Events: each compute at its start; each cross-rank edge at its producer's end, a SEND on
+    the producer's rank and a RECV on the consumer's. One order of all events, ``(time,
+    message before compute, producer's rank, producer's step)``, written as one integer per
+    event, gives every rank's stream; each rank sorts only its own events. The lowered plan
+    keeps the compiled replay of ``plan`` (same compute actions)."""
     if plan.lowered:
         return plan
-    placement = plan.placement
-    timeline = replay(plan, times)
-    actions = list(timeline.start)
-    consumers = consumers_map(actions, placement, plan.split_backward)
-    rank_of = placement.stage_to_rank
-    events = []  # (time, kind: 0 = message, 1 = compute, rank, action, consumer)
-    for action, begin in timeline.start.items():
-        rank = rank_of[action.stage]
-        events.append((begin, 1, rank, action, None))
-        for consumer in consumers[action]:
-            if rank_of[consumer.stage] != rank:
-                events.append((timeline.end[action], 0, rank, action, consumer))
-    # Messages at an instant go before computes starting then; ties keep per-rank order.
-    step = {a: i for acts in plan.ranks for i, a in enumerate(acts)}
-    events.sort(key=lambda e: (e[0], e[1], e[2], step[e[3]]))
-    streams: list[list[Action]] = [[] for _ in range(placement.ranks)]
-    for _, kind, rank, action, consumer in events:
-        if kind == 1:
-            streams[rank].append(action)
-            continue
-        send_op, recv_op = comm_ops(action)
-        streams[rank].append(Action(action.stage, send_op, action.mb))
-        streams[rank_of[consumer.stage]].append(Action(consumer.stage, recv_op, action.mb))
-    return replace(plan, ranks=tuple(tuple(s) for s in streams), lowered=True)
+    replayer = compiled(plan)
+    ticks = replayer.run_ticks(times)
+    spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
+    starts, ends = _event_keys(plan, replayer.rank_of, ticks, spans)
+    sends, recvs = _messages(replayer)
+    streams = []
+    for first, last in spans:
+        send_cut = slice(bisect_left(sends[0], first), bisect_left(sends[0], last))
+        recv_cut = slice(bisect_left(recvs[0], first), bisect_left(recvs[0], last))
+        keys = starts[first:last]
+        keys += map(ends.__getitem__, sends[0][send_cut])
+        keys += map(ends.__getitem__, recvs[1][recv_cut])
+        items = replayer.actions[first:last] + sends[1][send_cut] + recvs[2][recv_cut]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        streams.append(tuple(map(items.__getitem__, order)))
+    lowered = replace(plan, ranks=tuple(streams), lowered=True)
+    keep_compiled(lowered, replayer)
+    return lowered
+
+
+def _event_keys(plan: Plan, rank_of: list[int], ticks: Ticks, spans) -> tuple[list, list]:
+    """Per compute action the integer of its start event and of its end (message) event."""
+    ranks, steps = plan.placement.ranks, max(map(len, plan.ranks), default=0) + 1
+    step = [i - first for first, last in spans for i in range(first, last)]
+    ends = ticks.end
+    starts = [
+        ((2 * (e - d) + 1) * ranks + r) * steps + s
+        for e, d, r, s in zip(ends, ticks.duration, rank_of, step, strict=True)
+    ]
+    return starts, [
+        (2 * e * ranks + r) * steps + s for e, r, s in zip(ends, rank_of, step, strict=True)
+    ]
+
+
+def _messages(replayer: Replayer) -> tuple[tuple, tuple]:
+    """Every cross-rank edge: SENDs as (producer indices in order, SEND actions); RECVs as
+    (consumer indices in order, their producers, RECV actions). An action sends at most one
+    tensor to another rank and receives at most one (the dependency rule)."""
+    actions, kind_of = replayer.actions, replayer.kind_of
+    remote = replayer.remote_producers()
+    receives = [producer >= 0 for producer in remote]
+    users = list(compress(range(len(actions)), receives))
+    producers_ = list(compress(remote, receives))
+    ops = [comm_ops(Action(stage, op, 0)) for stage, op in replayer.kinds]
+    send_op, recv_op = [o[0] for o in ops], [o[1] for o in ops]
+    sent = sorted(producers_)
+    source = list(map(actions.__getitem__, sent))
+    send = zip(
+        map(_STAGE, source),
+        map(send_op.__getitem__, map(kind_of.__getitem__, sent)),
+        map(_MB, source),
+        strict=True,
+    )
+    source = list(map(actions.__getitem__, producers_))
+    recv_ops = map(recv_op.__getitem__, map(kind_of.__getitem__, producers_))
+    sinks = map(_STAGE, map(actions.__getitem__, users))
+    recv = zip(sinks, recv_ops, map(_MB, source), strict=True)
+    return (sent, _make_actions(send)), (users, producers_, _make_actions(recv))
+
+
+def _make_actions(rows) -> list[Action]:
+    return list(map(tuple.__new__, repeat(Action), rows))

@@ -11,7 +11,7 @@ import csv
 import hashlib
 import io
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .actions import Action, Op, parse
 from .placement import ConfigError, Placement
@@ -55,6 +55,11 @@ class Plan:
                 "mb_pipeline",
                 split_microbatches(self.num_microbatches, self.placement.num_pipelines),
             )
+
+    def __getstate__(self) -> dict:
+        """Pickle the fields only, not what is derived from them and kept on the instance
+        (:func:`megatron_prt.core.replay.compiled`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def num_stages(self) -> int:

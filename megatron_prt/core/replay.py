@@ -3,14 +3,19 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from operator import itemgetter
 
-from .actions import Action
+from .actions import Action, Op
 from .deps import producers
 from .grid import format_grid
 from .plan import Plan
 from .timing import StageTimes
+
+_COMPUTE = frozenset(op for op in Op if op.is_compute)
+_KIND = itemgetter(0, 1)  # action -> (stage, op)
+_COMPILED = "_compiled_replayer"  # where compiled() keeps a plan's Replayer
+_MB = itemgetter(2)
 
 
 class PlanError(ValueError):
@@ -50,36 +55,125 @@ class Replayer:
     its predecessors (the previous action on its rank, then its producers from
     :func:`megatron_prt.core.deps.producers`). Compile once, then :meth:`run` with as many
     stage times as needed. Raises :class:`PlanError` if the ranks block each other (a cyclic
-    wait, i.e. a deadlock) or an action waits on one no rank runs."""
+    wait, i.e. a deadlock) or an action waits on one no rank runs.
+
+    Compiling is linear in the plan with a small constant: the producers of each kind of
+    action (stage, op) are asked of the dependency rule once and shifted to every
+    micro-batch (the rule never crosses micro-batches); actions are found by
+    ``kind * m + mb``; every action has two producer slots, pointing at index ``n`` (a
+    placeholder that is always done) when it has fewer producers and at ``n + 1`` (never
+    done) when no rank runs the producer."""
 
     def __init__(self, plan: Plan) -> None:
-        placement = self.placement = plan.placement
-        orders = [plan.compute_actions(r) for r in range(placement.ranks)]
-        self.actions = [a for acts in orders for a in acts]
-        index: dict[Action, int] = {}
-        for i, action in enumerate(self.actions):
-            index.setdefault(action, i)  # plans run each action once (validate checks)
-        rank_of = placement.stage_to_rank
-        split = plan.split_backward  # a scan of the whole plan: once
-        preds: list[list[tuple[int, bool]]] = []
-        missing = [0] * len(self.actions)  # producers no rank runs: never ready
-        for rank, acts in enumerate(orders):
-            for step, action in enumerate(acts):
-                mine = [(len(preds) - 1, False)] if step else []
-                for dep in producers(action, placement, split):
-                    if dep in index:
-                        mine.append((index[dep], rank_of[dep.stage] != rank))
-                    else:
-                        missing[len(preds)] += 1
-                preds.append(mine)
-        # preds[i]: (index of a predecessor, whether the edge crosses ranks), rank's first
-        self.preds = [tuple(p) for p in preds]
-        self.order = _dependency_order(self.preds, missing)
-        if len(self.order) < len(self.actions):
-            raise PlanError(_deadlock_message(plan, orders, self._done(orders)))
-        self.kinds = sorted({(a.stage, a.op) for a in self.actions})
+        self.placement, self._num_microbatches = plan.placement, plan.num_microbatches
+        orders = [[a for a in acts if a[1] in _COMPUTE] for acts in plan.ranks]
+        self.actions = actions = [a for acts in orders for a in acts]
+        self.rank_of = [r for r, acts in enumerate(orders) for _ in acts]
+        kinds_of = list(map(_KIND, actions))
+        self.kinds = sorted(set(kinds_of))
         kind_index = {kind: i for i, kind in enumerate(self.kinds)}
-        self.kind_of = [kind_index[(a.stage, a.op)] for a in self.actions]
+        self.kind_of = list(map(kind_index.__getitem__, kinds_of))
+        self._compile_deps(kind_index)
+        self.order = self._dependency_order([len(acts) for acts in orders])
+        if len(self.order) < len(actions):
+            raise PlanError(_deadlock_message(plan, orders, self._done(orders)))
+
+    def _compile_deps(self, kind_index: dict) -> None:
+        """``dep[0][i]``, ``dep[1][i]``: action i's producer slots; ``crosses[0][i]``,
+        ``crosses[1][i]``: whether that edge crosses ranks."""
+        actions, n, placement = self.actions, len(self.actions), self.placement
+        mb_of = list(map(_MB, actions))
+        mbs = self._num_microbatches
+        if mb_of and not (0 <= min(mb_of) and max(mb_of) < mbs):
+            bad = next(a for a in actions if not 0 <= a[2] < mbs)
+            raise PlanError(f"{bad} (mb {bad[2]}): no such micro-batch (m={mbs})")
+        split = any(op is Op.I for _, op in self.kinds)
+        rank_of = placement.stage_to_rank
+        # where[kind * m + mb]: the action's index; two more blocks of m after the kinds':
+        # n (no producer, always done) and n + 1 (a producer no rank runs, never done)
+        none, nobody = len(self.kinds) * mbs, (len(self.kinds) + 1) * mbs
+        where = [n + 1] * none + [n] * mbs + [n + 1] * mbs
+        for i in range(n - 1, -1, -1):  # the first of any repeat wins
+            where[self.kind_of[i] * mbs + mb_of[i]] = i
+        # per kind and slot: (the producer's block in where, whether the edge crosses ranks)
+        slots: list[list[tuple[int, bool]]] = [[], []]
+        for stage, op in self.kinds:
+            deps = producers(Action(stage, op, 0), placement, split)
+            for slot in (0, 1):
+                if slot >= len(deps):
+                    slots[slot].append((none, False))
+                    continue
+                dep_kind = kind_index.get((deps[slot].stage, deps[slot].op))
+                block = nobody if dep_kind is None else dep_kind * mbs
+                slots[slot].append((block, rank_of[deps[slot].stage] != rank_of[stage]))
+        self._dep, self._crosses = [], []
+        for per_kind in slots:
+            blocks = [block for block, _ in per_kind]
+            starts = map(blocks.__getitem__, self.kind_of)
+            self._dep.append([where[block + mb] for block, mb in zip(starts, mb_of, strict=True)])
+            flags = [crosses for _, crosses in per_kind]
+            self._crosses.append(list(map(flags.__getitem__, self.kind_of)))
+
+    def _dependency_order(self, lengths: list[int]) -> list[int]:
+        """Every rank runs its actions in order while their producers are done; a rank that
+        waits parks on the producer it waits for. The actions that ran, in the order they
+        ran (a dependency order); those waiting on a cycle or a missing producer are left
+        out. One tight loop over all actions: this is most of validating a plan."""
+        n = len(self.actions)
+        first_dep, second_dep = self._dep
+        done = bytearray(n + 2)
+        done[n] = 1  # the placeholder for "no producer"
+        parked: list[list[int] | None] = [None] * (n + 2)
+        order: list[int] = []
+        pos, ends, start = [], [], 0
+        for length in lengths:
+            pos.append(start)
+            start += length
+            ends.append(start)
+        todo = list(range(len(lengths)))
+        while todo:
+            rank = todo.pop()
+            i, end = pos[rank], ends[rank]
+            while i < end:
+                blocker = first_dep[i] if not done[first_dep[i]] else second_dep[i]
+                if not done[blocker]:
+                    if parked[blocker] is None:
+                        parked[blocker] = [rank]
+                    else:
+                        parked[blocker].append(rank)
+                    break
+                done[i] = 1
+                order.append(i)
+                if parked[i] is not None:
+                    todo += parked[i]
+                i += 1
+            pos[rank] = i
+        return order
+
+    @property
+    def preds(self) -> list[tuple[tuple[int, bool], ...]]:
+        """Per action: (index of a predecessor, whether the edge crosses ranks), the
+        previous action on its rank first."""
+        n, rank_of, out = len(self.actions), self.rank_of, []
+        deps = zip(*self._dep, *self._crosses, strict=True)
+        for i, (first, second, first_crosses, second_crosses) in enumerate(deps):
+            mine = [(i - 1, False)] if i and rank_of[i - 1] == rank_of[i] else []
+            mine += [(j, c) for j, c in ((first, first_crosses), (second, second_crosses)) if j < n]
+            out.append(tuple(mine))
+        return out
+
+    def remote_producers(self) -> list[int]:
+        """Per action: the index of its producer on another rank, or -1 (the dependency
+        rule gives an action at most one producer on another rank: the tensor it
+        receives)."""
+        n = len(self.actions)
+        (first, second), (first_crosses, second_crosses) = self._dep, self._crosses
+        if any(a and b for a, b in zip(first_crosses, second_crosses, strict=True)):
+            raise ValueError("an action with two producers on other ranks: lowering needs one")
+        return [
+            a if ca and a < n else b if cb and b < n else -1
+            for a, b, ca, cb in zip(first, second, first_crosses, second_crosses, strict=True)
+        ]
 
     def _done(self, orders) -> tuple[list[int], set[Action]]:
         """At a deadlock: per rank the actions that ran, and the set of them."""
@@ -91,16 +185,22 @@ class Replayer:
         ``times.p2p`` per cross-rank hop); default times: :meth:`StageTimes.uniform`."""
         times, tick = (times or StageTimes.uniform(self.placement.depth)).in_ticks()
         busy = [times.busy(Action(stage, op, 0), self.placement) for stage, op in self.kinds]
-        duration = [busy[k] for k in self.kind_of]
-        end = [0] * len(duration)
-        hop = times.p2p
+        duration = list(map(busy.__getitem__, self.kind_of))
+        end = [0] * (len(duration) + 2)
+        free = [0] * self.placement.ranks  # when each rank finishes its last action so far
+        hop, rank_of = times.p2p, self.rank_of
+        (first_dep, second_dep), (first_crosses, second_crosses) = self._dep, self._crosses
         for i in self.order:
-            start = 0
-            for j, crosses in self.preds[i]:
-                ready = end[j] + hop if crosses else end[j]
-                if ready > start:
-                    start = ready
-            end[i] = start + duration[i]
+            rank = rank_of[i]
+            start = free[rank]
+            ready = end[first_dep[i]] + (hop if first_crosses[i] else 0)
+            if ready > start:
+                start = ready
+            ready = end[second_dep[i]] + (hop if second_crosses[i] else 0)
+            if ready > start:
+                start = ready
+            end[i] = free[rank] = start + duration[i]
+        del end[len(duration) :]
         return Ticks(end, duration, hop, tick)
 
     def run(self, times: StageTimes | None = None) -> Timeline:
@@ -114,32 +214,30 @@ class Replayer:
         return Timeline(start, end)
 
 
+def compiled(plan: Plan) -> Replayer:
+    """``plan``'s :class:`Replayer`, compiled on first use and kept with the plan (plans are
+    immutable; :meth:`Plan.__getstate__` leaves it out of pickles). Validation, lowering
+    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`."""
+    replayer = plan.__dict__.get(_COMPILED)
+    if replayer is None:
+        replayer = Replayer(plan)
+        keep_compiled(plan, replayer)
+    return replayer
+
+
+def keep_compiled(plan: Plan, replayer: Replayer) -> None:
+    """Keep ``replayer`` with ``plan``: it must be a compiled plan with the same compute
+    actions (e.g. the plan ``plan`` was lowered from)."""
+    object.__setattr__(plan, _COMPILED, replayer)
+
+
 def replay(plan: Plan, times: StageTimes | None = None) -> Timeline:
     """Run every rank's compute actions in order, each as soon as its rank is free and its
     producers are done (plus ``times.p2p`` per cross-rank hop). Raises :class:`PlanError` if
-    the ranks block each other (a cyclic wait, i.e. a deadlock). To replay one plan under
-    many stage times, compile it once with :class:`Replayer`."""
-    return Replayer(plan).run(times)
-
-
-def _dependency_order(preds, missing) -> list[int]:
-    """Kahn's order of the actions; those waiting (transitively) on a cycle or on a
-    ``missing`` producer are left out."""
-    waiting = [len(p) + n for p, n in zip(preds, missing, strict=True)]
-    users: list[list[int]] = [[] for _ in preds]
-    for i, p in enumerate(preds):
-        for j, _ in p:
-            users[j].append(i)
-    ready = deque(i for i, n in enumerate(waiting) if n == 0)
-    order = []
-    while ready:
-        i = ready.popleft()
-        order.append(i)
-        for user in users[i]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                ready.append(user)
-    return order
+    the ranks block each other (a cyclic wait, i.e. a deadlock). The compiled plan is kept
+    with the plan (:func:`compiled`), so replaying one plan under many stage times compiles
+    it once."""
+    return compiled(plan).run(times)
 
 
 def _deadlock_message(plan, orders, done) -> str:

@@ -22,7 +22,17 @@ from dataclasses import replace
 from itertools import product
 
 from .actions import Action, Op
-from .greedy import ListResult, Policy, list_schedule
+from .gcpause import without_gc
+from .greedy import (
+    GaveUp,
+    IdResult,
+    Policy,
+    Run,
+    SortKey,
+    compile_graph,
+    list_schedule,
+    oldest_first,
+)
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
 from .replay import replay
@@ -91,49 +101,63 @@ def megatron_caps(placement: Placement) -> tuple[int, ...]:
 
 
 # -- forward / backward preference ------------------------------------------------------------
-def _keys(placement: Placement, num_microbatches: int, name: str):
-    if name == "depth_first":  # push the deepest ready forward on (frees memory sooner)
-        return (lambda a: (-a.stage, a.mb)), (lambda a: (a.mb, a.stage))
-    if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
-        return (lambda a: (-a.stage, a.mb)), (lambda a: (-a.stage, a.mb))
+def _keys(placement: Placement, num_microbatches: int, name: str) -> dict[str, SortKey]:
+    """The forward and backward keys of a named preference (:class:`Policy` fields). Every
+    key ends in (stage, mb), so equal preferences fall back to the lower stage, then the
+    older micro-batch."""
+    stages, mbs = placement.num_stages, num_microbatches
+    if name in ("depth_first", "deepest"):
+        # (-stage, mb): push the deepest ready forward on (frees memory sooner)
+        deepest = SortKey([(stages - 1 - s) * mbs for s in range(stages)], range(mbs))
+        if name == "deepest":  # deepest first both ways: keeps the far end of a wave busy
+            return {"fwd_key": deepest, "bwd_key": deepest}
+        return {"fwd_key": deepest, "bwd_key": oldest_first(stages, mbs)}
     # "grouped": megatron-core's order: groups of P micro-batches (per pipeline) sweep a
-    # pass, then the next pass; a short last group joins the previous one.
+    # pass, then the next pass; a short last group joins the previous one. As integers:
+    # (group, pass, mb, stage, mb), backward with the passes reversed.
     width = placement.ranks * placement.num_pipelines
     groups = max(1, num_microbatches // width)
-    depth, ranks = placement.depth, placement.ranks
-
-    def group(mb: int) -> int:
-        return min(mb // width, groups - 1)
-
-    def fwd(a: Action) -> tuple:
-        return (group(a.mb), (a.stage % depth) // ranks, a.mb)
-
-    def bwd(a: Action) -> tuple:
-        return (group(a.mb), -((a.stage % depth) // ranks), a.mb)
-
-    return fwd, bwd
+    depth, ranks, reuse = placement.depth, placement.ranks, placement.reuse
+    unit_stage, unit_mb = mbs, mbs * stages  # (..., mb, stage, mb): place values
+    unit_pass = unit_mb * mbs
+    by_mb = [
+        min(mb // width, groups - 1) * reuse * unit_pass + mb * unit_mb + mb for mb in range(mbs)
+    ]
+    passes = [(s % depth) // ranks for s in range(stages)]
+    fwd = SortKey([p * unit_pass + s * unit_stage for s, p in enumerate(passes)], by_mb)
+    bwd = SortKey(
+        [(reuse - 1 - p) * unit_pass + s * unit_stage for s, p in enumerate(passes)], by_mb
+    )
+    return {"fwd_key": fwd, "bwd_key": bwd}
 
 
 def makespan_lower_bound(placement: Placement, mb_pipeline, times: StageTimes) -> float:
     """No schedule beats this: for every rank, the earliest its first action can start, plus
     all its work, plus the shortest backward tail that must follow its last action."""
-    times, tick = times.in_ticks()  # same arithmetic as the schedulers: exact comparisons
+    ticks, tick = times.in_ticks()  # same arithmetic as the schedulers: exact comparisons
+    return (
+        max(head + work + tail for head, work, tail in _rank_bounds(placement, mb_pipeline, ticks))
+        * tick
+    )
+
+
+def _rank_bounds(placement: Placement, mb_pipeline, ticks: StageTimes) -> list[tuple]:
+    """Per rank (head, work, tail) of :func:`makespan_lower_bound`, in ``ticks``."""
     counts = [mb_pipeline.count(p) for p in range(placement.num_pipelines)]
-    best = 0
-    for rank in range(placement.ranks):
-        work, head, tail = 0, math.inf, math.inf
-        for pipe, stages in enumerate(placement.pipelines):
-            if not counts[pipe]:
-                continue
-            for pos, stage in enumerate(stages):
-                if placement.rank_of(stage) != rank:
-                    continue
-                k = placement.model_stage(stage)
-                work += counts[pipe] * (times.fwd[k] + times.bwd[k])
-                head = min(head, sum(times.fwd[placement.model_stage(s)] for s in stages[:pos]))
-                tail = min(tail, sum(times.bwd[placement.model_stage(s)] for s in stages[:pos]))
-        best = max(best, head + work + tail)
-    return best * tick
+    work = [0] * placement.ranks
+    head, tail = [math.inf] * placement.ranks, [math.inf] * placement.ranks
+    for pipe, stages in enumerate(placement.pipelines):
+        if not counts[pipe]:
+            continue
+        before_fwd = before_bwd = 0  # forward / backward time of the stages before this one
+        for stage in stages:
+            rank, k = placement.rank_of(stage), placement.model_stage(stage)
+            work[rank] += counts[pipe] * (ticks.fwd[k] + ticks.bwd[k])
+            head[rank] = min(head[rank], before_fwd)
+            tail[rank] = min(tail[rank], before_bwd)
+            before_fwd += ticks.fwd[k]
+            before_bwd += ticks.bwd[k]
+    return list(zip(head, work, tail, strict=True))
 
 
 # Beyond this many actions only the policies that win most often are tried (keeps P=64,
@@ -174,6 +198,8 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
         alternatives.append(StageTimes(times.fwd, times.bwd))
     if times.fwd != uniform.fwd or times.bwd != uniform.bwd or times.p2p or times.p2p_cpu:
         alternatives.append(uniform)
+    if not alternatives:
+        return best
     best_makespan = replay(best, times).makespan
     for other_times in alternatives:
         other = _prt_portfolio(placement, num_microbatches, other_times)
@@ -185,28 +211,53 @@ def prt(placement: Placement, num_microbatches: int, times: StageTimes | None = 
 
 @functools.lru_cache(maxsize=64)  # prt() and callers comparing plans ask for the same ones
 def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTimes) -> Plan:
+    """The portfolio's first plan that meets the lower bound; if none does, the fastest
+    (ties: fewer activations held, then portfolio order).
+
+    Two passes so that policies are not run to the end for nothing: the first runs each
+    policy only while it can still meet the bound (a rank's start plus its remaining work
+    plus its tail already past the bound pauses it); the second, needed only if no policy
+    met the bound, resumes each policy while it can still beat the best so far."""
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
-    bound = makespan_lower_bound(placement, mb_pipeline, times)
-    best: ListResult | None = None
-    num_actions = 2 * placement.depth * num_microbatches
-    for caps, key_name, alternate in _portfolio(placement, times, num_actions):
-        fwd_key, bwd_key = _keys(placement, num_microbatches, key_name)
-        policy = Policy(caps=caps, fwd_key=fwd_key, bwd_key=bwd_key, alternate=alternate)
-        result = list_schedule(placement, mb_pipeline, times, policy)
-        if best is None or (result.makespan, max(result.peak_held)) < (
-            best.makespan,
-            max(best.peak_held),
-        ):
-            best = result
-        if best.makespan <= bound * (1 + 1e-12):
-            break
-    return Plan(placement, num_microbatches, best.orders, "prt", mb_pipeline)
+    graph = compile_graph(placement, mb_pipeline)
+    ticks, _ = times.in_ticks()
+    bounds = _rank_bounds(placement, mb_pipeline, ticks)
+    bound = max(head + work + tail for head, work, tail in bounds)
+    tails = [0 if tail == math.inf else tail for _, _, tail in bounds]
+    policies = [
+        Policy(alternate=alternate, caps=caps, **_keys(placement, num_microbatches, key_name))
+        for caps, key_name, alternate in _portfolio(placement, times, graph.n)
+    ]
+    runs = [Run(graph, times, policy, tails) for policy in policies]
+    gave_up: dict[int, int] = {}  # policy -> tick at which it could no longer meet the bound
+    for k, run in enumerate(runs):
+        result = run.run(bound)
+        if isinstance(result, GaveUp):
+            gave_up[k] = result.at
+        elif result.ticks <= bound:
+            return _plan(graph, num_microbatches, result)
+    # none met the bound: the best by (makespan, peak held, portfolio order); those that
+    # kept up longest go on first, so the others give up early against them
+    best: tuple | None = None
+    for k in sorted(range(len(runs)), key=lambda k: -gave_up.get(k, math.inf)):
+        result = runs[k].run(None if best is None else best[0])
+        if isinstance(result, IdResult):
+            score = (result.ticks, max(result.peak_held), k)
+            if best is None or score < best[:3]:
+                best = (*score, result)
+    return _plan(graph, num_microbatches, best[3])
+
+
+def _plan(graph, num_microbatches: int, result: IdResult) -> Plan:
+    orders = result.materialise(graph).orders
+    return Plan(graph.placement, num_microbatches, orders, "prt", graph.mb_pipeline)
 
 
 def gpipe(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:
     times = times or StageTimes.uniform(placement.depth)
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
-    policy = Policy(flush=True, fwd_key=lambda a: (a.mb, a.stage), bwd_key=lambda a: (a.mb,))
+    by_mb = oldest_first(placement.num_stages, num_microbatches)  # (mb, stage) both ways
+    policy = Policy(flush=True, fwd_key=by_mb, bwd_key=by_mb)
     result = list_schedule(placement, mb_pipeline, times, policy)
     return Plan(placement, num_microbatches, result.orders, "gpipe", mb_pipeline)
 
@@ -284,6 +335,7 @@ SCHEDULES: dict[str, Generator] = {
 }
 
 
+@without_gc
 def build_plan(
     placement: Placement,
     num_microbatches: int,

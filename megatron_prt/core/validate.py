@@ -10,18 +10,24 @@ from __future__ import annotations
 from collections import Counter
 
 from .actions import Action, Op
-from .deps import producers
+from .census import looks_complete
+from .gcpause import without_gc
 from .grid import format_grid
-from .lower import comm_key, message_ends, message_key
 from .plan import Plan
-from .replay import PlanError, replay
+from .rendezvous import stuck_ranks
+from .replay import PlanError, compiled
 
 
+@without_gc
 def validate(plan: Plan) -> None:
-    """Raise :class:`PlanError` (with the grid around the first failure) or return None."""
-    _check_shape(plan)
-    _check_exactly_once(plan)
-    replay(plan)
+    """Raise :class:`PlanError` (with the grid around the first failure) or return None.
+
+    A well-formed plan passes :func:`~megatron_prt.core.census.looks_complete` (whole-column
+    checks); only otherwise do the action-by-action checks run, to name the fault."""
+    if not looks_complete(plan):
+        _check_shape(plan)
+        _check_exactly_once(plan)
+    compiled(plan)  # dependency order, no deadlock; kept for lowering and replays
     if plan.lowered:
         _check_rendezvous(plan)
 
@@ -88,61 +94,14 @@ def _check_exactly_once(plan: Plan) -> None:
 
 
 def _check_rendezvous(plan: Plan) -> None:
-    """Blocking replay: compute needs local producers done and remote ones received;
-    SEND and RECV complete together when both ranks stand at the matching pair."""
-    placement = plan.placement
-    split = plan.split_backward
+    """Blocking replay (:func:`~megatron_prt.core.rendezvous.stuck_ranks`): compute needs
+    local producers done and remote ones received; SEND and RECV complete together when
+    both ranks stand at the matching pair."""
     streams = plan.ranks
-    pos = [0] * len(streams)
-    done: set[Action] = set()
-    received: set[tuple] = set()
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(streams):
-            while pos[rank] < len(acts):
-                action = acts[pos[rank]]
-                if action.op.is_compute:
-                    if not _inputs_ready(action, rank, placement, split, done, received):
-                        break
-                    done.add(action)
-                elif action.op in (Op.SEND_F, Op.SEND_B):
-                    key, peer = _matching_recv(plan, action, pos, split)
-                    if peer is None:
-                        break
-                    received.add(key)
-                    pos[peer] += 1
-                else:  # a RECV completes only together with its SEND
-                    break
-                pos[rank] += 1
-                progress = True
-    stuck = {r: p for r, p in enumerate(pos) if p < len(streams[r])}
+    stuck = stuck_ranks(plan)
     if stuck:
         rank, step = next(iter(stuck.items()))
         lines = [f"lowered plan deadlocks under blocking send/recv at rank {rank}, step {step}:"]
         for r, p in stuck.items():
             lines.append(f"  rank {r} blocked at step {p}: {streams[r][p]}")
         raise PlanError("\n".join(lines) + "\n" + format_grid(streams, stuck))
-
-
-def _inputs_ready(action, rank, placement, split, done, received) -> bool:
-    for dep in producers(action, placement, split):
-        if placement.rank_of(dep.stage) == rank:
-            if dep not in done:
-                return False
-        elif message_key(dep, action) not in received:
-            return False
-    return True
-
-
-def _matching_recv(plan: Plan, send: Action, pos: list[int], split: bool):
-    """(message key, peer rank) when the peer stands at the RECV matching ``send``; else
-    (key, None)."""
-    producer, consumer = message_ends(send, plan.placement, split)
-    key = message_key(producer, consumer)
-    peer = plan.placement.rank_of(consumer.stage)
-    if pos[peer] < len(plan.ranks[peer]):
-        head = plan.ranks[peer][pos[peer]]
-        if head.op in (Op.RECV_F, Op.RECV_B) and comm_key(head, plan.placement, split) == key:
-            return key, peer
-    return key, None
