@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..core.grid import format_grid
 from ..core.lower import lower
@@ -19,6 +20,7 @@ from ..core.zerobubble import MEM_CAPS, zero_bubble
 from ..sim.cost import CostModel
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
+from ..tune.plan_file import load_plan
 from .peers import peer_results
 
 
@@ -85,14 +87,16 @@ def _split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
         )
 
 
-def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1) -> None:
-    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
+def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1, required: bool = True) -> None:
+    p.add_argument("--pp", type=positive_int, required=required, help="pipeline ranks P")
     p.add_argument(
         "--reuse", type=positive_int, default=reuse_default, help="virtual stages per rank R"
     )
     p.add_argument("--placement", choices=PLACEMENTS, default="loop")
     p.add_argument("--direction", choices=DIRECTIONS, default="uni")
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
+    p.add_argument(
+        "--microbatches", "-m", type=positive_int, required=required, help="micro-batches m"
+    )
 
 
 def _cost_flags(p: argparse.ArgumentParser) -> None:
@@ -165,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_flags(p)
 
     s = sub.add_parser("simulate", help="predict time, bubble, memory and traffic of a plan")
-    _plan_flags(s)
+    _plan_flags(s, required=False)
+    s.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="simulate this plan file (`megatron-prt tune -o FILE`) with its own partition, "
+        "instead of --pp/--reuse/--placement/--direction/--microbatches/--schedule",
+    )
     s.add_argument("--schedule", choices=SCHEDULES, default="prt")
     _split_flags(s)
     s.add_argument("--json", action="store_true", help="print metrics as JSON")
@@ -179,10 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     _split_flags(c, cap=False)
     _cost_flags(c)
 
-    from . import partition, profile
+    from . import partition, profile, tune
 
     partition.add_parser(sub).set_defaults(func=partition.run)
     profile.add_parser(sub)
+    tune.add_parser(sub)
 
     from . import bench  # measured benchmark (torch loads only when it runs)
 
@@ -344,9 +355,36 @@ def _metrics_text(result: SimResult) -> str:
 
 def cmd_simulate(args) -> int:
     cost = _cost(args)
-    result = simulate(_make_plan(args, cost), cost)
+    if args.plan:
+        plan, cost = _plan_from_file(args, cost)
+    elif args.pp is None or args.microbatches is None:
+        raise ConfigError("simulate needs --pp and --microbatches, or --plan FILE")
+    else:
+        plan = _make_plan(args, cost)
+    result = simulate(plan, cost)
     print(json.dumps(result.to_dict(), indent=1) if args.json else _metrics_text(result))
     return 0
+
+
+def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
+    """The plan file's plan, and ``cost`` split as the file splits the layers."""
+    plan_file = load_plan(args.plan)
+    for flag, given, own in (
+        ("--pp", args.pp, plan_file.plan.placement.ranks),
+        ("--microbatches", args.microbatches, plan_file.plan.num_microbatches),
+    ):
+        if given is not None and given != own:
+            raise ConfigError(
+                f"{flag} {given} disagrees with --plan {args.plan}, which has {own}; drop {flag}"
+            )
+    if not cost.layers:
+        return plan_file.plan, cost
+    if len(cost.layers) != plan_file.num_layers:
+        raise ConfigError(
+            f"--plan {args.plan} splits {plan_file.num_layers} layers but --costs "
+            f"{args.costs} describes {len(cost.layers)}; tune with this cost file"
+        )
+    return plan_file.plan, replace(cost, stage_layers=plan_file.stage_layers)
 
 
 def compare_variants(

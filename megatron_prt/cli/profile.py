@@ -51,6 +51,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=1,
         help="CPU threads (default 1, as each CPU pipeline rank runs)",
     )
+    p.add_argument(
+        "--comm",
+        choices=("auto", "shm", "torch", "none"),
+        default=None,
+        help="also measure a stage-boundary hop and the bi replica-gradient sum on two local "
+        "gloo ranks over this transport (p2p_* and replica_* keys); default auto on --device "
+        "cpu, none on cuda (the wire there is NCCL between GPUs)",
+    )
     p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
     p.set_defaults(func=run)
     return p
@@ -61,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_out(args.out)
         costs = _profile(args)
+        costs.update(_measure_comm(args, costs))
     except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"megatron-prt profile: error: {message}", file=sys.stderr)
@@ -118,6 +127,23 @@ def _profile(args: argparse.Namespace) -> dict:
     )
 
 
+COMM_GRAD_BYTES_CAP = 256 << 20  # the replica sum is timed on at most this many bytes
+
+
+def _measure_comm(args: argparse.Namespace, costs: dict) -> dict:
+    """The measured message keys (:mod:`megatron_prt.runtime.comm_timing`), or none."""
+    transport = args.comm or ("auto" if args.device == "cpu" else "none")
+    if transport == "none":
+        return {}
+    from ..runtime.comm_timing import measure_comm
+
+    print(f"timing a hop and the replica sum on 2 ranks ({transport})", file=sys.stderr)
+    parts = [*costs["layers"], costs["embedding"], costs["head"]]
+    grads = sum(part.get("grad", part["param"] / 4) for part in parts)
+    grad_bytes = int(min(grads / 2, COMM_GRAD_BYTES_CAP))  # one rank's half of P=2
+    return measure_comm(int(costs["message_bytes"]), max(grad_bytes, 1), transport, args.reps)
+
+
 def format_summary(costs: dict) -> str:
     """Embedding, layers (one row each up to :data:`LAYER_ROWS`, else their mean), head
     and the whole model; times in ms, sizes in MiB."""
@@ -138,7 +164,15 @@ def format_summary(costs: dict) -> str:
     lines = [SUMMARY_HEADER, rule, *(_row(name, part) for name, part in rows), rule]
     lines.append(_row("total", total))
     lines.append(f"message between stages: {costs['message_bytes'] / 2**20:.3f} MiB")
+    if "p2p_latency" in costs:
+        lines.append(_comm_row("hop", costs["p2p_latency"], costs["p2p_bandwidth"]))
+        lines.append(_comm_row("replica sum", costs["replica_latency"], costs["replica_bandwidth"]))
     return "\n".join(lines)
+
+
+def _comm_row(name: str, latency: float, bandwidth: float | None) -> str:
+    rate = "free" if bandwidth is None else f"{bandwidth / 2**30:.3g} GiB/s"
+    return f"{name}: latency {latency * 1e6:.1f} us, bandwidth {rate}"
 
 
 def _row(name: str, part: dict) -> str:

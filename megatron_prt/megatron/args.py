@@ -32,10 +32,12 @@ import argparse
 import math
 import os
 import re
+from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from .config import ReuseConfig
+from .plan_flag import add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -126,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Transformer layers of each of the R*P model stages in flow order; must sum to "
         "--num-layers. Overrides --pipeline-reuse-partition.",
     )
+    add_plan_argument(group)
     group.add_argument(
         "--pipeline-reuse-trace",
         default=None,
@@ -194,16 +197,19 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     before Megatron's ``validate_args`` (see the module docstring); a repeated call returns
     the stored config.
     """
+    if getattr(args, "pipeline_reuse_config", None) is not None:
+        return args.pipeline_reuse_config
+    plan_file = apply_plan_file(args, _DEPENDENT_DEFAULTS, _microbatches_per_iteration(args))
     if getattr(args, "pipeline_reuse", None) is None:
         _refuse_flags_without_reuse(args)
         return None
-    if getattr(args, "pipeline_reuse_config", None) is not None:
-        return args.pipeline_reuse_config
     _refuse_late_call(args)
     _check_reuse_and_pipeline(args)
     _check_balanced_partition(args)
     _refuse_megatron_layouts(args)
     config = _reuse_config(args)
+    if plan_file is not None:
+        config = replace(config, plan=plan_file.plan)
     _check_microbatches(args, config.placement)
     _check_grad_overlap(args, config.placement)
     if config.trace_path is not None:

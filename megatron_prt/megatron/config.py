@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..core.layers import stage_layer_counts
 from ..core.placement import ConfigError, Placement
+from ..core.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class ReuseConfig:
     model stage ``0..D-1`` in flow order (``None``: as even as possible, earlier stages take the
     remainder). ``trace_path``: where a traced iteration's Chrome trace goes (``None``: off).
     ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`.
-    ``split_backward``: run every backward as I (input gradient) then W (weight gradient)."""
+    ``split_backward``: run every backward as I (input gradient) then W (weight gradient).
+    ``plan``: the plan to run as it is (``--pipeline-reuse-plan``; ``None``: built from
+    ``placement`` and ``schedule`` for the micro-batches of each call)."""
 
     placement: Placement
     num_layers: int
@@ -26,9 +29,12 @@ class ReuseConfig:
     schedule: str = "prt"
     timeout_s: float = 60.0
     split_backward: bool = False
+    plan: Plan | None = None
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction
+        if self.plan is not None and self.plan.placement != self.placement:
+            raise ConfigError("--pipeline-reuse-plan: the plan's placement is not the flags'")
         if not self.timeout_s > 0:
             raise ConfigError(f"--pipeline-reuse-timeout must be > 0 seconds, got {self.timeout_s}")
 

@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..core.actions import Op
+from ..core.placement import ConfigError
 from ..core.schedules import build_plan
 from ..runtime.callbacks import StageCallbacks, run_backward
 from ..runtime.errors import PipelineError
@@ -337,7 +338,16 @@ def make_forward_backward_func(
         group = group or parallel_state.get_pipeline_model_parallel_group()
         key = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length, id(model[0]))
         if key not in pipelines:
-            plan = _plan(reuse, num_microbatches, w_delay)
+            plan = reuse.plan
+            if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
+                # evaluation may run another count: the default plan (forward only)
+                plan = _plan(reuse, num_microbatches, w_delay)
+            if plan.num_microbatches != num_microbatches:
+                raise ConfigError(
+                    f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
+                    f"per iteration, this call runs {num_microbatches}; set "
+                    "--global-batch-size to match or tune with the run's count"
+                )
             device = _device_of(model[0])
             pipelines[key] = MegatronPipeline(
                 plan,

@@ -66,6 +66,7 @@ def test_flags_live_in_their_own_help_group():
         "pipeline_reuse_stage_layers",
         "pipeline_reuse_costs",
         "pipeline_reuse_memory_budget",
+        "pipeline_reuse_plan",
         "pipeline_reuse_trace",
         "pipeline_reuse_timeout",
         "pipeline_reuse_split_backward",

@@ -1,0 +1,132 @@
+"""``--pipeline-reuse-plan FILE``: run a plan file (``megatron-prt tune -o FILE``) as it is.
+
+The file fixes P, R, placement, direction, the layer split and the micro-batches per
+iteration. :func:`apply_plan_file` checks them against the model's flags before anything
+else and writes the file's values into ``args`` so the rest of the validation sees one
+consistent setting. A ``--pipeline-reuse-*`` flag left at its default takes the file's value;
+one given with a different value is refused (it cannot be told which the user meant).
+
+Imports neither torch nor megatron, like :mod:`megatron_prt.megatron.args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.placement import ConfigError
+from ..tune.plan_file import PlanFile, load_plan
+
+FLAG = "--pipeline-reuse-plan"
+
+
+def add_plan_argument(group) -> None:
+    """Add ``--pipeline-reuse-plan`` to the PRT flags' argument group."""
+    group.add_argument(
+        FLAG,
+        default=None,
+        metavar="FILE",
+        help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
+        "direction and layer split replace the other --pipeline-reuse-* flags (a conflicting "
+        "one is refused); checked against --num-layers, --pipeline-model-parallel-size and "
+        "the micro-batches per iteration.",
+    )
+
+
+def apply_plan_file(
+    args: argparse.Namespace, defaults: dict, microbatches: int | None
+) -> PlanFile | None:
+    """Load ``args.pipeline_reuse_plan`` (``None``: no file, nothing done), refuse every
+    mismatch with the model and conflicting flag (:class:`ConfigError` naming both and
+    the fix), then set ``--pipeline-reuse``, ``-placement``, ``-direction``,
+    ``-stage-layers`` and ``-split-backward`` from the file. ``defaults``: the dependent
+    flags' defaults;
+    ``microbatches``: per iteration as the flags give it (``None``: not known yet, then
+    the schedule checks it at the first call)."""
+    path = getattr(args, "pipeline_reuse_plan", None)
+    if path is None:
+        return None
+    plan_file = load_plan(path, FLAG)
+    where = f"{FLAG} {path}"
+    _check_model(args, plan_file, where, microbatches)
+    _check_flags(args, plan_file, where, defaults)
+    placement = plan_file.plan.placement
+    args.pipeline_reuse = placement.reuse
+    args.pipeline_reuse_placement = placement.placement
+    args.pipeline_reuse_direction = placement.direction
+    args.pipeline_reuse_stage_layers = plan_file.stage_layers
+    args.pipeline_reuse_split_backward = plan_file.plan.split_backward
+    return plan_file
+
+
+def _check_model(
+    args: argparse.Namespace, plan_file: PlanFile, where: str, count: int | None
+) -> None:
+    """Layers, pipeline size and micro-batches per iteration must be the file's."""
+    placement = plan_file.plan.placement
+    layers = getattr(args, "num_layers", None)
+    if layers != plan_file.num_layers:
+        raise ConfigError(
+            f"{where} splits {plan_file.num_layers} layers but --num-layers is {layers}; "
+            f"tune for this model (megatron-prt tune --costs FILE with its {layers} layers) "
+            "or give the model the file's layer count"
+        )
+    ranks = getattr(args, "pipeline_model_parallel_size", 1)
+    if ranks != placement.ranks:
+        raise ConfigError(
+            f"{where} is a plan for {placement.ranks} pipeline ranks but "
+            f"--pipeline-model-parallel-size is {ranks}; use --pipeline-model-parallel-size "
+            f"{placement.ranks} or tune with --pp {ranks}"
+        )
+    if count is not None and count != plan_file.plan.num_microbatches:
+        raise ConfigError(
+            f"{where} schedules {plan_file.plan.num_microbatches} micro-batches per iteration "
+            f"but the flags give {count} = global batch // (--micro-batch-size * data-parallel "
+            f"size); set --global-batch-size to match or tune with -m {count}"
+        )
+
+
+def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defaults: dict) -> None:
+    """A flag given with a value other than the file's is refused."""
+    plan = plan_file.plan
+    placement = plan.placement
+    reuse = getattr(args, "pipeline_reuse", None)
+    if reuse is not None and reuse != placement.reuse:
+        _conflict(where, "--pipeline-reuse", reuse, placement.reuse)
+    for dest, own in (
+        ("pipeline_reuse_placement", placement.placement),
+        ("pipeline_reuse_direction", placement.direction),
+    ):
+        given = getattr(args, dest, defaults[dest])
+        if given != defaults[dest] and given != own:
+            _conflict(where, "--" + dest.replace("_", "-"), given, own)
+    stage_layers = getattr(args, "pipeline_reuse_stage_layers", None)
+    if stage_layers is not None and tuple(stage_layers) != plan_file.stage_layers:
+        _conflict(
+            where,
+            "--pipeline-reuse-stage-layers",
+            ",".join(map(str, stage_layers)),
+            ",".join(map(str, plan_file.stage_layers)),
+        )
+    if getattr(args, "pipeline_reuse_split_backward", False) and not plan.split_backward:
+        raise ConfigError(
+            f"--pipeline-reuse-split-backward conflicts with {where}, whose plan runs whole "
+            "backwards; drop the flag (the file decides) or tune again with split backward"
+        )
+    for dest in ("pipeline_reuse_costs", "pipeline_reuse_memory_budget"):
+        if getattr(args, dest, None) is not None:
+            raise ConfigError(
+                f"--{dest.replace('_', '-')} and {where} both set: the plan file already "
+                "holds the partition; drop the flag"
+            )
+    if getattr(args, "pipeline_reuse_partition", "uniform") == "balanced":
+        raise ConfigError(
+            f"--pipeline-reuse-partition balanced and {where} both set: the plan file already "
+            "holds the partition; drop --pipeline-reuse-partition"
+        )
+
+
+def _conflict(where: str, flag: str, given, own) -> None:
+    raise ConfigError(
+        f"{flag} {given} conflicts with {where}, which has {own}; drop {flag} (the file "
+        "decides) or tune again for it"
+    )

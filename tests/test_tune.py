@@ -1,0 +1,205 @@
+"""The tuner: candidates scored by the simulator, the fastest fitting one chosen
+deterministically, refusals naming the smallest peak, plan files simulated as written."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+from tune_costs import cost_dict, write_costs
+
+from megatron_prt.cli.partition import parse_bytes
+from megatron_prt.core.layers import even_layers
+from megatron_prt.core.placement import ConfigError, Placement
+from megatron_prt.core.schedules import build_plan
+from megatron_prt.core.validate import validate
+from megatron_prt.sim.cost import CostModel
+from megatron_prt.sim.simulate import simulate
+from megatron_prt.tune.partition import partition
+from megatron_prt.tune.plan_file import PlanFile, load_plan
+from megatron_prt.tune.search_plans import (
+    SPLIT_BACKWARD_SCHEDULES,
+    families,
+    max_reuse,
+    plan_for,
+    tune,
+)
+
+P, M = 2, 4
+LAYERS = 6  # R up to 3: a short search
+CLI = ("--pp", P, "-m", M, "--max-reuse", 2)
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel.from_dict(cost_dict(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def tuned(cost):
+    return tune(cost, P, M)
+
+
+def test_families_cover_the_space():
+    labels = [f.label for f in families(4, 8)]
+    assert max_reuse(8, 4) == 2
+    assert labels[0] == "1F1B" and "interleaved R=2" in labels
+    for where in ("loop", "wave"):
+        for direction in ("uni", "bi"):
+            assert f"PRT {where}/{direction} R=2" in labels
+    assert "PRT loop/bi R=1" in labels and "PRT wave/uni R=1" not in labels  # wave R=1 = loop
+    assert not any("R=3" in label for label in labels)  # 12 stages for 8 layers
+
+
+def test_split_backward_families_compete_when_the_planner_has_them(cost, tuned):
+    split = {f.schedule for f in families(P, LAYERS)} & {"zb", "zb-h2"}
+    assert split == set(SPLIT_BACKWARD_SCHEDULES)
+    assert not {f.schedule for f in families(P, LAYERS, split_backward=False)} & split
+    for c in tuned.ranked:
+        assert c.plan.split_backward == (c.family.schedule in SPLIT_BACKWARD_SCHEDULES)
+    without = tune(cost, P, M, split_backward=False)
+    assert not any(c.plan.split_backward for c in without.ranked)
+    assert tuned.winner.makespan <= without.winner.makespan
+
+
+def test_every_candidate_is_what_the_simulator_says(cost, tuned):
+    for c in tuned.ranked:
+        validate(c.plan)
+        priced = replace(cost, stage_layers=c.stage_layers)
+        result = simulate(c.plan, priced)
+        assert result.makespan == c.makespan
+        peaks = [r.peak_activation_bytes + r.param_bytes for r in result.per_rank]
+        assert max(peaks) == c.peak_bytes
+        assert sum(c.stage_layers) == len(cost.layers)
+
+
+def test_winner_is_the_fastest_and_beats_the_baselines(cost, tuned):
+    assert tuned.winner is tuned.ranked[0]
+    assert [c.key for c in tuned.ranked] == sorted(c.key for c in tuned.ranked)
+    # the baselines, built here from outside the tuner, are no faster
+    for placement, schedule in ((Placement(P, 1), "1f1b"), (Placement(P, 2), "prt")):
+        plan = build_plan(placement, M, schedule)
+        uniform = replace(cost, stage_layers=even_layers(len(cost.layers), placement.depth))
+        assert tuned.winner.makespan <= simulate(plan, uniform).makespan
+
+
+def test_plans_for_the_costs_and_balanced_partitions_compete(tuned):
+    kinds = {(c.partition, c.planned_for) for c in tuned.ranked}
+    assert ("balanced", "costs") in kinds or ("uniform", "costs") in kinds
+    assert any(c.partition == "balanced" for c in tuned.ranked)
+
+
+def test_same_inputs_same_winner(cost, tuned):
+    again = tune(cost, P, M)
+    assert again.winner.key == tuned.winner.key
+    assert again.winner.plan == tuned.winner.plan
+    assert [c.key for c in again.ranked] == [c.key for c in tuned.ranked]
+
+
+def test_budget_picks_the_fastest_that_fits(cost, tuned):
+    peaks = sorted({c.peak_bytes for c in tuned.ranked})
+    budget = peaks[len(peaks) // 2]
+    result = tune(cost, P, M, budget_bytes=budget)
+    fitting = [c for c in result.ranked if c.peak_bytes <= budget]
+    assert result.winner.peak_bytes <= budget
+    assert result.winner.makespan == min(c.makespan for c in fitting)
+
+
+def test_a_plan_over_the_budget_is_kept_only_when_no_variant_fits(cost, tuned):
+    budget = sorted(c.peak_bytes for c in tuned.ranked)[len(tuned.ranked) // 3]
+    result = tune(cost, P, M, budget_bytes=budget)
+    for c in result.ranked:
+        if c.fits(budget):
+            continue
+        equal = plan_for(cost, c.plan.placement, M, c.family.schedule, None)
+        priced = replace(cost, stage_layers=c.stage_layers)
+        peaks = [r.peak_activation_bytes + r.param_bytes for r in simulate(equal, priced).per_rank]
+        assert max(peaks) > budget, f"{c.label}: the equal-stage plan fits, {c.planned_for} kept"
+
+
+def test_nothing_fits_names_the_smallest_peak(cost, tuned):
+    least = min(c.peak_bytes for c in tuned.ranked)
+    with pytest.raises(ConfigError, match="smallest peak found is") as caught:
+        tune(cost, P, M, budget_bytes=least / 100)
+    assert "--memory-budget" in str(caught.value)
+    named = re.search(r"smallest peak found is ([0-9.]+ \w+)", str(caught.value)).group(1)
+    # the partitioner's least-memory split of 1F1B (any speed) is among what was searched
+    lowest = partition(cost, Placement(P, 1), M, slack=1e9, schedule="1f1b").balanced
+    assert parse_bytes(named.replace(" ", "")) <= lowest.peak_bytes * 1.01  # 3 digits printed
+
+
+def test_whole_model_costs_are_refused():
+    with pytest.raises(ConfigError, match="per-layer costs"):
+        tune(CostModel(), P, M)
+
+
+def test_plan_file_round_trip(tmp_path, tuned):
+    winner = tuned.winner
+    path = tmp_path / "plan.json"
+    PlanFile(winner.plan, winner.stage_layers, {"makespan": winner.makespan}).write(str(path))
+    loaded = load_plan(str(path))
+    assert loaded.plan == winner.plan
+    assert loaded.stage_layers == winner.stage_layers
+    assert loaded.num_layers == LAYERS
+    data = json.loads(path.read_text())
+    assert data["config"]["stage_layers"] == list(winner.stage_layers)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{", "not JSON"),
+        ('{"ranks": {}}', "no stage_layers"),
+        ('{"stage_layers": [1, 2]}', "not a valid plan"),
+    ],
+)
+def test_bad_plan_files_are_refused(tmp_path, text, match):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_plan(str(path))
+    with pytest.raises(ConfigError, match="No such file"):
+        load_plan(str(tmp_path / "missing.json"))
+
+
+def test_stage_layers_of_the_wrong_depth_are_refused(tmp_path, tuned):
+    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
+    data["stage_layers"] = [*data["stage_layers"], 1]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="stage_layers"):
+        load_plan(str(path))
+
+
+def test_cli_tune_writes_what_simulate_predicts(tmp_path, run_cli):
+    costs, out = write_costs(tmp_path), tmp_path / "plan.json"
+    code, text, err = run_cli("tune", "--costs", costs, *CLI, "--top", 3, "-o", out)
+    assert code == 0, err
+    assert "winner:" in text and f"wrote {out}" in text
+    code, text, err = run_cli("tune", "--costs", costs, *CLI, "--json")
+    assert code == 0, err
+    winner = json.loads(text)["winner"]
+    code, text, err = run_cli("simulate", "--plan", out, "--costs", costs, "--json")
+    assert code == 0, err
+    assert json.loads(text)["makespan"] == winner["makespan"]
+    assert load_plan(str(out)).stage_layers == tuple(winner["stage_layers"])
+
+
+def test_cli_refusals(tmp_path, run_cli):
+    costs, out = write_costs(tmp_path), tmp_path / "plan.json"
+    code, _, err = run_cli("tune", "--costs", costs, *CLI, "--memory-budget", "1KiB")
+    assert code == 2 and "smallest peak found" in err
+    assert run_cli("tune", "--costs", costs, *CLI, "-o", out)[0] == 0
+    code, _, err = run_cli("simulate", "--plan", out, "--pp", 3)
+    assert code == 2 and "--pp 3 disagrees" in err
+    code, _, err = run_cli("simulate", "--plan", out, "--costs", write_costs(tmp_path, 10))
+    assert code == 2 and "splits 12 layers" in err
+    code, _, err = run_cli("simulate")
+    assert code == 2 and "--plan FILE" in err
+
+
+def test_parallel_scoring_gives_the_same_ranking(cost, tuned):
+    parallel = tune(cost, P, M, jobs=2)
+    assert [(c.key, c.plan) for c in parallel.ranked] == [(c.key, c.plan) for c in tuned.ranked]

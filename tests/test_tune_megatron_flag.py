@@ -1,0 +1,148 @@
+"""``--pipeline-reuse-plan FILE``: the plan file's settings replace the other flags, and every
+mismatch with the model or a conflicting flag is refused naming both and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from test_megatron_args import parse, refusal
+
+from megatron_prt.core.placement import Placement
+from megatron_prt.core.schedules import build_plan
+from megatron_prt.megatron.args import validate_args
+from megatron_prt.tune.plan_file import PlanFile
+
+# 8 ranks = DP 2 x PP 4, 10 layers, 8 // (1 * 2) = 4 micro-batches per iteration
+MODEL = (
+    "--num-layers",
+    10,
+    "--pipeline-model-parallel-size",
+    4,
+    "--micro-batch-size",
+    1,
+    "--global-batch-size",
+    8,
+)
+STAGE_LAYERS = (2, 1, 1, 1, 1, 1, 1, 2)
+
+
+def _write(tmp_path, placement: Placement, name: str) -> str:
+    path = str(tmp_path / name)
+    PlanFile(build_plan(placement, 4), STAGE_LAYERS).write(path)
+    return path
+
+
+@pytest.fixture
+def wave_bi(tmp_path) -> str:
+    return _write(tmp_path, Placement(4, 2, "wave", "bi"), "wave_bi.json")
+
+
+def test_plan_file_sets_the_configuration(wave_bi):
+    args = parse(*MODEL, "--pipeline-reuse-plan", wave_bi)
+    config = validate_args(args)
+    assert config.placement == Placement(4, 2, "wave", "bi")
+    assert config.stage_layers == STAGE_LAYERS
+    assert config.plan == build_plan(Placement(4, 2, "wave", "bi"), 4)
+    assert args.pipeline_reuse == 2
+    assert args.num_virtual_stages_per_pipeline_rank == 4  # two passes, two pipelines
+
+
+def test_matching_flags_are_accepted(wave_bi):
+    config = validate_args(
+        parse(
+            *MODEL,
+            "--pipeline-reuse-plan",
+            wave_bi,
+            "--pipeline-reuse",
+            2,
+            "--pipeline-reuse-direction",
+            "bi",
+            "--pipeline-reuse-stage-layers",
+            ",".join(map(str, STAGE_LAYERS)),
+        )
+    )
+    assert config.plan is not None and config.stage_layers == STAGE_LAYERS
+
+
+@pytest.mark.parametrize(
+    "changed, expected",
+    [
+        (("--num-layers", 12), "splits 10 layers but --num-layers is 12"),
+        (("--pipeline-model-parallel-size", 2), "--pipeline-model-parallel-size is 2"),
+        (("--global-batch-size", 16), "schedules 4 micro-batches per iteration"),
+    ],
+)
+def test_model_mismatches_are_refused(wave_bi, changed, expected):
+    argv = list(MODEL)
+    index = argv.index(changed[0])
+    argv[index + 1] = changed[1]
+    message = refusal(*argv, "--pipeline-reuse-plan", wave_bi)
+    assert expected in message and f"--pipeline-reuse-plan {wave_bi}" in message
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (("--pipeline-reuse", 3), "--pipeline-reuse 3 conflicts"),
+        (("--pipeline-reuse-stage-layers", "1,1,1,1,1,1,2,2"), "--pipeline-reuse-stage-layers"),
+        (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition balanced"),
+        (("--pipeline-reuse-costs", "costs.json"), "--pipeline-reuse-costs"),
+        (("--pipeline-reuse-memory-budget", "1GiB"), "--pipeline-reuse-memory-budget"),
+        (("--pipeline-reuse-split-backward",), "--pipeline-reuse-split-backward conflicts"),
+    ],
+)
+def test_conflicting_flags_are_refused(wave_bi, extra, flag):
+    message = refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, *extra)
+    assert flag in message and "drop" in message
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (("--pipeline-reuse-placement", "wave"), "--pipeline-reuse-placement wave conflicts"),
+        (("--pipeline-reuse-direction", "bi"), "--pipeline-reuse-direction bi conflicts"),
+    ],
+)
+def test_placement_and_direction_conflicts_are_refused(tmp_path, extra, flag):
+    loop_uni = _write(tmp_path, Placement(4, 2), "loop_uni.json")
+    assert flag in refusal(*MODEL, "--pipeline-reuse-plan", loop_uni, *extra)
+
+
+def test_unreadable_plan_file_is_refused(tmp_path):
+    missing = tmp_path / "missing.json"
+    message = refusal(*MODEL, "--pipeline-reuse-plan", missing)
+    assert f"--pipeline-reuse-plan {missing}" in message and "megatron-prt tune" in message
+
+
+@pytest.mark.parametrize(
+    "which", ["winner", "best balanced plan for the costs without split backward"]
+)
+def test_megatron_runs_a_tuned_plan_file_with_parity(tmp_path, which):
+    """megatron-core BERT on 2 ranks runs the file's plan (built for uneven costs, not the
+    plan megatron-prt would build by default) and matches the non-pipelined model."""
+    pytest.importorskip("megatron.core")
+    from test_megatron_parity import LAYERS, M, _check
+    from tune_costs import cost_dict
+
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.tune.search_plans import tune
+
+    tuned = tune(CostModel.from_dict(cost_dict(LAYERS)), 2, M, reuse_limit=2)
+    chosen = tuned.winner
+    if which != "winner":
+        chosen = next(
+            c
+            for c in tuned.ranked
+            if (c.partition, c.planned_for) == ("balanced", "costs") and not c.plan.split_backward
+        )
+    assert chosen.plan != build_plan(chosen.plan.placement, M, chosen.plan.schedule)
+    path = str(tmp_path / "plan.json")
+    PlanFile(chosen.plan, chosen.stage_layers).write(path)
+    model = ("--num-layers", LAYERS, "--pipeline-model-parallel-size", 2)
+    batches = ("--micro-batch-size", 1, "--global-batch-size", M)
+    config = validate_args(parse(*model, *batches, "--pipeline-reuse-plan", path, world_size=2))
+    assert config.plan == chosen.plan and config.stage_layers == chosen.stage_layers
+    _check("bert", config)
+    if which == "winner":  # evaluation with another count runs the default plan
+        _check("bert", config, m=M + 1, forward_only=True)
+        with pytest.raises(RuntimeError, match=f"--pipeline-reuse-plan schedules {M} micro"):
+            _check("bert", config, m=M + 1)  # training with another count is refused
