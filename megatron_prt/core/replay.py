@@ -3,6 +3,7 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -150,10 +151,11 @@ class Replayer:
             pos[rank] = i
         return order
 
-    @property
+    @functools.cached_property
     def preds(self) -> list[tuple[tuple[int, bool], ...]]:
         """Per action: (index of a predecessor, whether the edge crosses ranks), the
-        previous action on its rank first."""
+        previous action on its rank first (built once: the partitioner walks it for every
+        critical path)."""
         n, rank_of, out = len(self.actions), self.rank_of, []
         deps = zip(*self._dep, *self._crosses, strict=True)
         for i, (first, second, first_crosses, second_crosses) in enumerate(deps):

@@ -4,7 +4,7 @@ mismatch with the model or a conflicting flag is refused naming both and the fix
 from __future__ import annotations
 
 import pytest
-from test_megatron_args import parse, refusal
+from megatron_flags import parse, refusal
 
 from megatron_prt.core.placement import Placement
 from megatron_prt.core.schedules import build_plan
