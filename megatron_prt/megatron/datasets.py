@@ -197,10 +197,7 @@ def build_datasets(
     (default DIR/cache beside the data). Raises :class:`DataError` where megatron would fail
     or hang (see :func:`samples_per_epoch`)."""
     import torch.distributed as dist
-    from megatron.core.datasets.bert_dataset import (
-        BERTMaskedWordPieceDataset,
-        BERTMaskedWordPieceDatasetConfig,
-    )
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -210,7 +207,41 @@ def build_datasets(
     check_indexed_dataset(prefix, tokenizer.vocab_size)
     epoch = samples_per_epoch(prefix, seq_length, split, seed, binary_head, short_seq_prob)
     sizes = [epoch[i] if n is None else n for i, n in enumerate(num_samples)]
-    config = BERTMaskedWordPieceDatasetConfig(
+    config = _bert_config(
+        prefix,
+        tokenizer,
+        seq_length,
+        split,
+        seed,
+        binary_head,
+        cache_dir=cache_dir,
+        mask_prob=mask_prob,
+        short_seq_prob=short_seq_prob,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        BERTMaskedWordPieceDataset, sizes, is_built_on_rank, config
+    )
+    return tuple(builder.build())
+
+
+def _bert_config(
+    prefix: str,
+    tokenizer: Tokenizer,
+    seq_length: int,
+    split: str,
+    seed: int,
+    binary_head: bool,
+    *,
+    cache_dir: str | None,
+    mask_prob: float,
+    short_seq_prob: float,
+):
+    """pretrain_bert.py's ``BERTMaskedWordPieceDatasetConfig`` for :func:`build_datasets`:
+    whole-word masking of up to 3-grams, sample index cached in ``cache_dir`` (default
+    DIR/cache beside the data)."""
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
+
+    return BERTMaskedWordPieceDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=([prefix], None),
@@ -226,10 +257,6 @@ def build_datasets(
         masking_use_geometric_distribution=False,
         classification_head=binary_head,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        BERTMaskedWordPieceDataset, sizes, is_built_on_rank, config
-    )
-    return tuple(builder.build())
 
 
 def build_gpt_datasets(

@@ -310,8 +310,7 @@ def make_forward_backward_func(
     ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``
     and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
     function's ``memory_stats()`` gives the last call's activation memory on this rank."""
-    pipelines: dict[tuple, MegatronPipeline] = {}
-    last: list[MegatronPipeline] = []
+    pipelines = _Pipelines(reuse, w_delay, timeout_s, transport, measure_memory)
     traced = []  # the first training iteration is written to reuse.trace_path
 
     def forward_backward_pipelining_with_reuse(
@@ -334,61 +333,111 @@ def make_forward_backward_func(
         model = model if isinstance(model, list) else [model]
         config = get_model_config(model[0])
         _check_call(reuse, model, config, adjust_tensor_shapes_fn)
-        group = pg_collection.pp if pg_collection is not None else None
-        group = group or parallel_state.get_pipeline_model_parallel_group()
-        key = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length, id(model[0]))
-        if key not in pipelines:
-            plan = reuse.plan
-            if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
-                # evaluation may run another count: the default plan (forward only)
-                plan = _plan(reuse, num_microbatches, w_delay)
-            if plan.num_microbatches != num_microbatches:
-                raise ConfigError(
-                    f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
-                    f"per iteration, this call runs {num_microbatches}; set "
-                    "--global-batch-size to match or tune with the run's count"
+        group = _pp_group(pg_collection)
+        shape = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length)
+        pipeline = pipelines.get(model, config, group, shape, forward_only)
+        data = _chunk_data(data_iterator, len(model))
+        with _forward_backward_timer(config):
+            store, num_tokens = pipeline.run(
+                forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
+            )
+            store, num_tokens = _gather_on_last_rank(
+                reuse, group, store, num_tokens, pipeline.device
+            )
+            if not forward_only:
+                _finalize(
+                    reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce
                 )
+                if reuse.trace_path and not traced:
+                    traced.append(_write_trace(reuse.trace_path, pipeline, group))
+        return store
+
+    _expose(forward_backward_pipelining_with_reuse, reuse, pipelines.last)
+    return forward_backward_pipelining_with_reuse
+
+
+class _Pipelines:
+    """The runtimes of one :func:`make_forward_backward_func`, one per call shape and model;
+    ``last`` holds the last call's (empty before the first)."""
+
+    def __init__(
+        self,
+        reuse: ReuseConfig,
+        w_delay: int | str | None,
+        timeout_s: float,
+        transport: str,
+        measure_memory: bool,
+    ) -> None:
+        self.reuse, self.w_delay, self.timeout_s = reuse, w_delay, timeout_s
+        self.transport, self.measure_memory = transport, measure_memory
+        self.by_key: dict[tuple, MegatronPipeline] = {}
+        self.last: list[MegatronPipeline] = []
+
+    def get(self, model: list, config, group, shape: tuple, forward_only: bool) -> MegatronPipeline:
+        """The runtime for ``shape`` (num_microbatches, seq_length, micro_batch_size,
+        decoder_seq_length) over ``model``, built on first use; it becomes ``last``."""
+        key = (*shape, id(model[0]))
+        if key not in self.by_key:
+            plan = self._plan(shape[0], forward_only)
             device = _device_of(model[0])
-            pipelines[key] = MegatronPipeline(
+            self.by_key[key] = MegatronPipeline(
                 plan,
                 model,
                 config,
                 group,
                 device,
-                timeout_s,
-                trace=bool(reuse.trace_path),
-                transport=transport,
-                measure_memory=measure_memory,
+                self.timeout_s,
+                trace=bool(self.reuse.trace_path),
+                transport=self.transport,
+                measure_memory=self.measure_memory,
             )
-        pipeline = pipelines[key]
-        last[:] = [pipeline]
-        data = _chunk_data(data_iterator, len(model))
-        if config.timers is not None:
-            config.timers("forward-backward", log_level=1).start(
-                barrier=config.barrier_with_L1_time
-            )
-        store, num_tokens = pipeline.run(
-            forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
-        )
-        store, num_tokens = _gather_on_last_rank(reuse, group, store, num_tokens, pipeline.device)
-        if not forward_only:
-            _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce)
-            if reuse.trace_path and not traced:
-                traced.append(_write_trace(reuse.trace_path, pipeline, group))
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
-        return store
+        pipeline = self.by_key[key]
+        self.last[:] = [pipeline]
+        return pipeline
 
-    forward_backward_pipelining_with_reuse.reuse = reuse  # type: ignore[attr-defined]
-    forward_backward_pipelining_with_reuse.memory_stats = (  # type: ignore[attr-defined]
-        lambda: last[0].memory_stats()
-    )
+    def _plan(self, num_microbatches: int, forward_only: bool):
+        """``--pipeline-reuse-plan``'s plan, else the one built for the configuration.
+        Evaluation may run another micro-batch count: then the default plan (forward only)."""
+        plan = self.reuse.plan
+        if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
+            plan = _plan(self.reuse, num_microbatches, self.w_delay)
+        if plan.num_microbatches != num_microbatches:
+            raise ConfigError(
+                f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
+                f"per iteration, this call runs {num_microbatches}; set "
+                "--global-batch-size to match or tune with the run's count"
+            )
+        return plan
+
+
+def _pp_group(pg_collection):
+    """The pipeline group: ``pg_collection``'s when it has one, else megatron's global one."""
+    group = pg_collection.pp if pg_collection is not None else None
+    return group or parallel_state.get_pipeline_model_parallel_group()
+
+
+@contextlib.contextmanager
+def _forward_backward_timer(config):
+    """megatron's "forward-backward" timer around the block, when ``config.timers`` is set
+    (left running when the block raises)."""
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    yield
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+
+
+def _expose(forward_backward_func: Callable, reuse: ReuseConfig, last: list) -> None:
+    """Attach to ``forward_backward_func`` its ``reuse``, ``memory_stats()`` (the last call's
+    activation memory on this rank) and ``pipeline()``; ``last`` holds the runtime of the
+    last call (empty before the first)."""
+    forward_backward_func.reuse = reuse  # type: ignore[attr-defined]
+    forward_backward_func.memory_stats = lambda: last[0].memory_stats()  # type: ignore[attr-defined]
     # The runtime of the last call (None before the first): its trace_enabled /
     # measure_memory switches and trace() / memory_stats() for tools and examples.
-    forward_backward_pipelining_with_reuse.pipeline = (  # type: ignore[attr-defined]
+    forward_backward_func.pipeline = (  # type: ignore[attr-defined]
         lambda: last[0] if last else None
     )
-    return forward_backward_pipelining_with_reuse
 
 
 def _plan(reuse: ReuseConfig, num_microbatches: int, w_delay: int | str | None):

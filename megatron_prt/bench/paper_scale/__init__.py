@@ -98,24 +98,8 @@ def report(
         "",
         *main_table(results, s.names, MAIN_LINK, s.microbatches),
         "",
-    ]
-    if len(s.curve) > 1:
-        lines += [
-            "## Gain by number of micro-batches",
-            "",
-            *curve_table(results, s.names, s.curve),
-            "",
-        ]
-    if s.sensitivity_links:
-        lines += [
-            f"## How the gain depends on the link (m = {s.sensitivity_m})",
-            "",
-            "Gain of the best PRT configuration (in brackets) over its baseline, per link.",
-            "",
-            *sensitivity_table(results, s.names, s.sensitivity_links, s.sensitivity_m),
-            "",
-        ]
-    lines += [
+        *curve_section(results, s),
+        *sensitivity_section(results, s),
         f"## Every candidate (iteration ms, `{MAIN_LINK}`)",
         "",
         *candidates_table(results, s.names, MAIN_LINK, s.microbatches, s.reuses),
@@ -126,6 +110,32 @@ def report(
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def curve_section(results: Results, s: Settings) -> list[str]:
+    """The report's gain-by-m section; none when ``s.curve`` has one m."""
+    if len(s.curve) <= 1:
+        return []
+    return [
+        "## Gain by number of micro-batches",
+        "",
+        *curve_table(results, s.names, s.curve),
+        "",
+    ]
+
+
+def sensitivity_section(results: Results, s: Settings) -> list[str]:
+    """The report's gain-by-link section; none without ``s.sensitivity_links``."""
+    if not s.sensitivity_links:
+        return []
+    return [
+        f"## How the gain depends on the link (m = {s.sensitivity_m})",
+        "",
+        "Gain of the best PRT configuration (in brackets) over its baseline, per link.",
+        "",
+        *sensitivity_table(results, s.names, s.sensitivity_links, s.sensitivity_m),
+        "",
+    ]
 
 
 # -- command line --------------------------------------------------------------------------------
