@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from ordered_transport import StreamOrderedTransport
 from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
 
 from megatron_prt.core import Placement, build_plan
@@ -73,9 +74,7 @@ def test_every_plan_completes_under_nccl_ordering(placement, direction, schedule
 
 
 def test_the_checker_finds_the_deadlock_of_receives_posted_first():
-    plan = lower(build_plan(Placement(2, 1), 4, "1f1b"))
-    first = tuple(tuple(sorted(s, key=lambda a: a.op not in RECVS)) for s in plan.ranks)
-    stuck = nccl_stuck(replace(plan, ranks=first))
+    stuck = nccl_stuck(_receives_first_plan())
     assert set(stuck) == {0, 1}, stuck  # rank 0's sends wait behind its gradient receives
 
 
@@ -103,6 +102,7 @@ def _worker(rank, world, configs):
             early_recvs=True,
             split_backward=split,
         )
+        runtime.transport = StreamOrderedTransport(runtime.transport)
         xs, ys = batch("mlp", m)
         steps = []
         for _ in range(2):  # the first runs the plan's order and learns the shapes
@@ -112,6 +112,7 @@ def _worker(rank, world, configs):
             grads = {s: [q.grad.clone() for q in mod.parameters()] for s, mod in stages.items()}
             steps.append((losses, grads))
         assert all(map(runtime.transport.knows, runtime._early[False][2])), "early unused"
+        assert runtime.transport.batches > 0
         out.append(steps)
         runtime.close()
     return out
@@ -137,3 +138,46 @@ def test_early_receives_keep_parity(world):
                     for got, ref in zip(stage_grads, want, strict=True):
                         err = float((got - ref).abs().max() / max(float(ref.abs().max()), 1e-30))
                         assert err <= 1e-10, (configs[index], stage)
+
+
+def _receives_first_worker(rank, world, ordered):
+    """Runs 1F1B with every receive of a rank posted before its first compute."""
+    plan = build_plan(Placement(world, 1), 4, "1f1b")
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan,
+        stages,
+        loss_fn,
+        dtype=torch.float64,
+        timeout_s=3,
+        transport="torch",
+        recv_lookahead=0,
+        early_recvs=True,
+    )
+    bad = _receives_first_plan()
+    runtime._early[False] = (bad, *runtime._compile(bad.ranks[rank]))
+    if ordered:
+        runtime.transport = StreamOrderedTransport(runtime.transport)
+    xs, ys = batch("mlp", 4)
+    runtime.step(xs, ys)  # the plan's order: learns the shapes
+    try:
+        runtime.step(xs, ys)
+    except Exception as exc:  # the outcome is what the test checks
+        return type(exc).__name__
+    finally:
+        runtime.close()
+    return None
+
+
+def test_the_ordered_transport_deadlocks_where_nccl_would():
+    gloo = all_ok(run_local(2, _receives_first_worker, False, deadline_s=120))
+    assert gloo == [None, None]  # gloo's messages are independent: no deadlock
+    ordered = all_ok(run_local(2, _receives_first_worker, True, deadline_s=120))
+    assert ordered == ["PipelineError", "PipelineError"], ordered
+
+
+def _receives_first_plan():
+    """2-rank 1F1B (m=4), lowered, with each rank's receives moved to its front."""
+    plan = lower(build_plan(Placement(2, 1), 4, "1f1b"))
+    first = (tuple(sorted(stream, key=lambda a: a.op not in RECVS)) for stream in plan.ranks)
+    return replace(plan, ranks=tuple(first))
