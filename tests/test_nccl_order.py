@@ -19,6 +19,9 @@ from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.ordered import nccl_stuck, post_recvs_early
 from megatron_prt.runtime.split_plan import split_backward_plan
 from megatron_prt.runtime.stages import layer_ranges
+from megatron_prt.sim.cost import CostModel
+from megatron_prt.sim.posting import compute_makespan
+from megatron_prt.sim.simulate import simulate
 
 RECVS = (Op.RECV_F, Op.RECV_B)
 KINDS = [
@@ -181,3 +184,18 @@ def _receives_first_plan():
     plan = lower(build_plan(Placement(2, 1), 4, "1f1b"))
     first = (tuple(sorted(stream, key=lambda a: a.op not in RECVS)) for stream in plan.ranks)
     return replace(plan, ranks=tuple(first))
+
+
+@pytest.mark.parametrize("reuse,schedule", [(1, "1f1b"), (2, "prt"), (2, "zb")])
+def test_the_simulator_models_early_receives_and_at_need_costs_more(reuse, schedule):
+    plan = build_plan(Placement(4, reuse), 8, schedule)
+    cost = CostModel(fwd_time=8.0, bwd_time=16.0, p2p_latency=0.05)
+    early = compute_makespan(plan, cost, "early")
+    assert early == pytest.approx(simulate(plan, cost).makespan, rel=1e-9)
+    one_ahead = compute_makespan(plan, cost, "one_ahead")
+    assert early <= one_ahead < compute_makespan(plan, cost, "at_need")  # hops not hidden
+    free = CostModel(fwd_time=8.0, bwd_time=16.0)
+    for posting in ("one_ahead", "at_need"):
+        assert compute_makespan(plan, free, posting) == pytest.approx(
+            compute_makespan(plan, free, "early"), rel=1e-12
+        )
