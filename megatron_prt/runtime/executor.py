@@ -57,7 +57,7 @@ from .errors import (
     root_cause,
 )
 from .memory import ActivationMeter
-from .ordered import post_recvs_early
+from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import (
     ShmTransport,
     TorchTransport,
@@ -90,9 +90,11 @@ class PipelineRuntime:
     each ``B`` of ``plan`` as ``I`` then ``W`` (a plan with ``I``/``W`` runs split as given);
     with the default callbacks a split plan makes the stages' ``nn.Linear`` layers
     split-capable (:func:`megatron_prt.runtime.wgrad.enable_split_backward`); ``early_recvs``
-    (default: on NCCL): once every edge's shape is known, run the plan with each receive
-    posted as early as NCCL's ordering allows (:mod:`megatron_prt.runtime.ordered`), so its
-    transfer overlaps the compute before it. Construction is
+    (default: on NCCL without ``variable_shapes``, for plans of at most ``EARLY_RECVS_AUTO``
+    messages, beyond which the pass takes seconds): once every edge's shape is known, run
+    the plan with each receive posted as early as NCCL's ordering allows
+    (:mod:`megatron_prt.runtime.ordered`), so its transfer overlaps the compute before it.
+    Construction is
     collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
@@ -145,8 +147,8 @@ class PipelineRuntime:
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
-        # stream, where an early receive could block a send the peer waits for: there the
-        # plan's order is kept.
+        # stream, where an early receive could block a send the peer waits for: there
+        # receives move only where runtime.ordered proves it safe (early_recvs).
         if recv_lookahead is None:
             recv_lookahead = 0 if dist.get_backend(group) == "nccl" else 16
         self.recv_lookahead = recv_lookahead
@@ -165,15 +167,16 @@ class PipelineRuntime:
             Op.RECV_F: self._post_recv,
             Op.RECV_B: self._post_recv,
         }
-        if early_recvs is None:
-            early_recvs = dist.get_backend(group) == "nccl" and not variable_shapes
+        auto = early_recvs is None and dist.get_backend(group) == "nccl" and not variable_shapes
         self._programs, self._early = {}, {}
         for forward_only in (False, True):
             compute = self.plan.forward_only() if forward_only else self.plan
             lowered = lower(compute)
             validate(lowered)
             self._programs[forward_only] = (lowered, *self._compile(lowered.ranks[self.rank]))
-            if early_recvs:  # the plan's own order until the shapes are exchanged
+            messages = sum(not a.op.is_compute for stream in lowered.ranks for a in stream)
+            if early_recvs or (auto and messages <= EARLY_RECVS_AUTO):  # (cost of the pass)
+                # the plan's own order runs until every edge's shape is exchanged
                 early = post_recvs_early(lowered)
                 self._early[forward_only] = (early, *self._compile(early.ranks[self.rank]))
         self.transport = self._make_transport(transport, shm_capacity)

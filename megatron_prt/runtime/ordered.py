@@ -15,8 +15,10 @@ over the compute before it, into the batch of the compute before that, i.e. the 
 for the next compute is posted with the sends of the current one, and its transfer runs
 while the current compute does; it never joins the batch holding the input of the compute
 it jumps (that compute would wait for it), never passes a RECV from the same sender (the pairing
-above) and is kept only if the whole plan still completes under :func:`nccl_stuck`
-(a greedy pass: all moves are tried at once first, then one by one if that deadlocks).
+above), never moves when its producer needs that compute or a later one of the rank (a
+certain deadlock), and is kept only if the whole plan still completes under
+:func:`nccl_stuck`: all moves are tried at once, then, if that deadlocks, one by one in
+plan order, each kept if the plan with it still completes (the cost: one check per receive).
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..core.actions import Action, Op
+from ..core.deps import producers
 from ..core.lower import message_ends, message_key
 from ..core.plan import Plan
 
 _SENDS, _RECVS = (Op.SEND_F, Op.SEND_B), (Op.RECV_F, Op.RECV_B)
+# Messages of a plan up to which the runtime runs the pass by default on NCCL: the
+# one-by-one check costs receives x plan length (about 7 s at 2000 messages: P=8, R=2, m=32).
+EARLY_RECVS_AUTO = 2048
 
 
 def _ends(plan: Plan) -> dict[Action, tuple[int, int, tuple, Action]]:
-    """Per comm action (on its rank): (sender rank, receiver rank, message key, consumer)."""
+    """Per comm action (on its rank): (sender rank, receiver rank, message key, consumer,
+    producer)."""
     placement, split = plan.placement, plan.split_backward
     rank_of, found = placement.rank_of, {}
     for stream in plan.ranks:
@@ -39,7 +46,8 @@ def _ends(plan: Plan) -> dict[Action, tuple[int, int, tuple, Action]]:
             if not action.op.is_compute and action not in found:
                 producer, consumer = message_ends(action, placement, split)
                 key = message_key(producer, consumer)
-                found[action] = (rank_of(producer.stage), rank_of(consumer.stage), key, consumer)
+                sender, receiver = rank_of(producer.stage), rank_of(consumer.stage)
+                found[action] = (sender, receiver, key, consumer, producer)
     return found
 
 
@@ -47,7 +55,15 @@ def nccl_stuck(plan: Plan, ends: dict | None = None) -> dict[int, str]:
     """Run the lowered ``plan`` under NCCL's ordering (module docstring); return, per rank
     that cannot finish, where it stands (empty: the plan completes). Raises ``ValueError``
     if the k-th SEND and k-th RECV of a rank pair carry different messages."""
-    ends = ends if ends is not None else _ends(plan)
+    return {
+        rank: f"host at {host or 'its end'}, stream at batch {batch or 'its end'}"
+        for rank, (host, batch) in _stuck(plan, ends if ends is not None else _ends(plan)).items()
+    }
+
+
+def _stuck(plan: Plan, ends: dict) -> dict[int, tuple]:
+    """Per rank that cannot finish: (the compute its host waits at or None, the batch its
+    stream waits at or None)."""
     batches: list[list[list[Action]]] = []  # rank -> its batches, in posting order
     programs: list[list[tuple]] = []  # rank -> ("C", action) | ("B", batch index)
     for stream in plan.ranks:
@@ -88,7 +104,10 @@ def nccl_stuck(plan: Plan, ends: dict | None = None) -> dict[int, str]:
                 head[r] += 1
                 progress = True
     return {
-        r: _where(programs[r], pc[r], batches[r], head[r])
+        r: (
+            programs[r][pc[r]][1] if pc[r] < len(programs[r]) else None,
+            batches[r][head[r]] if head[r] < len(batches[r]) else None,
+        )
         for r in ranks
         if pc[r] < len(programs[r]) or head[r] < len(batches[r])
     }
@@ -103,7 +122,7 @@ def _pair(plan: Plan, batches, ends) -> tuple[dict, list]:
     for mine in batches:
         for index, batch in enumerate(mine):
             for action in batch:
-                src, dst, key, consumer = ends[action]
+                src, dst, key, consumer, _ = ends[action]
                 if action.op in _SENDS:
                     sent.setdefault((src, dst), []).append((index, key))
                 else:
@@ -121,32 +140,70 @@ def _pair(plan: Plan, batches, ends) -> tuple[dict, list]:
     return where_recv, partner
 
 
-def _where(program, pc: int, batches, head: int) -> str:
-    host = f"host at {program[pc][1]}" if pc < len(program) else "host done"
-    stream = f"stream at batch {batches[head]}" if head < len(batches) else "stream done"
-    return f"{host}, {stream}"
-
-
 def post_recvs_early(plan: Plan) -> Plan:
     """``plan`` (lowered) with each RECV moved as early as the rule in the module docstring
     allows; the result completes under :func:`nccl_stuck` whenever ``plan`` does."""
     if not plan.lowered:
         raise ValueError("post_recvs_early takes a lowered plan (core.lower.lower)")
     ends = _ends(plan)
-    moves = [(r, a) for r, stream in enumerate(plan.ranks) for a in stream if a.op in _RECVS]
+    moves = _causal_moves(plan, ends)
     streams = [list(stream) for stream in plan.ranks]
-    everything = [list(s) for s in streams]
-    for rank, action in moves:
-        _hoist(everything[rank], action, ends)
-    if not nccl_stuck(_with(plan, everything), ends):
-        return _with(plan, everything)
-    for rank, action in moves:  # one by one, keeping each move that stays deadlock-free
-        trial = list(streams[rank])
-        if _hoist(trial, action, ends):
-            candidate = [*streams[:rank], trial, *streams[rank + 1 :]]
-            if not nccl_stuck(_with(plan, candidate), ends):
-                streams = candidate
+    for rank, stream in enumerate(streams):
+        for action in plan.ranks[rank]:
+            if (rank, action) in moves:
+                _hoist(stream, action, ends)
+    if not _stuck(_with(plan, streams), ends):
+        return _with(plan, streams)
+    streams = [list(stream) for stream in plan.ranks]
+    for rank, stream in enumerate(plan.ranks):  # one by one, keeping those that stay safe
+        for action in stream:
+            trial = list(streams[rank])
+            if (rank, action) in moves and _hoist(trial, action, ends):
+                candidate = [*streams[:rank], trial, *streams[rank + 1 :]]
+                if not _stuck(_with(plan, candidate), ends):
+                    streams = candidate
     return _with(plan, streams)
+
+
+def _causal_moves(plan: Plan, ends: dict) -> set[tuple[int, Action]]:
+    """The (rank, RECV) pairs whose message's producer needs none of the rank's computes from
+    the one the RECV would jump on: else the early receive would hold back, on the rank's
+    stream, a send its own sender waits for (a certain deadlock, found without the check)."""
+    placement, split = plan.placement, plan.split_backward
+    streams = [plan.compute_actions(rank) for rank in range(placement.ranks)]
+    index = {a: i for stream in streams for i, a in enumerate(stream)}
+    needs: dict[Action, list[int]] = {}  # per compute: the last compute of each rank it needs
+    pos = [0] * len(streams)
+    moved = True
+    while moved:  # in an order where producers come first
+        moved = False
+        for rank, stream in enumerate(streams):
+            while pos[rank] < len(stream):
+                action = stream[pos[rank]]
+                inputs = producers(action, placement, split)
+                if any(p not in needs for p in inputs):
+                    break
+                before = [*inputs, stream[pos[rank] - 1]] if pos[rank] else inputs
+                last = [max(col) for col in zip(*(needs[p] for p in before), strict=True)]
+                last = last or [-1] * len(streams)
+                for p in inputs:
+                    last[placement.rank_of(p.stage)] = max(
+                        last[placement.rank_of(p.stage)], index[p]
+                    )
+                last[rank] = pos[rank]
+                needs[action] = last
+                pos[rank] += 1
+                moved = True
+    found = set()
+    for rank, stream in enumerate(plan.ranks):
+        jumped = None
+        for action in stream:
+            if action.op.is_compute:
+                jumped = action
+            elif action.op in _RECVS and jumped is not None:
+                if needs[ends[action][4]][rank] < index[jumped]:
+                    found.add((rank, action))
+    return found
 
 
 def _hoist(stream: list[Action], recv: Action, ends) -> bool:
