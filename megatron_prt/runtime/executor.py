@@ -23,8 +23,9 @@ Contract
   losses, ``None`` where another rank computed them. Gradients accumulate into the local
   stages' ``.grad`` as ``d(mean of the m losses)/d(param)``, as a non-pipelined run of the
   whole batch would give.
-* Receives are posted where the lowered plan puts them (when the peer sends, ahead of need)
-  and, on gloo and shared memory, up to ``recv_lookahead`` further; sends never block
+* Receives are posted where the lowered plan puts them (when the peer sends, ahead of need),
+  on NCCL one compute earlier where that stays deadlock-free (``early_recvs``), and, on
+  gloo and shared memory, up to ``recv_lookahead`` further; sends never block
   compute; only a compute action waits, and only for its own inputs.
 * Same-rank hand-offs (wave turns, bi stages sharing a rank) pass tensors directly.
 """
@@ -56,6 +57,7 @@ from .errors import (
     root_cause,
 )
 from .memory import ActivationMeter
+from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import (
     ShmTransport,
     TorchTransport,
@@ -87,7 +89,12 @@ class PipelineRuntime:
     and ``loss_fn``, which may be None when ``callbacks`` is given); ``split_backward``: run
     each ``B`` of ``plan`` as ``I`` then ``W`` (a plan with ``I``/``W`` runs split as given);
     with the default callbacks a split plan makes the stages' ``nn.Linear`` layers
-    split-capable (:func:`megatron_prt.runtime.wgrad.enable_split_backward`). Construction is
+    split-capable (:func:`megatron_prt.runtime.wgrad.enable_split_backward`); ``early_recvs``
+    (default: on NCCL without ``variable_shapes``, for plans of at most ``EARLY_RECVS_AUTO``
+    messages, beyond which the pass takes seconds): once every edge's shape is known, run
+    the plan with each receive posted as early as NCCL's ordering allows
+    (:mod:`megatron_prt.runtime.ordered`), so its transfer overlaps the compute before it.
+    Construction is
     collective: it checks that every rank holds the same plan and sets up the transport.
     """
 
@@ -110,6 +117,7 @@ class PipelineRuntime:
         measure_memory: bool = False,
         callbacks: StageCallbacks | None = None,
         split_backward: bool = False,
+        early_recvs: bool | None = None,
     ) -> None:
         self.rank = dist.get_rank(group)
         if split_backward:
@@ -139,8 +147,8 @@ class PipelineRuntime:
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
-        # stream, where an early receive could block a send the peer waits for: there the
-        # plan's order is kept.
+        # stream, where an early receive could block a send the peer waits for: there
+        # receives move only where runtime.ordered proves it safe (early_recvs).
         if recv_lookahead is None:
             recv_lookahead = 0 if dist.get_backend(group) == "nccl" else 16
         self.recv_lookahead = recv_lookahead
@@ -159,14 +167,18 @@ class PipelineRuntime:
             Op.RECV_F: self._post_recv,
             Op.RECV_B: self._post_recv,
         }
-        self._programs = {}
+        auto = early_recvs is None and dist.get_backend(group) == "nccl" and not variable_shapes
+        self._programs, self._early = {}, {}
         for forward_only in (False, True):
             compute = self.plan.forward_only() if forward_only else self.plan
             lowered = lower(compute)
             validate(lowered)
-            stream = lowered.ranks[self.rank]
-            program, recvs = self._compile(stream)
-            self._programs[forward_only] = (lowered, program, recvs)
+            self._programs[forward_only] = (lowered, *self._compile(lowered.ranks[self.rank]))
+            messages = sum(not a.op.is_compute for stream in lowered.ranks for a in stream)
+            if early_recvs or (auto and messages <= EARLY_RECVS_AUTO):  # (cost of the pass)
+                # the plan's own order runs until every edge's shape is exchanged
+                early = post_recvs_early(lowered)
+                self._early[forward_only] = (early, *self._compile(early.ranks[self.rank]))
         self.transport = self._make_transport(transport, shm_capacity)
 
     def _make_transport(self, kind: str, shm_capacity: int):
@@ -257,6 +269,8 @@ class PipelineRuntime:
     def _run(self, forward_only: bool) -> None:
         """Run this rank's program once: each entry's handler on its precomputed operand."""
         lowered, program, self._recv_order = self._programs[forward_only]
+        if forward_only in self._early and all(map(self.transport.knows, self._recv_order)):
+            lowered, program, self._recv_order = self._early[forward_only]
         self._begin(forward_only)
         self._prepost()
         t0 = time.perf_counter()

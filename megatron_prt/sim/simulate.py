@@ -5,7 +5,9 @@ is free and every producer has finished (plus one hop time per cross-rank edge).
 allocates its stage's activation bytes when it starts; the backward frees them when it ends
 (split backward: I frees all but the cost's ``wgrad_keep_fraction``, W the rest). Any valid
 plan simulates, F/B or F/I/W, whoever built it.
-Communication overlaps compute (a hop delays the consumer, not the sender).
+Communication overlaps compute (a hop delays the consumer, not the sender): receives posted
+before their producer ends, the runtime's gloo, shared-memory and NCCL ``early_recvs`` setting
+(:mod:`megatron_prt.sim.posting` also models NCCL without it).
 
 Direction ``bi`` ends with the replica-gradient sum (:mod:`megatron_prt.sim.replica_sync`):
 each rank pair starts it once both have finished their compute, and the makespan is the
