@@ -39,14 +39,16 @@ The PRT runtime is built during iteration 1, so the bubble is measured from iter
 activation memory on iteration 2 alone (its hooks cost time; every iteration repeats the same
 schedule and shapes). Megatron's own schedule reports neither.
 
-Checkpoints. ``--save DIR --save-interval N`` writes every rank's model chunks, optimizer
-(with its state), scheduler, iteration, data position and RNG states to
-``DIR/iter_XXXXXXX/rank_YY.pt`` and the iteration to ``DIR/latest``; ``--load DIR`` resumes
-from ``DIR/latest`` (same launch layout required) and continues with the numbers an
-uninterrupted run gives. ``--exit-interval N`` stops after iteration N (saving first).
-Files are read with ``torch.load(weights_only=True)``. When a rank cannot load its file
-(missing, truncated, another launch layout) it says why and which earlier complete
-checkpoint to resume from instead, and every rank exits with status 2.
+Checkpoints. ``--save DIR --save-interval N`` writes model and optimizer (with its state)
+through megatron-core's dist_checkpointing (``torch_dist``) to ``DIR/iter_XXXXXXX/``, with the
+iteration, data position, learning-rate scheduler state and RNG states, and the iteration to
+``DIR/latest``; ``--load DIR`` resumes from ``DIR/latest`` under any layout (another
+``--pipeline-reuse``, placement, direction, pipeline, tensor- or data-parallel size) and,
+with the same pipeline and tensor-parallel sizes, continues with the numbers an uninterrupted
+run gives (other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
+after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. When a
+checkpoint cannot be loaded (missing, incomplete, truncated, another model) every rank exits
+with status 2 and says which earlier complete checkpoint to resume from instead.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   PRT wave R=2 trains with finite, decreasing loss, reports a measured bubble and per-rank
   activation memory, and writes the first iteration's timeline; PRT bi R=2 runs too.
 * A run stopped at iteration 3 (checkpoint) and resumed gives exactly the numbers of the
-  uninterrupted run (fp32 on CPU, dropout on: RNG states are part of the checkpoint).
+  uninterrupted run (fp32 on CPU, dropout on: RNG states are part of the checkpoint); a
+  checkpoint saved under R=2 wave resumes under R=1 with the uninterrupted run's numbers.
 * Unsupported flags stop before anything starts: exit status 2 and one line on stderr.
 """
 
@@ -132,16 +133,32 @@ def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
     first = launch(*bi_flags(data_cache, "--save", save, "--save-interval", "3",
                              "--exit-interval", "3"))  # fmt: skip
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "3"
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir()) == [
-        "rank_00.pt",
-        "rank_01.pt",
-    ]
+    names = {p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= names  # torch_dist
     resumed = launch(*bi_flags(data_cache, "--load", save))
     assert "resumed from" in resumed
     full = progress(bi_run)
     assert progress(first) == full[:3]
     assert progress(resumed) == full[3:]
     want, got = demo.summary_of(bi_run.splitlines()), demo.summary_of(resumed.splitlines())
+    for key in ("lm_loss", "sop_loss", "valid", "iteration"):
+        assert got[key] == want[key], key
+
+
+def test_checkpoint_resumes_under_another_layout(data_cache, tmp_path):
+    # No dropout: the RNG streams of R=2 wave's chunks do not map onto R=1's.
+    flags = ["--pipeline-model-parallel-size", "2", "--data-cache-path", data_cache,
+             "--train-iters", "6", "--eval-interval", "3",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
+    save = str(tmp_path / "ckpt")
+    whole = launch(*flags, *WAVE)
+    first = launch(*flags, *WAVE, "--save", save, "--exit-interval", "3")
+    resumed = launch(*flags, "--pipeline-reuse", "1", "--load", save)
+    assert "resumed from" in resumed and "PRT R=1 (1F1B)" in resumed
+    full = progress(whole)
+    assert progress(first) == full[:3]
+    assert progress(resumed) == full[3:]
+    want, got = demo.summary_of(whole.splitlines()), demo.summary_of(resumed.splitlines())
     for key in ("lm_loss", "sop_loss", "valid", "iteration"):
         assert got[key] == want[key], key
 
@@ -181,15 +198,15 @@ def _copy(directory: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(directory, tmp_path / "ckpt"))
 
 
-def test_missing_rank_file_stops_every_rank_with_its_reason(two_checkpoints, data_cache, tmp_path):
+def test_incomplete_checkpoint_stops_every_rank(two_checkpoints, data_cache, tmp_path):
     save = _copy(two_checkpoints, tmp_path)
-    (save / "iter_0000004" / "rank_01.pt").unlink()
+    (save / "iter_0000004" / "common.pt").unlink()
     status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
-    assert status != 0
-    assert f"rank 1: --load {save}: no {save}/iter_0000004/rank_01.pt" in output, output[-3000:]
+    assert status != 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: --load {save}: {save}/iter_0000004 is missing or incomplete" in output
     assert f"echo 2 > {save}/latest" in output  # the fix: the earlier complete checkpoint
-    assert "rank(s) 1 cannot load their checkpoint files" in output  # rank 0 says why it stops
-    assert "iteration      5/6" not in output and "all_gather" not in output
+    assert "iteration      5/6" not in output
 
 
 class _RunsCode:
@@ -199,20 +216,27 @@ class _RunsCode:
         return (print, ("unpickling ran code",))
 
 
-def test_truncated_or_unsafe_files_are_refused_naming_the_file(two_checkpoints, data_cache,
-                                                               tmp_path):  # fmt: skip
+def test_truncated_or_unsafe_files_are_refused_naming_the_folder(two_checkpoints, data_cache,
+                                                                 tmp_path):  # fmt: skip
     import torch
 
     save = _copy(two_checkpoints, tmp_path)
-    rank0 = save / "iter_0000004" / "rank_00.pt"
-    rank0.write_bytes(rank0.read_bytes()[: rank0.stat().st_size // 2])  # truncated
-    torch.save({"layout": _RunsCode()}, save / "iter_0000004" / "rank_01.pt")
+    folder = save / "iter_0000004"
+    torch.save({"extra": _RunsCode()}, folder / "common.pt")
     status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
     assert status != 0
-    assert f"rank 0: cannot read {rank0}" in output, output[-3000:]
-    assert f"rank 1: cannot read {save}/iter_0000004/rank_01.pt" in output
+    assert f"rank 0: cannot read {folder}" in output, output[-3000:]
     assert "unpickling ran code" not in output  # torch.load(weights_only=True)
     assert f"iteration(s) 2; to resume from 2: echo 2 > {save}/latest" in output
+
+    save = _copy(two_checkpoints, tmp_path / "truncated")
+    for shard in (save / "iter_0000004").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"cannot load {save}/iter_0000004" in output, output[-3000:]
+    assert f"echo 2 > {save}/latest" in output
+    assert "iteration      5/6" not in output
 
 
 # -------------------------------------------------------------------------------- refusals
