@@ -29,8 +29,6 @@ import torch.distributed as dist
 from .bert_args import PROG
 from .bert_setup import log
 from .bert_step import TrainState
-from .checkpoint import load_checkpoint_state
-from .checkpoint import save_checkpoint as save_sharded
 
 RNG_KEY = "pretrain_bert.rng_state"  # the byte tensor's name in the checkpoint
 
@@ -109,6 +107,8 @@ def checkpoint_dir(root: str, iteration: int) -> Path:
 def save_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     """All ranks write ``DIR/iter_XXXXXXX``; rank 0 then points ``latest`` at it.
     Collective (``latest`` is written after every rank's part)."""
+    from .checkpoint import save_checkpoint as save_sharded  # megatron: not at flag parsing
+
     folder = checkpoint_dir(args.save, state.iteration)
     text = json.dumps(rng_state()).encode()
     sizes: list = [None] * dist.get_world_size()
@@ -153,6 +153,8 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     if same_rng_grid:
         request["rng"] = _rng_shard(torch.zeros(saved["rng_bytes"], dtype=torch.uint8))
     from torch.distributed.checkpoint import CheckpointException  # a BaseException
+
+    from .checkpoint import load_checkpoint_state
 
     loaded, problem = None, None
     try:
