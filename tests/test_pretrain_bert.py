@@ -120,6 +120,13 @@ def test_wave_trains_with_decreasing_loss_and_measures_the_pipeline(wave_run):
     assert f"timeline of iteration 1: {trace}.json, {trace}.png" in output
 
 
+def test_default_corpus_cache_is_named_by_the_tokenizer_kind(wave_run, data_cache):
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    folder = Path(data_cache) / f"bert-pydoc-{version}-sentencepiece"
+    assert (folder / "prepared.json").is_file() and (folder / "tokenizer.model").is_file()
+    assert f"tokenizer {folder}/tokenizer.model" in wave_run[0]
+
+
 def test_bi_trains(bi_run):
     lines = progress(bi_run)
     assert [int(line[0]) for line in lines] == list(range(1, 7))
@@ -267,6 +274,13 @@ def test_refused_flag_exits_2_with_one_line():
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
+        (["--data-path", "x"], 1, "--data-path needs --tokenizer-model or --vocab-file"),
+        (
+            ["--tokenizer-type", "BertWordPieceLowerCase", "--tokenizer-model", "m"],
+            1,
+            "--tokenizer-type BertWordPieceLowerCase reads --vocab-file, not --tokenizer-model",
+        ),
+        (["--tokenizer-type", "Foo"], 1, "invalid choice: 'Foo'"),
     ],
 )
 def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
@@ -290,7 +304,26 @@ def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
 def test_help_names_the_1f1b_baseline(capsys):
     with pytest.raises(SystemExit):
         pretrain_bert.parse_args(["--help"])
-    assert "--pipeline-reuse 1 (PRT's 1F1B-equivalent plan)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--pipeline-reuse 1 (PRT's 1F1B-equivalent plan)" in out
+    assert "--tokenizer-type" in out and "--tokenizer-model" in out
+    assert "WordPiece vocab.txt" not in out  # --vocab-file is BertWordPiece*'s, not the default
+
+
+def test_unloadable_tokenizer_is_one_line_and_exit_2(tmp_path):
+    bogus = tmp_path / "bogus.model"
+    bogus.write_text("not a SentencePiece model")
+    cache = ["--data-cache-path", str(tmp_path / "cache")]
+    command = [sys.executable, str(EXAMPLE), *TINY, *cache, "--tokenizer-model", str(bogus)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"pretrain_bert.py: error: {tmp_path}/cache/bert-pydoc-py"
+                      f"{sys.version_info.major}.{sys.version_info.minor}-SentencePieceTokenizer-"
+                      "bogus/tokenizer.model is not a SentencePiece model (INTERNAL: could not "
+                      f"parse ModelProto from {errors[0].split(' from ')[-1]}"], errors  # fmt: skip
+    assert "Traceback" not in done.stderr
 
 
 # ------------------------------------------------------------------------------ pure parts

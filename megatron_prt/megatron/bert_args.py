@@ -16,6 +16,8 @@ from typing import NoReturn
 
 import torch
 
+from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
+
 PROG = "pretrain_bert.py"
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -121,7 +123,22 @@ def _add_parallel_flags(group) -> None:
 
 def _add_data_flags(group) -> None:
     group.add_argument("--data-path", default=None, help="indexed dataset prefix (no .bin/.idx)")
-    group.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt of --data-path")
+    group.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="Megatron-LM's name (default: from the file: a .txt is BertWordPieceLowerCase, "
+        "anything else SentencePieceTokenizer)",
+    )
+    group.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece .model of --data-path"
+    )
+    group.add_argument(
+        "--vocab-file",
+        default=None,
+        help="vocab.txt of --data-path for --tokenizer-type BertWordPieceLowerCase / "
+        "BertWordPieceCase (needs transformers)",
+    )
     group.add_argument("--split", default="90,5,5", help="train,valid,test document weights")
     group.add_argument(
         "--data-cache-path",
@@ -238,13 +255,27 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
             yield f"--{flag.replace('_', '-')} must be >= 1"
 
 
+def _tokenizer_problems(args: argparse.Namespace) -> Iterator[str]:
+    """Megatron-LM's pairing: WordPiece types read --vocab-file, SentencePiece types
+    --tokenizer-model; --data-path needs the tokenizer its ids come from."""
+    if args.vocab_file is not None and args.tokenizer_model is not None:
+        yield "pass --tokenizer-model (SentencePiece) or --vocab-file (WordPiece), not both"
+    if args.data_path is not None and args.vocab_file is None and args.tokenizer_model is None:
+        yield "--data-path needs --tokenizer-model or --vocab-file (the tokenizer of its ids)"
+    if args.tokenizer_type in WORDPIECE_TYPES and args.tokenizer_model is not None:
+        yield f"--tokenizer-type {args.tokenizer_type} reads --vocab-file, not --tokenizer-model"
+    if args.tokenizer_type in SENTENCEPIECE_TYPES and args.vocab_file is not None:
+        yield f"--tokenizer-type {args.tokenizer_type} reads --tokenizer-model, not --vocab-file"
+
+
 def _output_problems(args: argparse.Namespace) -> Iterator[str]:
-    if args.data_path is not None and args.vocab_file is None:
-        yield "--data-path needs --vocab-file (the WordPiece vocab.txt its ids come from)"
+    yield from _tokenizer_problems(args)
     if args.data_path is not None and not os.path.isfile(args.data_path + ".idx"):
         yield f"--data-path {args.data_path}: no {args.data_path}.idx (give the prefix)"
-    if args.vocab_file is not None and not os.path.isfile(args.vocab_file):
-        yield f"--vocab-file {args.vocab_file} does not exist"
+    for flag in ("vocab_file", "tokenizer_model"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            yield f"--{flag.replace('_', '-')} {path} does not exist"
     if args.save_interval is not None and args.save is None:
         yield "--save-interval needs --save DIR"
     if args.save_interval is not None and args.save_interval < 1:
