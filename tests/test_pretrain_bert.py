@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -246,6 +247,15 @@ def test_truncated_or_unsafe_files_are_refused_naming_the_folder(two_checkpoints
     assert "iteration      5/6" not in output
 
 
+def test_changed_schedule_on_resume_is_refused_naming_the_flags(two_checkpoints, data_cache):
+    status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
+                                           "--lr", "1e-3"))  # fmt: skip
+    assert status != 0
+    assert f"rank 0: {two_checkpoints}/iter_0000004: OptimizerParamScheduler" in output, output
+    assert "--use-checkpoint-opt_param-scheduler" in output
+    assert "iteration      5/6" not in output
+
+
 # -------------------------------------------------------------------------------- refusals
 
 
@@ -281,6 +291,11 @@ def test_refused_flag_exits_2_with_one_line():
             "--tokenizer-type BertWordPieceLowerCase reads --vocab-file, not --tokenizer-model",
         ),
         (["--tokenizer-type", "Foo"], 1, "invalid choice: 'Foo'"),
+        (
+            ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+            1,
+            "--lr-warmup-fraction or --lr-warmup-iters, not both",
+        ),
     ],
 )
 def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
@@ -327,6 +342,39 @@ def test_unloadable_tokenizer_is_one_line_and_exit_2(tmp_path):
 
 
 # ------------------------------------------------------------------------------ pure parts
+
+
+class _Optimizer:
+    """What megatron's OptimizerParamScheduler reads and writes of an optimizer."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": None, "weight_decay": None}]
+
+
+def _scheduler(flags, monkeypatch):
+    from megatron_prt.megatron.bert_setup import scheduler
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    optimizer = _Optimizer()
+    return scheduler(pretrain_bert.parse_args(flags), optimizer), optimizer
+
+
+def test_scheduler_is_megatrons_with_megatron_lm_flags(monkeypatch):
+    pytest.importorskip("megatron.core")
+    flags = ["--lr", "1e-3", "--min-lr", "1e-5", "--train-iters", "10", "--global-batch-size",
+             "8", "--lr-warmup-fraction", "0.2", "--lr-warmup-init", "1e-4",
+             "--lr-decay-style", "cosine"]  # fmt: skip
+    schedule, optimizer = _scheduler(flags, monkeypatch)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(10):
+        schedule.step(increment=8)  # one iteration: a global batch of samples
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-3)  # 2 warm-up iters
+    assert lrs[1] == pytest.approx(1e-4 + (1e-3 - 1e-4) / 2)
+    assert lrs[-1] == pytest.approx(1e-5) and all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+    resumed, _ = _scheduler([*flags, "--use-checkpoint-opt_param-scheduler"], monkeypatch)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.num_steps == 80
 
 
 def test_measured_bubble_from_spans():

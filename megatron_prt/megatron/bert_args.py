@@ -19,7 +19,7 @@ import torch
 from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 PROG = "pretrain_bert.py"
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -92,6 +92,20 @@ def _add_training_flags(group) -> None:
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument(
+        "--lr-warmup-fraction", type=float, default=None, help="of the decay, for warm-up"
+    )
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr warm-up starts at")
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="on --load, keep these flags' schedule, not the checkpoint's",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="on --load, take the schedule from the checkpoint (default: they must match)",
+    )
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -243,6 +257,12 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
         yield f"--seq-length {args.seq_length} leaves no room for text ([CLS] A [SEP] B [SEP])"
     if args.train_iters < 1:
         yield f"--train-iters must be >= 1, got {args.train_iters}"
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        yield "pass --lr-warmup-fraction or --lr-warmup-iters, not both"
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        yield f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]"
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        yield "pass --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler"
     if args.lr_warmup_iters > args.lr_decay_iters:
         yield (
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay length "

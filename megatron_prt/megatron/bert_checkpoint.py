@@ -167,8 +167,15 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
             f"cannot load {folder} ({type(exc).__name__}: {reason}): it is truncated, "
             f"damaged or of another model; {_earlier(args, iteration)}"
         )
+    if problem is None:
+        try:  # megatron asserts that flags and checkpoint agree on the schedule
+            state.scheduler.load_state_dict(saved["scheduler"])
+        except AssertionError as exc:
+            problem = (
+                f"{folder}: {exc}; pass --use-checkpoint-opt_param-scheduler to take the "
+                "checkpoint's schedule or --override-opt_param-scheduler to take the flags'"
+            )
     _agree(args, problem)
-    state.scheduler.load_state_dict(saved["scheduler"])
     state.iteration = saved["iteration"]
     state.sampler.consumed = saved["consumed_samples"]
     if same_rng_grid:
