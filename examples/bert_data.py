@@ -32,8 +32,7 @@ Files ``prepare`` writes to ``--out DIR``: ``tokenizer.model`` (or ``vocab.txt``
 ``<name>_<key>_sentence.{bin,idx}``, megatron's indexed dataset, one item per sentence
 (``<name>`` is ``pydoc`` or the input file's stem). Megatron-LM reads them with
 ``--data-path DIR/pydoc_text_sentence --tokenizer-type SentencePieceTokenizer
---tokenizer-model DIR/tokenizer.model``; examples/pretrain_bert.py with ``--data-path
-DIR/pydoc_text_sentence --vocab-file DIR/tokenizer.model``.
+--tokenizer-model DIR/tokenizer.model``; examples/pretrain_bert.py with the same flags.
 """
 
 from __future__ import annotations
@@ -71,9 +70,6 @@ from megatron_prt.megatron.data import (  # noqa: E402, F401 - the names other e
     split_sentences,
     train_tokenizer,
 )
-
-# The name examples/pretrain_bert.py loads its tokenizer by: any tokenizer file prepare writes.
-WordPieceTokenizer = load_tokenizer
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

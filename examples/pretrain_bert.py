@@ -19,13 +19,17 @@ replaced by :mod:`megatron_prt.megatron.cpu`, fp32. ``--device cuda``: NCCL, one
 ``--bf16`` / ``--fp16`` available. The same command runs under ``torchrun`` on either; a plain
 ``python`` launch is one rank.
 
-Data. ``--data-path PREFIX --vocab-file vocab.txt``: a sentence-level indexed dataset (as
-Megatron-LM's ``tools/preprocess_data.py --split-sentences`` or ``examples/bert_data.py``
-write it). Without ``--data-path`` the corpus embedded in Python (``pydoc_data.topics``) is
-prepared once into ``--data-cache-path`` (no download). Each data-parallel rank reads its
-micro-batches sequentially (megatron's sampler order); every model chunk receives the same
-micro-batches. Evaluation uses the same first ``--eval-iters`` global batches of the
-validation split every time, so validation losses are comparable along a run.
+Data. ``--data-path PREFIX --tokenizer-model tokenizer.model`` (SentencePiece) or
+``--data-path PREFIX --vocab-file vocab.txt`` (WordPiece), with Megatron-LM's
+``--tokenizer-type``: a sentence-level indexed dataset (as Megatron-LM's
+``tools/preprocess_data.py --split-sentences`` or ``examples/bert_data.py`` write it).
+Without ``--data-path`` the corpus embedded in Python (``pydoc_data.topics``) is prepared
+once into ``--data-cache-path`` (no download), with a SentencePiece tokenizer trained on it
+or the tokenizer file given, in a folder named by the Python version and tokenizer kind.
+Each data-parallel rank reads its micro-batches sequentially (megatron's sampler order);
+every model chunk receives the same micro-batches. Evaluation uses the same first
+``--eval-iters`` global batches of the validation split every time, so validation losses
+are comparable along a run.
 
 Output. A progress line every ``--log-interval`` iterations (losses averaged over the
 interval, learning rate, grad norm, samples/s, ms/iteration, the pipeline bubble measured
@@ -39,14 +43,16 @@ The PRT runtime is built during iteration 1, so the bubble is measured from iter
 activation memory on iteration 2 alone (its hooks cost time; every iteration repeats the same
 schedule and shapes). Megatron's own schedule reports neither.
 
-Checkpoints. ``--save DIR --save-interval N`` writes every rank's model chunks, optimizer
-(with its state), scheduler, iteration, data position and RNG states to
-``DIR/iter_XXXXXXX/rank_YY.pt`` and the iteration to ``DIR/latest``; ``--load DIR`` resumes
-from ``DIR/latest`` (same launch layout required) and continues with the numbers an
-uninterrupted run gives. ``--exit-interval N`` stops after iteration N (saving first).
-Files are read with ``torch.load(weights_only=True)``. When a rank cannot load its file
-(missing, truncated, another launch layout) it says why and which earlier complete
-checkpoint to resume from instead, and every rank exits with status 2.
+Checkpoints. ``--save DIR --save-interval N`` writes model and optimizer (with its state)
+through megatron-core's dist_checkpointing (``torch_dist``) to ``DIR/iter_XXXXXXX/``, with the
+iteration, data position, learning-rate scheduler state and RNG states, and the iteration to
+``DIR/latest``; ``--load DIR`` resumes from ``DIR/latest`` under any layout (another
+``--pipeline-reuse``, placement, direction, pipeline, tensor- or data-parallel size) and,
+with the same pipeline and tensor-parallel sizes, continues with the numbers an uninterrupted
+run gives (other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
+after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. When a
+checkpoint cannot be loaded (missing, incomplete, truncated, another model) every rank exits
+with status 2 and says which earlier complete checkpoint to resume from instead.
 """
 
 from __future__ import annotations
@@ -86,24 +92,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_data(args: argparse.Namespace) -> tuple[str, str, str]:
-    """``(dataset prefix, vocab file, sample-index cache dir)``. Without ``--data-path`` the
-    embedded corpus is prepared once into the cache (global rank 0 writes, the others wait
-    at a barrier and read it: the cache must be on a file system every rank sees; a
-    completed preparation is reused)."""
+    """``(dataset prefix, tokenizer file, sample-index cache dir)``. Without ``--data-path``
+    the embedded corpus is prepared once into the cache, in a folder named by the tokenizer
+    kind (global rank 0 writes, the others wait at a barrier and read it: the cache must be
+    on a file system every rank sees; a completed preparation is reused)."""
+    given = args.tokenizer_model or args.vocab_file
     if args.data_path is not None:
         cache = args.data_cache_path or os.path.join(os.path.dirname(args.data_path), "cache")
-        return args.data_path, args.vocab_file, cache
+        return args.data_path, given, cache
     root = Path(args.data_cache_path or _default_cache_root())
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"  # pydoc text varies
-    out = root / f"bert-pydoc-{version}"
-    if args.vocab_file is not None:
-        out = root / f"bert-pydoc-{version}-{Path(args.vocab_file).stem}"
+    kind = "sentencepiece" if given is None else f"{tokenizer_type(args)}-{Path(given).stem}"
+    out = root / f"bert-pydoc-{version}-{kind}"
     marker = out / "prepared.json"
     if dist.get_rank() == 0 and not marker.is_file():
-        _prepare_default_corpus(out, marker, args.vocab_file)
+        _prepare_default_corpus(out, marker, args)
     dist.barrier()
     prepared = json.loads(marker.read_text())
-    return prepared["prefix"], prepared["vocab_file"], str(out / "cache")
+    return prepared["prefix"], prepared["tokenizer_file"], str(out / "cache")
+
+
+def tokenizer_type(args: argparse.Namespace) -> str:
+    """``--tokenizer-type``, or Megatron-LM's type for the file given."""
+    from megatron_prt.megatron.tokenizer import WORDPIECE_TYPES
+
+    if args.tokenizer_type is not None:
+        return args.tokenizer_type
+    if args.vocab_file is not None and args.vocab_file.endswith(".txt"):
+        return WORDPIECE_TYPES[0]  # BertWordPieceLowerCase, Megatron-LM's BERT default
+    return "SentencePieceTokenizer"
 
 
 def _default_cache_root() -> str:
@@ -111,24 +128,39 @@ def _default_cache_root() -> str:
     return os.path.join(base, "megatron-prt")
 
 
-def _prepare_default_corpus(out: Path, marker: Path, vocab_file: str | None) -> None:
+def _prepare_default_corpus(out: Path, marker: Path, args: argparse.Namespace) -> None:
     import bert_data
 
+    from megatron_prt.megatron.tokenizer import WORDPIECE_TYPES
+
+    wordpiece = args.vocab_file is not None and tokenizer_type(args) in WORDPIECE_TYPES
     print(f"preparing the embedded corpus (pydoc_data.topics) in {out} ...", flush=True)
-    prepared = bert_data.prepare(out, vocab_file=vocab_file)
+    try:
+        prepared = bert_data.prepare(
+            out,
+            vocab_file=args.vocab_file if wordpiece else None,
+            tokenizer_model=None if wordpiece else args.tokenizer_model or args.vocab_file,
+        )
+    except bert_data.DataError as exc:
+        refuse(str(exc))  # rank 0 only: the others wait at the barrier, torchrun ends them
     tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"prefix": prepared.prefix, "vocab_file": prepared.vocab_file}))
+    written = {"prefix": prepared.prefix, "tokenizer_file": prepared.tokenizer_file}
+    tmp.write_text(json.dumps(written))
     tmp.replace(marker)  # written last: a half-finished preparation is never reused
 
 
 def build_data(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """``(tokenizer, train dataset, valid dataset or None)``: megatron-core's
     ``BERTMaskedWordPieceDataset`` with enough samples for ``--train-iters`` global batches
-    and one evaluation's ``--eval-iters`` (collective over all ranks)."""
+    and one evaluation's ``--eval-iters`` (collective over all ranks). A tokenizer that does
+    not load stops every rank (exit status 2, one line)."""
     import bert_data
 
-    prefix, vocab_file, cache = resolve_data(args)
-    tokenizer = bert_data.WordPieceTokenizer(vocab_file)
+    prefix, tokenizer_file, cache = resolve_data(args)
+    try:
+        tokenizer = bert_data.load_tokenizer(tokenizer_file, tokenizer_type(args))
+    except bert_data.DataError as exc:
+        refuse(str(exc))  # same files on every rank: every rank stops here
     started = time.perf_counter()
     eval_samples = max(1, args.eval_iters) * args.global_batch_size
     try:
@@ -148,8 +180,8 @@ def build_data(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         refuse(f"--split {args.split} leaves no training data")
     sizes = f"train {len(train)}" + (f", valid {len(valid)}" if valid is not None else "")
     log(
-        f"data: {prefix} (vocab {tokenizer.vocab_size}, seq {args.seq_length}): {sizes} "
-        f"samples ({time.perf_counter() - started:.1f} s)"
+        f"data: {prefix} (tokenizer {tokenizer_file}, vocab {tokenizer.vocab_size}, seq "
+        f"{args.seq_length}): {sizes} samples ({time.perf_counter() - started:.1f} s)"
     )
     return tokenizer, train, valid
 

@@ -16,8 +16,10 @@ from typing import NoReturn
 
 import torch
 
+from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
+
 PROG = "pretrain_bert.py"
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -90,6 +92,20 @@ def _add_training_flags(group) -> None:
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument(
+        "--lr-warmup-fraction", type=float, default=None, help="of the decay, for warm-up"
+    )
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr warm-up starts at")
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="on --load, keep these flags' schedule, not the checkpoint's",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="on --load, take the schedule from the checkpoint (default: they must match)",
+    )
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -121,7 +137,22 @@ def _add_parallel_flags(group) -> None:
 
 def _add_data_flags(group) -> None:
     group.add_argument("--data-path", default=None, help="indexed dataset prefix (no .bin/.idx)")
-    group.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt of --data-path")
+    group.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="Megatron-LM's name (default: from the file: a .txt is BertWordPieceLowerCase, "
+        "anything else SentencePieceTokenizer)",
+    )
+    group.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece .model of --data-path"
+    )
+    group.add_argument(
+        "--vocab-file",
+        default=None,
+        help="vocab.txt of --data-path for --tokenizer-type BertWordPieceLowerCase / "
+        "BertWordPieceCase (needs transformers)",
+    )
     group.add_argument("--split", default="90,5,5", help="train,valid,test document weights")
     group.add_argument(
         "--data-cache-path",
@@ -226,6 +257,12 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
         yield f"--seq-length {args.seq_length} leaves no room for text ([CLS] A [SEP] B [SEP])"
     if args.train_iters < 1:
         yield f"--train-iters must be >= 1, got {args.train_iters}"
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        yield "pass --lr-warmup-fraction or --lr-warmup-iters, not both"
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        yield f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]"
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        yield "pass --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler"
     if args.lr_warmup_iters > args.lr_decay_iters:
         yield (
             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds the decay length "
@@ -238,13 +275,27 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
             yield f"--{flag.replace('_', '-')} must be >= 1"
 
 
+def _tokenizer_problems(args: argparse.Namespace) -> Iterator[str]:
+    """Megatron-LM's pairing: WordPiece types read --vocab-file, SentencePiece types
+    --tokenizer-model; --data-path needs the tokenizer its ids come from."""
+    if args.vocab_file is not None and args.tokenizer_model is not None:
+        yield "pass --tokenizer-model (SentencePiece) or --vocab-file (WordPiece), not both"
+    if args.data_path is not None and args.vocab_file is None and args.tokenizer_model is None:
+        yield "--data-path needs --tokenizer-model or --vocab-file (the tokenizer of its ids)"
+    if args.tokenizer_type in WORDPIECE_TYPES and args.tokenizer_model is not None:
+        yield f"--tokenizer-type {args.tokenizer_type} reads --vocab-file, not --tokenizer-model"
+    if args.tokenizer_type in SENTENCEPIECE_TYPES and args.vocab_file is not None:
+        yield f"--tokenizer-type {args.tokenizer_type} reads --tokenizer-model, not --vocab-file"
+
+
 def _output_problems(args: argparse.Namespace) -> Iterator[str]:
-    if args.data_path is not None and args.vocab_file is None:
-        yield "--data-path needs --vocab-file (the WordPiece vocab.txt its ids come from)"
+    yield from _tokenizer_problems(args)
     if args.data_path is not None and not os.path.isfile(args.data_path + ".idx"):
         yield f"--data-path {args.data_path}: no {args.data_path}.idx (give the prefix)"
-    if args.vocab_file is not None and not os.path.isfile(args.vocab_file):
-        yield f"--vocab-file {args.vocab_file} does not exist"
+    for flag in ("vocab_file", "tokenizer_model"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            yield f"--{flag.replace('_', '-')} {path} does not exist"
     if args.save_interval is not None and args.save is None:
         yield "--save-interval needs --save DIR"
     if args.save_interval is not None and args.save_interval < 1:

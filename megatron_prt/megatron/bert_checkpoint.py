@@ -1,12 +1,22 @@
-"""Checkpoints of ``examples/pretrain_bert.py``: one file per rank with its model chunks,
-optimizer (with its state), scheduler, iteration, data position and RNG states, in
-``DIR/iter_XXXXXXX/rank_YY.pt``, and the iteration in ``DIR/latest``; a resumed run continues
-with the numbers an uninterrupted run gives.
+"""Checkpoints of ``examples/pretrain_bert.py`` through megatron-core's dist_checkpointing
+(:mod:`megatron_prt.megatron.checkpoint`, ``torch_dist`` format) in ``DIR/iter_XXXXXXX/``,
+with the iteration in ``DIR/latest``: a run saved under one layout (R, placement, direction,
+pipeline, tensor- and data-parallel size) resumes under another.
+
+Besides model and optimizer, a checkpoint holds the run's plain state once (iteration, data
+position, the learning-rate scheduler's state, the saving layout) and each (pipeline rank,
+tensor-parallel rank)'s RNG states as one shard of a byte tensor (JSON text): a run resumed
+under the same pipeline and tensor-parallel sizes continues every RNG stream, so it gives the
+numbers of an uninterrupted run; under other sizes the streams cannot map onto the new ranks
+and start from ``--seed`` again (said in the log). Nothing is unpickled into objects: plain
+state is read by ``torch.load(weights_only=True)`` and the checkpoint holds no
+``ShardedObject`` (whose reader would unpickle freely).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -17,140 +27,192 @@ import torch
 import torch.distributed as dist
 
 from .bert_args import PROG
-from .bert_setup import log, params_dtype
+from .bert_setup import log
 from .bert_step import TrainState
 
-CHECKPOINT_FORMAT = 2  # 2: numpy RNG state as a tensor (files load with weights_only=True)
+RNG_KEY = "pretrain_bert.rng_state"  # the byte tensor's name in the checkpoint
 
 
 def rng_state() -> dict:
-    """Every RNG training reads (dropout draws from torch's and megatron's tracker)."""
+    """Every RNG training reads (dropout draws from torch's and megatron's tracker), as plain
+    JSON values."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+        "python": [version, list(keys), gauss],
+        "numpy": [name, np_keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+        "tracker": {k: v.tolist() for k, v in get_cuda_rng_tracker().get_states().items()},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
-
-
-def _numpy_state() -> tuple:
-    """numpy's global RNG state with its key array as a tensor: ``torch.load(...,
-    weights_only=True)`` reads tensors, not numpy arrays."""
-    name, keys, *rest = np.random.get_state()
-    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
 
 
 def set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    tracker = {k: torch.tensor(v, dtype=torch.uint8) for k, v in state["tracker"].items()}
+    get_cuda_rng_tracker().set_states(tracker)
     if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def layout_signature(args: argparse.Namespace) -> dict:
-    """What must match for a rank's checkpoint file to fit this launch."""
+def _grid() -> tuple[int, int, int, int, int]:
+    """``(pipeline rank, pipeline size, tensor rank, tensor size, data rank)``."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_data_parallel_rank(),
+    )
+
+
+def _rng_shard(data: torch.Tensor):
+    """This rank's row of the ``(P, TP, bytes)`` RNG tensor; data-parallel replicas hold
+    the same states (same seeds, same draws), so replica 0 writes it."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    pp, p, tp, t, dp = _grid()
+    return ShardedTensor.from_rank_offsets(
+        RNG_KEY, data.view(1, 1, -1), (0, pp, p), (1, tp, t), replica_id=dp
+    )
+
+
+def layout(args: argparse.Namespace) -> dict:
+    """The launch layout a checkpoint records (for the log and the RNG decision)."""
     reuse = args.reuse
     return {
-        "format": CHECKPOINT_FORMAT,
-        "world_size": args.world_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "placement": None if reuse is None else str(reuse.placement),
-        "stage_layers": None if reuse is None else list(reuse.layers_per_stage()),
-        "num_layers": args.num_layers,
-        "hidden_size": args.hidden_size,
-        "binary_head": args.bert_binary_head,
-        "dtype": str(params_dtype(args)),
     }
 
 
-def checkpoint_path(root: str, iteration: int, rank: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}" / f"rank_{rank:02d}.pt"
+def checkpoint_dir(root: str, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
 
 
 def save_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
-    """Every rank writes its file (atomically); rank 0 then points ``latest`` at it.
-    Collective (a barrier between the files and ``latest``)."""
-    path = checkpoint_path(args.save, state.iteration, dist.get_rank())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "layout": layout_signature(args),
+    """All ranks write ``DIR/iter_XXXXXXX``; rank 0 then points ``latest`` at it.
+    Collective (``latest`` is written after every rank's part)."""
+    from .checkpoint import save_checkpoint as save_sharded  # megatron: not at flag parsing
+
+    folder = checkpoint_dir(args.save, state.iteration)
+    text = json.dumps(rng_state()).encode()
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, len(text))
+    rng = torch.frombuffer(bytearray(text.ljust(max(sizes))), dtype=torch.uint8)
+    extra = {
         "iteration": state.iteration,
         "consumed_samples": state.sampler.consumed,
-        "model": [chunk.state_dict() for chunk in state.chunks],
-        "optimizer": state.optimizer.state_dict(),
         "scheduler": state.scheduler.state_dict(),
-        "rng": rng_state(),
+        "layout": layout(args),
+        "rng_bytes": max(sizes),
+        "rng": _rng_shard(rng),
     }
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    save_sharded(str(folder), state.chunks, state.optimizer, state.iteration, extra)
     dist.barrier()
     if dist.get_rank() == 0:
         latest = Path(args.save) / "latest"
         latest.with_suffix(".tmp").write_text(f"{state.iteration}\n")
         latest.with_suffix(".tmp").replace(latest)
     dist.barrier()
-    log(f"saved checkpoint of iteration {state.iteration} to {path.parent}")
+    log(f"saved checkpoint of iteration {state.iteration} to {folder}")
 
 
 def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     """Resume from ``--load DIR/latest``; without ``latest`` start fresh (Megatron-LM's
-    behaviour, so ``--save D --load D`` restarts a preempted job). Every rank reads its own
-    file first; then all ranks compare notes (collective), and if any rank cannot load (no
-    file, an unreadable or truncated one, another launch layout or model) each such rank
-    prints why and every rank exits with status 2."""
-    iteration, payload, problem = _read_own_checkpoint(args)
-    rank = dist.get_rank()
-    notes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(notes, (iteration, problem))
-    if problem is None and len({note[0] for note in notes}) > 1:
-        iterations = ", ".join(f"rank {r}: {note[0]}" for r, note in enumerate(notes))
-        problem = f"--load {args.load}: the ranks see different latest iterations ({iterations})"
-    if any(note[1] for note in notes) or problem is not None:
-        _stop_loading(args, rank, problem, [r for r, note in enumerate(notes) if note[1]])
-    if payload is None:
-        log(
-            f"no checkpoint in {args.load} (no {Path(args.load) / 'latest'}): starting from scratch"
-        )
+    behaviour, so ``--save D --load D`` restarts a preempted job). When any rank cannot
+    load (``latest`` unreadable, the folder missing, incomplete, truncated or of another
+    model) each such rank prints why and which earlier complete checkpoint loads instead,
+    and every rank exits with status 2. Collective."""
+    iteration, common, problem = _read_common(args)
+    _agree(args, problem)
+    if iteration is None:
+        log(f"no checkpoint in {args.load} (no {Path(args.load) / 'latest'}): starting fresh")
         return
-    for chunk, weights in zip(state.chunks, payload["model"], strict=True):
-        chunk.load_state_dict(weights, strict=True)
-    state.optimizer.load_state_dict(payload["optimizer"])
-    state.scheduler.load_state_dict(payload["scheduler"])
-    state.iteration = payload["iteration"]
-    state.sampler.consumed = payload["consumed_samples"]
-    set_rng_state(payload["rng"])
-    folder = checkpoint_path(args.load, iteration, rank).parent
-    log(f"resumed from {folder} at iteration {state.iteration}")
+    folder = checkpoint_dir(args.load, iteration)
+    saved = common["extra"]
+    same_rng_grid = (
+        saved["layout"]["pipeline_model_parallel_size"] == args.pipeline_model_parallel_size
+        and saved["layout"]["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+    )
+    request = {}
+    if same_rng_grid:
+        request["rng"] = _rng_shard(torch.zeros(saved["rng_bytes"], dtype=torch.uint8))
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException
+
+    from .checkpoint import load_checkpoint_state
+
+    loaded, problem = None, None
+    try:
+        loaded = load_checkpoint_state(str(folder), state.chunks, state.optimizer, request)
+    except (Exception, CheckpointException) as exc:  # name the folder, not the trace
+        if isinstance(exc, CheckpointException) and exc.failures:  # the first rank's cause
+            exc = getattr(next(iter(exc.failures.values())), "exc", exc)
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        problem = (
+            f"cannot load {folder} ({type(exc).__name__}: {reason}): it is truncated, "
+            f"damaged or of another model; {_earlier(args, iteration)}"
+        )
+    if problem is None:
+        try:  # megatron asserts that flags and checkpoint agree on the schedule
+            state.scheduler.load_state_dict(saved["scheduler"])
+        except AssertionError as exc:
+            problem = (
+                f"{folder}: {exc}; pass --use-checkpoint-opt_param-scheduler to take the "
+                "checkpoint's schedule or --override-opt_param-scheduler to take the flags'"
+            )
+    _agree(args, problem)
+    state.iteration = saved["iteration"]
+    state.sampler.consumed = saved["consumed_samples"]
+    if same_rng_grid:
+        set_rng_state(json.loads(bytes(loaded["extra"]["rng"].flatten().tolist())))
+    else:
+        log(f"{folder} was saved under another pipeline / tensor-parallel size: RNG states "
+            f"start from --seed {args.seed}")  # fmt: skip
+    log(f"resumed from {folder} (saved under {saved['layout']}) at iteration {state.iteration}")
+
+
+def _agree(args: argparse.Namespace, problem: str | None) -> None:
+    """Collective: return when no rank has a problem; otherwise exit status 2 on every rank,
+    a rank with a problem printing it and rank 0 naming the ranks that could not load."""
+    notes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(notes, problem)
+    failed = [r for r, note in enumerate(notes) if note is not None]
+    if failed:
+        _stop_loading(args, dist.get_rank(), problem, failed)
 
 
 def _stop_loading(
     args: argparse.Namespace, rank: int, problem: str | None, failed: list
 ) -> NoReturn:
-    """Exit status 2 on every rank: a rank with a problem prints it; rank 0 also names the
-    ranks that could not load when it could."""
     if problem is not None:
         print(f"{PROG}: error: rank {rank}: {problem}", file=sys.stderr, flush=True)
     elif rank == 0:
         names = ", ".join(str(r) for r in failed)
-        message = f"--load {args.load}: rank(s) {names} cannot load their checkpoint files"
+        message = f"--load {args.load}: rank(s) {names} cannot load the checkpoint"
         print(f"{PROG}: error: {message} (their messages say why)", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
-def _read_own_checkpoint(args: argparse.Namespace) -> tuple[int | None, dict | None, str | None]:
-    """``(latest iteration, this rank's payload, problem)``, local to this rank: ``(None,
-    None, None)`` without ``latest``; a problem names the file and the fix."""
+def _read_common(args: argparse.Namespace) -> tuple[int | None, dict | None, str | None]:
+    """``(latest iteration, the checkpoint's plain state, problem)``, local to this rank:
+    ``(None, None, None)`` without ``latest``; a problem names the file and the fix."""
+    from megatron.core import dist_checkpointing
+
     latest = Path(args.load) / "latest"
     if not latest.is_file():
         return None, None, None
@@ -158,39 +220,35 @@ def _read_own_checkpoint(args: argparse.Namespace) -> tuple[int | None, dict | N
     if not text.isdigit():
         return None, None, f"{latest} holds {text!r}, not an iteration; {_earlier(args, None)}"
     iteration = int(text)
-    path = checkpoint_path(args.load, iteration, dist.get_rank())
-    if not path.is_file():
-        why = f"--load {args.load}: no {path} (was the checkpoint written by fewer ranks, or "
-        return iteration, None, why + f"not copied to this node?); {_earlier(args, iteration)}"
-    try:
-        # On the CPU first: RNG states must stay CPU tensors; weights and optimizer state are
-        # copied onto their parameters' device by load_state_dict.
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated zip, foreign pickle, ...: name the file, not the trace
-        reason = (str(exc).splitlines() or [""])[0].split(". ")[0]  # torch adds advice
-        why = f"cannot read {path} ({type(exc).__name__}: {reason}): it is "
-        why += "truncated, damaged or not written by this version of the script"
+    folder = checkpoint_dir(args.load, iteration)
+    if not is_complete(folder):
+        why = f"--load {args.load}: {folder} is missing or incomplete (was it copied whole?)"
         return iteration, None, f"{why}; {_earlier(args, iteration)}"
-    saved, current = payload.get("layout", {}), layout_signature(args)
-    if saved != current:
-        differences = [
-            f"{k} {saved.get(k)} (now {v})" for k, v in current.items() if saved.get(k) != v
-        ]
-        return (
-            iteration,
-            None,
-            f"checkpoint {path} does not fit this launch: {'; '.join(differences)}",
-        )
-    return iteration, payload, None
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+        if "layout" not in common.get("extra", {}):
+            raise KeyError("no 'extra.layout' entry")
+    except Exception as exc:  # truncated file, foreign pickle, another script's checkpoint
+        reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:300]
+        why = f"cannot read {folder} ({type(exc).__name__}: {reason}): it is "
+        why += "truncated, damaged or not written by this script"
+        return iteration, None, f"{why}; {_earlier(args, iteration)}"
+    return iteration, common, None
+
+
+def is_complete(folder: Path) -> bool:
+    """A whole torch_dist checkpoint folder: its metadata, plain state and tensor index."""
+    names = ("metadata.json", "common.pt", ".metadata")
+    return folder.is_dir() and all((folder / name).is_file() for name in names)
 
 
 def _earlier(args: argparse.Namespace, iteration: int | None) -> str:
-    """The fix: earlier checkpoints in ``--load`` with a file for every rank, or none."""
+    """The fix: earlier complete checkpoints in ``--load``, or none."""
     complete = [
         found
         for found in checkpoint_iterations(args.load)
         if (iteration is None or found < iteration)
-        and all(checkpoint_path(args.load, found, r).is_file() for r in range(args.world_size))
+        and is_complete(checkpoint_dir(args.load, found))
     ]
     if not complete:
         return f"no earlier complete checkpoint in {args.load}: start again without --load"

@@ -213,25 +213,34 @@ def build_training(args: argparse.Namespace, config, chunks: list) -> tuple[Trai
     training = training_builder(
         chunks, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=args.reuse
     )
-    return training, _scheduler(args, training.optimizer)
+    return training, scheduler(args, training.optimizer)
 
 
-def _scheduler(args: argparse.Namespace, optimizer):
+def scheduler(args: argparse.Namespace, optimizer):
+    """megatron-core's OptimizerParamScheduler as Megatron-LM builds it for iteration-based
+    training: counted in samples, warm-up of ``--lr-warmup-iters`` or
+    ``--lr-warmup-fraction`` of the decay."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     samples = args.global_batch_size
+    decay_steps = args.lr_decay_iters * samples
+    warmup_steps = args.lr_warmup_iters * samples
+    if args.lr_warmup_fraction is not None:
+        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 

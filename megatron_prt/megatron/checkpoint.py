@@ -31,15 +31,20 @@ def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def save_checkpoint(directory: str, chunks: list, optimizer=None, iteration: int = 0) -> None:
+def save_checkpoint(
+    directory: str, chunks: list, optimizer=None, iteration: int = 0, extra: dict | None = None
+) -> None:
     """Write ``chunks`` (this rank's model chunks, DDP-wrapped or not) and ``optimizer``
     (megatron-core's, or ``None``) to ``directory`` (created; must hold no checkpoint) with
-    ``iteration``. Collective."""
+    ``iteration``. ``extra``: more state under the key ``"extra"``: plain values (written
+    once, by rank 0) and ``ShardedTensor`` s (each rank its shard). Collective."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
     state = _sharded_state(chunks, optimizer, is_loading=False)
     state["iteration"] = iteration
+    if extra is not None:
+        state["extra"] = extra
     dist_checkpointing.save(state, directory, sharded_strategy=("torch_dist", 1))
 
 
@@ -47,15 +52,27 @@ def load_checkpoint(directory: str, chunks: list, optimizer=None) -> int:
     """Load a :func:`save_checkpoint` directory into ``chunks`` and ``optimizer`` built under
     any layout of the same model (see the module docstring); returns the saved iteration.
     Raises ``FileNotFoundError`` naming ``directory`` when it holds no checkpoint. Collective."""
+    return int(load_checkpoint_state(directory, chunks, optimizer)["iteration"])
+
+
+def load_checkpoint_state(
+    directory: str, chunks: list, optimizer=None, extra: dict | None = None
+) -> dict:
+    """:func:`load_checkpoint`, returning the whole loaded state: ``"iteration"`` and, when
+    ``extra`` (the ``ShardedTensor`` s of :func:`save_checkpoint`'s ``extra`` to read, as
+    there) is given, ``"extra"`` with those tensors and the saved plain values. Collective."""
     from megatron.core import dist_checkpointing
 
     if not dist_checkpointing.check_is_distributed_checkpoint(directory):
         raise FileNotFoundError(
             f"{directory} holds no torch_dist checkpoint (written by save_checkpoint)"
         )
-    state = dist_checkpointing.load(_sharded_state(chunks, optimizer, True), directory)
+    request = _sharded_state(chunks, optimizer, True)
+    if extra is not None:
+        request["extra"] = extra
+    state = dist_checkpointing.load(request, directory)
     for c, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(state[f"chunk{c}"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    return int(state["iteration"])
+    return state

@@ -4,13 +4,15 @@
   PRT wave R=2 trains with finite, decreasing loss, reports a measured bubble and per-rank
   activation memory, and writes the first iteration's timeline; PRT bi R=2 runs too.
 * A run stopped at iteration 3 (checkpoint) and resumed gives exactly the numbers of the
-  uninterrupted run (fp32 on CPU, dropout on: RNG states are part of the checkpoint).
+  uninterrupted run (fp32 on CPU, dropout on: RNG states are part of the checkpoint); a
+  checkpoint saved under R=2 wave resumes under R=1 with the uninterrupted run's numbers.
 * Unsupported flags stop before anything starts: exit status 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -119,6 +121,13 @@ def test_wave_trains_with_decreasing_loss_and_measures_the_pipeline(wave_run):
     assert f"timeline of iteration 1: {trace}.json, {trace}.png" in output
 
 
+def test_default_corpus_cache_is_named_by_the_tokenizer_kind(wave_run, data_cache):
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    folder = Path(data_cache) / f"bert-pydoc-{version}-sentencepiece"
+    assert (folder / "prepared.json").is_file() and (folder / "tokenizer.model").is_file()
+    assert f"tokenizer {folder}/tokenizer.model" in wave_run[0]
+
+
 def test_bi_trains(bi_run):
     lines = progress(bi_run)
     assert [int(line[0]) for line in lines] == list(range(1, 7))
@@ -132,16 +141,32 @@ def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
     first = launch(*bi_flags(data_cache, "--save", save, "--save-interval", "3",
                              "--exit-interval", "3"))  # fmt: skip
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "3"
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir()) == [
-        "rank_00.pt",
-        "rank_01.pt",
-    ]
+    names = {p.name for p in (tmp_path / "ckpt" / "iter_0000003").iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= names  # torch_dist
     resumed = launch(*bi_flags(data_cache, "--load", save))
     assert "resumed from" in resumed
     full = progress(bi_run)
     assert progress(first) == full[:3]
     assert progress(resumed) == full[3:]
     want, got = demo.summary_of(bi_run.splitlines()), demo.summary_of(resumed.splitlines())
+    for key in ("lm_loss", "sop_loss", "valid", "iteration"):
+        assert got[key] == want[key], key
+
+
+def test_checkpoint_resumes_under_another_layout(data_cache, tmp_path):
+    # No dropout: the RNG streams of R=2 wave's chunks do not map onto R=1's.
+    flags = ["--pipeline-model-parallel-size", "2", "--data-cache-path", data_cache,
+             "--train-iters", "6", "--eval-interval", "3",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
+    save = str(tmp_path / "ckpt")
+    whole = launch(*flags, *WAVE)
+    first = launch(*flags, *WAVE, "--save", save, "--exit-interval", "3")
+    resumed = launch(*flags, "--pipeline-reuse", "1", "--load", save)
+    assert "resumed from" in resumed and "PRT R=1 (1F1B)" in resumed
+    full = progress(whole)
+    assert progress(first) == full[:3]
+    assert progress(resumed) == full[3:]
+    want, got = demo.summary_of(whole.splitlines()), demo.summary_of(resumed.splitlines())
     for key in ("lm_loss", "sop_loss", "valid", "iteration"):
         assert got[key] == want[key], key
 
@@ -181,15 +206,15 @@ def _copy(directory: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(directory, tmp_path / "ckpt"))
 
 
-def test_missing_rank_file_stops_every_rank_with_its_reason(two_checkpoints, data_cache, tmp_path):
+def test_incomplete_checkpoint_stops_every_rank(two_checkpoints, data_cache, tmp_path):
     save = _copy(two_checkpoints, tmp_path)
-    (save / "iter_0000004" / "rank_01.pt").unlink()
+    (save / "iter_0000004" / "common.pt").unlink()
     status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
-    assert status != 0
-    assert f"rank 1: --load {save}: no {save}/iter_0000004/rank_01.pt" in output, output[-3000:]
+    assert status != 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: --load {save}: {save}/iter_0000004 is missing or incomplete" in output
     assert f"echo 2 > {save}/latest" in output  # the fix: the earlier complete checkpoint
-    assert "rank(s) 1 cannot load their checkpoint files" in output  # rank 0 says why it stops
-    assert "iteration      5/6" not in output and "all_gather" not in output
+    assert "iteration      5/6" not in output
 
 
 class _RunsCode:
@@ -199,20 +224,36 @@ class _RunsCode:
         return (print, ("unpickling ran code",))
 
 
-def test_truncated_or_unsafe_files_are_refused_naming_the_file(two_checkpoints, data_cache,
-                                                               tmp_path):  # fmt: skip
+def test_truncated_or_unsafe_files_are_refused_naming_the_folder(two_checkpoints, data_cache,
+                                                                 tmp_path):  # fmt: skip
     import torch
 
     save = _copy(two_checkpoints, tmp_path)
-    rank0 = save / "iter_0000004" / "rank_00.pt"
-    rank0.write_bytes(rank0.read_bytes()[: rank0.stat().st_size // 2])  # truncated
-    torch.save({"layout": _RunsCode()}, save / "iter_0000004" / "rank_01.pt")
+    folder = save / "iter_0000004"
+    torch.save({"extra": _RunsCode()}, folder / "common.pt")
     status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
     assert status != 0
-    assert f"rank 0: cannot read {rank0}" in output, output[-3000:]
-    assert f"rank 1: cannot read {save}/iter_0000004/rank_01.pt" in output
+    assert f"rank 0: cannot read {folder}" in output, output[-3000:]
     assert "unpickling ran code" not in output  # torch.load(weights_only=True)
     assert f"iteration(s) 2; to resume from 2: echo 2 > {save}/latest" in output
+
+    save = _copy(two_checkpoints, tmp_path / "truncated")
+    for shard in (save / "iter_0000004").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save)))
+    assert status != 0
+    assert f"cannot load {save}/iter_0000004" in output, output[-3000:]
+    assert f"echo 2 > {save}/latest" in output
+    assert "iteration      5/6" not in output
+
+
+def test_changed_schedule_on_resume_is_refused_naming_the_flags(two_checkpoints, data_cache):
+    status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
+                                           "--lr", "1e-3"))  # fmt: skip
+    assert status != 0
+    assert f"rank 0: {two_checkpoints}/iter_0000004: OptimizerParamScheduler" in output, output
+    assert "--use-checkpoint-opt_param-scheduler" in output
+    assert "iteration      5/6" not in output
 
 
 # -------------------------------------------------------------------------------- refusals
@@ -243,6 +284,18 @@ def test_refused_flag_exits_2_with_one_line():
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
+        (["--data-path", "x"], 1, "--data-path needs --tokenizer-model or --vocab-file"),
+        (
+            ["--tokenizer-type", "BertWordPieceLowerCase", "--tokenizer-model", "m"],
+            1,
+            "--tokenizer-type BertWordPieceLowerCase reads --vocab-file, not --tokenizer-model",
+        ),
+        (["--tokenizer-type", "Foo"], 1, "invalid choice: 'Foo'"),
+        (
+            ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+            1,
+            "--lr-warmup-fraction or --lr-warmup-iters, not both",
+        ),
     ],
 )
 def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
@@ -266,10 +319,62 @@ def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
 def test_help_names_the_1f1b_baseline(capsys):
     with pytest.raises(SystemExit):
         pretrain_bert.parse_args(["--help"])
-    assert "--pipeline-reuse 1 (PRT's 1F1B-equivalent plan)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--pipeline-reuse 1 (PRT's 1F1B-equivalent plan)" in out
+    assert "--tokenizer-type" in out and "--tokenizer-model" in out
+    assert "WordPiece vocab.txt" not in out  # --vocab-file is BertWordPiece*'s, not the default
+
+
+def test_unloadable_tokenizer_is_one_line_and_exit_2(tmp_path):
+    bogus = tmp_path / "bogus.model"
+    bogus.write_text("not a SentencePiece model")
+    cache = ["--data-cache-path", str(tmp_path / "cache")]
+    command = [sys.executable, str(EXAMPLE), *TINY, *cache, "--tokenizer-model", str(bogus)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"pretrain_bert.py: error: {tmp_path}/cache/bert-pydoc-py"
+                      f"{sys.version_info.major}.{sys.version_info.minor}-SentencePieceTokenizer-"
+                      "bogus/tokenizer.model is not a SentencePiece model (INTERNAL: could not "
+                      f"parse ModelProto from {errors[0].split(' from ')[-1]}"], errors  # fmt: skip
+    assert "Traceback" not in done.stderr
 
 
 # ------------------------------------------------------------------------------ pure parts
+
+
+class _Optimizer:
+    """What megatron's OptimizerParamScheduler reads and writes of an optimizer."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": None, "weight_decay": None}]
+
+
+def _scheduler(flags, monkeypatch):
+    from megatron_prt.megatron.bert_setup import scheduler
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    optimizer = _Optimizer()
+    return scheduler(pretrain_bert.parse_args(flags), optimizer), optimizer
+
+
+def test_scheduler_is_megatrons_with_megatron_lm_flags(monkeypatch):
+    pytest.importorskip("megatron.core")
+    flags = ["--lr", "1e-3", "--min-lr", "1e-5", "--train-iters", "10", "--global-batch-size",
+             "8", "--lr-warmup-fraction", "0.2", "--lr-warmup-init", "1e-4",
+             "--lr-decay-style", "cosine"]  # fmt: skip
+    schedule, optimizer = _scheduler(flags, monkeypatch)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(10):
+        schedule.step(increment=8)  # one iteration: a global batch of samples
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-3)  # 2 warm-up iters
+    assert lrs[1] == pytest.approx(1e-4 + (1e-3 - 1e-4) / 2)
+    assert lrs[-1] == pytest.approx(1e-5) and all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+    resumed, _ = _scheduler([*flags, "--use-checkpoint-opt_param-scheduler"], monkeypatch)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.num_steps == 80
 
 
 def test_measured_bubble_from_spans():
