@@ -269,7 +269,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     )
     duration, hop = graph.durations(ticks), ticks.p2p
     left = graph.work_per_rank(ticks)
-    unlimited = n * max(duration, default=0) + max(tails, default=0) + 1
+    # past any makespan: every action run one after another, each after a hop
+    unlimited = n * (max(duration, default=0) + hop) + max(tails, default=0) + 1
     give_up = unlimited if limit is None else limit
     room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush

@@ -10,12 +10,14 @@ import reference_planner as ref
 
 from megatron_prt.core import Placement, StageTimes
 from megatron_prt.core.greedy import Policy, list_schedule
+from megatron_prt.core.lower import lower
 from megatron_prt.core.plan import split_microbatches
 from megatron_prt.core.replay import replay
 from megatron_prt.core.schedules import (
     _keys,
     _portfolio,
     _prt_portfolio,
+    build_plan,
     gpipe,
     makespan_lower_bound,
     prt,
@@ -210,3 +212,13 @@ def test_replay_of_forward_only_and_single_micro_batch_plans(placement, directio
         validate(forward)
         if direction == "uni":
             assert replay(forward).makespan == pytest.approx(place.depth * 1.0)
+
+
+@pytest.mark.parametrize("reuse,placement,direction", [(2, "loop", "uni"), (2, "wave", "bi")])
+def test_hops_longer_than_every_stage_still_plan(reuse, placement, direction):
+    """A hop 100x a stage's forward (gloo on a fast layer): the scheduler's "no limit" must lie
+    past every makespan, hops included (it lay below and every policy gave up)."""
+    place = Placement(2, reuse, placement, direction)
+    times = StageTimes((0.0004,) * place.depth, (0.0008,) * place.depth, 0.05, 0.00007)
+    plan = build_plan(place, 2, "prt", times=times)
+    validate(lower(plan))
