@@ -41,7 +41,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="leave glibc's default of returning large freed blocks to the OS",
     )
     layers = parser.add_argument_group("layer stack (--model layers)")
-    layers.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers")
+    layers.add_argument("--layers", type=int, default=8, help="Linear+GELU layers")
     layers.add_argument("--hidden", type=int, default=768, help="layer width")
     layers.add_argument("--mb-size", type=int, default=16, help="rows per micro-batch")
     layers.add_argument("--profile-steps", type=int, default=5, help="traced profiling steps")

@@ -2,13 +2,16 @@
 torch.distributed.pipelining (CPU, one thread per rank).
 
 One launch of P gloo ranks runs every configuration on the same model (an MLP layer stack),
-the same data and the same stage split: megatron-prt's PRT schedules (R=1 is 1F1B) over
-gloo (``transport="torch"``) and over shared memory (``transport="auto"``, the CPU default),
-and torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (2 and 4 stages per
-rank), ScheduleLoopedBFS and ScheduleZBVZeroBubble (gloo). Repetitions are interleaved
+the same data and the same stage split: megatron-prt's PRT schedules (R=1 is 1F1B) and its
+split-backward ``zb`` plans (F/I/W, weight GEMMs deferred to W) over gloo
+(``transport="torch"``) and over shared memory (``transport="auto"``, the CPU default), and
+torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (2 and 4 stages per
+rank), ScheduleLoopedBFS, ScheduleInterleavedZeroBubble (2 and 4), ScheduleZBVZeroBubble and
+ScheduleDualPipeV (gloo). Repetitions are interleaved
 (A B C, B C A, ...) and reported as medians; torch's gradients are checked against
 megatron-prt's for the same stage split. Next to each measurement: the simulator's
-prediction for the plan that ran (torch's schedules converted to plans) from per-layer costs,
+prediction for the plan that ran (torch's schedules converted to plans) from per-layer costs
+(for the zb rows: input- and weight-gradient times profiled apart),
 per-message costs and (bi) the replica-gradient sum's cost, all profiled in the same launch
 (:func:`replica_calibration`), and each rank's peak activation bytes
 held for backward, counted by megatron_prt.runtime.memory.ActivationMeter on a separate,

@@ -14,13 +14,13 @@ import torch.distributed.pipelining as pipelining
 from torch.nn.functional import mse_loss
 
 from ...core import Placement, build_plan
-from ...core.actions import Action, Op
+from ...core.actions import Op
 from ...core.placement import ConfigError
 from ...core.plan import Plan
-from ...core.schedules import one_f_one_b
 from ...runtime import PipelineRuntime, build_stages, sync_replicas
 from ...runtime.cpu import keep_freed_memory
 from ...runtime.memory import ActivationMeter
+from ...runtime.peers import Peer, peer_plan
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
 from ..common import (
@@ -39,7 +39,7 @@ from .configs import GLOO, PRT_TRANSPORT_ARG, PRT_VARIANTS, SHM, Config, all_con
 def layer_maker(hidden: int):
     def make(i: int) -> torch.nn.Module:
         torch.manual_seed(i)  # layer i is the same on every rank and for every schedule
-        return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU())
+        return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU())
 
     return make
 
@@ -56,13 +56,15 @@ def batch(args, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- runners: one configuration built on this rank ------------------------------------------
 class PrtRunner:
-    """megatron-prt's PipelineRuntime running its 1F1B plan (R=1) or a PRT plan generated
-    from the profiled costs."""
+    """megatron-prt's PipelineRuntime running its 1F1B plan (R=1), a PRT plan or (split
+    rows) a split-backward ``zb`` plan generated from the profiled costs; a split plan makes
+    the runtime defer the linear layers' weight GEMMs to W."""
 
     def __init__(self, cfg: Config, rank: int, world: int, args, m: int, cost: CostModel):
         self.placement = cfg.placement_for(world)
         # R=1 is the baseline: megatron-prt's 1F1B (PipeDream-Flush), not a PRT search
         schedule = "1f1b" if self.placement.chunks_per_rank == 1 else "prt"
+        schedule = "zb" if cfg.split else schedule
         times = cost.stage_times(self.placement)
         self.plan = build_plan(self.placement, m, schedule, times=times)
         self.cfg = cfg
@@ -185,26 +187,12 @@ def unmeter_stage(stage) -> None:
         stage.__dict__.pop(name, None)
 
 
-_TORCH_OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
-
-
 def torch_plan(schedule, placement: Placement, m: int) -> Plan:
-    """The compute order a torch schedule runs, as a megatron-prt plan for the simulator.
-    Schedule1F1B's reported order mislabels micro-batches (torch 2.13), but it executes
-    PipeDream-Flush 1F1B, which is megatron-prt's ``one_f_one_b``."""
-    if isinstance(schedule, pipelining.Schedule1F1B):
-        return one_f_one_b(placement, m)
-    ranks = []
-    for rank in range(placement.ranks):
-        acts = schedule.pipeline_order[rank]
-        ranks.append(
-            tuple(
-                Action(a.stage_index, _TORCH_OPS[a.computation_type.value], a.microbatch_index)
-                for a in acts
-                if a is not None and a.computation_type.value in _TORCH_OPS
-            )
-        )
-    return Plan(placement, m, tuple(ranks), schedule=type(schedule).__name__)
+    """The compute order a torch schedule runs, as a megatron-prt plan for the simulator
+    (:func:`megatron_prt.runtime.peers.peer_plan`: split backwards as I and W, DualPipeV's
+    overlapped F+B as its parts, Schedule1F1B as its executed loop)."""
+    name = type(schedule).__name__
+    return peer_plan(Peer(name, name, placement.placement, placement.reuse), placement.ranks, m)
 
 
 def build_runner(cfg: Config, rank: int, world: int, args, m: int, cost: CostModel):
@@ -218,25 +206,31 @@ def build_runner(cfg: Config, rank: int, world: int, args, m: int, cost: CostMod
 
 
 # -- profiling -----------------------------------------------------------------------------
-def profile_layer(rank: int, world: int, args) -> LayerCost:
-    """Per-layer forward/backward seconds from a traced 1F1B step on shared memory (as
+def profile_layer(rank: int, world: int, args, split: bool = False) -> LayerCost:
+    """Per-layer forward/backward seconds from a traced step on shared memory (as
     runtime_speed.py does; median over actions, then mean over ranks), and the layer's
-    gradient bytes (float32 weight and bias)."""
+    gradient bytes (float32 weight and bias). ``split``: the step runs the ``zb`` plan, I and
+    W are timed apart, and the cost's ``bwd`` is I + W with W as its ``wgrad``."""
     m = max(2, world)
     placement = Placement(world)
     stages = build_stages(placement, rank, layer_maker(args.hidden), args.layers)
-    runtime = PipelineRuntime(build_plan(placement, m), stages, mse_loss, trace=True)
+    plan = build_plan(placement, m, "zb" if split else "1f1b")
+    runtime = PipelineRuntime(plan, stages, mse_loss, trace=True)
     x, y = batch(args, m)
     for _ in range(args.profile_steps):
         runtime.step(list(x.tensor_split(m)), list(y.tensor_split(m)))
     runtime.close()
     spans = runtime.trace()
-    fwd = statistics.median(e - s for a, s, e in spans if a.op is Op.F)
-    bwd = statistics.median(e - s for a, s, e in spans if a.op is Op.B)
-    both = torch.tensor([fwd, bwd]) * world / args.layers
-    dist.all_reduce(both)
-    fwd, bwd = (both / world).tolist()
-    return LayerCost(fwd=fwd, bwd=bwd, grad=float((args.hidden + 1) * args.hidden * 4))
+    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
+    medians = [statistics.median(e - s for a, s, e in spans if a.op is op) for op in ops]
+    times = torch.tensor(medians) * world / args.layers
+    dist.all_reduce(times)
+    times = (times / world).tolist()
+    grad = float((args.hidden + 1) * args.hidden * 4)
+    if split:
+        fwd, input_grad, weight_grad = times
+        return LayerCost(fwd=fwd, bwd=input_grad + weight_grad, grad=grad, wgrad=weight_grad)
+    return LayerCost(fwd=times[0], bwd=times[1], grad=grad)
 
 
 def message_costs(rank: int, world: int, args) -> dict[str, tuple[float, float]]:
@@ -299,6 +293,18 @@ def cost_model(
     return CostModel(layers=(layer,) * args.layers, p2p_latency=latency, p2p_cpu=cpu, **fields)
 
 
+def cost_models(
+    args, layer: LayerCost, split_layer: LayerCost, wires: dict, replica: dict
+) -> dict[str, CostModel]:
+    """Per :attr:`Config.cost_key`: each wire's cost model, with the full backward's layer
+    cost and (``<wire>/split``) with the split one's."""
+    costs = {}
+    for wire, pair in wires.items():
+        costs[wire] = cost_model(args, layer, pair, replica[wire])
+        costs[f"{wire}/split"] = cost_model(args, split_layer, pair, replica[wire])
+    return costs
+
+
 # -- measuring -----------------------------------------------------------------------------
 def grad_gaps(runners: dict) -> dict[str, float]:
     """Same model, same data, same split: each torch row's gradients (from its last step)
@@ -325,7 +331,7 @@ def measure_m(rank: int, world: int, args, m: int, costs: dict[str, CostModel]) 
     """Every configuration at ``m`` micro-batches (:func:`common.measure_runners`), with the
     torch rows' gradient gaps."""
     built = {
-        cfg.key: build_runner(cfg, rank, world, args, m, costs[cfg.transport])
+        cfg.key: build_runner(cfg, rank, world, args, m, costs[cfg.cost_key])
         for cfg in all_configs()
     }
     return measure_runners(
@@ -339,12 +345,19 @@ def worker(rank: int, world: int, args) -> dict:
         keep_freed_memory()  # both sides: no page faults from reallocating activations
     say("layer stack: profiling layer and message costs")
     layer = profile_layer(rank, world, args)
+    split_layer = profile_layer(rank, world, args, split=True)
     wires = message_costs(rank, world, args)
     say("layer stack: timing the bi replica-gradient sum")
     replica = replica_calibration(rank, world, args)
-    costs = {wire: cost_model(args, layer, pair, replica[wire]) for wire, pair in wires.items()}
+    costs = cost_models(args, layer, split_layer, wires, replica)
     by_m = {}
     for m in args.microbatches:
         say(f"layer stack, m={m}: building {len(all_configs())} configurations, warm-up")
         by_m[m] = measure_m(rank, world, args, m, costs)
-    return {"layer": layer, "wires": wires, "replica": replica, "by_m": by_m}
+    return {
+        "layer": layer,
+        "split_layer": split_layer,
+        "wires": wires,
+        "replica": replica,
+        "by_m": by_m,
+    }
