@@ -175,6 +175,16 @@ def profile_model(
         finally:
             parts.remove()
         params = _param_counts(model, parts)
+    costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
+    layers = [costs[i] for i in range(layers_built)]
+    layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
+    return _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+
+
+def _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param) -> dict:
+    """Per profiled part (layer index, ``embedding``, ``head``): its cost entry."""
     per_param = bytes_per_param or state_bytes_per_param(torch_dtype)
     grad_per_param = grad_bytes_per_param(torch_dtype)
     costs = {
@@ -187,11 +197,7 @@ def profile_model(
         }
         for name, n in params.items()
     }
-    layers = [costs[i] for i in range(layers_built)]
-    layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
-    return _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    return costs
 
 
 def _check(kind: str, sizes: dict, dtype: str, device: str) -> None:

@@ -96,6 +96,8 @@ class PipelineRuntime:
     (:mod:`megatron_prt.runtime.ordered`), so its transfer overlaps the compute before it.
     Construction is
     collective: it checks that every rank holds the same plan and sets up the transport.
+    ``__init__`` is long because it stores its options in order, each with the reason it has;
+    the work it does is in ``check_same_plan``, ``_compile`` and ``_make_transport``.
     """
 
     def __init__(
