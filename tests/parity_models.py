@@ -49,3 +49,44 @@ def reference(kind: str, m: int, steps: int = 3, lr: float = 0.1):
         opt.step()
     params = [[p.detach().clone() for p in layer.parameters()] for layer in layers]
     return losses, grads, params
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest relative difference of ``a`` from ``b`` (elementwise, scaled by ``b``'s max)."""
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def train_errors(runtime, stages, placement, refs, xs, ys, steps, ranges) -> tuple[dict, set]:
+    """Train ``steps`` SGD steps (lr 0.1) of ``stages`` through ``runtime`` on ``xs``/``ys``
+    and compare with ``refs`` (from :func:`reference`): the largest relative error of the
+    losses (every step), the gradients (first step) and the parameters (after the last), and
+    the micro-batches whose loss this rank returned. ``ranges``: (first layer, count) per
+    model stage."""
+    params = [q for module in stages.values() for q in module.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    ref_losses, ref_grads, ref_params = refs
+    err, seen = {"loss": 0.0, "grad": 0.0, "param": 0.0}, set()
+    for step in range(steps):
+        opt.zero_grad()
+        losses = runtime.step(xs, ys)
+        runtime.reduce_replica_grads()
+        for mb, loss in enumerate(losses):
+            if loss is not None:
+                seen.add(mb)
+                want = ref_losses[step][mb]
+                err["loss"] = max(err["loss"], abs(float(loss) - want) / abs(want))
+        if step == 0:
+            for got, want in _layer_pairs(stages, placement, ranges, ref_grads):
+                err["grad"] = max(err["grad"], rel_err(got.grad.cpu(), want))
+        opt.step()
+    for got, want in _layer_pairs(stages, placement, ranges, ref_params):
+        err["param"] = max(err["param"], rel_err(got.detach().cpu(), want))
+    return err, seen
+
+
+def _layer_pairs(stages, placement, ranges, per_layer):
+    """(parameter of this rank's layer, its reference tensor) for every local layer."""
+    for stage, module in stages.items():
+        first, _ = ranges[placement.model_stage(stage)]
+        for offset, layer in enumerate(module):
+            yield from zip(layer.parameters(), per_layer[first + offset], strict=True)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
+from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference, rel_err, train_errors
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
@@ -19,8 +19,7 @@ TOL = 1e-10
 STEPS = 3
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+_rel = rel_err
 
 
 def _check_config(rank, kind, p, r, placement, direction, m, refs, transport, device="cpu"):
@@ -45,41 +44,16 @@ def _check_config(rank, kind, p, r, placement, direction, m, refs, transport, de
         transport=transport,
         device=device,
     )
-    params = [q for module in stages.values() for q in module.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
-    ref_losses, ref_grads, ref_params = refs
     xs, ys = batch(kind, m)
-    err = {"loss": 0.0, "grad": 0.0, "param": 0.0, "fwd_only": 0.0}
-    seen = set()
     fwd = runtime.step(xs, ys, forward_only=True)
-    for mb, loss in enumerate(fwd):
-        if loss is not None:
-            err["fwd_only"] = max(err["fwd_only"], abs(float(loss) - ref_losses[0][mb]))
+    ref_losses = refs[0]
+    fwd_err = max(
+        (abs(float(loss) - ref_losses[0][mb]) for mb, loss in enumerate(fwd) if loss is not None),
+        default=0.0,
+    )
     ranges = layer_ranges(NUM_LAYERS, plan.placement.depth)
-    for step in range(STEPS):
-        opt.zero_grad()
-        losses = runtime.step(xs, ys)
-        runtime.reduce_replica_grads()
-        for mb, loss in enumerate(losses):
-            if loss is not None:
-                seen.add(mb)
-                err["loss"] = max(
-                    err["loss"], abs(float(loss) - ref_losses[step][mb]) / abs(ref_losses[step][mb])
-                )
-        if step == 0:
-            for stage, module in stages.items():
-                first, _ = ranges[plan.placement.model_stage(stage)]
-                for offset, layer in enumerate(module):
-                    for got, want in zip(
-                        layer.parameters(), ref_grads[first + offset], strict=True
-                    ):
-                        err["grad"] = max(err["grad"], _rel(got.grad.cpu(), want))
-        opt.step()
-    for stage, module in stages.items():
-        first, _ = ranges[plan.placement.model_stage(stage)]
-        for offset, layer in enumerate(module):
-            for got, want in zip(layer.parameters(), ref_params[first + offset], strict=True):
-                err["param"] = max(err["param"], _rel(got.detach().cpu(), want))
+    err, seen = train_errors(runtime, stages, plan.placement, refs, xs, ys, STEPS, ranges)
+    err["fwd_only"] = fwd_err
     return err, seen
 
 

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
+from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference, train_errors
 from test_runtime_parity import STEPS, TOL, _rel
 
 from megatron_prt.core import Placement, build_plan
@@ -54,35 +54,9 @@ def _check_config(rank, kind, p, r, placement, direction, m, w_delay, refs):
         sync_replicas(plan.placement, stages)
     runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=30)
     assert runtime.plan.split_backward
-    params = [q for module in stages.values() for q in module.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
-    ref_losses, ref_grads, ref_params = refs
     xs, ys = batch(kind, m)
-    err = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    seen = set()
     ranges = layer_ranges(NUM_LAYERS, plan.placement.depth)
-    for step in range(STEPS):
-        opt.zero_grad()
-        losses = runtime.step(xs, ys)
-        runtime.reduce_replica_grads()
-        for mb, loss in enumerate(losses):
-            if loss is not None:
-                seen.add(mb)
-                want = ref_losses[step][mb]
-                err["loss"] = max(err["loss"], abs(float(loss) - want) / abs(want))
-        if step == 0:
-            for stage, module in stages.items():
-                first, _ = ranges[plan.placement.model_stage(stage)]
-                for offset, layer in enumerate(module):
-                    want_grads = ref_grads[first + offset]
-                    for got, want in zip(layer.parameters(), want_grads, strict=True):
-                        err["grad"] = max(err["grad"], _rel(got.grad, want))
-        opt.step()
-    for stage, module in stages.items():
-        first, _ = ranges[plan.placement.model_stage(stage)]
-        for offset, layer in enumerate(module):
-            for got, want in zip(layer.parameters(), ref_params[first + offset], strict=True):
-                err["param"] = max(err["param"], _rel(got.detach(), want))
+    err, seen = train_errors(runtime, stages, plan.placement, refs, xs, ys, STEPS, ranges)
     runtime.close()
     return err, seen
 

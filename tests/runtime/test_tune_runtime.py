@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
+from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference, train_errors
 from tune_costs import cost_dict
 
 from megatron_prt.core.layers import even_layers
@@ -21,10 +21,6 @@ STEPS = 2
 P, M = 2, 5
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
-
-
 def _worker(rank, world, path, refs):
     """Errors of the plan file's run on this rank against the reference."""
     plan_file = load_plan(path)
@@ -33,34 +29,9 @@ def _worker(rank, world, path, refs):
     stages = build_stages(plan.placement, rank, make, NUM_LAYERS, plan_file.stage_layers)
     sync_replicas(plan.placement, stages)
     runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=60)
-    params = [q for module in stages.values() for q in module.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
-    ref_losses, ref_grads, ref_params = refs
     xs, ys = batch("mlp", M)
     ranges = layer_ranges(NUM_LAYERS, plan.placement.depth, plan_file.stage_layers)
-    err, seen = {"loss": 0.0, "grad": 0.0, "param": 0.0}, set()
-    for step in range(STEPS):
-        opt.zero_grad()
-        losses = runtime.step(xs, ys)
-        runtime.reduce_replica_grads()
-        for mb, loss in enumerate(losses):
-            if loss is not None:
-                seen.add(mb)
-                want = ref_losses[step][mb]
-                err["loss"] = max(err["loss"], abs(float(loss) - want) / abs(want))
-        for stage, module in stages.items():
-            first, _ = ranges[plan.placement.model_stage(stage)]
-            for offset, layer in enumerate(module):
-                want = ref_grads[first + offset] if step == 0 else None
-                for i, got in enumerate(layer.parameters()):
-                    if want is not None:
-                        err["grad"] = max(err["grad"], _rel(got.grad, want[i]))
-        opt.step()
-    for stage, module in stages.items():
-        first, _ = ranges[plan.placement.model_stage(stage)]
-        for offset, layer in enumerate(module):
-            for got, want in zip(layer.parameters(), ref_params[first + offset], strict=True):
-                err["param"] = max(err["param"], _rel(got.detach(), want))
+    err, seen = train_errors(runtime, stages, plan.placement, refs, xs, ys, STEPS, ranges)
     runtime.close()
     return err, seen
 
