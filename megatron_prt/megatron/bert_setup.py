@@ -129,10 +129,11 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
 
 
 def transformer_config(args: argparse.Namespace):
-    """megatron-core's TransformerConfig for the flags (fused kernels only on CUDA)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    """megatron-core's TransformerConfig for the flags: :func:`megatron_prt.megatron.pretrain.
+    transformer_config` (the shared defaults) with the flags' sizes, dropout and precision, and
+    fused kernels only on CUDA."""
     from .model import transformer_config_kwargs
+    from .pretrain import transformer_config as base_config
 
     cuda = args.device == "cuda"
     fields = dict(
@@ -143,21 +144,17 @@ def transformer_config(args: argparse.Namespace):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         use_cpu_initialization=not cuda,
-        params_dtype=params_dtype(args),
-        pipeline_dtype=params_dtype(args),
         bf16=args.bf16,
         fp16=args.fp16,
-        gradient_accumulation_fusion=False,  # needs apex / Transformer Engine
         bias_activation_fusion=cuda,
         masked_softmax_fusion=cuda and _has_fused_softmax(),
         bias_dropout_fusion=cuda,
-        persist_layer_norm=False,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
     if args.reuse is not None:
         fields.update(transformer_config_kwargs(args.reuse))  # PRT's layer layout
-    return TransformerConfig(**fields)
+    return base_config(params_dtype(args), **fields)
 
 
 def _has_fused_softmax() -> bool:
