@@ -90,3 +90,19 @@ def _layer_pairs(stages, placement, ranges, per_layer):
         first, _ = ranges[placement.model_stage(stage)]
         for offset, layer in enumerate(module):
             yield from zip(layer.parameters(), per_layer[first + offset], strict=True)
+
+
+def check_grid_results(configs, results, tol: float, num_microbatches) -> None:
+    """Every rank's ``(config, errors, micro-batches with a loss)`` per config (in order):
+    every error within ``tol`` and, over the ranks, a loss for every micro-batch
+    (``num_microbatches(config)``)."""
+    for index, config in enumerate(configs):
+        seen = set()
+        for rank_results in results:
+            got_config, err, rank_seen = rank_results[index]
+            assert got_config == config
+            seen |= rank_seen
+            for what, value in err.items():
+                assert value <= tol, f"{config}: {what} differs by {value:.3g}"
+        m = num_microbatches(config)
+        assert seen == set(range(m)), f"{config}: losses missing for some micro-batches"

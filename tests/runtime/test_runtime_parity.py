@@ -7,7 +7,16 @@ import itertools
 
 import pytest
 import torch
-from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference, rel_err, train_errors
+from parity_models import (
+    NUM_LAYERS,
+    batch,
+    check_grid_results,
+    loss_fn,
+    make_layer,
+    reference,
+    rel_err,
+    train_errors,
+)
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
@@ -87,15 +96,7 @@ def grid(p: int, full: bool):
 def _run_grid(p: int, full: bool, transport: str):
     configs = list(grid(p, full))
     results = all_ok(run_local(p, _worker, configs, transport, deadline_s=1200))
-    for index, config in enumerate(configs):
-        seen = set()
-        for rank_results in results:
-            got_config, err, rank_seen = rank_results[index]
-            assert got_config == config
-            seen |= rank_seen
-            for what, value in err.items():
-                assert value <= TOL, f"{config}: {what} differs by {value:.3g} (rank results)"
-        assert seen == set(range(config[-1])), f"{config}: losses missing for some micro-batches"
+    check_grid_results(configs, results, TOL, lambda config: config[-1])
     return len(configs)
 
 

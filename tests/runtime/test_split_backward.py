@@ -9,7 +9,15 @@ import itertools
 
 import pytest
 import torch
-from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference, train_errors
+from parity_models import (
+    NUM_LAYERS,
+    batch,
+    check_grid_results,
+    loss_fn,
+    make_layer,
+    reference,
+    train_errors,
+)
 from test_runtime_parity import STEPS, TOL, _rel
 
 from megatron_prt.core import Placement, build_plan
@@ -94,15 +102,7 @@ def grid(p: int, full: bool):
 def _run_grid(p: int, full: bool) -> int:
     configs = list(grid(p, full))
     results = all_ok(run_local(p, _worker, configs, deadline_s=1800))
-    for index, config in enumerate(configs):
-        seen = set()
-        for rank_results in results:
-            got_config, err, rank_seen = rank_results[index]
-            assert got_config == config
-            seen |= rank_seen
-            for what, value in err.items():
-                assert value <= TOL, f"{config}: {what} differs by {value:.3g}"
-        assert seen == set(range(config[5])), f"{config}: losses missing for some micro-batches"
+    check_grid_results(configs, results, TOL, lambda config: config[5])
     return len(configs)
 
 
