@@ -16,9 +16,10 @@ for the next compute is posted with the sends of the current one, and its transf
 while the current compute does; it never joins the batch holding the input of the compute
 it jumps (that compute would wait for it), never passes a RECV from the same sender (the pairing
 above), never moves when its producer needs that compute or a later one of the rank (a
-certain deadlock), and is kept only if the whole plan still completes under
-:func:`nccl_stuck`: all moves are tried at once, then, if that deadlocks, one by one in
-plan order, each kept if the plan with it still completes (the cost: one check per receive).
+certain deadlock), and never crosses the order of another pair of ranks ([Note: pairwise
+order]). The moves are kept only if the whole plan then completes under :func:`nccl_stuck`;
+where it does not ([Note: repair]), the moves into the batches it is stuck at are undone,
+until it does.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from ..core.lower import message_ends, message_key
 from ..core.plan import Plan
 
 _SENDS, _RECVS = (Op.SEND_F, Op.SEND_B), (Op.RECV_F, Op.RECV_B)
-# Messages of a plan up to which the runtime runs the pass by default on NCCL: the
-# one-by-one check costs receives x plan length (about 7 s at 2000 messages: P=8, R=2, m=32).
-EARLY_RECVS_AUTO = 2048
+# Messages of a plan up to which the runtime runs the pass by default on NCCL (its cost
+# grows with the moves the whole-plan check refuses: P=16, R=4 loop/uni, m=64, 8064
+# messages, 6.6 CPU s; wave and bi plans far less); above, early_recvs=True opts in.
+EARLY_RECVS_AUTO = 8192
 
 
 def _ends(plan: Plan) -> dict[Action, tuple[int, int, tuple, Action]]:
@@ -142,27 +144,102 @@ def _pair(plan: Plan, batches, ends) -> tuple[dict, list]:
 
 def post_recvs_early(plan: Plan) -> Plan:
     """``plan`` (lowered) with each RECV moved as early as the rule in the module docstring
-    allows; the result completes under :func:`nccl_stuck` whenever ``plan`` does."""
+    allows; the result completes under :func:`nccl_stuck` whenever ``plan`` does.
+
+    The moves kept are those of trying each in plan order and keeping it if the plan with it
+    still completes; found with a few :func:`nccl_stuck` runs per move that the pairwise
+    rule lets through and the whole plan refuses ([Note: repair]), not one per receive."""
     if not plan.lowered:
         raise ValueError("post_recvs_early takes a lowered plan (core.lower.lower)")
     ends = _ends(plan)
-    moves = _causal_moves(plan, ends)
+    moves, ok = _causal_moves(plan, ends), 0
+    while True:
+        kept = _in_step_moves(plan, ends, moves)
+        early = _apply(plan, set(kept), ends)
+        if not _stuck(early, ends):
+            return early
+        # [Note: repair] a cycle through three or more ranks, or through a host's wait,
+        # which the pairwise rule cannot see. The first k moves complete (k >= ok: the
+        # moves before the last refused one are the same as last round), all of them do
+        # not: bisect for the first move that makes the plan stick, and refuse it.
+        stuck_at = len(kept)
+        while stuck_at - ok > 1:
+            mid = (ok + stuck_at) // 2
+            if _stuck(_apply(plan, set(kept[:mid]), ends), ends):
+                stuck_at = mid
+            else:
+                ok = mid
+        moves.discard(kept[stuck_at - 1])
+        ok = stuck_at - 1
+
+
+def _apply(plan: Plan, moves: set[tuple[int, Action]], ends: dict) -> Plan:
     streams = [list(stream) for stream in plan.ranks]
     for rank, stream in enumerate(streams):
-        for action in plan.ranks[rank]:
-            if (rank, action) in moves:
-                _hoist(stream, action, ends)
-    if not _stuck(_with(plan, streams), ends):
-        return _with(plan, streams)
-    streams = [list(stream) for stream in plan.ranks]
-    for rank, stream in enumerate(plan.ranks):  # one by one, keeping those that stay safe
-        for action in stream:
-            trial = list(streams[rank])
-            if (rank, action) in moves and _hoist(trial, action, ends):
-                candidate = [*streams[:rank], trial, *streams[rank + 1 :]]
-                if not _stuck(_with(plan, candidate), ends):
-                    streams = candidate
+        # a receive only moves back, so the i-th original action is still at index i
+        for at, action in enumerate(plan.ranks[rank]):
+            if (rank, action) in moves and (target := _hoist_target(stream, at, ends)) is not None:
+                stream.insert(target, stream.pop(at))
     return _with(plan, streams)
+
+
+def _in_step_moves(plan: Plan, ends: dict, moves: set) -> list[tuple[int, Action]]:
+    """The ``moves``, tried in plan order, kept (in that order) where every pair of ranks
+    stays in step.
+
+    [Note: pairwise order] Number a rank's batches by the computes before them (its
+    *slot*). Between ranks r and q, if r's batch i pairs with q's batch j and r's later
+    batch i' > i with q's earlier batch j' < j, the plan deadlocks: i waits for j to run,
+    j for j' to finish, j' for i' to run, i' for i to finish. A receive moved from slot s to
+    s - 1 on r, paired with slot t on q, creates such a crossing exactly when an operation
+    left in r's slot s talks to q at a slot below t, so that is the only check."""
+    slot, partner = _slots_and_partners(plan, ends)
+    in_slot: dict[tuple[int, int], list[Action]] = {}
+    for (rank, action), at in slot.items():
+        in_slot.setdefault((rank, at), []).append(action)
+    kept = []
+    for rank, stream in enumerate(plan.ranks):
+        trial = list(stream)
+        for at, action in enumerate(stream):  # (index stays valid: see _apply)
+            if (rank, action) not in moves:
+                continue
+            if (target := _hoist_target(trial, at, ends)) is None:
+                continue
+            s, (peer, send) = slot[rank, action], partner[rank, action]
+            left = [a for a in in_slot[rank, s] if a is not action]
+            if any(
+                partner[rank, a][0] == peer and slot[partner[rank, a]] < slot[peer, send]
+                for a in left
+            ):
+                continue
+            trial.insert(target, trial.pop(at))
+            in_slot[rank, s] = left
+            in_slot.setdefault((rank, s - 1), []).append(action)
+            slot[rank, action] = s - 1
+            kept.append((rank, action))
+    return kept
+
+
+def _slots_and_partners(plan: Plan, ends: dict) -> tuple[dict, dict]:
+    """(per (rank, comm action): the computes before it on its rank; per (rank, comm
+    action): (peer rank, the matching action there), the k-th SEND of a rank pair to its
+    k-th RECV)."""
+    slot, queues = {}, {}
+    for rank, stream in enumerate(plan.ranks):
+        computes = 0
+        for action in stream:
+            if action.op.is_compute:
+                computes += 1
+                continue
+            slot[rank, action] = computes
+            src, dst = ends[action][:2]
+            queues.setdefault((src, dst, action.op in _SENDS), []).append((rank, action))
+    partner = {}
+    for (src, dst, is_send), ops in queues.items():
+        if is_send:
+            for send, recv in zip(ops, queues.get((src, dst, False), []), strict=False):
+                partner[send], partner[recv] = recv, send
+    return slot, partner
 
 
 def _causal_moves(plan: Plan, ends: dict) -> set[tuple[int, Action]]:
@@ -206,26 +283,27 @@ def _causal_moves(plan: Plan, ends: dict) -> set[tuple[int, Action]]:
     return found
 
 
-def _hoist(stream: list[Action], recv: Action, ends) -> bool:
-    """Move ``recv`` in place to just before the compute preceding it, not past a RECV from
-    the same sender, and not into the batch that compute waits on for its own input (the
-    executor waits on a whole batch); whether it moved."""
-    at = stream.index(recv)
-    computes = [i for i in range(at) if stream[i].op.is_compute]
+def _hoist_target(stream: list[Action], at: int, ends) -> int | None:
+    """Where the RECV at ``stream[at]`` moves: just before the compute preceding it, not
+    past a RECV from the same sender, and not into the batch that compute waits on for its
+    own input (the executor waits on a whole batch); None where it stays."""
+    computes = []
+    for i in range(at - 1, -1, -1):  # the last two computes before it
+        if stream[i].op.is_compute:
+            computes.append(i)
+            if len(computes) == 2:
+                break
     if not computes:
-        return False
-    target = computes[-1]
-    batch = range(computes[-2] + 1 if len(computes) > 1 else 0, target)
+        return None
+    target = computes[0]
+    batch = range(computes[1] + 1 if len(computes) > 1 else 0, target)
     if any(stream[i].op in _RECVS and ends[stream[i]][3] == stream[target] for i in batch):
-        return False  # that compute waits on the batch: the early receive would delay it
-    sender = ends[recv][0]
+        return None  # that compute waits on the batch: the early receive would delay it
+    sender = ends[stream[at]][0]
     for i in range(target, at):
         if stream[i].op in _RECVS and ends[stream[i]][0] == sender:
             target = i + 1
-    if target >= at:
-        return False
-    stream.insert(target, stream.pop(at))
-    return True
+    return target if target < at else None
 
 
 def _with(plan: Plan, streams: list[list[Action]]) -> Plan:

@@ -16,6 +16,7 @@ from megatron_prt.core.actions import Op
 from megatron_prt.core.lower import lower
 from megatron_prt.runtime import PipelineRuntime, build_stages
 from megatron_prt.runtime.local import all_ok, run_local
+from megatron_prt.runtime import ordered
 from megatron_prt.runtime.ordered import nccl_stuck, post_recvs_early
 from megatron_prt.runtime.split_plan import split_backward_plan
 from megatron_prt.runtime.stages import layer_ranges
@@ -74,6 +75,29 @@ def test_every_plan_completes_under_nccl_ordering(placement, direction, schedule
         moved, total, plans = moved + got[0], total + got[1], plans + 1
     assert plans > 0 and (total == 0 or moved > 0)
     print(f"{placement}/{direction}/{schedule}: {plans} plans, {moved} of {total} receives early")
+
+
+def _one_by_one(plan):
+    """The reference rule: each candidate receive in plan order, kept if the plan with it
+    and the ones kept before still completes (one whole-plan check per receive)."""
+    ends = ordered._ends(plan)
+    kept, current, moves = set(), plan, ordered._causal_moves(plan, ends)
+    for rank, stream in enumerate(plan.ranks):
+        for action in stream:
+            if (rank, action) in moves:
+                trial = ordered._apply(plan, kept | {(rank, action)}, ends)
+                if trial.ranks != current.ranks and not nccl_stuck(trial):
+                    kept, current = kept | {(rank, action)}, trial
+    return current
+
+
+@pytest.mark.parametrize(
+    "p", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)
+def test_the_fast_pass_keeps_the_moves_of_the_one_by_one_rule(p):
+    for _, r, placement, direction, schedule, m in (g for g in _grid() if g[0] == p):
+        plan = lower(build_plan(Placement(p, r, placement, direction), m, schedule))
+        assert post_recvs_early(plan).ranks == _one_by_one(plan).ranks, (p, r, m, direction)
 
 
 def test_the_checker_finds_the_deadlock_of_receives_posted_first():
