@@ -14,9 +14,8 @@ from parity_models import NUM_LAYERS, batch, loss_fn, make_layer, reference
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.actions import Op
 from megatron_prt.core.lower import lower
-from megatron_prt.runtime import PipelineRuntime, build_stages
+from megatron_prt.runtime import PipelineRuntime, build_stages, ordered
 from megatron_prt.runtime.local import all_ok, run_local
-from megatron_prt.runtime import ordered
 from megatron_prt.runtime.ordered import nccl_stuck, post_recvs_early
 from megatron_prt.runtime.split_plan import split_backward_plan
 from megatron_prt.runtime.stages import layer_ranges
