@@ -6,6 +6,7 @@ weight GEMMs to W; the memory meter counts what I keeps for W."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from test_runtime_parity import STEPS, TOL, _rel
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.actions import Op
+from megatron_prt.core.placement import ConfigError
 from megatron_prt.core.plan import Plan
 from megatron_prt.core.validate import validate
 from megatron_prt.core.zerobubble import one_f_one_b_peak, zero_bubble
@@ -323,3 +325,20 @@ def test_measured_activation_peaks_are_the_simulated_ones(reuse):
     assert busiest["1f1b"] == pytest.approx(one_f_one_b, rel=1e-12) or reuse > 1
     assert busiest["zb"] <= one_f_one_b * (1 + 1e-12)
     assert busiest["late-w"] > one_f_one_b  # deferring every W costs what the meter sees
+
+
+def test_cost_files_give_w_its_measured_bytes_per_stage(tmp_path):
+    """``wact`` per entry (a bare linear layer: W holds its input and output gradient, twice
+    what its forward saved) sets each stage's share, above 1 too; the loss keeps nothing
+    for W; entries without it keep ``wgrad_keep_fraction`` of their act."""
+    layer = {"fwd": 1, "bwd": 2, "act": 4, "wact": 8}
+    data = {"layers": [layer] * 4, "head": {"fwd": 0, "bwd": 0, "act": 4, "wact": 0}}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    cost = CostModel.load(str(path))
+    assert cost.stage_wgrad_keep(Placement(2)) == (2.0, 16 / 12)
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    plain = CostModel(layers=(LayerCost(1, 2, act=4),) * 4, wgrad_keep_fraction=0.25)
+    assert plain.stage_wgrad_keep(Placement(2)) == (0.25, 0.25)
+    with pytest.raises(ConfigError, match="wact"):
+        LayerCost(1, 2, act=4, wact=-1)
