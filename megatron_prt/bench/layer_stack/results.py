@@ -403,7 +403,8 @@ def notes_md() -> list[str]:
         "* sim ms: `megatron_prt.sim.simulate` of the plan that ran (torch's schedules: their "
         "compute order converted to a plan; their split backward as I and W of half a "
         "backward each, DualPipeV's overlapped F+B as F then B) under the costs profiled above"
-        " (the PRT zb rows: under the split profile, I and W as timed), messages included "
+        " (the PRT zb rows: under the split profile, I and W in their CPU-time proportions),"
+        " messages included "
         "(latency and CPU of the row's "
         "wire). speedup / sim speedup = (measured speedup over 1F1B) / (simulated speedup).",
         "* peak act: the most activation bytes each rank held for backward during one "
@@ -418,10 +419,11 @@ def notes_md() -> list[str]:
         "includes summing the replica gradients (`runtime.reduce_replica_grads()`) and so "
         "does its simulated time (`megatron_prt.sim.replica_sync`: each rank pair starts "
         "once both have finished their backward passes, at the calibrated cost).",
-        '* PRT zb rows: megatron-prt\'s split-backward plan (`build_plan(placement, m, "zb",'
-        " times)`, F/I/W under 1F1B's activation bound) run by the same runtime, which defers "
-        "every `nn.Linear`'s weight-gradient GEMM to W (`runtime/wgrad.py`); their peak "
-        "counts what a stage holds between I and W (each layer's input and output gradient).",
+        "* PRT zb rows: megatron-prt's split-backward plan (`core.zerobubble.zero_bubble`: "
+        "F/I/W under 1F1B's simulated activation peak, by the profiled bytes held until I "
+        "and from I until W) run by the same runtime, which defers every `nn.Linear`'s "
+        "weight-gradient GEMM to W (`runtime/wgrad.py`); their peak counts what a stage "
+        "holds between I and W (each layer's input and output gradient).",
         "* n/a: the schedule refused the configuration; its own message is shown.",
     ]
 
