@@ -240,7 +240,7 @@ def _schedule(args) -> str:
 
 def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
     """:func:`build_plan`, except that split-backward plans are sized with the cost model:
-    its stage activation bytes and W's share of them (``wgrad_keep_fraction``) for the
+    its stage activation bytes and W's share of them (``stage_wgrad_keep``) for the
     memory cap, its ``wgrad_fraction`` for the W times."""
     times = planning_times(args, cost, placement)
     if schedule not in SPLIT_SCHEDULES:
@@ -256,7 +256,7 @@ def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
         times,
         mem_cap=cap,
         act=cost.stage_activation_bytes(placement),
-        keep=cost.wgrad_keep_fraction,
+        keep=cost.stage_wgrad_keep(placement),
     )
 
 

@@ -42,9 +42,15 @@ MEM_CAPS = ("1f1b", "zb-h2")
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int, act: Sequence[float]) -> float:
-    """Activation bytes plain 1F1B holds on its busiest rank (rank 0): ``min(m, P)`` of the
-    ``P`` equal shares of one micro-batch's activation ``sum(act)`` (docs/theory.md, sec. 2)."""
-    return min(num_microbatches, num_ranks) * sum(act) / num_ranks
+    """Activation bytes plain 1F1B holds on its busiest rank: rank ``r`` holds
+    ``min(m, P - r)`` micro-batches of its stage (docs/theory.md, sec. 2), whose bytes are
+    those of the model stages ``act[r*D/P : (r+1)*D/P]`` when ``len(act)`` is a multiple
+    ``D`` of ``P``, else equal shares of ``sum(act)`` (then rank 0 is the busiest)."""
+    p, m = num_ranks, num_microbatches
+    if len(act) % p:
+        return min(m, p) * sum(act) / p
+    per = len(act) // p
+    return max(min(m, p - r) * sum(act[r * per : (r + 1) * per]) for r in range(p))
 
 
 def resolve_mem_cap(
@@ -99,22 +105,29 @@ def zero_bubble(
     *,
     mem_cap: str | float = "1f1b",
     act: Sequence[float] | None = None,
-    keep: float = WGRAD_KEEP_FRACTION,
+    keep: float | Sequence[float] = WGRAD_KEEP_FRACTION,
 ) -> Plan:
     """The fastest F/I/W plan of the portfolio whose every rank holds at most ``mem_cap``.
 
     ``act[k]``: activation bytes of model stage ``k`` for one micro-batch (default: 1/D
-    each, so one micro-batch through the whole model is 1); ``keep``: the share W needs
-    until it runs. Raises :class:`ConfigError` if no policy fits under the cap.
+    each, so one micro-batch through the whole model is 1); ``keep``: the share of a
+    stage's ``act`` that W needs until it runs, one for all stages or one per model stage
+    (above 1 where W's operands outweigh what the forward saved). Raises
+    :class:`ConfigError` if no policy fits under the cap.
 
     As for :func:`megatron_prt.core.schedules.prt`, with message times or unequal stages the
     plans made for free messages and equal stages (same W share) compete too, replayed under
     ``times`` (a hop makes a ready action look late and the greedy fills the gap wrongly);
     a rank's memory depends only on its order, so every candidate stays under the cap."""
     times = times or StageTimes.uniform(placement.depth)
-    act = tuple(act) if act is not None else (1.0 / placement.depth,) * placement.depth
-    if len(act) != placement.depth or not 0 <= keep <= 1:
-        raise ConfigError(f"act needs {placement.depth} stage sizes and keep in [0, 1]")
+    depth = placement.depth
+    act = tuple(act) if act is not None else (1.0 / depth,) * depth
+    keep = (keep,) * depth if isinstance(keep, (int, float)) else tuple(keep)
+    if len(act) != depth or len(keep) != depth or not all(k >= 0 for k in keep):
+        raise ConfigError(
+            f"act needs {depth} stage sizes and keep one share >= 0 (or {depth}), "
+            f"got act {act} and keep {keep}"
+        )
     cap = resolve_mem_cap(mem_cap, placement, num_microbatches, act)
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     name = "zb-h2" if mem_cap == "zb-h2" else "zb"
@@ -367,11 +380,13 @@ class ZBScheduler:
     def _finish(self, rank: int, action: Action, now: int) -> None:
         state = self.ranks[rank]
         state.busy = False
+        keep = self.keep[self.placement.model_stage(action.stage)]
         if action.op is Op.I:  # frees what only the input gradient needed
-            state.held -= (1 - self.keep) * self._bytes(action)
+            state.held -= (1 - keep) * self._bytes(action)
+            state.peak = max(state.peak, state.held)  # keep > 1: I's output gradients
             state.ahead -= 1
         elif action.op is Op.W:
-            state.held -= self.keep * self._bytes(action)
+            state.held -= keep * self._bytes(action)
         for nxt in self.consumers[action]:
             hop = self.times.p2p if self.rank_of[nxt.stage] != rank else 0
             self.ready_at[nxt] = max(self.ready_at[nxt], now + hop)

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from .memory import ActivationMeter
+
 
 class WeightGradWork(NamedTuple):
     """One deferred weight-gradient GEMM: ``weight`` (and ``bias``, or None) receive
@@ -282,3 +284,28 @@ def measure_split_overhead(
         "B_median"
     ]
     return out_stats
+
+
+def measure_split_memory(
+    module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor | None = None
+) -> dict[str, int]:
+    """Bytes ``module`` (a split-capable copy) holds for one input ``x``, counted as the
+    runtime's meter counts them (:mod:`megatron_prt.runtime.memory`: by storage, parameters
+    left out): ``act``, from its forward until I (what autograd saves, and ``x``, which the
+    runtime keeps for its gradient); ``wact``, from I until W (each split layer's input and
+    output gradient, :func:`held_tensors`). The cost model's per-layer ``act`` and ``wact``
+    (:mod:`megatron_prt.sim.cost`). ``grad``: the output gradient (default ones)."""
+    split = copy.deepcopy(module)
+    enable_split_backward(split)
+    meter = ActivationMeter(split.parameters())
+    x_in = x.detach().requires_grad_()
+    with split_forward(), meter.saving("forward"):
+        out = split(x_in)
+    meter.hold("forward", x_in)
+    act = meter.held_bytes
+    with deferring_weight_grads() as work:
+        torch.autograd.backward(out, torch.ones_like(out) if grad is None else grad)
+    meter.release("forward")
+    for tensor in held_tensors(work):
+        meter.hold("weight", tensor)
+    return {"act": act, "wact": meter.held_bytes}

@@ -52,11 +52,16 @@ transfer). All three default to free, which leaves every prediction without the 
 Split backward (plans with I and W, :mod:`megatron_prt.core.zerobubble`). ``bwd`` stays the
 whole backward; its weight-gradient share W is ``wgrad`` per entry (a time, at most
 ``bwd``), else ``wgrad_fraction`` of ``bwd`` (default 0.5); I is the rest. After I a stage
-still holds ``wgrad_keep_fraction`` of its ``act`` bytes until W (default
-:data:`~megatron_prt.core.zerobubble.WGRAD_KEEP_FRACTION`, docs/theory.md section 8). Files
-without these keys load as before and describe a backward split in half::
+still holds, until W, ``wact`` bytes per entry (what its weight GEMMs need: their inputs and
+output gradients, as measured by
+:func:`~megatron_prt.runtime.wgrad.measure_split_memory`), else ``wgrad_keep_fraction`` of
+the entry's ``act`` (default :data:`~megatron_prt.core.zerobubble.WGRAD_KEEP_FRACTION`,
+docs/theory.md section 8); :meth:`CostModel.stage_wgrad_keep` gives the share per stage.
+Files without these keys load as before and describe a backward split in half::
 
     {"fwd_time": 3.0, "bwd_time": 6.0, "wgrad_fraction": 0.4, "wgrad_keep_fraction": 0.9}
+    {"layers": [{"fwd": 1, "bwd": 2, "wgrad": 1, "act": 8e6, "wact": 8e6}, ...],
+     "head": {"fwd": 0.1, "bwd": 0.1, "act": 4e6, "wact": 0}}
 """
 
 from __future__ import annotations
@@ -89,11 +94,12 @@ class LayerCost:
     param: float = 0.0  # parameter (+ grad + optimizer state) bytes
     grad: float | None = None  # gradient bytes; None: param / PARAM_BYTES_PER_GRAD_BYTE
     wgrad: float | None = None  # weight-gradient part of bwd; None: the model's fraction
+    wact: float | None = None  # bytes of act W still needs after I; None: the model's share
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "bwd", "act", "param", "grad", "wgrad"):
+        for name in ("fwd", "bwd", "act", "param", "grad", "wgrad", "wact"):
             value = getattr(self, name)
-            if name in ("grad", "wgrad") and value is None:
+            if name in ("grad", "wgrad", "wact") and value is None:
                 continue
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"layer cost {name} must be a number >= 0, got {value!r}")
@@ -101,6 +107,10 @@ class LayerCost:
             raise ConfigError(
                 f"layer cost wgrad ({self.wgrad}) is part of bwd ({self.bwd}); give wgrad <= bwd"
             )
+
+    def wgrad_act(self, keep_fraction: float) -> float:
+        """Bytes held from I until W: ``wact``, or ``keep_fraction`` of ``act``."""
+        return keep_fraction * self.act if self.wact is None else self.wact
 
     def wgrad_time(self, fraction: float) -> float:
         """Weight-gradient time: ``wgrad``, or ``fraction`` of ``bwd`` when not given."""
@@ -113,7 +123,7 @@ class LayerCost:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for key in ("grad", "wgrad"):
+        for key in ("grad", "wgrad", "wact"):
             if data[key] is None:  # absent rather than null: older readers accept it
                 del data[key]
         return data
@@ -127,7 +137,7 @@ class LayerCost:
         if set(data) - known or not {"fwd", "bwd"} <= set(data):
             raise ConfigError(
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
-                "act, param, grad and wgrad"
+                "act, param, grad, wgrad and wact"
             )
         return cls(**data)
 
@@ -272,6 +282,19 @@ class CostModel:
 
     def stage_activation_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.activation_bytes, "act")
+
+    def stage_wgrad_keep(self, placement: Placement) -> tuple[float, ...]:
+        """Per model stage, the share of its activation bytes that split backward's W
+        still needs after I (the entries' ``wact`` over their ``act``; without per-entry
+        bytes, or for a stage without activation bytes, ``wgrad_keep_fraction``). Above 1
+        where W's operands outweigh what the forward saved (the output gradients are new
+        memory: a bare linear layer saves its input, W needs that and its output gradient)."""
+        keep = self.wgrad_keep_fraction
+        act = self.stage_activation_bytes(placement)
+        held = self._per_stage(
+            placement.depth, keep * self.activation_bytes, lambda layer: layer.wgrad_act(keep)
+        )
+        return tuple(h / a if a > 0 else keep for h, a in zip(held, act, strict=True))
 
     def stage_param_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.param_bytes, "param")

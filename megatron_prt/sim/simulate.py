@@ -3,7 +3,8 @@
 Semantics: each rank runs its compute actions in plan order; an action starts when its rank
 is free and every producer has finished (plus one hop time per cross-rank edge). A forward
 allocates its stage's activation bytes when it starts; the backward frees them when it ends
-(split backward: I frees all but the cost's ``wgrad_keep_fraction``, W the rest). Any valid
+(split backward: I frees all but the share W needs, :meth:`CostModel.stage_wgrad_keep`, W
+the rest). Any valid
 plan simulates, F/B or F/I/W, whoever built it.
 Communication overlaps compute (a hop delays the consumer, not the sender): receives posted
 before their producer ends, the runtime's gloo, shared-memory and NCCL ``early_recvs`` setting
@@ -85,7 +86,8 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     stats = []
     for rank, mine in enumerate(acts):
         busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
-        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, cost.wgrad_keep_fraction)
+        keep = cost.stage_wgrad_keep(placement)
+        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, keep)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
         stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
         stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
@@ -116,12 +118,13 @@ def _with_sync(stat: RankStats, sync: ReplicaSync) -> RankStats:
 
 # -- the in-flight activation rule ---------------------------------------------------------
 FREES = (Op.B, Op.W)  # the backward that ends an activation's life (W when split)
+SHARED = (Op.F, Op.B, Op.I, Op.W)  # the actions that change what a rank holds
 
 
 def held_activations(
     actions: Sequence[Action],
     timeline: Timeline | None = None,
-    keep: float = WGRAD_KEEP_FRACTION,
+    keep: float | Sequence[float] = WGRAD_KEEP_FRACTION,
 ) -> list[tuple[Action, float]]:
     """THE memory rule: a rank holds the activation of ``(stage, mb)`` from the start of
     its forward until the end of the backward that frees it: all of it until ``B``; with
@@ -131,21 +134,29 @@ def held_activations(
     at B, ``-(1 - keep)`` at I, ``-keep`` at W), in the order it sees them: by time under
     ``timeline`` (frees before allocations at one instant); without one, in ``actions``
     order, which is the time order too (a rank runs its actions one after the other) unless
-    a zero-time backward ends at the very instant a later forward starts."""
-    share = {Op.F: 1, Op.B: -1, Op.I: -(1 - keep), Op.W: -keep}
-    changes = [(a, share[a.op]) for a in actions if a.op in share]
+    a zero-time backward ends at the very instant a later forward starts. ``keep`` per
+    model stage (``stage % len(keep)``) where stages differ; above 1, I adds (its output
+    gradients outweigh what it frees)."""
+    keeps = (keep,) if isinstance(keep, (int, float)) else tuple(keep)
+
+    def share(action: Action) -> float:
+        kept = keeps[action.stage % len(keeps)]
+        return {Op.F: 1, Op.B: -1, Op.I: -(1 - kept), Op.W: -kept}[action.op]
+
+    changes = [(a, share(a)) for a in actions if a.op in SHARED]
     if timeline is not None:
         changes.sort(key=lambda c: _instant(c, timeline))
     return changes
 
 
-def _instant(change: tuple[Action, int], timeline: Timeline) -> tuple[float, int]:
-    """When a change happens; at one instant frees (0) come before allocations (1)."""
-    action, sign = change
-    return (timeline.start[action], 1) if sign > 0 else (timeline.end[action], 0)
+def _instant(change: tuple[Action, float], timeline: Timeline) -> tuple[float, int]:
+    """When a change happens: a forward's at its start, a backward's at its end; at one
+    instant backwards (0) come before forwards (1)."""
+    action, _ = change
+    return (timeline.start[action], 1) if action.op is Op.F else (timeline.end[action], 0)
 
 
-def _peak_memory(acts, timeline: Timeline, act_bytes, keep: float) -> tuple[int, float]:
+def _peak_memory(acts, timeline: Timeline, act_bytes, keep) -> tuple[int, float]:
     """(most activations held at once, most activation bytes held at once) on one rank; an
     activation counts as held until the backward that ends its life (B or W)."""
     count = peak_n = 0

@@ -6,6 +6,7 @@ weight GEMMs to W; the memory meter counts what I keeps for W."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -22,9 +23,13 @@ from test_runtime_parity import STEPS, TOL, _rel
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.actions import Op
+from megatron_prt.core.placement import ConfigError
+from megatron_prt.core.plan import Plan
 from megatron_prt.core.validate import validate
+from megatron_prt.core.zerobubble import one_f_one_b_peak, zero_bubble
 from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
 from megatron_prt.runtime.local import all_ok, run_local
+from megatron_prt.runtime.memory import saved_activation_bytes
 from megatron_prt.runtime.split_plan import split_backward_plan
 from megatron_prt.runtime.stages import layer_ranges
 from megatron_prt.runtime.wgrad import (
@@ -32,8 +37,11 @@ from megatron_prt.runtime.wgrad import (
     deferring_weight_grads,
     enable_split_backward,
     held_tensors,
+    measure_split_memory,
     split_forward,
 )
+from megatron_prt.sim.cost import CostModel, LayerCost
+from megatron_prt.sim.simulate import simulate
 
 # W at once, two compute actions later, at the end of the rank; "zb": core's zero-bubble plan
 W_DELAYS = (0, 2, None, "zb")
@@ -241,3 +249,96 @@ def test_split_backward_flag_splits_a_b_plan_traced_in_plan_order():
             want = [g for layer in ref_grads[first : first + count] for g in layer]
             for got, ref in zip(stage_grads, want, strict=True):
                 assert _rel(got, ref) <= TOL, stage
+
+
+# -- measured activation memory against the simulator's prediction ---------------------------
+MEMORY_LAYERS = 8  # Linear+GELU: W's operands are exactly what the forward saved (keep 1)
+
+
+def _gelu_layer(index: int) -> torch.nn.Module:
+    torch.manual_seed(2000 + index)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).double()
+
+
+def _memory_cost(placement: Placement) -> CostModel:
+    """Per-layer ``act`` and ``wact`` measured on each model stage's module (the layer
+    shares of its measure), the loss as the head (it saves the output and the target)."""
+    xs, ys = batch("mlp", 1)
+    counts = CostModel(layers=(LayerCost(1, 1),) * MEMORY_LAYERS).layer_counts(placement.depth)
+    layers, first = [], 0
+    for count in counts:
+        module = torch.nn.Sequential(*(_gelu_layer(first + i) for i in range(count)))
+        held = measure_split_memory(module, xs[0])
+        layers += [LayerCost(1, 2, act=held["act"] / count, wact=held["wact"] / count)] * count
+        first += count
+    out = torch.zeros_like(ys[0], requires_grad=True)
+    _, loss_bytes = saved_activation_bytes(lambda: loss_fn(out, ys[0]))
+    return CostModel(layers=tuple(layers), head=LayerCost(0, 0, act=loss_bytes, wact=0))
+
+
+MEMORY_PLANS = ("1f1b", "zb", "late-w")  # late-w: every W at the end of its rank's order
+
+
+def _memory_plan(placement: Placement, m: int, kind: str) -> Plan:
+    if kind == "late-w":
+        return split_backward_plan(build_plan(placement, m), None)
+    if kind == "zb":
+        cost = _memory_cost(placement)
+        act = cost.stage_activation_bytes(placement)
+        return zero_bubble(placement, m, act=act, keep=cost.stage_wgrad_keep(placement))
+    return build_plan(placement, m, "1f1b" if placement.reuse == 1 else "prt")
+
+
+def _measured_peaks_worker(rank, world, reuse, m):
+    placement = Placement(world, reuse)
+    xs, ys = batch("mlp", m)
+    peaks = {}
+    for kind in MEMORY_PLANS:
+        plan = _memory_plan(placement, m, kind)
+        stages = build_stages(placement, rank, _gelu_layer, MEMORY_LAYERS)
+        runtime = PipelineRuntime(
+            plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, measure_memory=True
+        )
+        runtime.step(xs, ys)
+        peaks[kind] = runtime.memory_peak()
+        runtime.close()
+    return peaks
+
+
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_measured_activation_peaks_are_the_simulated_ones(reuse):
+    """In bytes, per rank: what the runtime's meter counts (forward's saved tensors until
+    I; each split layer's input and output gradient from I until W) is what the simulator
+    predicts from the profiled per-layer act and wact; the zero-bubble plan capped at
+    1F1B's peak holds no more than 1F1B when measured."""
+    world, m = 2, 5
+    placement = Placement(world, reuse)
+    measured = all_ok(run_local(world, _measured_peaks_worker, reuse, m))
+    cost = _memory_cost(placement)
+    for kind in MEMORY_PLANS:
+        sim = simulate(_memory_plan(placement, m, kind), cost)
+        predicted = [r.peak_activation_bytes for r in sim.per_rank]
+        got = [peaks[kind] for peaks in measured]
+        assert got == pytest.approx(predicted, rel=1e-12), kind
+    busiest = {kind: max(peaks[kind] for peaks in measured) for kind in MEMORY_PLANS}
+    one_f_one_b = one_f_one_b_peak(world, m, cost.stage_activation_bytes(Placement(world)))
+    assert busiest["1f1b"] == pytest.approx(one_f_one_b, rel=1e-12) or reuse > 1
+    assert busiest["zb"] <= one_f_one_b * (1 + 1e-12)
+    assert busiest["late-w"] > one_f_one_b  # deferring every W costs what the meter sees
+
+
+def test_cost_files_give_w_its_measured_bytes_per_stage(tmp_path):
+    """``wact`` per entry (a bare linear layer: W holds its input and output gradient, twice
+    what its forward saved) sets each stage's share, above 1 too; the loss keeps nothing
+    for W; entries without it keep ``wgrad_keep_fraction`` of their act."""
+    layer = {"fwd": 1, "bwd": 2, "act": 4, "wact": 8}
+    data = {"layers": [layer] * 4, "head": {"fwd": 0, "bwd": 0, "act": 4, "wact": 0}}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    cost = CostModel.load(str(path))
+    assert cost.stage_wgrad_keep(Placement(2)) == (2.0, 16 / 12)
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    plain = CostModel(layers=(LayerCost(1, 2, act=4),) * 4, wgrad_keep_fraction=0.25)
+    assert plain.stage_wgrad_keep(Placement(2)) == (0.25, 0.25)
+    with pytest.raises(ConfigError, match="wact"):
+        LayerCost(1, 2, act=4, wact=-1)

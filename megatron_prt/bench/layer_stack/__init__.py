@@ -11,7 +11,9 @@ ScheduleDualPipeV (gloo). Repetitions are interleaved
 (A B C, B C A, ...) and reported as medians; torch's gradients are checked against
 megatron-prt's for the same stage split. Next to each measurement: the simulator's
 prediction for the plan that ran (torch's schedules converted to plans) from per-layer costs
-(for the zb rows: input- and weight-gradient times profiled apart),
+(for the zb rows: the backward split into input and weight gradient in the proportions of
+their thread CPU times, :func:`ranks.profile_split`, and the bytes held until I and from I
+until W, which also cap the zb plans at 1F1B's simulated peak),
 per-message costs and (bi) the replica-gradient sum's cost, all profiled in the same launch
 (:func:`replica_calibration`), and each rank's peak activation bytes
 held for backward, counted by megatron_prt.runtime.memory.ActivationMeter on a separate,

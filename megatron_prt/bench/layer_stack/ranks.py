@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -17,11 +18,13 @@ from ...core import Placement, build_plan
 from ...core.actions import Op
 from ...core.placement import ConfigError
 from ...core.plan import Plan
+from ...core.zerobubble import zero_bubble
 from ...runtime import PipelineRuntime, build_stages, sync_replicas
 from ...runtime.cpu import keep_freed_memory
-from ...runtime.memory import ActivationMeter
+from ...runtime.memory import ActivationMeter, saved_activation_bytes
 from ...runtime.peers import Peer, peer_plan
 from ...runtime.replica_timing import calibrate_replica_sync
+from ...runtime.wgrad import measure_split_memory, measure_split_overhead
 from ...sim.cost import CostModel, LayerCost
 from ..common import (
     agreed,
@@ -57,16 +60,20 @@ def batch(args, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- runners: one configuration built on this rank ------------------------------------------
 class PrtRunner:
     """megatron-prt's PipelineRuntime running its 1F1B plan (R=1), a PRT plan or (split
-    rows) a split-backward ``zb`` plan generated from the profiled costs; a split plan makes
-    the runtime defer the linear layers' weight GEMMs to W."""
+    rows) a split-backward ``zb`` plan generated from the profiled costs, under 1F1B's
+    activation peak by the profiled bytes (``act`` until I, ``wact`` from I until W); a
+    split plan makes the runtime defer the linear layers' weight GEMMs to W."""
 
     def __init__(self, cfg: Config, rank: int, world: int, args, m: int, cost: CostModel):
         self.placement = cfg.placement_for(world)
-        # R=1 is the baseline: megatron-prt's 1F1B (PipeDream-Flush), not a PRT search
-        schedule = "1f1b" if self.placement.chunks_per_rank == 1 else "prt"
-        schedule = "zb" if cfg.split else schedule
         times = cost.stage_times(self.placement)
-        self.plan = build_plan(self.placement, m, schedule, times=times)
+        if cfg.split:
+            act = cost.stage_activation_bytes(self.placement)
+            keep = cost.stage_wgrad_keep(self.placement)
+            self.plan = zero_bubble(self.placement, m, times, act=act, keep=keep)
+        else:  # R=1 is the baseline: megatron-prt's 1F1B (PipeDream-Flush), not a PRT search
+            schedule = "1f1b" if self.placement.chunks_per_rank == 1 else "prt"
+            self.plan = build_plan(self.placement, m, schedule, times=times)
         self.cfg = cfg
         self.modules = build_stages(self.placement, rank, layer_maker(args.hidden), args.layers)
         sync_replicas(self.placement, self.modules)
@@ -206,31 +213,63 @@ def build_runner(cfg: Config, rank: int, world: int, args, m: int, cost: CostMod
 
 
 # -- profiling -----------------------------------------------------------------------------
-def profile_layer(rank: int, world: int, args, split: bool = False) -> LayerCost:
-    """Per-layer forward/backward seconds from a traced step on shared memory (as
+def profile_layer(rank: int, world: int, args) -> LayerCost:
+    """Per-layer forward/backward seconds from a traced 1F1B step on shared memory (as
     runtime_speed.py does; median over actions, then mean over ranks), and the layer's
-    gradient bytes (float32 weight and bias). ``split``: the step runs the ``zb`` plan, I and
-    W are timed apart, and the cost's ``bwd`` is I + W with W as its ``wgrad``."""
+    gradient bytes (float32 weight and bias)."""
     m = max(2, world)
     placement = Placement(world)
     stages = build_stages(placement, rank, layer_maker(args.hidden), args.layers)
-    plan = build_plan(placement, m, "zb" if split else "1f1b")
-    runtime = PipelineRuntime(plan, stages, mse_loss, trace=True)
+    runtime = PipelineRuntime(build_plan(placement, m, "1f1b"), stages, mse_loss, trace=True)
     x, y = batch(args, m)
     for _ in range(args.profile_steps):
         runtime.step(list(x.tensor_split(m)), list(y.tensor_split(m)))
     runtime.close()
     spans = runtime.trace()
-    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
-    medians = [statistics.median(e - s for a, s, e in spans if a.op is op) for op in ops]
+    medians = [statistics.median(e - s for a, s, e in spans if a.op is op) for op in (Op.F, Op.B)]
     times = torch.tensor(medians) * world / args.layers
     dist.all_reduce(times)
-    times = (times / world).tolist()
-    grad = float((args.hidden + 1) * args.hidden * 4)
-    if split:
-        fwd, input_grad, weight_grad = times
-        return LayerCost(fwd=fwd, bwd=input_grad + weight_grad, grad=grad, wgrad=weight_grad)
-    return LayerCost(fwd=times[0], bwd=times[1], grad=grad)
+    fwd, bwd = (times / world).tolist()
+    return LayerCost(fwd=fwd, bwd=bwd, grad=float((args.hidden + 1) * args.hidden * 4))
+
+
+SPLIT_REPEATS = 30  # alternating B / I+W repetitions of the split profile
+
+
+def profile_split(rank: int, world: int, args, layer: LayerCost) -> dict:
+    """Split backward on this rank's 1F1B stage, one micro-batch: the full backward ``B``,
+    the input gradient ``I`` and the weight gradient ``W`` timed alternately as this
+    thread's CPU time (medians of :data:`SPLIT_REPEATS`,
+    :func:`~megatron_prt.runtime.wgrad.measure_split_overhead`; other processes' load does
+    not count, a wall-clock trace under load did), mean over ranks; the bytes the stage
+    holds until I and from I until W
+    (:func:`~megatron_prt.runtime.wgrad.measure_split_memory`) and those the loss saves.
+    Returns ``layer`` (with per-layer ``act``/``wact``), ``split_layer`` (its backward
+    ``bwd`` split in the measured proportions: I + W = ``bwd`` x (I + W) / B, W as
+    ``wgrad``), ``head`` (the loss) and ``split_cpu_s`` (B, I, W of the stage)."""
+    count = args.layers // world
+    make = layer_maker(args.hidden)
+    stage = torch.nn.Sequential(*(make(rank * count + i) for i in range(count)))
+    x, y = batch(args, 1)
+    stats = measure_split_overhead(stage, x, repeats=SPLIT_REPEATS)
+    cpu = torch.tensor([stats["B_median"], stats["I_median"], stats["W_median"]])
+    dist.all_reduce(cpu)
+    full, input_grad, weight_grad = (cpu / world).tolist()
+    held = measure_split_memory(stage, x)
+    out = torch.zeros_like(y, requires_grad=True)
+    _, loss_bytes = saved_activation_bytes(lambda: mse_loss(out, y))
+    layer = replace(layer, act=held["act"] / count, wact=held["wact"] / count)
+    split = replace(
+        layer,
+        bwd=layer.bwd * (input_grad + weight_grad) / full,
+        wgrad=layer.bwd * weight_grad / full,
+    )
+    return {
+        "layer": layer,
+        "split_layer": split,
+        "head": LayerCost(fwd=0.0, bwd=0.0, act=loss_bytes, wact=0.0),
+        "split_cpu_s": (full, input_grad, weight_grad),
+    }
 
 
 def message_costs(rank: int, world: int, args) -> dict[str, tuple[float, float]]:
@@ -285,23 +324,28 @@ def replica_calibration(rank: int, world: int, args) -> dict[str, dict]:
 
 
 def cost_model(
-    args, layer: LayerCost, wire: tuple[float, float], replica: dict | None = None
+    args,
+    layer: LayerCost,
+    wire: tuple[float, float],
+    replica: dict | None = None,
+    head: LayerCost | None = None,
 ) -> CostModel:
-    """The profiled layer and message costs of one wire, with its replica-sum fit."""
+    """The profiled layer and message costs of one wire, with its replica-sum fit and the
+    loss's activation bytes (``head``)."""
     latency, cpu = wire
     fields = replica_cost_fields(replica) if replica else {}
-    return CostModel(layers=(layer,) * args.layers, p2p_latency=latency, p2p_cpu=cpu, **fields)
+    return CostModel(
+        layers=(layer,) * args.layers, head=head, p2p_latency=latency, p2p_cpu=cpu, **fields
+    )
 
 
-def cost_models(
-    args, layer: LayerCost, split_layer: LayerCost, wires: dict, replica: dict
-) -> dict[str, CostModel]:
+def cost_models(args, profile: dict, wires: dict, replica: dict) -> dict[str, CostModel]:
     """Per :attr:`Config.cost_key`: each wire's cost model, with the full backward's layer
-    cost and (``<wire>/split``) with the split one's."""
+    cost and (``<wire>/split``) with the split one's (``profile``: :func:`profile_split`)."""
     costs = {}
     for wire, pair in wires.items():
-        costs[wire] = cost_model(args, layer, pair, replica[wire])
-        costs[f"{wire}/split"] = cost_model(args, split_layer, pair, replica[wire])
+        for key, layer in ((wire, profile["layer"]), (f"{wire}/split", profile["split_layer"])):
+            costs[key] = cost_model(args, layer, pair, replica[wire], profile["head"])
     return costs
 
 
@@ -343,21 +387,14 @@ def worker(rank: int, world: int, args) -> dict:
     """One rank: profile, then measure every configuration at every m."""
     if args.keep_freed_memory:
         keep_freed_memory()  # both sides: no page faults from reallocating activations
-    say("layer stack: profiling layer and message costs")
-    layer = profile_layer(rank, world, args)
-    split_layer = profile_layer(rank, world, args, split=True)
+    say("layer stack: profiling layer, split-backward and message costs")
+    profile = profile_split(rank, world, args, profile_layer(rank, world, args))
     wires = message_costs(rank, world, args)
     say("layer stack: timing the bi replica-gradient sum")
     replica = replica_calibration(rank, world, args)
-    costs = cost_models(args, layer, split_layer, wires, replica)
+    costs = cost_models(args, profile, wires, replica)
     by_m = {}
     for m in args.microbatches:
         say(f"layer stack, m={m}: building {len(all_configs())} configurations, warm-up")
         by_m[m] = measure_m(rank, world, args, m, costs)
-    return {
-        "layer": layer,
-        "split_layer": split_layer,
-        "wires": wires,
-        "replica": replica,
-        "by_m": by_m,
-    }
+    return {**profile, "wires": wires, "replica": replica, "by_m": by_m}

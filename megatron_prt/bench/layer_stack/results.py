@@ -30,13 +30,13 @@ from .ranks import cost_models
 def summarize(args, ranks: list[dict]) -> dict:
     """Rows per m (medians, predictions, per-rank peaks) and the two targets."""
     first = ranks[0]
-    costs = cost_models(
-        args, first["layer"], first["split_layer"], first["wires"], first["replica"]
-    )
+    costs = cost_models(args, first, first["wires"], first["replica"])
     rows = {m: m_rows(m, [r["by_m"][m] for r in ranks], costs) for m in args.microbatches}
     return {
         "layer": asdict(first["layer"]),
         "split_layer": asdict(first["split_layer"]),
+        "head": asdict(first["head"]),
+        "split_cpu_s": first["split_cpu_s"],
         "wires": first["wires"],
         "replica": first["replica"],
         "rows": rows,
@@ -51,7 +51,9 @@ def m_rows(m: int, per_rank: list[dict], costs: dict[str, CostModel]) -> list[di
     for cfg in all_configs():
         row = {"key": cfg.key, "label": cfg.label, "transport": cfg.transport, "m": m}
         row["family"], row["split"] = cfg.family, cfg.split
-        add_measured(row, cfg.key, per_rank, costs[cfg.cost_key])
+        sim = add_measured(row, cfg.key, per_rank, costs[cfg.cost_key])
+        if sim is not None:
+            row["sim_peak_bytes"] = [r.peak_activation_bytes for r in sim.per_rank]
         if cfg.key in res["grad_gap"]:  # ran, and a torch row with a megatron-prt twin
             row["grad_gap"] = res["grad_gap"][cfg.key]
         rows.append(row)
@@ -265,8 +267,95 @@ def replica_sum_md(rows: list[dict]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def split_profile_md(summary: dict) -> list[str]:
+    """The split-backward profile: I, W and B by CPU time, and the bytes held."""
+    full, inp, wgt = summary["split_cpu_s"]
+    layer, split, head = summary["layer"], summary["split_layer"], summary["head"]
+    return [
+        "Split backward, profiled in this launch on each rank's 1F1B stage (one micro-batch, "
+        "`measure_split_overhead`: the full backward B and the input gradient I then the "
+        "weight gradient W, alternating, medians of this thread's CPU time, mean over "
+        f"ranks): B {full * 1e3:.3f} ms, I {inp * 1e3:.3f} ms + W {wgt * 1e3:.3f} ms = "
+        f"{(inp + wgt) / full:.3f} x B. The `zb` rows' costs split the traced backward in "
+        f"these proportions: per layer I {(split['bwd'] - split['wgrad']) * 1e3:.3f} ms, W "
+        f"{split['wgrad'] * 1e3:.3f} ms. Bytes (`measure_split_memory`, counted as the "
+        f"meter counts): per layer {layer['act'] / 1024:.0f} KiB from its forward until I, "
+        f"{layer['wact'] / 1024:.0f} KiB from I until W (each linear's input and output "
+        f"gradient); the loss {head['act'] / 1024:.0f} KiB until I. The `zb` plans are "
+        "built under 1F1B's simulated peak with these bytes; `sim peak` shows the "
+        "simulator's per-rank prediction.",
+    ]
+
+
+SIDE_HEADER = (
+    "m",
+    "schedule",
+    "wire",
+    "median ms",
+    "IQR ms",
+    "peak act KiB (max rank)",
+    "sim peak KiB",
+    "speedup over PRT 1F1B: measured",
+    "simulated",
+    "measured / simulated",
+)
+
+
+def side_by_side_rows(rows: list[dict]) -> list[tuple[str, dict]]:
+    """(role, row) per schedule compared: megatron-prt's 1F1B, its best PRT (reuse) row and
+    its best split-backward row on each wire, then every torch row that ran."""
+    ran = [row for row in rows if "na" not in row]
+    picked = []
+    for wire in (GLOO, SHM):
+        ours = [row for row in ran if row["family"] == "prt" and row["transport"] == wire]
+        base = [row for row in ours if row["label"].startswith("PRT 1F1B")]
+        reuse = [row for row in ours if not row["split"] and row not in base]
+        split = [row for row in ours if row["split"]]
+        picked += [("PRT 1F1B", row) for row in base]
+        for role, group in (("best PRT", reuse), ("best split backward", split)):
+            if group:
+                picked.append((role, min(group, key=lambda row: row["median_s"])))
+    picked += [("torch", row) for row in ran if row["family"] == "torch"]
+    return picked
+
+
+def side_by_side_md(rows_by_m: dict) -> list[str]:
+    cells = []
+    for m, rows in rows_by_m.items():
+        for role, row in side_by_side_rows(rows):
+            q1, q3 = row["quartiles_s"]
+            name = row["label"] if role in ("PRT 1F1B", "torch") else f"{role}: {row['label']}"
+            speedups = ("", "", "")
+            if "vs_1f1b" in row:
+                measured, simulated = 1 / row["vs_1f1b"], 1 / row["sim_vs_1f1b"]
+                speedups = (f"{measured:.3f}", f"{simulated:.3f}", f"{measured / simulated:.3f}")
+            cells.append(
+                (
+                    m,
+                    name,
+                    row["transport"],
+                    ms(row["median_s"]),
+                    f"{ms(q1)}-{ms(q3)}",
+                    f"{max(row['peak_bytes']) / 1024:.0f}",
+                    f"{max(row.get('sim_peak_bytes') or [0]) / 1024:.0f}",
+                    *speedups,
+                )
+            )
+    return [
+        "Per m: megatron-prt's 1F1B, its fastest PRT (reuse) row and its fastest "
+        "split-backward row, on each wire, and every torch.distributed.pipelining schedule "
+        "(gloo). Speedups over megatron-prt's 1F1B on the same wire (torch: gloo); the "
+        "target is measured / simulated >= 0.9. sim peak: the simulator's prediction from "
+        "the profiled bytes (it counts the input and target per micro-batch, the meter the "
+        "whole batch's storage once; torch's rows: what our runtime would hold for their "
+        "order).",
+        "",
+        *md_table(SIDE_HEADER, "rllrrrrrrr", cells),
+    ]
+
+
 def report_md(args, summary: dict, info: dict) -> str:
-    layer, split, wires = summary["layer"], summary["split_layer"], summary["wires"]
+    layer, wires = summary["layer"], summary["wires"]
     title = "megatron-prt vs torch.distributed.pipelining, measured (CPU): layer stack"
     lines = [
         *report_head(title, "layer_stack", info),
@@ -278,11 +367,11 @@ def report_md(args, summary: dict, info: dict) -> str:
         "are zeroed outside the timed region.",
         "",
         f"Profiled in this launch: per layer forward {layer['fwd'] * 1e3:.3f} ms, backward "
-        f"{layer['bwd'] * 1e3:.3f} ms; split backward (the `zb` plan's I and W, timed apart): "
-        f"input gradient {(split['bwd'] - split['wgrad']) * 1e3:.3f} ms, weight gradient "
-        f"{split['wgrad'] * 1e3:.3f} ms; per message (latency, CPU): gloo "
+        f"{layer['bwd'] * 1e3:.3f} ms (traced 1F1B steps); per message (latency, CPU): gloo "
         f"{wires[GLOO][0] * 1e3:.3f} ms, {wires[GLOO][1] * 1e3:.3f} ms; shared memory "
         f"{wires[SHM][0] * 1e3:.3f} ms, {wires[SHM][1] * 1e3:.3f} ms.",
+        "",
+        *split_profile_md(summary),
         "",
         "Replica-gradient sum (bi), timed in this launch on megatron-prt's runtime for the bi "
         "placement (`time_replica_sync`: barrier, then `reduce_replica_grads()`, median; "
@@ -293,6 +382,7 @@ def report_md(args, summary: dict, info: dict) -> str:
         f"{replica_cal_md(summary['replica'][SHM])}. The bi rows' predictions include it.",
         "",
     ]
+    lines += ["## Side by side", "", *side_by_side_md(summary["rows"]), ""]
     for m, rows in summary["rows"].items():
         lines += [f"## m = {m} micro-batches (P = {args.ranks})", "", *table_md(rows), ""]
         lines += grad_check_md(rows) + replica_sum_md(rows)
@@ -313,7 +403,8 @@ def notes_md() -> list[str]:
         "* sim ms: `megatron_prt.sim.simulate` of the plan that ran (torch's schedules: their "
         "compute order converted to a plan; their split backward as I and W of half a "
         "backward each, DualPipeV's overlapped F+B as F then B) under the costs profiled above"
-        " (the PRT zb rows: under the split profile, I and W as timed), messages included "
+        " (the PRT zb rows: under the split profile, I and W in their CPU-time proportions),"
+        " messages included "
         "(latency and CPU of the row's "
         "wire). speedup / sim speedup = (measured speedup over 1F1B) / (simulated speedup).",
         "* peak act: the most activation bytes each rank held for backward during one "
@@ -328,10 +419,11 @@ def notes_md() -> list[str]:
         "includes summing the replica gradients (`runtime.reduce_replica_grads()`) and so "
         "does its simulated time (`megatron_prt.sim.replica_sync`: each rank pair starts "
         "once both have finished their backward passes, at the calibrated cost).",
-        '* PRT zb rows: megatron-prt\'s split-backward plan (`build_plan(placement, m, "zb",'
-        " times)`, F/I/W under 1F1B's activation bound) run by the same runtime, which defers "
-        "every `nn.Linear`'s weight-gradient GEMM to W (`runtime/wgrad.py`); their peak "
-        "counts what a stage holds between I and W (each layer's input and output gradient).",
+        "* PRT zb rows: megatron-prt's split-backward plan (`core.zerobubble.zero_bubble`: "
+        "F/I/W under 1F1B's simulated activation peak, by the profiled bytes held until I "
+        "and from I until W) run by the same runtime, which defers every `nn.Linear`'s "
+        "weight-gradient GEMM to W (`runtime/wgrad.py`); their peak counts what a stage "
+        "holds between I and W (each layer's input and output gradient).",
         "* n/a: the schedule refused the configuration; its own message is shown.",
     ]
 
