@@ -25,7 +25,7 @@ from ..tune.partition import (
     format_bytes,
     partition,
 )
-from .main import load_costs, positive_int
+from .main import load_costs, positive_int, recompute_flags
 
 _UNITS = {
     "": 1,
@@ -104,6 +104,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"time given up for memory without --budget (default {DEFAULT_SLACK:g} = "
         f"{DEFAULT_SLACK:.0%})",
     )
+    recompute_flags(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -111,7 +112,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (2: bad configuration, one line)."""
     try:
-        cost = load_costs(args.costs)
+        cost = load_costs(args.costs, args=args)
         placement = Placement(args.pp, args.reuse, args.placement, args.direction)
         if cost.layers:  # the training flags' rule: every split printed here is one they run
             depth, costs = placement.depth, f"--costs {args.costs}: layer count"
@@ -143,6 +144,9 @@ def _config(args: argparse.Namespace, cost: CostModel) -> dict:
         "microbatches": args.microbatches,
         "schedule": args.schedule,
         "layers": len(cost.layers),
+        "recompute_granularity": cost.recompute_granularity,
+        "recompute_method": cost.recompute_method,
+        "recompute_num_layers": cost.recompute_num_layers,
     }
 
 

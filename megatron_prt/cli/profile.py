@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .main import positive_int
+from .main import positive_int, recompute_flags
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
 SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
@@ -59,6 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "gloo ranks over this transport (p2p_* and replica_* keys); default auto on --device "
         "cpu, none on cuda (the wire there is NCCL between GPUs)",
     )
+    recompute_flags(p)  # measured a second time with it on: full_* / selective_* keys
     p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
     p.set_defaults(func=run)
     return p
@@ -124,6 +125,9 @@ def _profile(args: argparse.Namespace) -> dict:
         profile_layers=args.profile_layers,
         threads=args.threads if args.device == "cpu" else None,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
 
 

@@ -300,11 +300,13 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
     computes the same split without communicating)."""
     from ..sim.cost import CostModel
     from ..tune.partition import partition
+    from .config import with_model_recompute
 
     try:
         cost = CostModel.load(args.pipeline_reuse_costs)
     except ConfigError as exc:  # the message starts with the file name
         raise ConfigError(f"--pipeline-reuse-costs {exc}") from exc
+    cost = with_model_recompute(cost, args)
     if len(cost.layers) != args.num_layers:
         raise ConfigError(
             f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "

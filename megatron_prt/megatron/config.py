@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..core.layers import stage_layer_counts
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
+from ..sim.cost import CostModel
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,19 @@ class ReuseConfig:
     def layer_offset(self, model_stage: int) -> int:
         """Global index of the first layer of ``model_stage`` (0-based)."""
         return sum(self.layers_per_stage()[:model_stage])
+
+
+def with_model_recompute(cost: CostModel, model_config) -> CostModel:
+    """``cost`` under the model's activation recomputation, read from megatron's
+    ``recompute_granularity``, ``recompute_method`` and ``recompute_num_layers`` on
+    ``model_config`` (Megatron-LM's parsed args or a ``TransformerConfig``; absent: off), so
+    a balanced partition weighs what recomputed layers keep and cost. The model's setting
+    replaces the cost file's: the partition is for the model that runs."""
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    granularity, method, count = (getattr(model_config, name, None) for name in names)
+    if granularity == "selective":  # megatron ignores the other two for selective
+        method = count = None
+    try:
+        return cost.with_recompute(granularity, method, count)
+    except ConfigError as exc:
+        raise ConfigError(f"--pipeline-reuse-partition balanced: {exc}") from exc

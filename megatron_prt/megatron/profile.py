@@ -61,7 +61,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ..core.placement import ConfigError
 from ..runtime.memory import ActivationMeter
+from ..sim.cost import check_recompute
 from .pretrain import (
     bert_forward_step,
     build_model,
@@ -128,12 +130,19 @@ def profile_model(
     threads: int | None = None,
     seed: int = 1234,
     progress: Progress | None = None,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
 ) -> dict:
     """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
     times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
     ``bytes_per_param`` overrides :func:`state_bytes_per_param`; ``threads``: torch's CPU
     threads while profiling (a CPU pipeline rank runs one; ``None`` keeps the setting);
-    ``progress`` receives one line per pass.
+    ``progress`` receives one line per pass. ``recompute_*``: megatron's activation
+    recomputation (same names and rules): the model is measured a second time with it on
+    and every layer gets what it keeps and its backward time when recomputed (``full_act``
+    / ``full_bwd``, a block of one layer, or ``selective_act`` / ``selective_bwd``); the
+    setting is written into the result for the simulator and the partitioner to price.
 
     Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
@@ -152,11 +161,17 @@ def profile_model(
         "--threads": threads,
     }
     _check(kind, sizes, dtype, device)
+    recompute = (recompute_granularity, recompute_method, recompute_num_layers)
+    try:
+        check_recompute(*recompute)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
     torch_dtype = DTYPES[dtype]
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = transformer_config(  # the test models' settings: no fused kernels
+        config = partial(  # the test models' settings: no fused kernels
+            transformer_config,
             torch_dtype,
             num_layers=layers_built,
             hidden_size=hidden_size,
@@ -164,23 +179,45 @@ def profile_model(
             num_attention_heads=num_attention_heads,
             use_cpu_initialization=device == "cpu",
         )
-        model = build_model(kind, config, vocab_size, seq_length)
-        model.to(device=device, dtype=torch_dtype)
-        shape = (seq_length, micro_batch_size, vocab_size)
-        step = partial(_forward_step, kind, config, model, shape, torch.device(device))
-        parts = _Parts(model, kind)
-        try:
-            fwd, bwd = _time_passes(step, parts, reps, say)
-            act = _activation_bytes(step, parts, model)
-        finally:
-            parts.remove()
-        params = _param_counts(model, parts)
+        shape = (seq_length, micro_batch_size, vocab_size, device)
+        fwd, bwd, act, params = _measure(kind, config(), shape, reps, say)
+        if recompute_granularity is not None:
+            fields = {"recompute_granularity": recompute_granularity}
+            if recompute_granularity == "full":  # each layer a block of one: see cost.py
+                fields.update(recompute_method="uniform", recompute_num_layers=1)
+            _, re_bwd, re_act, _ = _measure(kind, config(**fields), shape, reps, say)
     costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
+    if recompute_granularity is not None:
+        for i in range(layers_built):
+            costs[i][f"{recompute_granularity}_act"] = re_act[i]
+            costs[i][f"{recompute_granularity}_bwd"] = re_bwd[i]
     layers = [costs[i] for i in range(layers_built)]
     layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
-    return _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    result = _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    if recompute_granularity is not None:
+        names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+        result.update(zip(names, recompute, strict=True))
+    return result
+
+
+def _measure(kind: str, config, shape: tuple, reps: int, say: Progress):
+    """``(fwd, bwd, act, params)`` per part of a model of ``kind`` built under ``config``:
+    median seconds, bytes held for backward, parameter counts."""
+    seq_length, micro_batch_size, vocab_size, device = shape
+    model = build_model(kind, config, vocab_size, seq_length)
+    model.to(device=device, dtype=config.params_dtype)
+    batch_shape = (seq_length, micro_batch_size, vocab_size)
+    step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
+    parts = _Parts(model, kind)
+    try:
+        with _block_checkpoints(parts, config.recompute_granularity == "full"):
+            fwd, bwd = _time_passes(step, parts, reps, say)
+            act = _activation_bytes(step, parts, model)
+    finally:
+        parts.remove()
+    return fwd, bwd, act, _param_counts(model, parts)
 
 
 def _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param) -> dict:
@@ -332,6 +369,8 @@ class _Parts:
         self.layers = list(block.layers)
         self.cuda = next(model.parameters()).is_cuda
         self.current: object = "embedding"
+        self.started = 0  # the layer that started last
+        self.in_backward = False  # a recomputed layer's rerun forward is not a forward
         self.stamps: dict[tuple, float] = {}
         self._handles = [self.embedding.register_forward_hook(self._embedding_done)]
         for i, layer in enumerate(self.layers):
@@ -358,10 +397,14 @@ class _Parts:
             output.register_hook(self._grad_hook("embedding"))
 
     def _layer_start(self, i, module, args) -> None:
-        self.current = i
+        if self.in_backward:
+            return
+        self.current = self.started = i
         self.stamp("fwd", i)
 
     def _layer_done(self, i, module, args, output) -> None:
+        if self.in_backward:
+            return
         self.current = "head"
         self.stamp("fwd_end", i)
         hidden = output[0] if isinstance(output, tuple) else output
@@ -375,6 +418,39 @@ class _Parts:
         return hook
 
 
+@contextlib.contextmanager
+def _block_checkpoints(parts: _Parts, on: bool) -> Iterator[None]:
+    """Full recomputation: megatron's ``tensor_parallel.checkpoint`` runs a block of layers
+    without autograd and saves the block's input after it ran, when the layer hooks already
+    point past the layer; this attributes that save to the block's (one) layer and times
+    its backward (recompute included) from a gradient hook on the block's output."""
+    if not on:
+        yield
+        return
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        def run(*inputs):
+            outputs = function(*inputs)
+            parts.current = parts.started  # CheckpointFunction saves the input next
+            return outputs
+
+        outputs = original(run, distribute_saved_activations, *args)
+        parts.current = "head"  # until the next layer starts
+        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
+        if not parts.in_backward and torch.is_grad_enabled() and hidden.requires_grad:
+            hidden.register_hook(parts._grad_hook(parts.started))
+        return outputs
+
+    tensor_parallel.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        tensor_parallel.checkpoint = original
+
+
 def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, dict]:
     """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
     samples: list[tuple[dict, dict]] = []
@@ -383,7 +459,11 @@ def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, d
         parts.stamp("start")
         loss = step()
         parts.stamp("fwd_done")
-        loss.backward()
+        parts.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            parts.in_backward = False
         parts.stamp("bwd_done")
         if rep > 0:
             samples.append(_durations(parts))

@@ -3,7 +3,10 @@
 Semantics: each rank runs its compute actions in plan order; an action starts when its rank
 is free and every producer has finished (plus one hop time per cross-rank edge). A forward
 allocates its stage's activation bytes when it starts; the backward frees them when it ends
-(split backward: I frees all but the cost's ``wgrad_keep_fraction``, W the rest). Any valid
+(split backward: I frees all but the cost's ``wgrad_keep_fraction``, W the rest). Under
+activation recomputation a stage's bytes are what it keeps (recomputed layers: their inputs,
+or all but the attention core) and its backward includes the rerun forward
+(:mod:`megatron_prt.sim.cost`); the same rule holds them. Any valid
 plan simulates, F/B or F/I/W, whoever built it.
 Communication overlaps compute (a hop delays the consumer, not the sender): receives posted
 before their producer ends, the runtime's gloo, shared-memory and NCCL ``early_recvs`` setting
@@ -131,7 +134,11 @@ def held_activations(
     at B, ``-(1 - keep)`` at I, ``-keep`` at W), in the order it sees them: by time under
     ``timeline`` (frees before allocations at one instant); without one, in ``actions``
     order, which is the time order too (a rank runs its actions one after the other) unless
-    a zero-time backward ends at the very instant a later forward starts."""
+    a zero-time backward ends at the very instant a later forward starts.
+
+    Recomputation changes the sizes, not the rule: a stage holds, from F to B, the bytes its
+    layers keep (:meth:`~megatron_prt.sim.cost.CostModel.layer_act_bwd`); what megatron
+    re-materialises inside B is freed within it, a transient like a forward's, not held."""
     share = {Op.F: 1, Op.B: -1, Op.I: -(1 - keep), Op.W: -keep}
     changes = [(a, share[a.op]) for a in actions if a.op in share]
     if timeline is not None:
