@@ -132,9 +132,9 @@ def recompute_flags(p) -> None:
     the cost file's setting (:mod:`megatron_prt.sim.cost`, "Activation recomputation")."""
     p.add_argument(
         "--recompute-granularity",
-        choices=RECOMPUTE_GRANULARITIES,
+        choices=(*RECOMPUTE_GRANULARITIES, "none"),
         help="price megatron's activation recomputation: recomputed layers keep less and "
-        "their backward reruns the forward (default: the cost file's setting, else none)",
+        "their backward reruns the forward (default: the cost file's setting; none: off)",
     )
     p.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help="with full")
     p.add_argument(
@@ -148,7 +148,15 @@ def recompute_flags(p) -> None:
 def with_recompute_flags(cost: CostModel, args) -> CostModel:
     """``cost`` under the ``--recompute-*`` flags when any is given."""
     flags = (args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
-    return cost if flags == (None, None, None) else cost.with_recompute(*flags)
+    if flags == (None, None, None):
+        return cost
+    return cost.with_recompute(None if flags[0] == "none" else flags[0], *flags[1:])
+
+
+def recompute_label(cost: CostModel) -> str:
+    """``full/uniform/1``, ``selective`` or ``none``: the setting a report priced."""
+    setting = (cost.recompute_granularity, cost.recompute_method, cost.recompute_num_layers)
+    return "/".join(str(part) for part in setting if part is not None) or "none"
 
 
 def load_costs(path: str, flag: str = "--costs", args=None) -> CostModel:

@@ -25,7 +25,7 @@ from ..tune.partition import (
     format_bytes,
     partition,
 )
-from .main import load_costs, positive_int, recompute_flags
+from .main import load_costs, positive_int, recompute_flags, recompute_label
 
 _UNITS = {
     "": 1,
@@ -131,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"config": _config(args, cost), **result.to_dict()}, indent=1))
     else:
-        print(format_result(result, placement, args.microbatches, len(cost.layers)))
+        text = format_result(result, placement, args.microbatches, len(cost.layers))
+        if cost.recompute_granularity is not None:  # say what the numbers priced
+            text = text.replace("\n", f", recompute {recompute_label(cost)}\n", 1)
+        print(text)
     return 0
 
 

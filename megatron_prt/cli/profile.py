@@ -168,6 +168,13 @@ def format_summary(costs: dict) -> str:
     lines = [SUMMARY_HEADER, rule, *(_row(name, part) for name, part in rows), rule]
     lines.append(_row("total", total))
     lines.append(f"message between stages: {costs['message_bytes'] / 2**20:.3f} MiB")
+    granularity = costs.get("recompute_granularity")
+    if granularity is not None:  # what a recomputed layer keeps and costs (mean over layers)
+        act = sum(layer[f"{granularity}_act"] for layer in layers) / len(layers)
+        bwd = sum(layer[f"{granularity}_bwd"] for layer in layers) / len(layers)
+        lines.append(
+            f"recomputed layer ({granularity}): bwd {bwd * 1e3:.3f} ms, act {act / 2**20:.3f} MiB"
+        )
     if "p2p_latency" in costs:
         lines.append(_comm_row("hop", costs["p2p_latency"], costs["p2p_bandwidth"]))
         lines.append(_comm_row("replica sum", costs["replica_latency"], costs["replica_bandwidth"]))

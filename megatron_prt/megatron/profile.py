@@ -181,16 +181,9 @@ def profile_model(
         )
         shape = (seq_length, micro_batch_size, vocab_size, device)
         fwd, bwd, act, params = _measure(kind, config(), shape, reps, say)
+        costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
         if recompute_granularity is not None:
-            fields = {"recompute_granularity": recompute_granularity}
-            if recompute_granularity == "full":  # each layer a block of one: see cost.py
-                fields.update(recompute_method="uniform", recompute_num_layers=1)
-            _, re_bwd, re_act, _ = _measure(kind, config(**fields), shape, reps, say)
-    costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
-    if recompute_granularity is not None:
-        for i in range(layers_built):
-            costs[i][f"{recompute_granularity}_act"] = re_act[i]
-            costs[i][f"{recompute_granularity}_bwd"] = re_bwd[i]
+            _add_recomputed(costs, recompute_granularity, kind, config, shape, reps, say)
     layers = [costs[i] for i in range(layers_built)]
     layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
@@ -200,6 +193,18 @@ def profile_model(
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
     return result
+
+
+def _add_recomputed(costs: dict, granularity: str, kind, config, shape, reps, say) -> None:
+    """Measure the model again under ``granularity`` (``full``: every layer a block of one,
+    sim/cost.py composes blocks) and add each layer's ``<granularity>_act`` / ``_bwd``."""
+    fields = {"recompute_granularity": granularity}
+    if granularity == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=1)
+    _, bwd, act, _ = _measure(kind, config(**fields), shape, reps, say)
+    for part, cost in costs.items():
+        if isinstance(part, int):  # a transformer layer: megatron recomputes only those
+            cost[f"{granularity}_act"], cost[f"{granularity}_bwd"] = act[part], bwd[part]
 
 
 def _measure(kind: str, config, shape: tuple, reps: int, say: Progress):

@@ -142,3 +142,9 @@ def test_cli_partition_takes_the_recompute_flags(tmp_path, capsys):
     recomputed = json.loads(capsys.readouterr().out)
     assert recomputed["config"]["recompute_method"] == "block"
     assert recomputed["balanced"]["peak_bytes"] < plain["balanced"]["peak_bytes"]
+    # a file profiled with recomputation is priced with it, unless the flag says none
+    path.write_text(json.dumps(gpt_like(8).with_recompute("selective").to_dict()))
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["recompute_granularity"] == "selective"
+    assert main([*argv, "--recompute-granularity", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["balanced"] == plain["balanced"]
