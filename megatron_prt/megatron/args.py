@@ -213,7 +213,6 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     if plan_file is not None:
         config = replace(config, plan=plan_file.plan)
     _check_microbatches(args, config.placement)
-    _check_grad_overlap(args, config.placement)
     if config.trace_path is not None:
         _check_trace_path(config.trace_path)
     _translate_to_megatron(args, config)
@@ -414,16 +413,6 @@ def _data_parallel_size(args: argparse.Namespace) -> int | None:
     if world is None or world % model_size:
         return None  # Megatron's own world-size check refuses the indivisible case
     return world // model_size
-
-
-def _check_grad_overlap(args: argparse.Namespace, placement: Placement) -> None:
-    if placement.num_pipelines == 2 and getattr(args, "overlap_grad_reduce", False):
-        raise ConfigError(
-            "--overlap-grad-reduce cannot run with --pipeline-reuse-direction bi: the two "
-            "weight replicas' gradients are summed after the schedule, before the "
-            "data-parallel reduce; drop --overlap-grad-reduce or use "
-            "--pipeline-reuse-direction uni"
-        )
 
 
 def _check_trace_path(path: str) -> None:

@@ -263,6 +263,19 @@ def _tied_pairs(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module]):
     return pairs if _shares_embeddings(unwrap(any_module)) else []
 
 
+def chunks_summed_after_schedule(placement, rank: int, chunks: list) -> set[int]:
+    """Chunks of ``rank`` whose gradients PRT sums after the schedule: every chunk under
+    ``bi`` (each stage's two weight replicas), and with tied embeddings the chunks holding a
+    pipeline's first or last stage (word embedding and output weight). Their data-parallel
+    reduction must start after those sums (see ``MegatronCallbacks.start_summed_grad_sync``)."""
+    if placement.direction == "bi":
+        return set(range(len(chunks)))
+    if not any(_shares_embeddings(unwrap(chunk)) for chunk in chunks):
+        return set()
+    ends = {stage for pipeline in placement.pipelines for stage in (pipeline[0], pipeline[-1])}
+    return {c for c, stage in enumerate(placement.rank_stages[rank]) if stage in ends}
+
+
 def _tied_weight(module: torch.nn.Module) -> torch.nn.Parameter:
     return unwrap(module).shared_embedding_or_output_weight()
 

@@ -228,36 +228,39 @@ def test_recomputed_activations_match_megatron(kind, tp, dp, p, r, placement, di
     _check(kind, tp, dp, p, r, placement, direction, recompute=recompute)
 
 
+OVERLAP = (("overlap_grad_reduce", True),)
+OVERLAP_SHARDED = (*OVERLAP, ("use_distributed_optimizer", True))
+
+
 def test_overlapped_reduction_untied_uni_matches_megatron():
     """DDP's hooks start each bucket's reduction during the chunk's last backward (gloo's
     asynchronous all-reduce on CPU): once per bucket, and the same numbers."""
     _check("gpt-untied", 1, 2, 2, 3, "loop", "uni", ddp=(("overlap_grad_reduce", True),))
 
 
-def _overlap_refusal(rank, world, kind, direction):
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
-    from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.training import build_training
-
-    reuse = ReuseConfig(Placement(2, 1, "loop", direction), LAYERS_3D)
-    setup_megatron(2, 1)
-    config = transformer_config(**transformer_config_kwargs(reuse))
-    with pytest.raises(ValueError) as refused:
-        build_training(
-            model_chunks(kind, config, reuse), config,
-            optimizer_config=OptimizerConfig(optimizer="adam", lr=1e-3),
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True), reuse=reuse,
-        )  # fmt: skip
-    return str(refused.value)
+# Overlapped reduction where PRT sums gradients after the schedule (bi replicas, tied
+# embeddings): those chunks' DDP buckets start reducing right after the sums, the others
+# during their last backward; exactly one reduction per bucket, megatron's numbers.
+OVERLAPPED = [
+    ("gpt", 1, 2, 2, 2, "wave", "uni", OVERLAP),
+    ("gpt-untied", 1, 2, 2, 2, "loop", "bi", OVERLAP),
+    ("bert", 2, 2, 2, 3, "wave", "bi", OVERLAP),
+    ("gpt", 1, 2, 2, 3, "loop", "bi", OVERLAP_SHARDED, False, torch.float32),
+]
 
 
-@pytest.mark.parametrize("kind,direction", [("gpt", "uni"), ("gpt-untied", "bi")])
-def test_overlap_with_sums_after_the_schedule_is_refused_naming_the_flag(kind, direction):
-    for message in all_ok(run_local(2, _overlap_refusal, kind, direction)):
-        assert "overlap_grad_reduce (--overlap-grad-reduce)" in message
-        assert ("tied embeddings" if kind == "gpt" else "bi") in message
+def test_overlapped_reduction_with_tied_embeddings_matches_megatron():
+    _check(*OVERLAPPED[0])
+
+
+def test_overlapped_reduction_bi_matches_megatron():
+    _check(*OVERLAPPED[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", OVERLAPPED[2:], ids=lambda c: "-".join(map(str, c[:7])))
+def test_overlapped_reduction_bi_tied_and_sharded_match_megatron(case):
+    _check(*case)
 
 
 # -- recomputation in the cost model: measured against modelled held bytes -----------------
