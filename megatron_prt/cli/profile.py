@@ -59,6 +59,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "gloo ranks over this transport (p2p_* and replica_* keys); default auto on --device "
         "cpu, none on cuda (the wire there is NCCL between GPUs)",
     )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer spec (Megatron-LM's flag): transformer_engine needs --device cuda and TE",
+    )
     recompute_flags(p)  # measured a second time with it on: full_* / selective_* keys
     p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
     p.set_defaults(func=run)
@@ -128,6 +134,7 @@ def _profile(args: argparse.Namespace) -> dict:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        transformer_impl=args.transformer_impl,
     )
 
 

@@ -43,8 +43,11 @@ Every layer is measured unless ``profile_layers`` is smaller than ``num_layers``
 model of ``profile_layers`` layers is profiled and the last profiled layer's costs are
 repeated for the rest (megatron's layers are identical, so only timing noise differs).
 
-The numbers are for the local (non-Transformer-Engine) spec, which materialises the
-``mbs * heads * seq**2`` attention scores; fused / flash attention would not save those.
+The numbers are for the layer spec profiled: the local spec (the default, CPU and GPU)
+materialises the ``mbs * heads * seq**2`` attention scores; the Transformer Engine spec
+(``transformer_impl="transformer_engine"``, CUDA only) with fused / flash attention does not
+save those. Only module structure is read (the embedding, the block's layers, hooks on
+them), so both specs profile the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from ..sim.cost import check_recompute
 from .pretrain import (
     bert_forward_step,
     build_model,
+    check_transformer_engine,
     pretrain_loss,
     random_batch,
     transformer_config,
@@ -133,6 +137,7 @@ def profile_model(
     recompute_granularity: str | None = None,
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
+    transformer_impl: str = "local",
 ) -> dict:
     """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
     times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
@@ -143,6 +148,8 @@ def profile_model(
     and every layer gets what it keeps and its backward time when recomputed (``full_act``
     / ``full_bwd``, a block of one layer, or ``selective_act`` / ``selective_bwd``); the
     setting is written into the result for the simulator and the partitioner to price.
+    ``transformer_impl``: the layer spec (:data:`~megatron_prt.megatron.pretrain.TRANSFORMER_IMPLS`;
+    ``transformer_engine`` needs ``device="cuda"`` and Transformer Engine installed).
 
     Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
@@ -161,6 +168,13 @@ def profile_model(
         "--threads": threads,
     }
     _check(kind, sizes, dtype, device)
+    if transformer_impl == "transformer_engine":
+        if device != "cuda":
+            raise ValueError(
+                "--transformer-impl transformer_engine runs on --device cuda only (Transformer "
+                "Engine has no CPU kernels); use --transformer-impl local on CPU"
+            )
+        check_transformer_engine()
     recompute = (recompute_granularity, recompute_method, recompute_num_layers)
     try:
         check_recompute(*recompute)
@@ -180,10 +194,11 @@ def profile_model(
             use_cpu_initialization=device == "cpu",
         )
         shape = (seq_length, micro_batch_size, vocab_size, device)
-        fwd, bwd, act, params = _measure(kind, config(), shape, reps, say)
+        build = partial(build_model, kind, transformer_impl=transformer_impl)
+        fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
         costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
         if recompute_granularity is not None:
-            _add_recomputed(costs, recompute_granularity, kind, config, shape, reps, say)
+            _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
     layers = [costs[i] for i in range(layers_built)]
     layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
@@ -195,23 +210,23 @@ def profile_model(
     return result
 
 
-def _add_recomputed(costs: dict, granularity: str, kind, config, shape, reps, say) -> None:
+def _add_recomputed(costs: dict, granularity: str, build, kind, config, shape, reps, say) -> None:
     """Measure the model again under ``granularity`` (``full``: every layer a block of one,
     sim/cost.py composes blocks) and add each layer's ``<granularity>_act`` / ``_bwd``."""
     fields = {"recompute_granularity": granularity}
     if granularity == "full":
         fields.update(recompute_method="uniform", recompute_num_layers=1)
-    _, bwd, act, _ = _measure(kind, config(**fields), shape, reps, say)
+    _, bwd, act, _ = _measure(build, kind, config(**fields), shape, reps, say)
     for part, cost in costs.items():
         if isinstance(part, int):  # a transformer layer: megatron recomputes only those
             cost[f"{granularity}_act"], cost[f"{granularity}_bwd"] = act[part], bwd[part]
 
 
-def _measure(kind: str, config, shape: tuple, reps: int, say: Progress):
-    """``(fwd, bwd, act, params)`` per part of a model of ``kind`` built under ``config``:
-    median seconds, bytes held for backward, parameter counts."""
+def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: Progress):
+    """``(fwd, bwd, act, params)`` per part of the model ``build(config, vocab, seq)`` makes
+    (``kind``'s): median seconds, bytes held for backward, parameter counts."""
     seq_length, micro_batch_size, vocab_size, device = shape
-    model = build_model(kind, config, vocab_size, seq_length)
+    model = build(config, vocab_size, seq_length)
     model.to(device=device, dtype=config.params_dtype)
     batch_shape = (seq_length, micro_batch_size, vocab_size)
     step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
