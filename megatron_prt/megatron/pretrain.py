@@ -91,16 +91,18 @@ def build_model(
     post_process: bool = True,
     vp_stage: int | None = None,
     transformer_impl: str = "local",
+    layer_spec=None,
 ):
     """megatron-core's ``GPTModel`` or ``BertModel``: ``gpt`` (embeddings tied to the output
     layer), ``gpt-untied``, ``bert`` (tied, two token types, binary head) or
     ``bert-nobinary``; ``pre_process`` / ``post_process`` / ``vp_stage`` as a model provider
     gets them. ``transformer_impl``: the layer spec, ``local`` (megatron-core's own modules,
     CPU and GPU) or ``transformer_engine`` (TE modules: CUDA with Transformer Engine
-    installed; imported only here, on that path)."""
+    installed; imported only here, on that path). ``layer_spec``: a megatron ``ModuleSpec``
+    for the transformer layers instead (a TE spec with other options, a custom one)."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
-    spec = _layer_spec(kind, transformer_impl)
+    spec = layer_spec if layer_spec is not None else _layer_spec(kind, transformer_impl)
     common = dict(
         config=config,
         vocab_size=vocab_size,
