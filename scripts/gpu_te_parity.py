@@ -74,22 +74,10 @@ def _model(kind, impl, config, pre_process=True, post_process=True, vp_stage=Non
 
 
 def reference(kind: str, layers: int, dtype: str, impl: str) -> dict:
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    mm.setup_megatron(1, None)
-    torch.manual_seed(7)
-    model = _model(kind, impl, _config(dtype, num_layers=layers))
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    store = forward_backward_no_pipelining(
-        forward_step_func=partial(mm.forward_step, kind, False),
-        data_iterator=iter(mm.batches(M)),
-        model=[model],
-        num_microbatches=M,
-        seq_length=mm.SEQ,
-        micro_batch_size=mm.MBS,
-    )
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return {"state": state, "grads": grads, "losses": [s["lm loss"] for s in store]}
+    """megatron's no-pipelining schedule on this rank's GPU (tests/megatron_models.py)."""
+    config = _config(dtype, num_layers=layers)
+    build = lambda kind, config: _model(kind, impl, config)  # noqa: E731
+    return mm.reference(0, 1, kind, layers, M, config=config, build=build)
 
 
 def run_prt(kind: str, reuse: ReuseConfig, ref_state: dict, dtype: str, impl: str) -> dict:

@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
-from .config import ReuseConfig
+from .config import ReuseConfig, check_recompute_blocks
 from .plan_flag import add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
@@ -212,6 +212,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     config = _reuse_config(args)
     if plan_file is not None:
         config = replace(config, plan=plan_file.plan)
+    check_recompute_blocks(config, args)
     _check_microbatches(args, config.placement)
     if config.trace_path is not None:
         _check_trace_path(config.trace_path)

@@ -70,3 +70,26 @@ def with_model_recompute(cost: CostModel, model_config) -> CostModel:
         return cost.with_recompute(granularity, method, count)
     except ConfigError as exc:
         raise ConfigError(f"--pipeline-reuse-partition balanced: {exc}") from exc
+
+
+def check_recompute_blocks(reuse: ReuseConfig, model_config) -> None:
+    """megatron's full, uniform recomputation runs blocks of ``recompute_num_layers`` layers
+    per model chunk, which under PRT is a model stage, and fails (an ``IndexError`` in the
+    first forward) on a stage whose layer count is not a multiple; refuse that split here,
+    before any collective. ``model_config``: Megatron-LM's args or a ``TransformerConfig``."""
+    if getattr(model_config, "recompute_granularity", None) != "full":
+        return
+    if getattr(model_config, "recompute_method", None) != "uniform":
+        return
+    block = getattr(model_config, "recompute_num_layers", None) or 1
+    counts = reuse.layers_per_stage()
+    partial = [k for k, count in enumerate(counts) if count % block]
+    if partial:
+        raise ConfigError(
+            f"--recompute-method uniform --recompute-num-layers {block} recomputes whole blocks "
+            f"of {block} layers per model stage, but stages {partial[:4]} hold "
+            f"{[counts[k] for k in partial[:4]]} layers (split {','.join(map(str, counts))}); "
+            f"give every stage a multiple of {block} (--pipeline-reuse-stage-layers, or "
+            "--pipeline-reuse-partition balanced, which keeps blocks whole), or use "
+            "--recompute-method block"
+        )

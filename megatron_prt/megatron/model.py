@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..runtime.replicas import copy_stages, exchange_pairs
-from .config import ReuseConfig
+from .config import ReuseConfig, check_recompute_blocks
 from .layout import ReuseLayout, chunk_roles
 
 _PREPARED = "_megatron_prt_prepared"
@@ -114,6 +114,8 @@ def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
                 "the model config must carry the PRT layout: pipeline_model_parallel_layout="
                 "ReuseLayout(reuse) (see megatron_prt.megatron.transformer_config_kwargs)"
             )
+        if config is not None:
+            check_recompute_blocks(reuse, config)
         model = provider(
             pre_process=role.pre_process,
             post_process=role.post_process,

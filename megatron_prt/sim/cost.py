@@ -303,6 +303,13 @@ class CostModel:
         model = replace(self.with_recompute(None), layers=tuple(folded), stage_layers=())
         return model, unit
 
+    def runs_whole_blocks(self, counts: tuple[int, ...]) -> bool:
+        """Whether megatron can run stages of ``counts`` layers under this recomputation:
+        ``full`` + ``uniform`` needs every count a multiple of ``recompute_num_layers``."""
+        if self.recompute_granularity != "full" or self.recompute_method != "uniform":
+            return True
+        return all(count % self.recompute_num_layers == 0 for count in counts)
+
     def layer_roles(self, counts: tuple[int, ...]) -> list[str]:
         """What megatron does with each transformer layer (in model order) when model
         stages hold ``counts`` layers: :data:`KEPT` (no recomputation),

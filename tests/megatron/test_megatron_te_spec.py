@@ -26,6 +26,7 @@ from megatron_models import (
     batches,
     forward_step,
     grads_by_name,
+    reference,
     setup_megatron,
     transformer_config,
 )
@@ -116,23 +117,7 @@ def _build(config, pre_process=True, post_process=True, vp_stage=None):
 
 
 def _reference(rank, world):
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    setup_megatron(1, None)
-    torch.manual_seed(7)
-    config = transformer_config(LAYERS)
-    model = _build(config)
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    store = forward_backward_no_pipelining(
-        forward_step_func=partial(forward_step, "gpt", False),
-        data_iterator=iter(batches(M)),
-        model=[model],
-        num_microbatches=M,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return {"state": state, "grads": grads, "losses": [s["lm loss"] for s in store]}
+    return reference(rank, world, "gpt", LAYERS, M, build=lambda kind, config: _build(config))
 
 
 def _prt(rank, world, reuse, state):

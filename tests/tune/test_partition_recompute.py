@@ -5,6 +5,7 @@ keeps megatron's uniform blocks whole, and prices every answer as the simulator 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from dataclasses import replace
 
@@ -128,8 +129,6 @@ def test_the_models_recompute_setting_reaches_the_partitioner():
 
 
 def test_cli_partition_takes_the_recompute_flags(tmp_path, capsys):
-    import json
-
     from megatron_prt.cli.main import main
 
     path = tmp_path / "costs.json"
@@ -148,3 +147,44 @@ def test_cli_partition_takes_the_recompute_flags(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["config"]["recompute_granularity"] == "selective"
     assert main([*argv, "--recompute-granularity", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["balanced"] == plain["balanced"]
+
+
+# -- through Megatron-LM's flags -------------------------------------------------------------
+FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+
+
+def test_balanced_partition_prices_the_models_recompute_flags(tmp_path):
+    """`--pipeline-reuse-partition balanced` with a budget only recomputation meets."""
+    from megatron_flags import BASE, parse, refusal
+
+    from megatron_prt.megatron.args import validate_args
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(gpt_like(8).to_dict()))
+    balanced = (
+        *BASE, "--pipeline-reuse", 1, "--pipeline-reuse-partition", "balanced",
+        "--pipeline-reuse-costs", str(path), "--pipeline-reuse-memory-budget", "200",
+    )  # fmt: skip
+    assert "no layer partition fits the budget of 200 B" in refusal(*balanced)
+    config = validate_args(parse(*balanced, *FULL, "--recompute-num-layers", 1))
+    cost = gpt_like(8).with_recompute("full", "uniform", 1)
+    want = pm.partition(cost, config.placement, 4, budget_bytes=200)
+    assert config.stage_layers == want.stage_layers
+
+
+def test_partial_uniform_blocks_are_refused_before_megatron_fails():
+    """megatron's uniform method indexes past a stage's last layer otherwise."""
+    from megatron_flags import BASE, refusal
+
+    message = refusal(*BASE, "--pipeline-reuse", 2, *FULL, "--recompute-num-layers", 2)
+    assert "--recompute-num-layers 2 recomputes whole blocks" in message
+    assert "stages [0, 1, 2, 3] hold [1, 1, 1, 1] layers" in message
+
+
+def test_tune_offers_only_splits_megatron_can_recompute():
+    from megatron_prt.tune.search_plans import tune
+
+    cost = gpt_like(12).with_recompute("full", "uniform", 2)
+    result = tune(cost, 2, 4, reuse_limit=3, split_backward=False, jobs=1)
+    assert result.ranked and all(cost.runs_whole_blocks(c.stage_layers) for c in result.ranked)
+    assert any(c.family.placement.reuse == 3 for c in result.ranked)  # D=6: blocks of 2
