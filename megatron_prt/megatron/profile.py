@@ -167,19 +167,9 @@ def profile_model(
         "--profile-layers": profile_layers,
         "--threads": threads,
     }
-    _check(kind, sizes, dtype, device)
-    if transformer_impl == "transformer_engine":
-        if device != "cuda":
-            raise ValueError(
-                "--transformer-impl transformer_engine runs on --device cuda only (Transformer "
-                "Engine has no CPU kernels); use --transformer-impl local on CPU"
-            )
-        check_transformer_engine()
     recompute = (recompute_granularity, recompute_method, recompute_num_layers)
-    try:
-        check_recompute(*recompute)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from exc
+    _check(kind, sizes, dtype, device)
+    _check_model_options(recompute, transformer_impl, device)
     torch_dtype = DTYPES[dtype]
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
@@ -278,6 +268,21 @@ def _check(kind: str, sizes: dict, dtype: str, device: str) -> None:
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
     if device == "cpu" and dtype in ("bfloat16", "float16"):
         raise ValueError("on CPU megatron runs in float32 (or float64) here; drop --bf16/--fp16")
+
+
+def _check_model_options(recompute: tuple, transformer_impl: str, device: str) -> None:
+    """megatron's recomputation rules and where the TE spec runs, before anything starts."""
+    try:
+        check_recompute(*recompute)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
+    if transformer_impl == "transformer_engine":
+        if device != "cuda":
+            raise ValueError(
+                "--transformer-impl transformer_engine runs on --device cuda only (Transformer "
+                "Engine has no CPU kernels); use --transformer-impl local on CPU"
+            )
+        check_transformer_engine()
 
 
 def _with_totals(layers: list[dict], embedding: dict, head: dict, message_bytes: int) -> dict:

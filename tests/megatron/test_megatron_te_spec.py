@@ -187,3 +187,18 @@ def test_profiler_reads_the_structure_of_a_fused_norm_model():
     # local spec's separate norm: the profile's per-layer bytes stay comparable
     assert act[0] == act[1] > SEQ * MBS * 16 * 8
     assert params[0] == params[1] == 12 * 16 * 16 + 13 * 16
+
+
+def test_the_te_spec_is_refused_on_cpu_naming_the_fix(capsys):
+    from megatron_prt.cli.main import main
+    from megatron_prt.megatron.pretrain import build_model
+
+    argv = ["profile", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "4"]
+    argv += ["--seq-length", "8", "--micro-batch-size", "2", "--vocab-size", "64"]
+    assert main([*argv, "--transformer-impl", "transformer_engine"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "use --transformer-impl local on CPU" in err
+    assert main([*argv, "--recompute-granularity", "full"]) == 2  # megatron's rule, up front
+    assert "--recompute-method uniform|block" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--transformer-impl transformer_engine needs CUDA"):
+        build_model("gpt", None, VOCAB, SEQ, transformer_impl="transformer_engine")
