@@ -17,7 +17,8 @@ from ..core.schedules import SCHEDULES, build_plan
 from ..core.timing import StageTimes
 from ..core.validate import validate
 from ..core.zerobubble import MEM_CAPS, zero_bubble
-from ..sim.cost import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, CostModel
+from ..sim.cost import CostModel
+from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
 from ..tune.plan_file import load_plan

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from ..core.placement import ConfigError
 from ..runtime.memory import ActivationMeter
-from ..sim.cost import check_recompute
+from ..sim.recompute import check_recompute
 from .pretrain import (
     bert_forward_step,
     build_model,

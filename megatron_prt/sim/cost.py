@@ -96,15 +96,16 @@ from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
+from .recompute import (
+    KEPT,
+    RECOMPUTED_IN_BLOCK,
+    check_recompute,
+    layer_roles,
+    runs_whole_blocks,
+)
 
 # Share of a backward that is weight-gradient work when a cost model does not say.
 DEFAULT_WGRAD_FRACTION = 0.5
-
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-
-# What megatron does with one transformer layer of a stage under activation recomputation.
-KEPT, RECOMPUTED_KEEPS_INPUT, RECOMPUTED_IN_BLOCK = "kept", "recomputed", "in_block"
 
 # fp32 Adam keeps weight, gradient and two moments (4 bytes each) per parameter: the
 # gradient is a quarter of ``param``. Used where no ``grad`` bytes are given.
@@ -304,29 +305,16 @@ class CostModel:
         return model, unit
 
     def runs_whole_blocks(self, counts: tuple[int, ...]) -> bool:
-        """Whether megatron can run stages of ``counts`` layers under this recomputation:
-        ``full`` + ``uniform`` needs every count a multiple of ``recompute_num_layers``."""
-        if self.recompute_granularity != "full" or self.recompute_method != "uniform":
-            return True
-        return all(count % self.recompute_num_layers == 0 for count in counts)
+        """Whether megatron can run stages of ``counts`` layers under this recomputation
+        (:func:`~.recompute.runs_whole_blocks`)."""
+        setting = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        return runs_whole_blocks(setting, counts)
 
     def layer_roles(self, counts: tuple[int, ...]) -> list[str]:
-        """What megatron does with each transformer layer (in model order) when model
-        stages hold ``counts`` layers: :data:`KEPT` (no recomputation),
-        :data:`RECOMPUTED_KEEPS_INPUT` (recomputed; keeps its input, or for selective all
-        but its attention core), :data:`RECOMPUTED_IN_BLOCK` (recomputed inside a full,
-        uniform block whose first layer keeps the block's input: keeps nothing)."""
-        granularity, count = self.recompute_granularity, self.recompute_num_layers
-        roles = []
-        for layers in counts:
-            for i in range(layers):
-                if granularity is None or (self.recompute_method == "block" and i >= count):
-                    roles.append(KEPT)
-                elif granularity == "full" and self.recompute_method == "uniform" and i % count:
-                    roles.append(RECOMPUTED_IN_BLOCK)
-                else:
-                    roles.append(RECOMPUTED_KEEPS_INPUT)
-        return roles
+        """Per transformer layer (model order), with stages of ``counts`` layers: what
+        megatron does with it under this model's setting (:func:`~.recompute.layer_roles`)."""
+        setting = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        return layer_roles(setting, counts)
 
     def layer_act_bwd(self, counts: tuple[int, ...]) -> list[tuple[float, float]]:
         """Per transformer layer: ``(bytes kept for backward, backward time)`` under the
@@ -562,30 +550,3 @@ _OPTIONAL_KEYS = {
     "recompute_method": None,
     "recompute_num_layers": None,
 }
-
-
-def check_recompute(granularity: str | None, method: str | None, num_layers: int | None) -> None:
-    """megatron's TransformerConfig rules for its recomputation settings, with its flag
-    names in the messages; raises :class:`ConfigError`."""
-    if granularity is None:
-        if method is not None or num_layers is not None:
-            raise ConfigError(
-                "--recompute-method and --recompute-num-layers need --recompute-granularity full"
-            )
-        return
-    if granularity not in RECOMPUTE_GRANULARITIES:
-        raise ConfigError(f"--recompute-granularity must be full or selective, got {granularity!r}")
-    if granularity == "selective" and (method is not None or num_layers is not None):
-        raise ConfigError(
-            "--recompute-granularity selective takes no --recompute-method or "
-            "--recompute-num-layers (megatron's rule); drop them"
-        )
-    if granularity == "full" and (method not in RECOMPUTE_METHODS or not _count(num_layers)):
-        raise ConfigError(
-            "--recompute-granularity full needs --recompute-method uniform|block and "
-            f"--recompute-num-layers N >= 1, got {method!r} and {num_layers!r}"
-        )
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
