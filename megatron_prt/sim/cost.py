@@ -79,7 +79,14 @@ Without ``full_*`` they are derived: ``full_act = message_bytes`` (a layer's inp
 hidden-state tensor the size of a stage message), ``full_bwd = bwd + fwd``; ``selective``
 has no derivation and needs measured values. The bytes megatron re-materialises during a
 recomputed backward are transient (freed within that backward) and, like a forward's
-transients, not counted (:func:`megatron_prt.sim.simulate.held_activations`)::
+transients, not counted (:func:`megatron_prt.sim.simulate.held_activations`).
+
+[Note: full recomputation has no W] Under split backward megatron-prt defers weight
+gradients of linear layers that run inside a split forward; a fully recomputed layer reruns
+its forward inside I, outside it, so its weight gradients are computed in I: such a layer
+has no W time and holds nothing after I (measured: a recomputed stage's peak under split
+backward equals its peak without). Selective recomputation reruns only the attention core
+and keeps the W split of its linear layers::
 
     {"layers": [{"fwd": 0.1, "bwd": 0.2, "act": 1e7, "full_act": 1.6e6, "full_bwd": 0.31}],
      "recompute_granularity": "full", "recompute_method": "uniform",
@@ -415,14 +422,48 @@ class CostModel:
         """Weight-gradient (W) time of every model stage; ``None`` when the model gives no
         split (no ``wgrad_fraction``, no ``wgrad``): W is then half of every backward."""
         parts = [*self.layers, self.embedding, self.head]
-        if self.wgrad_fraction is None and all(p is None or p.wgrad is None for p in parts):
+        full = self.recompute_granularity == "full"
+        if (
+            self.wgrad_fraction is None
+            and all(p is None or p.wgrad is None for p in parts)
+            and not full
+        ):
             return None
         fraction = self.wgrad_fraction
         if fraction is None:
             fraction = DEFAULT_WGRAD_FRACTION
         bwd = self._per_stage(depth, self.bwd_time, "bwd")
         wgt = self._per_stage(depth, fraction * self.bwd_time, lambda c: c.wgrad_time(fraction))
-        return tuple(min(w, b) for w, b in zip(wgt, bwd, strict=True))  # float rounding
+        if full:  # [Note: full recomputation has no W]
+            layer_w = [layer.wgrad_time(fraction) for layer in self.layers]
+            recomputed = self._recomputed_sum(depth, layer_w)
+            wgt = tuple(w - r for w, r in zip(wgt, recomputed, strict=True))
+        return tuple(max(0.0, min(w, b)) for w, b in zip(wgt, bwd, strict=True))  # rounding
+
+    def stage_wgrad_keep(self, depth: int) -> float | tuple[float, ...]:
+        """The share of each model stage's kept bytes that W holds after I
+        (:func:`~megatron_prt.sim.simulate.held_activations`): ``wgrad_keep_fraction`` of
+        every stage, except under full recomputation, where recomputed layers hold nothing
+        after I ([Note: full recomputation has no W]): per stage, ``wgrad_keep_fraction``
+        of the bytes of its other parts (kept layers, embedding, head) over its kept bytes."""
+        if self.recompute_granularity != "full":
+            return self.wgrad_keep_fraction
+        act = self._per_stage(depth, self.activation_bytes, "act")
+        layer_act = [kept for kept, _ in self.layer_act_bwd(self.layer_counts(depth))]
+        recomputed = self._recomputed_sum(depth, layer_act)
+        return tuple(
+            self.wgrad_keep_fraction * (a - r) / a if a else self.wgrad_keep_fraction
+            for a, r in zip(act, recomputed, strict=True)
+        )
+
+    def _recomputed_sum(self, depth: int, values: list[float]) -> list[float]:
+        """Per model stage, the sum of ``values`` (one per layer) over its recomputed layers."""
+        roles, out, first = self.layer_roles(self.layer_counts(depth)), [], 0
+        for count in self.layer_counts(depth):
+            chosen = range(first, first + count)
+            out.append(sum(values[i] for i in chosen if roles[i] != KEPT))
+            first += count
+        return out
 
     def stage_activation_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.activation_bytes, "act")

@@ -80,6 +80,7 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     placement = plan.placement
     timeline = replay(plan, cost.stage_times(placement))
     act_bytes = cost.stage_activation_bytes(placement)
+    keep = cost.stage_wgrad_keep(placement.depth)
     param_bytes = cost.stage_param_bytes(placement)
     acts = [plan.compute_actions(rank) for rank in range(placement.ranks)]
     ready = [max((timeline.end[a] for a in mine), default=0.0) for mine in acts]
@@ -88,7 +89,7 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     stats = []
     for rank, mine in enumerate(acts):
         busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
-        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, cost.wgrad_keep_fraction)
+        peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, keep)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
         stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
         stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
@@ -124,7 +125,7 @@ FREES = (Op.B, Op.W)  # the backward that ends an activation's life (W when spli
 def held_activations(
     actions: Sequence[Action],
     timeline: Timeline | None = None,
-    keep: float = WGRAD_KEEP_FRACTION,
+    keep: float | Sequence[float] = WGRAD_KEEP_FRACTION,
 ) -> list[tuple[Action, float]]:
     """THE memory rule: a rank holds the activation of ``(stage, mb)`` from the start of
     its forward until the end of the backward that frees it: all of it until ``B``; with
@@ -136,11 +137,21 @@ def held_activations(
     order, which is the time order too (a rank runs its actions one after the other) unless
     a zero-time backward ends at the very instant a later forward starts.
 
+    ``keep``: one share for every stage, or one per model stage (indexed as the cost
+    model's per-stage bytes, ``stage % len(keep)``).
+
     Recomputation changes the sizes, not the rule: a stage holds, from F to B, the bytes its
     layers keep (:meth:`~megatron_prt.sim.cost.CostModel.layer_act_bwd`); what megatron
-    re-materialises inside B is freed within it, a transient like a forward's, not held."""
-    share = {Op.F: 1, Op.B: -1, Op.I: -(1 - keep), Op.W: -keep}
-    changes = [(a, share[a.op]) for a in actions if a.op in share]
+    re-materialises inside B is freed within it, a transient like a forward's, not held;
+    under split backward its fully recomputed layers hold nothing after I (their share of
+    ``keep`` is 0: :meth:`~megatron_prt.sim.cost.CostModel.stage_wgrad_keep`)."""
+    shares = {Op.F: lambda k: 1, Op.B: lambda k: -1, Op.I: lambda k: k - 1, Op.W: lambda k: -k}
+    per_stage = not isinstance(keep, (int, float))
+    changes = [
+        (a, shares[a.op](keep[a.stage % len(keep)] if per_stage else keep))
+        for a in actions
+        if a.op in shares
+    ]
     if timeline is not None:
         changes.sort(key=lambda c: _instant(c, timeline))
     return changes
@@ -152,7 +163,7 @@ def _instant(change: tuple[Action, int], timeline: Timeline) -> tuple[float, int
     return (timeline.start[action], 1) if sign > 0 else (timeline.end[action], 0)
 
 
-def _peak_memory(acts, timeline: Timeline, act_bytes, keep: float) -> tuple[int, float]:
+def _peak_memory(acts, timeline: Timeline, act_bytes, keep) -> tuple[int, float]:
     """(most activations held at once, most activation bytes held at once) on one rank; an
     activation counts as held until the backward that ends its life (B or W)."""
     count = peak_n = 0

@@ -277,9 +277,10 @@ def _profile_recomputed(rank, world, granularity, layers):
     )  # fmt: skip
 
 
-def _measure_recomputed(rank, world, reuse, recompute: dict, m):
+def _measure_recomputed(rank, world, reuse, recompute: dict, m, plan=None):
     """One PRT iteration of megatron-core GPT (float64) under ``recompute`` (TransformerConfig
-    fields), activation memory measured by the executor's saved-tensor meter."""
+    fields), activation memory measured by the executor's saved-tensor meter. ``plan``:
+    default the plan built for ``reuse``."""
     import megatron_models as mm
 
     from megatron_prt.core import build_plan
@@ -293,7 +294,8 @@ def _measure_recomputed(rank, world, reuse, recompute: dict, m):
     )
     model = model_chunks("gpt", config, reuse)
     prepare_model(model, reuse)
-    pipeline = MegatronPipeline(build_plan(reuse.placement, m), model, config, None, "cpu", 60)
+    plan = plan or build_plan(reuse.placement, m)
+    pipeline = MegatronPipeline(plan, model, config, None, "cpu", 60)
     pipeline.measure_memory = True
     data = [ChunkData(iter(mm.batches(m)), c) for c in range(len(model))]
     pipeline.run(functools.partial(mm.forward_step, "gpt", False), data, False, False, None)
@@ -337,3 +339,24 @@ def test_recomputed_held_bytes_measured_equal_the_cost_model(granularity, method
         assert stats["held_bytes"] == 0
         assert stats["peak_bytes"] - want[rank] in (0, mask), (rank, stats["peak_bytes"], want)
         assert want[rank] < plain[rank]
+
+
+def test_split_backward_recomputed_layers_hold_nothing_after_i():
+    """[Note: full recomputation has no W] (sim/cost.py), measured: under split backward
+    with every W at the end, rank 0 (embedding and recomputed layers only) peaks exactly at
+    the simulator's prediction, which is its peak without split backward."""
+    from megatron_prt.core import build_plan
+    from megatron_prt.runtime.split_plan import split_backward_plan
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.sim.simulate import simulate
+
+    layers, m = 8, 4
+    reuse = ReuseConfig(Placement(2, 2, "loop", "uni"), layers)
+    plan = split_backward_plan(build_plan(reuse.placement, m), None)
+    costs = all_ok(run_local(1, _profile_recomputed, "full", layers))[0]
+    cost = CostModel.from_dict(costs)
+    want = simulate(plan, cost).per_rank[0].peak_activation_bytes
+    unsplit = simulate(build_plan(reuse.placement, m), cost).per_rank[0].peak_activation_bytes
+    fields = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    measured = all_ok(run_local(2, _measure_recomputed, reuse, fields, m, plan))
+    assert measured[0]["peak_bytes"] == want == unsplit

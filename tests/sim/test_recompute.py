@@ -129,3 +129,23 @@ def test_cli_simulate_takes_megatrons_recompute_flags(tmp_path, capsys):
     assert runs[True]["makespan"] > runs[False]["makespan"]
     assert main([*argv, "--recompute-granularity", "full"]) == 2
     assert "--recompute-method" in capsys.readouterr().err
+
+
+def test_split_backward_fully_recomputed_layers_have_no_w():
+    """[Note: full recomputation has no W]: a fully recomputed layer's weight gradients are
+    computed in I, so it holds nothing after I and its W takes no time."""
+    from dataclasses import replace
+
+    plan = build_plan(ONE_F_ONE_B, M, "zb")
+    full = _cost(wgrad_fraction=0.5).with_recompute("full", "uniform", 1)
+    assert full.stage_wgrad_times(2) == (0.0, 0.0)
+    assert full.stage_wgrad_keep(2) == (0.0, 0.0)
+    assert full.stage_times(ONE_F_ONE_B).bwd == (6.0, 6.0)  # all of it in I
+    peaks = [r.peak_activation_bytes for r in simulate(plan, full).per_rank]
+    freed_at_i = replace(full, wgrad_keep_fraction=0.0)
+    assert peaks == [r.peak_activation_bytes for r in simulate(plan, freed_at_i).per_rank]
+    # block method: the stage's second layer is kept and keeps its W share and time
+    block = _cost(wgrad_fraction=0.5).with_recompute("full", "block", 1)
+    keep = block.wgrad_keep_fraction
+    assert block.stage_wgrad_keep(2) == (keep * ACT / (ACT + INPUT),) * 2
+    assert block.stage_wgrad_times(2) == (1.0, 1.0)  # half of the kept layer's backward
