@@ -5,7 +5,10 @@
 #                the megatron-core parity subset (scripts/gpu_megatron_parity.py) with 2 and
 #                4 ranks sharing the GPUs over gloo (activations through host shared
 #                memory); activation memory measured on CUDA against the simulator
-#                (scripts/gpu_memory.py); the cost profiler on CUDA
+#                (scripts/gpu_memory.py); the cost profiler on CUDA; with Transformer Engine
+#                installed, the TE-spec parity check (scripts/gpu_te_parity.py, bf16 and fp32,
+#                PRT vs megatron's no-pipelining schedule, tolerances in its docstring) on 2
+#                ranks over gloo and the profiler with --transformer-impl transformer_engine
 #   several GPUs: both parity checks over NCCL, one rank per GPU, and the megatron-core GPT
 #                example with PRT (megatron's DDP, Adam) on all GPUs. The example needs NCCL:
 #                megatron's DDP all-reduces coalesced CUDA buffers, which gloo refuses.
@@ -64,7 +67,25 @@ if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
         --vocab-size 1024 --device cuda -o /tmp/prt-costs.json
 fi
 
+te=$($PY -c "import transformer_engine" 2>/dev/null && echo yes)
+if [ -n "$megatron" ] && [ -n "$te" ]; then
+    for dtype in bf16 fp32; do
+        step "TE-spec parity $dtype, P=2 ranks sharing $gpus GPU(s) over gloo" $RUN \
+            --nproc-per-node 2 scripts/gpu_te_parity.py --backend gloo --dtype $dtype
+    done
+    step "profiler on CUDA, TE spec" $PY -m megatron_prt profile --model gpt --num-layers 4 \
+        --hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 \
+        --vocab-size 1024 --device cuda --transformer-impl transformer_engine --comm none \
+        -o /tmp/prt-costs-te.json
+elif [ -n "$megatron" ]; then
+    report+=("skip  TE-spec parity (Transformer Engine not importable)")
+fi
+
 if [ "$gpus" -ge 2 ]; then
+    if [ -n "$megatron" ] && [ -n "$te" ]; then
+        step "TE-spec parity bf16 over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \
+            scripts/gpu_te_parity.py --dtype bf16
+    fi
     step "runtime parity over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \
         scripts/gpu_parity.py "$@"
     step "megatron-core parity over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \

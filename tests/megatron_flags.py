@@ -43,6 +43,9 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     ):
         add(name, action="store_true")
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    add("--recompute-granularity", choices=("full", "selective"), default=None)
+    add("--recompute-method", choices=("uniform", "block"), default=None)
+    add("--recompute-num-layers", type=int, default=None)
     return parser
 
 

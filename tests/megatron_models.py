@@ -131,14 +131,17 @@ def is_tied(kind: str) -> bool:
     return kind != "gpt-untied"
 
 
-def reference(rank, world, kind, num_layers, m, per_token=False, variable=False):
-    """One rank, megatron's no-pipelining schedule: losses, grads and initial weights."""
+def reference(
+    rank, world, kind, num_layers, m, per_token=False, variable=False, config=None, build=None
+):
+    """One rank, megatron's no-pipelining schedule: losses, grads and initial weights.
+    ``config`` and ``build(kind, config)`` replace the tests' float64 config and model."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     setup_megatron(1, None)
     torch.manual_seed(7)
-    config = transformer_config(num_layers, calculate_per_token_loss=per_token)
-    model = build_model(kind, config)
+    config = config or transformer_config(num_layers, calculate_per_token_loss=per_token)
+    model = (build or build_model)(kind, config)
     config.variable_seq_lengths = variable
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     store = forward_backward_no_pipelining(

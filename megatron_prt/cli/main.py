@@ -18,6 +18,7 @@ from ..core.timing import StageTimes
 from ..core.validate import validate
 from ..core.zerobubble import MEM_CAPS, zero_bubble
 from ..sim.cost import CostModel
+from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
 from ..tune.plan_file import load_plan
@@ -117,6 +118,7 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
         "after the step (the cost file's replica_latency; default 0)",
     )
     g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
+    recompute_flags(g)
     p.add_argument(
         "--plan-from-costs",
         action="store_true",
@@ -126,12 +128,46 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_costs(path: str, flag: str = "--costs") -> CostModel:
-    """:meth:`CostModel.load` with the flag that named ``path`` in the error."""
+def recompute_flags(p) -> None:
+    """megatron's activation-recomputation flags (same names and rules); any of them replaces
+    the cost file's setting (:mod:`megatron_prt.sim.cost`, "Activation recomputation")."""
+    p.add_argument(
+        "--recompute-granularity",
+        choices=(*RECOMPUTE_GRANULARITIES, "none"),
+        help="price megatron's activation recomputation: recomputed layers keep less and "
+        "their backward reruns the forward (default: the cost file's setting; none: off)",
+    )
+    p.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help="with full")
+    p.add_argument(
+        "--recompute-num-layers",
+        type=positive_int,
+        metavar="N",
+        help="with full: layers per uniform block, or recomputed layers per stage (block)",
+    )
+
+
+def with_recompute_flags(cost: CostModel, args) -> CostModel:
+    """``cost`` under the ``--recompute-*`` flags when any is given."""
+    flags = (args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    if flags == (None, None, None):
+        return cost
+    return cost.with_recompute(None if flags[0] == "none" else flags[0], *flags[1:])
+
+
+def recompute_label(cost: CostModel) -> str:
+    """``full/uniform/1``, ``selective`` or ``none``: the setting a report priced."""
+    setting = (cost.recompute_granularity, cost.recompute_method, cost.recompute_num_layers)
+    return "/".join(str(part) for part in setting if part is not None) or "none"
+
+
+def load_costs(path: str, flag: str = "--costs", args=None) -> CostModel:
+    """:meth:`CostModel.load` with the flag that named ``path`` in the error; under
+    ``args``' ``--recompute-*`` flags when given."""
     try:
-        return CostModel.load(path)
+        cost = CostModel.load(path)
     except ConfigError as exc:
         raise ConfigError(f"{flag} {exc}") from exc
+    return cost if args is None else with_recompute_flags(cost, args)
 
 
 def _cost(args) -> CostModel:
@@ -145,7 +181,7 @@ def _cost(args) -> CostModel:
     ):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
-    return CostModel.from_dict(data)
+    return with_recompute_flags(CostModel.from_dict(data), args)
 
 
 def planning_times(args, cost: CostModel, placement: Placement) -> StageTimes | None:

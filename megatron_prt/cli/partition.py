@@ -25,7 +25,7 @@ from ..tune.partition import (
     format_bytes,
     partition,
 )
-from .main import load_costs, positive_int
+from .main import load_costs, positive_int, recompute_flags, recompute_label
 
 _UNITS = {
     "": 1,
@@ -104,6 +104,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"time given up for memory without --budget (default {DEFAULT_SLACK:g} = "
         f"{DEFAULT_SLACK:.0%})",
     )
+    recompute_flags(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -111,7 +112,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (2: bad configuration, one line)."""
     try:
-        cost = load_costs(args.costs)
+        cost = load_costs(args.costs, args=args)
         placement = Placement(args.pp, args.reuse, args.placement, args.direction)
         if cost.layers:  # the training flags' rule: every split printed here is one they run
             depth, costs = placement.depth, f"--costs {args.costs}: layer count"
@@ -130,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"config": _config(args, cost), **result.to_dict()}, indent=1))
     else:
-        print(format_result(result, placement, args.microbatches, len(cost.layers)))
+        text = format_result(result, placement, args.microbatches, len(cost.layers))
+        if cost.recompute_granularity is not None:  # say what the numbers priced
+            text = text.replace("\n", f", recompute {recompute_label(cost)}\n", 1)
+        print(text)
     return 0
 
 
@@ -143,6 +147,9 @@ def _config(args: argparse.Namespace, cost: CostModel) -> dict:
         "microbatches": args.microbatches,
         "schedule": args.schedule,
         "layers": len(cost.layers),
+        "recompute_granularity": cost.recompute_granularity,
+        "recompute_method": cost.recompute_method,
+        "recompute_num_layers": cost.recompute_num_layers,
     }
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .main import positive_int
+from .main import positive_int, recompute_flags
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
 SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
@@ -59,6 +59,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "gloo ranks over this transport (p2p_* and replica_* keys); default auto on --device "
         "cpu, none on cuda (the wire there is NCCL between GPUs)",
     )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer spec (Megatron-LM's flag): transformer_engine needs --device cuda and TE",
+    )
+    recompute_flags(p)  # measured a second time with it on: full_* / selective_* keys
     p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
     p.set_defaults(func=run)
     return p
@@ -124,6 +131,10 @@ def _profile(args: argparse.Namespace) -> dict:
         profile_layers=args.profile_layers,
         threads=args.threads if args.device == "cpu" else None,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        transformer_impl=args.transformer_impl,
     )
 
 
@@ -164,6 +175,13 @@ def format_summary(costs: dict) -> str:
     lines = [SUMMARY_HEADER, rule, *(_row(name, part) for name, part in rows), rule]
     lines.append(_row("total", total))
     lines.append(f"message between stages: {costs['message_bytes'] / 2**20:.3f} MiB")
+    granularity = costs.get("recompute_granularity")
+    if granularity is not None:  # what a recomputed layer keeps and costs (mean over layers)
+        act = sum(layer[f"{granularity}_act"] for layer in layers) / len(layers)
+        bwd = sum(layer[f"{granularity}_bwd"] for layer in layers) / len(layers)
+        lines.append(
+            f"recomputed layer ({granularity}): bwd {bwd * 1e3:.3f} ms, act {act / 2**20:.3f} MiB"
+        )
     if "p2p_latency" in costs:
         lines.append(_comm_row("hop", costs["p2p_latency"], costs["p2p_bandwidth"]))
         lines.append(_comm_row("replica sum", costs["replica_latency"], costs["replica_bandwidth"]))

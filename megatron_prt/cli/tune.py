@@ -19,7 +19,7 @@ from ..core.placement import ConfigError
 from ..tune.memory import format_bytes
 from ..tune.plan_file import PlanFile
 from ..tune.search_plans import Candidate, TuneResult, tune
-from .main import load_costs, positive_int
+from .main import load_costs, positive_int, recompute_flags
 from .partition import parse_bytes
 
 PROGRESS_AFTER_S = 2.0  # searches shorter than this print no progress line
@@ -65,6 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=min(2, os.cpu_count() or 1),
         help="processes scoring schedule families at once (default: 2, or 1 on one core)",
     )
+    recompute_flags(p)
     p.add_argument("--top", type=positive_int, default=10, help="candidates printed (default 10)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the winner as a plan file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -74,7 +75,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cost = load_costs(args.costs)
+        cost = load_costs(args.costs, args=args)
         result = tune(
             cost,
             args.pp,

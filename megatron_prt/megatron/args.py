@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
-from .config import ReuseConfig
+from .config import ReuseConfig, check_recompute_blocks
 from .plan_flag import add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
@@ -212,8 +212,8 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     config = _reuse_config(args)
     if plan_file is not None:
         config = replace(config, plan=plan_file.plan)
+    check_recompute_blocks(config, args)
     _check_microbatches(args, config.placement)
-    _check_grad_overlap(args, config.placement)
     if config.trace_path is not None:
         _check_trace_path(config.trace_path)
     _translate_to_megatron(args, config)
@@ -300,11 +300,13 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
     computes the same split without communicating)."""
     from ..sim.cost import CostModel
     from ..tune.partition import partition
+    from .config import with_model_recompute
 
     try:
         cost = CostModel.load(args.pipeline_reuse_costs)
     except ConfigError as exc:  # the message starts with the file name
         raise ConfigError(f"--pipeline-reuse-costs {exc}") from exc
+    cost = with_model_recompute(cost, args)
     if len(cost.layers) != args.num_layers:
         raise ConfigError(
             f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "
@@ -412,16 +414,6 @@ def _data_parallel_size(args: argparse.Namespace) -> int | None:
     if world is None or world % model_size:
         return None  # Megatron's own world-size check refuses the indivisible case
     return world // model_size
-
-
-def _check_grad_overlap(args: argparse.Namespace, placement: Placement) -> None:
-    if placement.num_pipelines == 2 and getattr(args, "overlap_grad_reduce", False):
-        raise ConfigError(
-            "--overlap-grad-reduce cannot run with --pipeline-reuse-direction bi: the two "
-            "weight replicas' gradients are summed after the schedule, before the "
-            "data-parallel reduce; drop --overlap-grad-reduce or use "
-            "--pipeline-reuse-direction uni"
-        )
 
 
 def _check_trace_path(path: str) -> None:

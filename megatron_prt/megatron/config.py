@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..core.layers import stage_layer_counts
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
+from ..sim.cost import CostModel
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,42 @@ class ReuseConfig:
     def layer_offset(self, model_stage: int) -> int:
         """Global index of the first layer of ``model_stage`` (0-based)."""
         return sum(self.layers_per_stage()[:model_stage])
+
+
+def with_model_recompute(cost: CostModel, model_config) -> CostModel:
+    """``cost`` under the model's activation recomputation, read from megatron's
+    ``recompute_granularity``, ``recompute_method`` and ``recompute_num_layers`` on
+    ``model_config`` (Megatron-LM's parsed args or a ``TransformerConfig``; absent: off), so
+    a balanced partition weighs what recomputed layers keep and cost. The model's setting
+    replaces the cost file's: the partition is for the model that runs."""
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    granularity, method, count = (getattr(model_config, name, None) for name in names)
+    if granularity == "selective":  # megatron ignores the other two for selective
+        method = count = None
+    try:
+        return cost.with_recompute(granularity, method, count)
+    except ConfigError as exc:
+        raise ConfigError(f"--pipeline-reuse-partition balanced: {exc}") from exc
+
+
+def check_recompute_blocks(reuse: ReuseConfig, model_config) -> None:
+    """megatron's full, uniform recomputation runs blocks of ``recompute_num_layers`` layers
+    per model chunk, which under PRT is a model stage, and fails (an ``IndexError`` in the
+    first forward) on a stage whose layer count is not a multiple; refuse that split here,
+    before any collective. ``model_config``: Megatron-LM's args or a ``TransformerConfig``."""
+    if getattr(model_config, "recompute_granularity", None) != "full":
+        return
+    if getattr(model_config, "recompute_method", None) != "uniform":
+        return
+    block = getattr(model_config, "recompute_num_layers", None) or 1
+    counts = reuse.layers_per_stage()
+    partial = [k for k, count in enumerate(counts) if count % block]
+    if partial:
+        raise ConfigError(
+            f"--recompute-method uniform --recompute-num-layers {block} recomputes whole blocks "
+            f"of {block} layers per model stage, but stages {partial[:4]} hold "
+            f"{[counts[k] for k in partial[:4]]} layers (split {','.join(map(str, counts))}); "
+            f"give every stage a multiple of {block} (--pipeline-reuse-stage-layers, or "
+            "--pipeline-reuse-partition balanced, which keeps blocks whole), or use "
+            "--recompute-method block"
+        )

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..runtime.replicas import copy_stages, exchange_pairs
-from .config import ReuseConfig
+from .config import ReuseConfig, check_recompute_blocks
 from .layout import ReuseLayout, chunk_roles
 
 _PREPARED = "_megatron_prt_prepared"
@@ -114,6 +114,8 @@ def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
                 "the model config must carry the PRT layout: pipeline_model_parallel_layout="
                 "ReuseLayout(reuse) (see megatron_prt.megatron.transformer_config_kwargs)"
             )
+        if config is not None:
+            check_recompute_blocks(reuse, config)
         model = provider(
             pre_process=role.pre_process,
             post_process=role.post_process,
@@ -261,6 +263,19 @@ def _tied_pairs(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module]):
     pairs = [(p[0], p[-1]) for p in placement.pipelines]
     any_module = next(iter(stages.values()))
     return pairs if _shares_embeddings(unwrap(any_module)) else []
+
+
+def chunks_summed_after_schedule(placement, rank: int, chunks: list) -> set[int]:
+    """Chunks of ``rank`` whose gradients PRT sums after the schedule: every chunk under
+    ``bi`` (each stage's two weight replicas), and with tied embeddings the chunks holding a
+    pipeline's first or last stage (word embedding and output weight). Their data-parallel
+    reduction must start after those sums (see ``MegatronCallbacks.start_summed_grad_sync``)."""
+    if placement.direction == "bi":
+        return set(range(len(chunks)))
+    if not any(_shares_embeddings(unwrap(chunk)) for chunk in chunks):
+        return set()
+    ends = {stage for pipeline in placement.pipelines for stage in (pipeline[0], pipeline[-1])}
+    return {c for c, stage in enumerate(placement.rank_stages[rank]) if stage in ends}
 
 
 def _tied_weight(module: torch.nn.Module) -> torch.nn.Parameter:

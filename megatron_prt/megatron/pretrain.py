@@ -78,6 +78,8 @@ def transformer_config(dtype: torch.dtype = torch.float32, **fields):
 
 
 MODEL_KINDS = ("gpt", "gpt-untied", "bert", "bert-nobinary")
+# Megatron-LM's --transformer-impl values: megatron-core's layer specs by what implements them.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 def build_model(
@@ -88,13 +90,19 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    transformer_impl: str = "local",
+    layer_spec=None,
 ):
-    """megatron-core's ``GPTModel`` or ``BertModel`` with the local spec: ``gpt`` (embeddings
-    tied to the output layer), ``gpt-untied``, ``bert`` (tied, two token types, binary
-    head) or ``bert-nobinary``; ``pre_process`` / ``post_process`` / ``vp_stage`` as a model
-    provider gets them."""
+    """megatron-core's ``GPTModel`` or ``BertModel``: ``gpt`` (embeddings tied to the output
+    layer), ``gpt-untied``, ``bert`` (tied, two token types, binary head) or
+    ``bert-nobinary``; ``pre_process`` / ``post_process`` / ``vp_stage`` as a model provider
+    gets them. ``transformer_impl``: the layer spec, ``local`` (megatron-core's own modules,
+    CPU and GPU) or ``transformer_engine`` (TE modules: CUDA with Transformer Engine
+    installed; imported only here, on that path). ``layer_spec``: a megatron ``ModuleSpec``
+    for the transformer layers instead (a TE spec with other options, a custom one)."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
+    spec = layer_spec if layer_spec is not None else _layer_spec(kind, transformer_impl)
     common = dict(
         config=config,
         vocab_size=vocab_size,
@@ -104,24 +112,61 @@ def build_model(
         vp_stage=vp_stage,
     )
     if kind.startswith("gpt"):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         return GPTModel(
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=spec,
             share_embeddings_and_output_weights=kind == "gpt",
             **common,
         )
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
 
     return BertModel(
         num_tokentypes=2,
-        transformer_layer_spec=bert_layer_local_spec,
+        transformer_layer_spec=spec,
         share_embeddings_and_output_weights=True,
         add_binary_head=kind == "bert",
         **common,
     )
+
+
+def _layer_spec(kind: str, transformer_impl: str):
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+            f"got {transformer_impl!r}"
+        )
+    if transformer_impl == "transformer_engine":
+        check_transformer_engine()
+    if kind.startswith("gpt"):
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if transformer_impl == "local":
+            return gpt_layer_specs.get_gpt_layer_local_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.bert import bert_layer_specs
+
+    if transformer_impl == "local":
+        return bert_layer_specs.bert_layer_local_spec
+    return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+
+
+def check_transformer_engine() -> None:
+    """Refuse the Transformer Engine spec where it cannot run, naming the fix: TE is CUDA
+    only (megatron_prt.megatron.cpu runs local specs) and must be installed."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--transformer-impl transformer_engine needs CUDA (Transformer Engine has no CPU "
+            "kernels); use --transformer-impl local on CPU"
+        )
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            "--transformer-impl transformer_engine: Transformer Engine is not installed "
+            "(pip install transformer_engine[pytorch], or NVIDIA's PyTorch container); "
+            "or use --transformer-impl local"
+        ) from exc
 
 
 def random_batch(

@@ -43,8 +43,11 @@ Every layer is measured unless ``profile_layers`` is smaller than ``num_layers``
 model of ``profile_layers`` layers is profiled and the last profiled layer's costs are
 repeated for the rest (megatron's layers are identical, so only timing noise differs).
 
-The numbers are for the local (non-Transformer-Engine) spec, which materialises the
-``mbs * heads * seq**2`` attention scores; fused / flash attention would not save those.
+The numbers are for the layer spec profiled: the local spec (the default, CPU and GPU)
+materialises the ``mbs * heads * seq**2`` attention scores; the Transformer Engine spec
+(``transformer_impl="transformer_engine"``, CUDA only) with fused / flash attention does not
+save those. Only module structure is read (the embedding, the block's layers, hooks on
+them), so both specs profile the same way.
 """
 
 from __future__ import annotations
@@ -61,10 +64,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ..core.placement import ConfigError
 from ..runtime.memory import ActivationMeter
+from ..sim.recompute import check_recompute
 from .pretrain import (
     bert_forward_step,
     build_model,
+    check_transformer_engine,
     pretrain_loss,
     random_batch,
     transformer_config,
@@ -128,12 +134,22 @@ def profile_model(
     threads: int | None = None,
     seed: int = 1234,
     progress: Progress | None = None,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
+    transformer_impl: str = "local",
 ) -> dict:
     """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
     times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
     ``bytes_per_param`` overrides :func:`state_bytes_per_param`; ``threads``: torch's CPU
     threads while profiling (a CPU pipeline rank runs one; ``None`` keeps the setting);
-    ``progress`` receives one line per pass.
+    ``progress`` receives one line per pass. ``recompute_*``: megatron's activation
+    recomputation (same names and rules): the model is measured a second time with it on
+    and every layer gets what it keeps and its backward time when recomputed (``full_act``
+    / ``full_bwd``, a block of one layer, or ``selective_act`` / ``selective_bwd``); the
+    setting is written into the result for the simulator and the partitioner to price.
+    ``transformer_impl``: the layer spec (:data:`~megatron_prt.megatron.pretrain.TRANSFORMER_IMPLS`;
+    ``transformer_engine`` needs ``device="cuda"`` and Transformer Engine installed).
 
     Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
@@ -151,12 +167,15 @@ def profile_model(
         "--profile-layers": profile_layers,
         "--threads": threads,
     }
+    recompute = (recompute_granularity, recompute_method, recompute_num_layers)
     _check(kind, sizes, dtype, device)
+    _check_model_options(recompute, transformer_impl, device)
     torch_dtype = DTYPES[dtype]
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = transformer_config(  # the test models' settings: no fused kernels
+        config = partial(  # the test models' settings: no fused kernels
+            transformer_config,
             torch_dtype,
             num_layers=layers_built,
             hidden_size=hidden_size,
@@ -164,23 +183,51 @@ def profile_model(
             num_attention_heads=num_attention_heads,
             use_cpu_initialization=device == "cpu",
         )
-        model = build_model(kind, config, vocab_size, seq_length)
-        model.to(device=device, dtype=torch_dtype)
-        shape = (seq_length, micro_batch_size, vocab_size)
-        step = partial(_forward_step, kind, config, model, shape, torch.device(device))
-        parts = _Parts(model, kind)
-        try:
-            fwd, bwd = _time_passes(step, parts, reps, say)
-            act = _activation_bytes(step, parts, model)
-        finally:
-            parts.remove()
-        params = _param_counts(model, parts)
-    costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
+        shape = (seq_length, micro_batch_size, vocab_size, device)
+        build = partial(build_model, kind, transformer_impl=transformer_impl)
+        fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
+        costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
+        if recompute_granularity is not None:
+            _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
     layers = [costs[i] for i in range(layers_built)]
     layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
-    return _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    result = _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    if recompute_granularity is not None:
+        names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+        result.update(zip(names, recompute, strict=True))
+    return result
+
+
+def _add_recomputed(costs: dict, granularity: str, build, kind, config, shape, reps, say) -> None:
+    """Measure the model again under ``granularity`` (``full``: every layer a block of one,
+    sim/cost.py composes blocks) and add each layer's ``<granularity>_act`` / ``_bwd``."""
+    fields = {"recompute_granularity": granularity}
+    if granularity == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=1)
+    _, bwd, act, _ = _measure(build, kind, config(**fields), shape, reps, say)
+    for part, cost in costs.items():
+        if isinstance(part, int):  # a transformer layer: megatron recomputes only those
+            cost[f"{granularity}_act"], cost[f"{granularity}_bwd"] = act[part], bwd[part]
+
+
+def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: Progress):
+    """``(fwd, bwd, act, params)`` per part of the model ``build(config, vocab, seq)`` makes
+    (``kind``'s): median seconds, bytes held for backward, parameter counts."""
+    seq_length, micro_batch_size, vocab_size, device = shape
+    model = build(config, vocab_size, seq_length)
+    model.to(device=device, dtype=config.params_dtype)
+    batch_shape = (seq_length, micro_batch_size, vocab_size)
+    step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
+    parts = _Parts(model, kind)
+    try:
+        with _block_checkpoints(parts, config.recompute_granularity == "full"):
+            fwd, bwd = _time_passes(step, parts, reps, say)
+            act = _activation_bytes(step, parts, model)
+    finally:
+        parts.remove()
+    return fwd, bwd, act, _param_counts(model, parts)
 
 
 def _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param) -> dict:
@@ -221,6 +268,21 @@ def _check(kind: str, sizes: dict, dtype: str, device: str) -> None:
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
     if device == "cpu" and dtype in ("bfloat16", "float16"):
         raise ValueError("on CPU megatron runs in float32 (or float64) here; drop --bf16/--fp16")
+
+
+def _check_model_options(recompute: tuple, transformer_impl: str, device: str) -> None:
+    """megatron's recomputation rules and where the TE spec runs, before anything starts."""
+    try:
+        check_recompute(*recompute)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
+    if transformer_impl == "transformer_engine":
+        if device != "cuda":
+            raise ValueError(
+                "--transformer-impl transformer_engine runs on --device cuda only (Transformer "
+                "Engine has no CPU kernels); use --transformer-impl local on CPU"
+            )
+        check_transformer_engine()
 
 
 def _with_totals(layers: list[dict], embedding: dict, head: dict, message_bytes: int) -> dict:
@@ -332,6 +394,8 @@ class _Parts:
         self.layers = list(block.layers)
         self.cuda = next(model.parameters()).is_cuda
         self.current: object = "embedding"
+        self.started = 0  # the layer that started last
+        self.in_backward = False  # a recomputed layer's rerun forward is not a forward
         self.stamps: dict[tuple, float] = {}
         self._handles = [self.embedding.register_forward_hook(self._embedding_done)]
         for i, layer in enumerate(self.layers):
@@ -358,10 +422,14 @@ class _Parts:
             output.register_hook(self._grad_hook("embedding"))
 
     def _layer_start(self, i, module, args) -> None:
-        self.current = i
+        if self.in_backward:
+            return
+        self.current = self.started = i
         self.stamp("fwd", i)
 
     def _layer_done(self, i, module, args, output) -> None:
+        if self.in_backward:
+            return
         self.current = "head"
         self.stamp("fwd_end", i)
         hidden = output[0] if isinstance(output, tuple) else output
@@ -375,6 +443,39 @@ class _Parts:
         return hook
 
 
+@contextlib.contextmanager
+def _block_checkpoints(parts: _Parts, on: bool) -> Iterator[None]:
+    """Full recomputation: megatron's ``tensor_parallel.checkpoint`` runs a block of layers
+    without autograd and saves the block's input after it ran, when the layer hooks already
+    point past the layer; this attributes that save to the block's (one) layer and times
+    its backward (recompute included) from a gradient hook on the block's output."""
+    if not on:
+        yield
+        return
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        def run(*inputs):
+            outputs = function(*inputs)
+            parts.current = parts.started  # CheckpointFunction saves the input next
+            return outputs
+
+        outputs = original(run, distribute_saved_activations, *args)
+        parts.current = "head"  # until the next layer starts
+        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
+        if not parts.in_backward and torch.is_grad_enabled() and hidden.requires_grad:
+            hidden.register_hook(parts._grad_hook(parts.started))
+        return outputs
+
+    tensor_parallel.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        tensor_parallel.checkpoint = original
+
+
 def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, dict]:
     """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
     samples: list[tuple[dict, dict]] = []
@@ -383,7 +484,11 @@ def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, d
         parts.stamp("start")
         loss = step()
         parts.stamp("fwd_done")
-        loss.backward()
+        parts.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            parts.in_backward = False
         parts.stamp("bwd_done")
         if rep > 0:
             samples.append(_durations(parts))

@@ -18,7 +18,9 @@ adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) an
   started after its last W, so megatron DDP sees every W's gradient); ``param_sync_func``
   runs before a chunk's first forward;
   after the schedule, ``bi`` replica gradients and tied embedding/output gradients are summed
-  and ``finalize_model_grads_func`` runs (data-parallel reduce, per-token scaling);
+  (the chunks holding them keep their reduction held until then, even with
+  ``overlap_grad_reduce``, and start it right after) and ``finalize_model_grads_func`` runs
+  (data-parallel reduce, per-token scaling);
   ``grad_scale_func`` scales the loss before backward; ``deallocate_pipeline_outputs`` frees
   sent activations; ``pipeline_dtype`` is the wire dtype; ``variable_seq_lengths`` sends
   every activation's shape with it.
@@ -47,7 +49,14 @@ from ..runtime.executor import PipelineRuntime
 from ..runtime.split_plan import split_backward_plan
 from ..runtime.trace import gather_spans, write_measured
 from .config import ReuseConfig
-from .model import chunk_stages, is_prepared, running_chunk, tie_grads, unwrap
+from .model import (
+    chunk_stages,
+    chunks_summed_after_schedule,
+    is_prepared,
+    running_chunk,
+    tie_grads,
+    unwrap,
+)
 from .split import enable_megatron_split_backward
 
 
@@ -121,6 +130,7 @@ class MegatronCallbacks(StageCallbacks):
         # megatron checks a chunk's vp_stage against the one passed; read it once, not per mb
         self.vp_stage = [getattr(unwrap(chunk), "vp_stage", None) for chunk in chunks]
         self.chunk_sync: list[contextlib.ExitStack] | None = None
+        self.summed_after = chunks_summed_after_schedule(plan.placement, rank, chunks)
 
     def use(self, forward_step_func, data, collect_non_loss_data, first_val_step) -> None:
         self.step_fn, self.data = forward_step_func, data
@@ -154,10 +164,23 @@ class MegatronCallbacks(StageCallbacks):
 
     def release_grad_sync(self, chunk: int) -> None:
         """Before a chunk's last backward: let its gradients reduce as they become ready
-        (megatron's overlap); ``bi`` holds them until replicas are summed."""
-        if self.placement.direction == "bi" or self.chunk_sync is None:
+        (megatron's overlap); chunks whose gradients are summed after the schedule (``bi``
+        replicas, tied embeddings) hold them until :meth:`start_summed_grad_sync`."""
+        if chunk in self.summed_after or self.chunk_sync is None:
             return
         self.chunk_sync[chunk].close()
+
+    def start_summed_grad_sync(self) -> None:
+        """After the replica and tied sums, with megatron's overlap: start the held chunks'
+        data-parallel reductions, all at once and asynchronously (each DDP bucket once;
+        ``finalize_model_grads`` waits for them). Their buffers never count a gradient as
+        ready (no_sync held through every backward), so DDP treats each iteration as its
+        first: its own ``finish_grad_sync`` would start them; here they start before the
+        rest of finalize and overlap one another. Without overlap finalize reduces all."""
+        if self.chunk_sync is None:
+            return
+        for chunk in sorted(self.summed_after):
+            self.chunks[chunk].start_grad_sync()
 
     # -- stage computations ---------------------------------------------------------------
     def forward(self, stage, mb, x):
@@ -239,8 +262,9 @@ class MegatronCallbacks(StageCallbacks):
             self.start_grad_sync(self.stage_chunk[stage])
 
     def start_grad_sync(self, chunk: int) -> None:
-        """After a chunk's last gradient: start its reduction (``bi``: after replica sums)."""
-        if self.config.grad_sync_func is not None and self.placement.direction != "bi":
+        """After a chunk's last gradient: start its reduction (chunks summed after the
+        schedule: in :meth:`start_summed_grad_sync`)."""
+        if self.config.grad_sync_func is not None and chunk not in self.summed_after:
             self.per_chunk(self.config.grad_sync_func)[chunk](self.chunks[chunk].parameters())
 
 
@@ -556,6 +580,7 @@ def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_a
     if reuse.placement.direction == "bi":
         pipeline.reduce_replica_grads(attr)
     tie_grads(reuse, stages, pipeline._group, attr)
+    pipeline.callbacks.start_summed_grad_sync()  # overlap: the DP reduce sees summed grads
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             model,

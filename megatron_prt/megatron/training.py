@@ -53,8 +53,9 @@ def build_training(
     ``OptimizerConfig``; ``ddp_config``: its ``DistributedDataParallelConfig`` (default: no
     overlapped gradient reduction: ``finalize_model_grads`` reduces each gradient buffer once
     after the schedule; with ``overlap_grad_reduce`` DDP's hooks start it during each chunk's
-    last backward: refused for PRT models with tied embeddings or ``bi`` replicas, whose sums
-    run after the schedule, on buffers that would then be in flight); ``reuse``: the PRT
+    last backward, except in chunks whose gradients PRT sums after the schedule (``bi``
+    replicas, tied embeddings), whose reductions start asynchronously right after those
+    sums: ``MegatronCallbacks.start_summed_grad_sync``); ``reuse``: the PRT
     configuration, ``None`` for megatron's own schedule (nothing to prepare). Collective over
     the pipeline group when ``reuse`` is given (``prepare_model`` exchanges replica and tied
     weights)."""
@@ -65,8 +66,6 @@ def build_training(
 
     if ddp_config is None:
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    if reuse is not None and ddp_config.overlap_grad_reduce:
-        _check_overlap(chunks, reuse)
     wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     if reuse is not None:
         prepare_model(wrapped, reuse)  # bi replicas, tied output weight copies
@@ -75,19 +74,3 @@ def build_training(
     if optimizer_config.fp16:
         config.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling
     return Training(chunks=wrapped, optimizer=optimizer, config=config)
-
-
-def _check_overlap(chunks: list, reuse: ReuseConfig) -> None:
-    """``overlap_grad_reduce`` starts each bucket's data-parallel reduction inside the
-    schedule; tied embedding and ``bi`` replica gradients are summed after it."""
-    from .model import unwrap
-
-    tied = any(getattr(unwrap(c), "share_embeddings_and_output_weights", False) for c in chunks)
-    if tied or reuse.placement.direction == "bi":
-        what = "tied embeddings" if tied else "--pipeline-reuse-direction bi"
-        raise ValueError(
-            f"overlap_grad_reduce (--overlap-grad-reduce) with {what} under PRT: their "
-            "gradient sums run after the schedule, while the overlapped data-parallel "
-            "reduction is in flight; set overlap_grad_reduce=False (or untie the embeddings "
-            "and use uni)"
-        )

@@ -62,6 +62,40 @@ Files without these keys load as before and describe a backward split in half::
     {"fwd_time": 3.0, "bwd_time": 6.0, "wgrad_fraction": 0.4, "wgrad_keep_fraction": 0.9}
     {"layers": [{"fwd": 1, "bwd": 2, "wgrad": 1, "act": 8e6, "wact": 8e6}, ...],
      "head": {"fwd": 0.1, "bwd": 0.1, "act": 4e6, "wact": 0}}
+
+Activation recomputation (megatron's ``recompute_granularity``, ``recompute_method``,
+``recompute_num_layers``, same names, same rules; needs per-layer costs). Megatron
+recomputes transformer layers only (never the embedding or the head), per model chunk,
+which under PRT is per model stage:
+
+* ``full``, ``uniform``: a stage's layers form blocks of ``recompute_num_layers``; a block
+  keeps only its input (its first layer's) and reruns its forward in the backward
+  (megatron runs whole blocks only: a stage's layer count must be a multiple, which the
+  partitioner keeps to; other splits are priced with a shorter last block);
+* ``full``, ``block``: the first ``recompute_num_layers`` layers of each stage are
+  recomputed one by one (each keeps its input), the rest keep everything;
+* ``selective``: every layer keeps all but its attention core (softmax, dropout, the
+  ``seq**2`` scores) and reruns that core in the backward.
+
+A recomputed layer's numbers are per entry: ``full_act`` / ``full_bwd`` (the layer as a
+block of one: bytes it keeps, backward time with the rerun forward) and ``selective_act``
+/ ``selective_bwd``; ``megatron-prt profile --recompute-granularity ...`` measures them.
+Without ``full_*`` they are derived: ``full_act = message_bytes`` (a layer's input is a
+hidden-state tensor the size of a stage message), ``full_bwd = bwd + fwd``; ``selective``
+has no derivation and needs measured values. The bytes megatron re-materialises during a
+recomputed backward are transient (freed within that backward) and, like a forward's
+transients, not counted (:func:`megatron_prt.sim.simulate.held_activations`).
+
+[Note: full recomputation has no W] Under split backward megatron-prt defers weight
+gradients of linear layers that run inside a split forward; a fully recomputed layer reruns
+its forward inside I, outside it, so its weight gradients are computed in I: such a layer
+has no W time and holds nothing after I (measured: a recomputed stage's peak under split
+backward equals its peak without). Selective recomputation reruns only the attention core
+and keeps the W split of its linear layers::
+
+    {"layers": [{"fwd": 0.1, "bwd": 0.2, "act": 1e7, "full_act": 1.6e6, "full_bwd": 0.31}],
+     "recompute_granularity": "full", "recompute_method": "uniform",
+     "recompute_num_layers": 1, "message_bytes": 1.6e6}
 """
 
 from __future__ import annotations
@@ -74,6 +108,13 @@ from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
+from .recompute import (
+    KEPT,
+    RECOMPUTED_IN_BLOCK,
+    check_recompute,
+    layer_roles,
+    runs_whole_blocks,
+)
 
 # Share of a backward that is weight-gradient work when a cost model does not say.
 DEFAULT_WGRAD_FRACTION = 0.5
@@ -95,11 +136,15 @@ class LayerCost:
     grad: float | None = None  # gradient bytes; None: param / PARAM_BYTES_PER_GRAD_BYTE
     wgrad: float | None = None  # weight-gradient part of bwd; None: the model's fraction
     wact: float | None = None  # bytes of act W still needs after I; None: the model's share
+    full_act: float | None = None  # full recompute, a block of one: bytes kept (its input)
+    full_bwd: float | None = None  # ... and backward time with the rerun forward
+    selective_act: float | None = None  # selective recompute: bytes kept
+    selective_bwd: float | None = None  # ... and backward time with the rerun attention core
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "bwd", "act", "param", "grad", "wgrad", "wact"):
+        for name in _LAYER_NUMBERS:
             value = getattr(self, name)
-            if name in ("grad", "wgrad", "wact") and value is None:
+            if name not in ("fwd", "bwd", "act", "param") and value is None:
                 continue
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"layer cost {name} must be a number >= 0, got {value!r}")
@@ -121,9 +166,18 @@ class LayerCost:
         """Gradient bytes: ``grad``, or the fp32-Adam share of ``param`` when not given."""
         return self.param / PARAM_BYTES_PER_GRAD_BYTE if self.grad is None else self.grad
 
+    def recomputed(self, granularity: str, message_bytes: float) -> tuple[float, float]:
+        """``(bytes kept, backward time)`` of this layer recomputed under ``granularity``
+        (``full``: as a block of one); the module docstring says where they come from."""
+        act, bwd = getattr(self, f"{granularity}_act"), getattr(self, f"{granularity}_bwd")
+        if granularity == "full":
+            act = message_bytes if act is None else act
+            bwd = self.bwd + self.fwd if bwd is None else bwd
+        return act, bwd
+
     def to_dict(self) -> dict:
         data = asdict(self)
-        for key in ("grad", "wgrad", "wact"):
+        for key in _LAYER_NUMBERS[4:]:
             if data[key] is None:  # absent rather than null: older readers accept it
                 del data[key]
         return data
@@ -137,9 +191,12 @@ class LayerCost:
         if set(data) - known or not {"fwd", "bwd"} <= set(data):
             raise ConfigError(
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
-                "act, param, grad, wgrad and wact"
+                f"{', '.join(_LAYER_NUMBERS[2:])}"
             )
         return cls(**data)
+
+
+_LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional
 
 
 @dataclass(frozen=True)
@@ -162,6 +219,9 @@ class CostModel:
     replica_add_bandwidth: float = math.inf  # bi: received gradient bytes summed per time unit
     wgrad_fraction: float | None = None  # split backward: W share of bwd; None: 0.5
     wgrad_keep_fraction: float = WGRAD_KEEP_FRACTION  # share of act W holds after I
+    recompute_granularity: str | None = None  # megatron's: None, "full" or "selective"
+    recompute_method: str | None = None  # full: "uniform" or "block"
+    recompute_num_layers: int | None = None  # full: layers per block / recomputed per stage
 
     def __post_init__(self) -> None:
         for name in (
@@ -186,6 +246,104 @@ class CostModel:
                 raise ConfigError(f"cost {name} must be in [0, 1], got {value}")
         if self.stage_layers:  # the depth is checked where it is known: layer_counts
             check_stage_layers(self.stage_layers, len(self.layers))
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        check_recompute(
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        )
+        granularity = self.recompute_granularity
+        if granularity is None:
+            return
+        if not self.layers:
+            raise ConfigError(
+                '--recompute-granularity needs per-layer costs: give a "layers" list '
+                "(`megatron-prt profile ... --recompute-granularity ...` writes one)"
+            )
+        missing = [
+            i
+            for i, layer in enumerate(self.layers)
+            if granularity == "selective"
+            and (layer.selective_act is None or layer.selective_bwd is None)
+        ]
+        if missing:
+            raise ConfigError(
+                f"--recompute-granularity selective: layers{missing[:3]} have no measured "
+                "selective_act / selective_bwd (selective has no derivation); profile with "
+                "`megatron-prt profile ... --recompute-granularity selective`"
+            )
+
+    def with_recompute(
+        self, granularity: str | None, method: str | None = None, num_layers: int | None = None
+    ) -> CostModel:
+        """This cost model under megatron's recomputation setting (``None``: off)."""
+        return replace(
+            self,
+            recompute_granularity=granularity,
+            recompute_method=method,
+            recompute_num_layers=num_layers,
+        )
+
+    def folded_recompute(self) -> tuple[CostModel, int]:
+        """``(model, unit)``: this model (``stage_layers`` dropped) with recomputation folded
+        into plain per-layer costs, where megatron's treatment of a layer does not depend on
+        the split. For ``selective`` (``unit`` 1) every layer takes its recomputed numbers.
+        For ``full``,
+        ``uniform`` every block of ``unit = recompute_num_layers`` layers becomes one layer
+        (its first layer's kept bytes, the summed times): a split of the folded layers,
+        times ``unit``, splits this model into whole blocks, which megatron's uniform
+        method needs per stage, and costs the same. ``block`` (and no recomputation):
+        ``(self, 1)``, whose per-stage costs depend on the split (:meth:`layer_roles`)."""
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity is None or method == "block":
+            return self, 1
+        unit = self.recompute_num_layers or 1
+        if len(self.layers) % unit:
+            raise ConfigError(
+                f"--recompute-num-layers {unit} does not divide the {len(self.layers)} "
+                "layers; megatron's uniform method recomputes whole blocks of each stage"
+            )
+        folded = []
+        for first in range(0, len(self.layers), unit):
+            block = self.layers[first : first + unit]
+            recomputed = [layer.recomputed(granularity, self.message_bytes) for layer in block]
+            wgrads = [layer.wgrad for layer in block]
+            folded.append(
+                LayerCost(
+                    fwd=sum(layer.fwd for layer in block),
+                    bwd=sum(bwd for _, bwd in recomputed),
+                    act=recomputed[0][0],
+                    param=sum(layer.param for layer in block),
+                    grad=sum(layer.grad_bytes for layer in block),
+                    wgrad=None if any(w is None for w in wgrads) else sum(wgrads),
+                )
+            )
+        model = replace(self.with_recompute(None), layers=tuple(folded), stage_layers=())
+        return model, unit
+
+    def runs_whole_blocks(self, counts: tuple[int, ...]) -> bool:
+        """Whether megatron can run stages of ``counts`` layers under this recomputation
+        (:func:`~.recompute.runs_whole_blocks`)."""
+        setting = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        return runs_whole_blocks(setting, counts)
+
+    def layer_roles(self, counts: tuple[int, ...]) -> list[str]:
+        """Per transformer layer (model order), with stages of ``counts`` layers: what
+        megatron does with it under this model's setting (:func:`~.recompute.layer_roles`)."""
+        setting = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        return layer_roles(setting, counts)
+
+    def layer_act_bwd(self, counts: tuple[int, ...]) -> list[tuple[float, float]]:
+        """Per transformer layer: ``(bytes kept for backward, backward time)`` under the
+        recomputation setting, with stages of ``counts`` layers (:meth:`layer_roles`)."""
+        out = []
+        for layer, role in zip(self.layers, self.layer_roles(counts), strict=True):
+            if role == KEPT:
+                out.append((layer.act, layer.bwd))
+                continue
+            act, bwd = layer.recomputed(self.recompute_granularity, self.message_bytes)
+            out.append((0.0 if role == RECOMPUTED_IN_BLOCK else act, bwd))
+        return out
 
     @property
     def hop_time(self) -> float:
@@ -235,6 +393,9 @@ class CostModel:
             out = [total / depth] * depth
         else:
             values = [value(layer) for layer in self.layers]
+            if self.recompute_granularity is not None and attr in ("act", "bwd"):
+                pairs = self.layer_act_bwd(self.layer_counts(depth))
+                values = [pair[attr == "bwd"] for pair in pairs]
             out, first = [], 0
             for count in self.layer_counts(depth):
                 out.append(sum(values[first : first + count]))
@@ -271,29 +432,68 @@ class CostModel:
         """Weight-gradient (W) time of every model stage; ``None`` when the model gives no
         split (no ``wgrad_fraction``, no ``wgrad``): W is then half of every backward."""
         parts = [*self.layers, self.embedding, self.head]
-        if self.wgrad_fraction is None and all(p is None or p.wgrad is None for p in parts):
+        full = self.recompute_granularity == "full"
+        if (
+            self.wgrad_fraction is None
+            and all(p is None or p.wgrad is None for p in parts)
+            and not full
+        ):
             return None
         fraction = self.wgrad_fraction
         if fraction is None:
             fraction = DEFAULT_WGRAD_FRACTION
         bwd = self._per_stage(depth, self.bwd_time, "bwd")
         wgt = self._per_stage(depth, fraction * self.bwd_time, lambda c: c.wgrad_time(fraction))
-        return tuple(min(w, b) for w, b in zip(wgt, bwd, strict=True))  # float rounding
+        if full:  # [Note: full recomputation has no W]
+            layer_w = [layer.wgrad_time(fraction) for layer in self.layers]
+            recomputed = self._recomputed_sum(depth, layer_w)
+            wgt = tuple(w - r for w, r in zip(wgt, recomputed, strict=True))
+        return tuple(max(0.0, min(w, b)) for w, b in zip(wgt, bwd, strict=True))  # rounding
+
+    def _recomputed_sum(self, depth: int, values: list[float]) -> list[float]:
+        """Per model stage, the sum of ``values`` (one per layer) over its recomputed layers."""
+        roles, out, first = self.layer_roles(self.layer_counts(depth)), [], 0
+        for count in self.layer_counts(depth):
+            chosen = range(first, first + count)
+            out.append(sum(values[i] for i in chosen if roles[i] != KEPT))
+            first += count
+        return out
 
     def stage_activation_bytes(self, placement: Placement) -> tuple[float, ...]:
         return self._per_stage(placement.depth, self.activation_bytes, "act")
 
     def stage_wgrad_keep(self, placement: Placement) -> tuple[float, ...]:
-        """Per model stage, the share of its activation bytes that split backward's W
-        still needs after I (the entries' ``wact`` over their ``act``; without per-entry
-        bytes, or for a stage without activation bytes, ``wgrad_keep_fraction``). Above 1
-        where W's operands outweigh what the forward saved (the output gradients are new
-        memory: a bare linear layer saves its input, W needs that and its output gradient)."""
-        keep = self.wgrad_keep_fraction
+        """Per model stage, the share of its kept activation bytes that split backward's W
+        still needs after I (:func:`~megatron_prt.sim.simulate.held_activations`): the
+        entries' ``wact``, else ``wgrad_keep_fraction`` of what they keep, over the stage's
+        kept bytes; a fully recomputed layer holds nothing after I ([Note: full
+        recomputation has no W]); a stage without activation bytes: ``wgrad_keep_fraction``.
+        Above 1 where W's operands outweigh what the forward saved (the output gradients
+        are new memory: a bare linear layer saves its input, W needs that and its output
+        gradient)."""
+        keep, depth = self.wgrad_keep_fraction, placement.depth
         act = self.stage_activation_bytes(placement)
-        held = self._per_stage(
-            placement.depth, keep * self.activation_bytes, lambda layer: layer.wgrad_act(keep)
-        )
+        if not self.layers:
+            held = [keep * self.activation_bytes / depth] * depth
+        else:
+            counts = self.layer_counts(depth)
+            by_layer = [layer.wgrad_act(keep) for layer in self.layers]
+            if self.recompute_granularity is not None:
+                kept, roles = self.layer_act_bwd(counts), self.layer_roles(counts)
+                full = self.recompute_granularity == "full"
+                by_layer = [
+                    0.0
+                    if full and role != KEPT
+                    else layer.wgrad_act(keep * bytes_kept / (layer.act or 1))
+                    for layer, role, (bytes_kept, _) in zip(self.layers, roles, kept, strict=True)
+                ]
+            held, first = [], 0
+            for count in counts:
+                held.append(sum(by_layer[first : first + count]))
+                first += count
+        for index, end in ((0, self.embedding), (-1, self.head)):
+            if end is not None:
+                held[index] += end.wgrad_act(keep)
         return tuple(h / a if a > 0 else keep for h, a in zip(held, act, strict=True))
 
     def stage_param_bytes(self, placement: Placement) -> tuple[float, ...]:
@@ -374,7 +574,11 @@ def _check_value_types(data: object) -> None:
         value = data.get(key)
         if value is not None and not isinstance(value, kind):
             raise ConfigError(f"key {key} must be a JSON {kind.__name__}, got {value!r}")
-    _check_numbers(data, CostModel, "", skip=parts)
+    words = ("recompute_granularity", "recompute_method")  # strings: _check_recompute
+    for key in words:
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ConfigError(f"key {key} must be a string or null, got {data[key]!r}")
+    _check_numbers(data, CostModel, "", skip={*parts, *words})
     for index, count in enumerate(data.get("stage_layers") or ()):
         if isinstance(count, bool) or not isinstance(count, int):
             raise ConfigError(f"key stage_layers[{index}] must be an integer, got {count!r}")
@@ -411,4 +615,7 @@ _OPTIONAL_KEYS = {
     "replica_add_bandwidth": math.inf,
     "wgrad_fraction": None,
     "wgrad_keep_fraction": WGRAD_KEEP_FRACTION,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
 }

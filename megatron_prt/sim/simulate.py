@@ -4,7 +4,9 @@ Semantics: each rank runs its compute actions in plan order; an action starts wh
 is free and every producer has finished (plus one hop time per cross-rank edge). A forward
 allocates its stage's activation bytes when it starts; the backward frees them when it ends
 (split backward: I frees all but the share W needs, :meth:`CostModel.stage_wgrad_keep`, W
-the rest). Any valid
+the rest). Under activation recomputation a stage's bytes are what it keeps (recomputed
+layers: their inputs, or all but the attention core) and its backward includes the rerun
+forward (:mod:`megatron_prt.sim.cost`); the same rule holds them. Any valid
 plan simulates, F/B or F/I/W, whoever built it.
 Communication overlaps compute (a hop delays the consumer, not the sender): receives posted
 before their producer ends, the runtime's gloo, shared-memory and NCCL ``early_recvs`` setting
@@ -78,6 +80,7 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     placement = plan.placement
     timeline = replay(plan, cost.stage_times(placement))
     act_bytes = cost.stage_activation_bytes(placement)
+    keep = cost.stage_wgrad_keep(placement)
     param_bytes = cost.stage_param_bytes(placement)
     acts = [plan.compute_actions(rank) for rank in range(placement.ranks)]
     ready = [max((timeline.end[a] for a in mine), default=0.0) for mine in acts]
@@ -86,7 +89,6 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     stats = []
     for rank, mine in enumerate(acts):
         busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
-        keep = cost.stage_wgrad_keep(placement)
         peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, keep)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
         stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
@@ -134,16 +136,24 @@ def held_activations(
     at B, ``-(1 - keep)`` at I, ``-keep`` at W), in the order it sees them: by time under
     ``timeline`` (frees before allocations at one instant); without one, in ``actions``
     order, which is the time order too (a rank runs its actions one after the other) unless
-    a zero-time backward ends at the very instant a later forward starts. ``keep`` per
-    model stage (``stage % len(keep)``) where stages differ; above 1, I adds (its output
-    gradients outweigh what it frees)."""
-    keeps = (keep,) if isinstance(keep, (int, float)) else tuple(keep)
+    a zero-time backward ends at the very instant a later forward starts.
 
-    def share(action: Action) -> float:
-        kept = keeps[action.stage % len(keeps)]
-        return {Op.F: 1, Op.B: -1, Op.I: -(1 - kept), Op.W: -kept}[action.op]
+    ``keep``: one share for every stage, or one per model stage (indexed as the cost
+    model's per-stage bytes, ``stage % len(keep)``); above 1, I adds (its output gradients
+    outweigh what it frees).
 
-    changes = [(a, share(a)) for a in actions if a.op in SHARED]
+    Recomputation changes the sizes, not the rule: a stage holds, from F to B, the bytes its
+    layers keep (:meth:`~megatron_prt.sim.cost.CostModel.layer_act_bwd`); what megatron
+    re-materialises inside B is freed within it, a transient like a forward's, not held;
+    under split backward its fully recomputed layers hold nothing after I (their share of
+    ``keep`` is 0: :meth:`~megatron_prt.sim.cost.CostModel.stage_wgrad_keep`)."""
+    shares = {Op.F: lambda k: 1, Op.B: lambda k: -1, Op.I: lambda k: k - 1, Op.W: lambda k: -k}
+    per_stage = not isinstance(keep, (int, float))
+    changes = [
+        (a, shares[a.op](keep[a.stage % len(keep)] if per_stage else keep))
+        for a in actions
+        if a.op in shares
+    ]
     if timeline is not None:
         changes.sort(key=lambda c: _instant(c, timeline))
     return changes

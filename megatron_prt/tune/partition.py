@@ -49,6 +49,15 @@ searched from the fastest partition, from the least-memory one and from the best
 the two; with a budget that the fastest partitions exceed, the same under time caps
 bisected between the two ends, then the fastest within the budget.
 
+Recomputation. A cost model with megatron's ``recompute_granularity`` is partitioned by
+what recomputed layers keep and cost (:mod:`megatron_prt.sim.cost`): ``selective`` and
+``full``/``uniform`` are folded into plain per-layer costs first
+(:meth:`~megatron_prt.sim.cost.CostModel.folded_recompute`; uniform blocks of
+``recompute_num_layers`` layers move between stages whole, so the uniform split is in
+blocks too); ``full``/``block`` recomputes the first layers of each stage, so its stage
+costs come from the cost model for each candidate and the search's per-layer surrogate
+uses the layers' plain costs (it only ranks moves; every answer is simulated).
+
 Guarantees. Exhaustive: optimal (ties within float noise). Heuristic: the answer is a
 simulated partition; the uniform one is simulated too, so the answer never loses to it on
 the objective (with a budget the uniform fits, the answer is at least as fast; without,
@@ -177,7 +186,8 @@ def partition(
     Deterministic. Raises :class:`ConfigError` for bad input or an unreachable budget."""
     _check_request(cost, budget_bytes, slack)
     plan = build_plan(placement, num_microbatches, schedule)
-    problem = Problem(cost, plan)
+    folded, unit = cost.folded_recompute()  # see "Recomputation" above
+    problem = Problem(folded, plan)
     pool = Pool(problem)
     uniform = uniform_layers(problem.num_layers, problem.depth)
     admissible = count_partitions(problem.num_layers, problem.lows)
@@ -192,8 +202,8 @@ def partition(
         search(pool, problem, uniform, budget_bytes, slack)
     best = choose(pool, budget_bytes, slack)
     return PartitionResult(
-        balanced=_stats(plan, cost, best.counts),
-        uniform=_stats(plan, cost, uniform),
+        balanced=_stats(plan, cost, [n * unit for n in best.counts]),
+        uniform=_stats(plan, cost, [n * unit for n in uniform]),
         objective="memory" if budget_bytes is None else "time",
         budget_bytes=budget_bytes,
         slack=slack,

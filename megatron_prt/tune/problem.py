@@ -87,6 +87,10 @@ class Problem:
                     for k, v in enumerate(values)
                 ]
             out[attr] = values
+        if self.cost.recompute_granularity is not None:  # block method: depends on the split
+            model = replace(self.cost, stage_layers=tuple(counts))
+            out["act"] = list(model.stage_activation_bytes(self.placement))
+            out["bwd"] = list(model.stage_times(self.placement).bwd)
         return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"])
 
     def stage_times(self, counts: Sequence[int]) -> StageTimes:

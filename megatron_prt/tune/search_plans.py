@@ -310,7 +310,8 @@ def _partitions(
     fastest within the budget or, when none is, the least memory it finds (so a refusal
     names the smallest peak there is)."""
     uniform = even_layers(len(cost.layers), family.placement.depth)
-    yield "uniform", uniform
+    if cost.runs_whole_blocks(uniform):  # else megatron's uniform recompute cannot run it
+        yield "uniform", uniform
     args = (cost, family.placement, num_microbatches)
     try:
         # without a budget: the fastest split the partitioner finds (an infinite budget)

@@ -228,33 +228,135 @@ def test_recomputed_activations_match_megatron(kind, tp, dp, p, r, placement, di
     _check(kind, tp, dp, p, r, placement, direction, recompute=recompute)
 
 
+OVERLAP = (("overlap_grad_reduce", True),)
+OVERLAP_SHARDED = (*OVERLAP, ("use_distributed_optimizer", True))
+
+
 def test_overlapped_reduction_untied_uni_matches_megatron():
     """DDP's hooks start each bucket's reduction during the chunk's last backward (gloo's
     asynchronous all-reduce on CPU): once per bucket, and the same numbers."""
     _check("gpt-untied", 1, 2, 2, 3, "loop", "uni", ddp=(("overlap_grad_reduce", True),))
 
 
-def _overlap_refusal(rank, world, kind, direction):
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
+# Overlapped reduction where PRT sums gradients after the schedule (bi replicas, tied
+# embeddings): those chunks' DDP buckets start reducing right after the sums, the others
+# during their last backward; exactly one reduction per bucket, megatron's numbers.
+OVERLAPPED = [
+    ("gpt", 1, 2, 2, 2, "wave", "uni", OVERLAP),
+    ("gpt-untied", 1, 2, 2, 2, "loop", "bi", OVERLAP),
+    ("bert", 2, 2, 2, 3, "wave", "bi", OVERLAP),
+    ("gpt", 1, 2, 2, 3, "loop", "bi", OVERLAP_SHARDED, False, torch.float32),
+]
 
+
+def test_overlapped_reduction_with_tied_embeddings_matches_megatron():
+    _check(*OVERLAPPED[0])
+
+
+def test_overlapped_reduction_bi_matches_megatron():
+    _check(*OVERLAPPED[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", OVERLAPPED[2:], ids=lambda c: "-".join(map(str, c[:7])))
+def test_overlapped_reduction_bi_tied_and_sharded_match_megatron(case):
+    _check(*case)
+
+
+# -- recomputation in the cost model: measured against modelled held bytes -----------------
+def _profile_recomputed(rank, world, granularity, layers):
+    from megatron_models import VOCAB
+
+    from megatron_prt.megatron.profile import profile_model
+
+    full = granularity == "full"
+    return profile_model(
+        "gpt", layers, HIDDEN, 4, SEQ, MBS, VOCAB, dtype="float64", reps=1,
+        recompute_granularity=granularity, recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+    )  # fmt: skip
+
+
+def _measure_recomputed(rank, world, reuse, recompute: dict, m, plan=None):
+    """One PRT iteration of megatron-core GPT (float64) under ``recompute`` (TransformerConfig
+    fields), activation memory measured by the executor's saved-tensor meter. ``plan``:
+    default the plan built for ``reuse``."""
+    import megatron_models as mm
+
+    from megatron_prt.core import build_plan
+    from megatron_prt.megatron import prepare_model
     from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.training import build_training
+    from megatron_prt.megatron.schedule import ChunkData, MegatronPipeline
 
-    reuse = ReuseConfig(Placement(2, 1, "loop", direction), LAYERS_3D)
-    setup_megatron(2, 1)
-    config = transformer_config(**transformer_config_kwargs(reuse))
-    with pytest.raises(ValueError) as refused:
-        build_training(
-            model_chunks(kind, config, reuse), config,
-            optimizer_config=OptimizerConfig(optimizer="adam", lr=1e-3),
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True), reuse=reuse,
-        )  # fmt: skip
-    return str(refused.value)
+    setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank)
+    config = transformer_config(
+        deallocate_pipeline_outputs=True, **recompute, **transformer_config_kwargs(reuse)
+    )
+    model = model_chunks("gpt", config, reuse)
+    prepare_model(model, reuse)
+    plan = plan or build_plan(reuse.placement, m)
+    pipeline = MegatronPipeline(plan, model, config, None, "cpu", 60)
+    pipeline.measure_memory = True
+    data = [ChunkData(iter(mm.batches(m)), c) for c in range(len(model))]
+    pipeline.run(functools.partial(mm.forward_step, "gpt", False), data, False, False, None)
+    stats = pipeline.memory_stats()
+    pipeline.close()
+    return stats
 
 
-@pytest.mark.parametrize("kind,direction", [("gpt", "uni"), ("gpt-untied", "bi")])
-def test_overlap_with_sums_after_the_schedule_is_refused_naming_the_flag(kind, direction):
-    for message in all_ok(run_local(2, _overlap_refusal, kind, direction)):
-        assert "overlap_grad_reduce (--overlap-grad-reduce)" in message
-        assert ("tied embeddings" if kind == "gpt" else "bi") in message
+RECOMPUTE_SETTINGS = [
+    ("full", "uniform", 1),
+    ("full", "uniform", 2),
+    ("full", "block", 1),
+    ("selective", None, None),
+]
+
+
+@pytest.mark.parametrize("granularity,method,count", RECOMPUTE_SETTINGS)
+def test_recomputed_held_bytes_measured_equal_the_cost_model(granularity, method, count):
+    """Bytes, not time: the peak each rank measures while megatron recomputes equals the
+    simulator's from the profiler's recomputed per-layer bytes (cost.py's rule for which
+    layers of a stage keep what), up to megatron's cached causal mask; and it is below the
+    peak without recomputation by what the model says."""
+    from megatron_prt.core import build_plan
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.sim.simulate import simulate
+
+    layers, m = 8, 4
+    reuse = ReuseConfig(Placement(2, 2, "loop", "uni"), layers)  # 2 layers per stage
+    costs = all_ok(run_local(1, _profile_recomputed, granularity, layers))[0]
+    setting = (granularity, method, count)
+    cost = CostModel.from_dict(costs).with_recompute(*setting)
+    plan = build_plan(reuse.placement, m)
+    want = [r.peak_activation_bytes for r in simulate(plan, cost).per_rank]
+    plain = [r.peak_activation_bytes for r in simulate(plan, cost.with_recompute(None)).per_rank]
+    fields = {"recompute_granularity": granularity}
+    if method is not None:
+        fields.update(recompute_method=method, recompute_num_layers=count)
+    measured = all_ok(run_local(2, _measure_recomputed, reuse, fields, m))
+    mask = SEQ * SEQ  # megatron's causal mask (bools), a cache the profiler leaves out
+    for rank, stats in enumerate(measured):
+        assert stats["held_bytes"] == 0
+        assert stats["peak_bytes"] - want[rank] in (0, mask), (rank, stats["peak_bytes"], want)
+        assert want[rank] < plain[rank]
+
+
+def test_split_backward_recomputed_layers_hold_nothing_after_i():
+    """[Note: full recomputation has no W] (sim/cost.py), measured: under split backward
+    with every W at the end, rank 0 (embedding and recomputed layers only) peaks exactly at
+    the simulator's prediction, which is its peak without split backward."""
+    from megatron_prt.core import build_plan
+    from megatron_prt.runtime.split_plan import split_backward_plan
+    from megatron_prt.sim.cost import CostModel
+    from megatron_prt.sim.simulate import simulate
+
+    layers, m = 8, 4
+    reuse = ReuseConfig(Placement(2, 2, "loop", "uni"), layers)
+    plan = split_backward_plan(build_plan(reuse.placement, m), None)
+    costs = all_ok(run_local(1, _profile_recomputed, "full", layers))[0]
+    cost = CostModel.from_dict(costs)
+    want = simulate(plan, cost).per_rank[0].peak_activation_bytes
+    unsplit = simulate(build_plan(reuse.placement, m), cost).per_rank[0].peak_activation_bytes
+    fields = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    measured = all_ok(run_local(2, _measure_recomputed, reuse, fields, m, plan))
+    assert measured[0]["peak_bytes"] == want == unsplit

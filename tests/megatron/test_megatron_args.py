@@ -329,11 +329,10 @@ def test_bi_microbatch_check_is_skipped_without_a_data_parallel_size(world_size)
     assert validate_args(args).placement.direction == "bi"
 
 
-def test_bi_with_overlapped_grad_reduce():
-    message = refusal(*BASE, *BI, "--overlap-grad-reduce")
-    assert "--overlap-grad-reduce cannot run with --pipeline-reuse-direction bi" in message
-    assert "summed after the schedule, before the data-parallel reduce" in message
-    assert "drop --overlap-grad-reduce or use --pipeline-reuse-direction uni" in message
+def test_bi_allows_overlapped_grad_reduce():
+    # replica sums run before the held chunks' reductions start (tests/megatron/test_megatron_3d.py)
+    args = parse(*BASE, *BI, "--overlap-grad-reduce")
+    assert validate_args(args).placement.direction == "bi"
 
 
 def test_trace_directory_must_exist_or_be_creatable(tmp_path):
