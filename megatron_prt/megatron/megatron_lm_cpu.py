@@ -7,7 +7,8 @@ CPU ranks: for tests and smoke runs of the real ``megatron.training`` loop witho
 
 (``scripts/megatron_lm_smoke.sh`` is the full command.) On top of
 :func:`megatron_prt.megatron.cpu.enable` (megatron-core's CUDA assumptions), :func:`enable`
-covers what ``megatron.training`` assumes (Megatron-LM at tag ``core_v0.16.1``):
+covers what ``megatron.training`` assumes (Megatron-LM at tags ``core_v0.16.1`` and
+``core_v0.19.0``):
 
 * ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``:
   ``pretrain()`` never passes it, so the harness does.
