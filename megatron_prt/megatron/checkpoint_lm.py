@@ -28,16 +28,18 @@ _SAVING: contextvars.ContextVar[bool] = contextvars.ContextVar("prt_parallel_sav
 
 def one_main_copy_per_rank(sharded_state_dict) -> int:
     """Make every ``ShardedTensor`` in ``sharded_state_dict`` (nested) that repeats an earlier
-    one's shard (same key and global offset) a non-main replica. Returns how many changed."""
+    one's shard a non-main replica, a shard named as the save distribution names it (key,
+    global offset, flattened range). Returns how many changed."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import is_main_replica
+    from megatron.core.dist_checkpointing.utils import _sharded_tensor_shard_id
 
     seen, demoted = set(), 0
     for tensor in nested_values(sharded_state_dict):
         if not isinstance(tensor, ShardedTensor):
             continue
-        shard = (tensor.key, tuple(tensor.global_offset))
+        shard = _sharded_tensor_shard_id(tensor)
         if shard in seen and is_main_replica(tensor.replica_id):
             tensor.replica_id = 1
             demoted += 1

@@ -117,3 +117,34 @@ def test_without_the_fix_megatron_refuses_the_save(tmp_path):
     status, (outcome, message) = results[0]
     assert (status, outcome) == ("ok", "refused"), results[0]
     assert "Invalid access pattern" in message and "embedding.word_embeddings.weight" in message
+
+
+def test_one_main_copy_per_rank_demotes_only_repeats_of_a_main_shard():
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_prt.megatron.checkpoint_lm import one_main_copy_per_rank
+
+    def shard(key, row, replica=0):
+        data = torch.zeros(2, 3)
+        return ShardedTensor.from_rank_offsets(key, data, (0, row, 2), replica_id=replica)
+
+    state = {
+        "model0": {"embedding": shard("emb", 0), "other_row": shard("emb", 1)},
+        "model1": {"output": shard("emb", 0), "copy": shard("layer", 0, replica=1)},
+        "optimizer": [shard("exp_avg.emb", 0), shard("exp_avg.emb", 0)],
+    }
+    assert one_main_copy_per_rank(state) == 2
+    replicas = {
+        path: tensor.replica_id
+        for path, tensor in [
+            ("embedding", state["model0"]["embedding"]),
+            ("other_row", state["model0"]["other_row"]),
+            ("output", state["model1"]["output"]),
+            ("copy", state["model1"]["copy"]),
+            ("exp_avg 0", state["optimizer"][0]),
+            ("exp_avg 1", state["optimizer"][1]),
+        ]
+    }
+    assert replicas == {
+        "embedding": 0, "other_row": 0, "output": 1, "copy": 1, "exp_avg 0": 0, "exp_avg 1": 1
+    }  # fmt: skip
