@@ -11,8 +11,12 @@ takes a :class:`~megatron_prt.megatron.config.ReuseConfig`. A patched script pas
   ``embedding_ranks_or(script_ranks)`` for a script with its own;
 * ``model_provider(provider)`` instead of ``provider``: chunk roles and the layer layout from
   the placement, replica/tied weights prepared as chunks are built, PRT installed as the
-  forward-backward function megatron's training loop looks up, and megatron's per-chunk
-  stage queries answering for the placement.
+  forward-backward function megatron's training loop looks up, megatron's per-chunk
+  stage queries answering for the placement, and its fully parallel ``torch_dist`` save
+  writing each shard once (:mod:`~megatron_prt.megatron.checkpoint_lm`);
+* for a script that builds its model from a config (``pretrain_gpt.py`` from core_v0.19),
+  ``config_or_provider(args, model_config, provider)``: the config without PRT, the wrapped
+  provider with it.
 
 and Megatron-LM calls :func:`validate_args` right before its own ``validate_args`` whenever
 the flags are registered (``initialize.py`` at core_v0.16.1, ``arguments.py`` at
@@ -35,6 +39,7 @@ from .config import ReuseConfig
 __all__ = [
     "add_arguments",
     "add_arguments_and",
+    "config_or_provider",
     "embedding_ranks_or",
     "get_embedding_ranks",
     "model_provider",
