@@ -5,11 +5,14 @@
 #   make docker                      # docker build -t megatron-prt .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it \
 #       megatron-prt torchrun --nproc-per-node 8 pretrain_bert.py ... --pipeline-reuse 4
-# BASE_IMAGE: the NGC release the Megatron-LM tag itself builds on (its docker/.ngc_version.dev:
-# 25.11-py3 at core_v0.16.1). Another MEGATRON_LM_REF needs its patches/ series and its NGC tag.
+# BASE_IMAGE: the NGC release the Megatron-LM tag itself builds on (its docker/.ngc_version.dev;
+# the build stops on another). The pairs patches/ has (megatron-core is the tag's own):
+#   MEGATRON_LM_REF=core_v0.16.1  BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3  megatron-core 0.16.1
+#   MEGATRON_LM_REF=core_v0.19.0  BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3  megatron-core 0.19.1
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${BASE_IMAGE}
 
+ARG BASE_IMAGE
 ARG MEGATRON_LM_REF=core_v0.16.1
 ARG MEGATRON_LM_REPO=https://github.com/NVIDIA/Megatron-LM.git
 
@@ -29,6 +32,8 @@ COPY patches/ /opt/megatron-prt/patches/
 # hadolint ignore=DL3013
 RUN git clone --depth 1 --branch "${MEGATRON_LM_REF}" "${MEGATRON_LM_REPO}" /workspace/Megatron-LM \
     && head -n1 "/opt/megatron-prt/patches/${MEGATRON_LM_REF}/series" | grep -q "^${MEGATRON_LM_REF} " \
+    && { grep -qxF "${BASE_IMAGE}" /workspace/Megatron-LM/docker/.ngc_version.dev \
+        || { echo "${MEGATRON_LM_REF} builds on $(cat /workspace/Megatron-LM/docker/.ngc_version.dev), not ${BASE_IMAGE}: pass --build-arg BASE_IMAGE=$(cat /workspace/Megatron-LM/docker/.ngc_version.dev)" >&2; exit 1; }; } \
     && git -C /workspace/Megatron-LM apply /opt/megatron-prt/patches/"${MEGATRON_LM_REF}"/*.patch \
     && python -m pip install --no-cache-dir --no-build-isolation -e "/workspace/Megatron-LM[mlm]" \
     && python -m pip install --no-cache-dir einops pydantic pyyaml regex six pytest-timeout hypothesis \
@@ -44,16 +49,25 @@ RUN python -m pip install --no-cache-dir --no-deps -e /opt/megatron-prt \
 
 ENV PYTHONPATH=/workspace/Megatron-LM
 WORKDIR /workspace/Megatron-LM
-# Build-time checks (no GPU here): Megatron-LM's training package imports; the patched
-# pretrain_bert.py (examples/bert/ from core_v0.18) parses and lists the --pipeline-reuse flags (through the CPU harness, as
-# Megatron-LM asserts CUDA before it parses); our unit tests that need no GPU pass.
+# Build-time checks (no GPU here): Megatron-LM's training package imports; the megatron-core
+# imported is the tag's; the patched pretrain_bert.py (examples/bert/ from core_v0.18) and
+# pretrain_gpt.py take the --pipeline-reuse* flags and their validation hook runs (a PRT
+# flag without --pipeline-reuse is refused by name; through the CPU harness, as Megatron-LM
+# asserts CUDA first; not --help, which core_v0.19.0's own argparse help text breaks: an
+# unescaped % in --moe-paged-stash-buffer-size-factor-cuda); our unit tests that need no GPU.
 RUN python -c "import megatron.training.training, megatron_prt.megatron.megatron_lm" \
-    && script=pretrain_bert.py && { [ -f "$script" ] || script=examples/bert/pretrain_bert.py; } \
-    && python -m megatron_prt.megatron.megatron_lm_cpu "$script" --spec local --help \
-        > /tmp/pretrain_bert.help \
-    && grep -q -- "--pipeline-reuse-placement" /tmp/pretrain_bert.help \
+    && python -c "import megatron.core as m; assert m.__file__.startswith('/workspace/Megatron-LM/'), m.__file__; print('megatron-core', m.__version__)" \
+    && bert=pretrain_bert.py && { [ -f "$bert" ] || bert=examples/bert/pretrain_bert.py; } \
+    && for script in "$bert" pretrain_gpt.py; do \
+        { python -m megatron_prt.megatron.megatron_lm_cpu "$script" --spec local \
+            --pipeline-reuse-placement wave > /tmp/refusal.log 2>&1 || true; } \
+        && grep -q -- "--pipeline-reuse-placement given without --pipeline-reuse" /tmp/refusal.log \
+        || { echo "$script: the patched flags are not validated" >&2; cat /tmp/refusal.log >&2; exit 1; }; \
+    done \
     && python -m pytest -q -x -p no:cacheprovider --rootdir /opt/megatron-prt \
-        /opt/megatron-prt/tests/test_megatron_args.py /opt/megatron-prt/tests/test_megatron_lm_glue.py \
-        /opt/megatron-prt/tests/test_megatron_lm_cpu.py /opt/megatron-prt/tests/test_placement.py \
-        /opt/megatron-prt/tests/test_sim.py
+        /opt/megatron-prt/tests/megatron/test_megatron_args.py \
+        /opt/megatron-prt/tests/megatron/test_megatron_lm_glue.py \
+        /opt/megatron-prt/tests/megatron/test_megatron_lm_cpu.py \
+        /opt/megatron-prt/tests/megatron/test_megatron_lm_ckpt.py \
+        /opt/megatron-prt/tests/core/test_placement.py /opt/megatron-prt/tests/sim/test_sim.py
 CMD ["bash"]

@@ -39,7 +39,9 @@ def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
         return True
     forward_backward = make_forward_backward_func(reuse, timeout_s)
 
-    def get_forward_backward_func(pp_size=None, vp_size=None):
+    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        # Megatron-LM from core_v0.19 passes its process groups; PRT runs on megatron's
+        # model-parallel groups (those Megatron-LM passes unless given others).
         return forward_backward
 
     get_forward_backward_func.reuse = reuse  # type: ignore[attr-defined]

@@ -11,8 +11,12 @@ takes a :class:`~megatron_prt.megatron.config.ReuseConfig`. A patched script pas
   ``embedding_ranks_or(script_ranks)`` for a script with its own;
 * ``model_provider(provider)`` instead of ``provider``: chunk roles and the layer layout from
   the placement, replica/tied weights prepared as chunks are built, PRT installed as the
-  forward-backward function megatron's training loop looks up, and megatron's per-chunk
-  stage queries answering for the placement.
+  forward-backward function megatron's training loop looks up, megatron's per-chunk
+  stage queries answering for the placement, and its fully parallel ``torch_dist`` save
+  writing each shard once (:mod:`~megatron_prt.megatron.checkpoint_lm`);
+* for a script that builds its model from a config (``pretrain_gpt.py`` from core_v0.19),
+  ``config_or_provider(args, model_config, provider)``: the config without PRT, the wrapped
+  provider with it.
 
 and Megatron-LM calls :func:`validate_args` right before its own ``validate_args`` whenever
 the flags are registered (``initialize.py`` at core_v0.16.1, ``arguments.py`` at
@@ -35,6 +39,7 @@ from .config import ReuseConfig
 __all__ = [
     "add_arguments",
     "add_arguments_and",
+    "config_or_provider",
     "embedding_ranks_or",
     "get_embedding_ranks",
     "model_provider",
@@ -99,6 +104,20 @@ def add_arguments_and(script_arguments: Callable | None) -> Callable:
     return provider
 
 
+def config_or_provider(
+    args: argparse.Namespace, model_config, provider: Callable
+) -> tuple[object | None, Callable | None]:
+    """For a script that builds its model from a config (``pretrain_gpt.py`` from core_v0.19:
+    ``pretrain(gpt_config_from_args(args) ...)``, the config's builder makes every chunk):
+    ``(model_config, None)`` without ``--pipeline-reuse``, so Megatron builds as it would;
+    with it ``(None, model_provider(provider))``, so ``pretrain`` builds the chunks through
+    ``get_model`` and the wrapped ``provider`` (the builder has no per-chunk hook for the
+    placement's roles and layout)."""
+    if getattr(args, "pipeline_reuse_config", None) is None:
+        return model_config, None
+    return None, model_provider(provider)
+
+
 def model_provider(provider: Callable) -> Callable:
     """Wrap Megatron-LM's ``model_provider(pre_process, post_process, vp_stage, config, ...)``
     for ``get_model``, which calls it once per chunk, chunk 0 first, on every rank."""
@@ -112,6 +131,7 @@ def model_provider(provider: Callable) -> Callable:
         from megatron.training import get_args
         from megatron.training.arguments import core_transformer_config_from_args
 
+        from . import checkpoint_lm
         from .installer import install
         from .layout import ReuseLayout
         from .model import model_provider as placed
@@ -126,6 +146,7 @@ def model_provider(provider: Callable) -> Callable:
         built.append(model)
         prepare_chunk(built, reuse)
         install(reuse)
+        checkpoint_lm.install()  # torch_dist saves: a rank may hold the tied embedding twice
         _answer_chunk_queries()
         return model
 

@@ -7,7 +7,8 @@ CPU ranks: for tests and smoke runs of the real ``megatron.training`` loop witho
 
 (``scripts/megatron_lm_smoke.sh`` is the full command.) On top of
 :func:`megatron_prt.megatron.cpu.enable` (megatron-core's CUDA assumptions), :func:`enable`
-covers what ``megatron.training`` assumes (Megatron-LM at tag ``core_v0.16.1``):
+covers what ``megatron.training`` assumes (Megatron-LM at tags ``core_v0.16.1`` and
+``core_v0.19.0``):
 
 * ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``:
   ``pretrain()`` never passes it, so the harness does.
@@ -25,6 +26,8 @@ covers what ``megatron.training`` assumes (Megatron-LM at tag ``core_v0.16.1``):
   the :class:`~megatron_prt.megatron.cpu.CpuTorch` proxy, with a ``torch.cuda`` whose memory
   statistics are 0 (the memory report prints zeros: there is no device memory to report),
   ``empty_cache`` and ``set_device`` no-ops, and streams that never wait.
+* processes megatron starts with ``spawn`` (``torch_dist``'s writer) set up by importing the
+  harness, not by re-running the script (whose imports need the harness).
 * RNG state in checkpoints: ``torch.cuda.get_rng_state()`` would initialise CUDA; the CPU
   generator's state is saved in its place and restored the same way.
 
@@ -46,7 +49,9 @@ import torch
 from . import cpu
 
 # megatron.training (and megatron.core helpers it drives) modules whose ``torch`` becomes the
-# CPU proxy: each allocates on, or synchronizes, the current CUDA device.
+# CPU proxy: each allocates on, or synchronizes, the current CUDA device. The last group
+# exists from core_v0.19 only (``utils`` became a package; the model is built and wrapped in
+# ``models.dist_utils``) and is skipped where absent.
 _TRAINING_MODULES = (
     "megatron.training.initialize",
     "megatron.training.training",
@@ -59,6 +64,10 @@ _TRAINING_MODULES = (
     "megatron.core.tensor_parallel.data",
     "megatron.core.parallel_state",
     "megatron.core.dist_checkpointing.strategies.torch",
+)
+_LATER_TRAINING_MODULES = (
+    "megatron.training.utils.common_utils",
+    "megatron.training.models.dist_utils",
 )
 
 
@@ -119,9 +128,18 @@ def enable() -> None:
     proxy = TrainingTorch()
     for name in _TRAINING_MODULES:
         importlib.import_module(name).torch = proxy
+    for name in _LATER_TRAINING_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as missing:
+            if not name.startswith(missing.name or "?"):
+                raise  # one of its own imports is missing: a broken install, not an old tag
+            continue
+        module.torch = proxy
     from megatron.training import initialize, training
 
     _import_bert_specs_without_te()
+    _spawned_processes_import_the_harness()
     # Megatron-LM's legacy fused kernels are CUDA sources compiled with nvcc; the local spec on
     # CPU calls none of them.
     initialize.fused_kernels = types.SimpleNamespace(load=_no_fused_kernels)
@@ -141,6 +159,29 @@ def _import_bert_specs_without_te() -> None:
         bert_layer_specs.bert_layer_with_transformer_engine_spec  # noqa: B018 (the import test)
     except ImportError:
         bert_layer_specs.bert_layer_with_transformer_engine_spec = None
+
+
+def _spawned_processes_import_the_harness() -> None:
+    """A process started with ``spawn`` (``torch_dist``'s writer starts its results queue's
+    manager so) first re-runs the parent's main module; under the harness that is the script,
+    whose top-level imports need the harness (``pretrain_bert.py``'s Transformer Engine spec)
+    and fail there, ending the save. Such a process imports this module instead: it needs
+    nothing of the script (megatron sends it megatron's own functions)."""
+    from multiprocessing import spawn
+
+    if getattr(spawn.get_preparation_data, "cpu_harness", False):
+        return
+    original = spawn.get_preparation_data
+
+    @functools.wraps(original)
+    def preparation_data(name):
+        data = original(name)
+        if data.pop("init_main_from_path", None) is not None:
+            data["init_main_from_name"] = "megatron_prt.megatron.megatron_lm_cpu"
+        return data
+
+    preparation_data.cpu_harness = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = preparation_data
 
 
 def _no_fused_kernels(args) -> None:

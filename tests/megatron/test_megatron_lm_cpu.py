@@ -84,3 +84,39 @@ def test_check_refuses_losses_that_do_not_fall(tmp_path):
     )
     assert failures == [f"{tmp_path / 'a.log'}: lm loss did not fall: 5.5 at iteration 1, "
                         "5.5 at iteration 6"]  # fmt: skip
+
+
+_SCRIPT = """
+import multiprocessing
+if __name__ != "__main__":  # as pretrain_bert.py's TE spec import without the harness
+    raise ImportError("the script was re-run in a spawned process")
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Manager().Queue()  # as torch_dist's writer
+    queue.put("ok")
+    print("manager:", queue.get())
+"""
+
+
+@pytest.mark.parametrize("harness", [True, False])
+def test_spawned_processes_set_up_without_re_running_the_script(tmp_path, harness):
+    """torch_dist's writer starts a manager process with ``spawn``, which re-runs the main
+    module: under the harness that is the script, whose imports need the harness. With the
+    harness the manager imports the harness instead and the save goes on."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "pretrain_x.py"
+    script.write_text(_SCRIPT)
+    setup = "from megatron_prt.megatron import megatron_lm_cpu as h; "
+    setup += "h._spawned_processes_import_the_harness(); " if harness else ""
+    command = setup + f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run(
+        [sys.executable, "-c", command], capture_output=True, text=True, timeout=240, env=env
+    )
+    if harness:
+        assert done.returncode == 0 and "manager: ok" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode != 0 and "re-run in a spawned process" in done.stderr

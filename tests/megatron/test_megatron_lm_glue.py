@@ -84,6 +84,10 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         load_global(model, state, is_tied(kind))
     forward_backward = pipeline_parallel.get_forward_backward_func()
     assert forward_backward.reuse == reuse, "the glue installs PRT on the first chunk"
+    # Megatron-LM's train() from core_v0.19 passes its process groups
+    groups_given = pipeline_parallel.get_forward_backward_func(schedule_pg_collection=None)
+    assert groups_given is forward_backward
+    _check_fully_parallel_save_installed()
     _check_chunk_stage_queries(reuse, rank, len(model))
     store = forward_backward(
         forward_step_func=partial(forward_step, kind, False),
@@ -98,6 +102,14 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
         "grads": grads_by_name(model, is_tied(kind)),
         "timeout_s": forward_backward.pipeline().timeout_s,
     }
+
+
+def _check_fully_parallel_save_installed():
+    """The glue makes Megatron-LM's fully parallel torch_dist save keep one main copy per shard
+    on a rank (megatron_prt.megatron.checkpoint_lm; tests/megatron/test_megatron_lm_ckpt.py)."""
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    assert fully_parallel.distribute_main_replicas_with_precomputed_distribution.megatron_prt
 
 
 def _check_chunk_stage_queries(reuse, rank, chunks):
@@ -289,6 +301,29 @@ def test_checkpointed_args_load_with_torch_weights_only(tmp_path):
     torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
     loaded = torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["args"]
     assert loaded.pipeline_reuse_config == reuse
+
+
+def test_config_built_script_trains_through_a_provider_only_under_reuse():
+    """``pretrain_gpt.py`` from core_v0.19 builds its model from a config: without
+    --pipeline-reuse the config stays and no provider is passed (Megatron unchanged); with it,
+    ``pretrain`` gets no config and the wrapped provider (``get_model`` then builds the
+    chunks, as for BERT)."""
+    import argparse
+
+    def provider(pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        return "model"
+
+    config = object()
+    plain = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args([])
+    megatron_lm.validate_args(plain)
+    assert megatron_lm.config_or_provider(plain, config, provider) == (config, None)
+    reused = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2"]
+    )
+    reused.num_layers, reused.pipeline_model_parallel_size = 8, 2
+    megatron_lm.validate_args(reused)
+    kept, wrapped = megatron_lm.config_or_provider(reused, config, provider)
+    assert kept is None and wrapped.__wrapped__ is provider
 
 
 def test_script_providers_are_chained_and_kept_without_reuse(monkeypatch):
