@@ -31,11 +31,15 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from itertools import chain, repeat
+from operator import add
 from typing import NamedTuple
 
 from .actions import Action, Op
 from .deps import producers
 from .placement import Placement
+from .plan import Plan
+from .replay import Replayer, Ticks
 from .timing import StageTimes
 
 
@@ -80,6 +84,9 @@ class IdResult:
     ticks: int  # makespan in ticks of the stage times scheduled with
     makespan: float
     peak_held: tuple[int, ...]
+    started: list[int]  # every id in the order the ranks started them (a dependency order)
+    begins: tuple[list[int], ...]  # rank -> start tick of each of its actions
+    forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
         actions = graph.actions
@@ -143,6 +150,43 @@ class Graph:
                 counts[offset] += 1
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
         return counts, [tuple(users) for users in consumers]
+
+    @functools.cached_property
+    def producer_ids(self) -> tuple[list[int], list[int]]:
+        """Per id its producers' ids in :func:`megatron_prt.core.deps.producers`' order, as
+        two slots (``n`` where an action has fewer producers)."""
+        return self._per_id(0, self.n), self._per_id(1, self.n)
+
+    @functools.cached_property
+    def remote_producer_ids(self) -> list[int]:
+        """Per id its producer's id on another rank, ``n + 1`` where it has none."""
+        return self._per_id(2, self.n + 1)
+
+    def _per_id(self, slot: int, none: int) -> list[int]:
+        """Slot 0 or 1 of the producers, or (2) the producer on another rank, as ids."""
+        templates = [offsets[slot] for offsets in self._producer_offsets]
+        out: list[int] = []
+        for mb, pipe in enumerate(self.mb_pipeline):
+            base = mb * self.width
+            out += [none if o < 0 else base + o for o in templates[pipe]]
+        return out
+
+    @functools.cached_property
+    def _producer_offsets(self) -> list[tuple[list[int], ...]]:
+        """Per pipeline, one micro-batch: per offset the offsets of its first and second
+        producer and of its producer on another rank (-1: none)."""
+        placement, depth, width = self.placement, self.placement.depth, self.width
+        rank, out = placement.stage_to_rank, []
+        for pipe in range(placement.num_pipelines):
+            slots: tuple[list[int], ...] = ([-1] * width, [-1] * width, [-1] * width)
+            for offset in range(width):
+                action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
+                for slot, dep in enumerate(producers(action, placement)):
+                    slots[slot][offset] = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
+                    if rank[dep.stage] != rank[action.stage]:
+                        slots[2][offset] = slots[slot][offset]
+            out.append(slots)
+        return out
 
     @functools.cached_property
     def actions(self) -> list[Action]:
@@ -280,7 +324,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
-    events = []
+    events, started, begins = [], [], [[] for _ in range(ranks)]
     for i in range(n):
         if not waiting[i]:  # sources arrive at time 0
             fheap[rank_of[i]].append(items[i])
@@ -289,10 +333,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         heapify(heap)
     heapify(events)
     done = now = 0
+    forced = False
     while done < n:
         forcing = not events  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
-            touched = [_forced_rank(fheap, current)]
+            touched, forced = [_forced_rank(fheap, current)], True
         else:
             now = events[0] // ranks
             touched = []
@@ -355,6 +400,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             room[rank] += busy
             current[rank] = action
             order[rank].append(action)
+            started.append(action)
+            begins[rank].append(now)
             if action & 1:
                 last_bwd[rank] = True
             else:
@@ -365,7 +412,64 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     peak[rank] = held[rank]
             end[rank] = finish = now + busy
             heappush(events, finish * ranks + rank)
-    return IdResult(tuple(order), now, now * tick, tuple(peak))
+    return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
+
+
+def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: Plan) -> Replayer:
+    """The :class:`~megatron_prt.core.replay.Replayer` of ``plan`` (``result``, scheduled
+    under ``times``, materialised) from the graph's tables. The scheduler started every
+    action after its producers, so ``result.started`` is a dependency order; and unless a
+    forward was forced past its cap every action started as soon as its rank was free and
+    its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
+    n, placement = graph.n, graph.placement
+    flat = list(chain.from_iterable(result.orders))
+    where = [n] * (n + 2)  # graph id -> index in the plan's flat order; n: "no producer"
+    where[n + 1] = -1  # "no producer on another rank"
+    for index, action in enumerate(flat):
+        where[action] = index
+    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
+    by_graph_kind = [0] * (2 * placement.num_stages)
+    crosses: tuple[list[bool], list[bool]] = ([], [])
+    for k, (stage, op) in enumerate(kinds):
+        by_graph_kind[2 * stage + (op is Op.B)] = k
+        deps = producers(Action(stage, op, 0), placement)
+        for slot in (0, 1):
+            crosses[slot].append(
+                slot < len(deps)
+                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
+            )
+    kind_of = list(map(by_graph_kind.__getitem__, map(graph.kinds.__getitem__, flat)))
+
+    def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
+        return list(map(where.__getitem__, map(ids.__getitem__, flat)))
+
+    tables = {
+        "actions": list(chain.from_iterable(plan.ranks)),
+        "rank_of": list(
+            chain.from_iterable(repeat(r, len(ids)) for r, ids in enumerate(result.orders))
+        ),
+        "kinds": kinds,
+        "kind_of": kind_of,
+        "dep": lambda: [gather(ids) for ids in graph.producer_ids],
+        "crosses": lambda: [list(map(flags.__getitem__, kind_of)) for flags in crosses],
+        "order": lambda: list(map(where.__getitem__, result.started)),
+        "remote": lambda: gather(graph.remote_producer_ids),
+        "known": {},
+    }
+    if not result.forced:
+        ticks, tick = times.in_ticks()
+        duration = graph.durations(ticks)
+        durations = list(map(duration.__getitem__, flat))
+        ends = list(map(add, chain.from_iterable(result.begins), durations))
+        tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
+    return Replayer.from_tables(plan, tables)
+
+
+def _kind_ids(graph: Graph) -> list[int]:
+    """One id of every kind (stage, op) the graph holds: the first micro-batch of each
+    pipeline it uses."""
+    firsts = {pipe: mb for mb, pipe in reversed(list(enumerate(graph.mb_pipeline)))}
+    return [mb * graph.width + j for mb in firsts.values() for j in range(graph.width)]
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:
