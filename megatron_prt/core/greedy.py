@@ -28,11 +28,12 @@ plan that is kept.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import add
+from operator import add, mod
 from typing import NamedTuple
 
 from .actions import Action, Op
@@ -151,16 +152,40 @@ class Graph:
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
         return counts, [tuple(users) for users in consumers]
 
+    def kinds_of(self, ids: list[int]) -> list[int]:
+        """:attr:`kinds` of ``ids``: ``id mod (width * pipelines)`` when micro-batches take
+        the pipelines in turn (what :func:`~megatron_prt.core.plan.split_microbatches`
+        does), arithmetic rather than a look-up in a half-million-long table."""
+        pipes = self.placement.num_pipelines
+        if self.mb_pipeline != tuple(mb % pipes for mb in range(len(self.mb_pipeline))):
+            return list(map(self.kinds.__getitem__, ids))
+        return list(map(mod, ids, repeat(self.width * pipes)))
+
+    @functools.cached_property
+    def sources(self) -> list[int]:
+        """The ids with no producer (a pipeline's first forward)."""
+        return [i for i, count in enumerate(self.producer_counts) if not count]
+
+    @functools.cached_property
+    def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
+        """Per id: how far ahead its consumers' ids lie, and whether each edge crosses
+        ranks (the scheduler's view of :attr:`consumers`: ``id + step`` is a consumer)."""
+        steps_t, crossing_t = [], []
+        for users in self.consumers:
+            steps_t.append([tuple(o - j for o, _ in edges) for j, edges in enumerate(users)])
+            crossing_t.append([tuple(c for _, c in edges) for edges in users])
+        steps: list[tuple[int, ...]] = []
+        crossing: list[tuple[bool, ...]] = []
+        for pipe in self.mb_pipeline:
+            steps += steps_t[pipe]
+            crossing += crossing_t[pipe]
+        return steps, crossing
+
     @functools.cached_property
     def producer_ids(self) -> tuple[list[int], list[int]]:
         """Per id its producers' ids in :func:`megatron_prt.core.deps.producers`' order, as
         two slots (``n`` where an action has fewer producers)."""
         return self._per_id(0, self.n), self._per_id(1, self.n)
-
-    @functools.cached_property
-    def remote_producer_ids(self) -> list[int]:
-        """Per id its producer's id on another rank, ``n + 1`` where it has none."""
-        return self._per_id(2, self.n + 1)
 
     def _per_id(self, slot: int, none: int) -> list[int]:
         """Slot 0 or 1 of the producers, or (2) the producer on another rank, as ids."""
@@ -305,8 +330,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     that also became idle now."""
     ticks, tick = times.in_ticks()
     n, ranks = graph.n, graph.placement.ranks
-    placement, rank_of, width = graph.placement, graph.rank, graph.width
-    consumers_of_mb = [graph.consumers[pipe] for pipe in graph.mb_pipeline]
+    placement, rank_of = graph.placement, graph.rank
+    users_of, crossing_of = graph.consumer_steps
     items = graph.heap_items(
         policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
         policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
@@ -325,10 +350,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
     events, started, begins = [], [], [[] for _ in range(ranks)]
-    for i in range(n):
-        if not waiting[i]:  # sources arrive at time 0
-            fheap[rank_of[i]].append(items[i])
-            events.append(rank_of[i])
+    add_order, add_begin = [o.append for o in order], [b.append for b in begins]
+    add_started = started.append
+    for i in graph.sources:  # sources arrive at time 0
+        fheap[rank_of[i]].append(items[i])
+        events.append(rank_of[i])
     for heap in fheap:
         heapify(heap)
     heapify(events)
@@ -351,29 +377,40 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             current[rank] = -1
             done += 1
             held[rank] -= action & 1
-            base = action - action % width
-            for offset, crosses in consumers_of_mb[action // width][action - base]:
-                user = base + offset
-                if hop:  # free hops: every input is ready the instant it is made
+            if hop:
+                for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
+                    user = action + step
                     at = now + hop if crosses else now
                     if at > ready_at[user]:
                         ready_at[user] = at
-                waiting[user] -= 1
-                if not waiting[user]:
-                    user_rank, at = rank_of[user], ready_at[user]
-                    if at <= now:
-                        heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                        touched.append(user_rank)
-                    else:
-                        heappush(pending[user_rank], at * n + user)
-                        heappush(events, at * ranks + user_rank)
+                    left_to_wait = waiting[user] - 1
+                    waiting[user] = left_to_wait
+                    if not left_to_wait:
+                        user_rank, at = rank_of[user], ready_at[user]
+                        if at <= now:
+                            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                            touched.append(user_rank)
+                        else:
+                            heappush(pending[user_rank], at * n + user)
+                            heappush(events, at * ranks + user_rank)
+                continue
+            for step in users_of[action]:  # free hops: ready the instant it is made
+                user = action + step
+                left_to_wait = waiting[user] - 1
+                waiting[user] = left_to_wait
+                if not left_to_wait:
+                    user_rank = rank_of[user]
+                    heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                    touched.append(user_rank)
+        arrived = later // ranks * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
                 continue
-            fh, bh, pend = fheap[rank], bheap[rank], pending[rank]
-            while pend and pend[0] < (now + 1) * n:  # arrived by now
+            fh, bh = fheap[rank], bheap[rank]
+            pend = pending[rank]
+            while pend and pend[0] < arrived:
                 user = heappop(pend) % n
-                heappush(bheap[rank] if user & 1 else fh, items[user])
+                heappush(bh if user & 1 else fh, items[user])
             if flush:
                 heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
@@ -399,9 +436,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             busy = duration[action]
             room[rank] += busy
             current[rank] = action
-            order[rank].append(action)
-            started.append(action)
-            begins[rank].append(now)
+            add_order[rank](action)
+            add_started(action)
+            add_begin[rank](now)
             if action & 1:
                 last_bwd[rank] = True
             else:
@@ -423,10 +460,9 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
     its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
     n, placement = graph.n, graph.placement
     flat = list(chain.from_iterable(result.orders))
-    where = [n] * (n + 2)  # graph id -> index in the plan's flat order; n: "no producer"
-    where[n + 1] = -1  # "no producer on another rank"
-    for index, action in enumerate(flat):
-        where[action] = index
+    # graph id -> index in the plan's flat order; n: "no producer"; past n + 1: -1
+    where = [n] * (n + 1) + [-1] * (n + 1)
+    deque(map(where.__setitem__, flat, range(n)), maxlen=0)
     kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
     by_graph_kind = [0] * (2 * placement.num_stages)
     crosses: tuple[list[bool], list[bool]] = ([], [])
@@ -438,7 +474,16 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    kind_of = list(map(by_graph_kind.__getitem__, map(graph.kinds.__getitem__, flat)))
+    graph_kinds = graph.kinds_of(flat)
+    kind_of = list(map(by_graph_kind.__getitem__, graph_kinds))
+
+    def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
+        steps = [
+            n + 1 if o < 0 else o - j
+            for pipe in graph._producer_offsets
+            for j, o in enumerate(pipe[2])
+        ]
+        return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
 
     def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
         return list(map(where.__getitem__, map(ids.__getitem__, flat)))
@@ -453,13 +498,13 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         "dep": lambda: [gather(ids) for ids in graph.producer_ids],
         "crosses": lambda: [list(map(flags.__getitem__, kind_of)) for flags in crosses],
         "order": lambda: list(map(where.__getitem__, result.started)),
-        "remote": lambda: gather(graph.remote_producer_ids),
+        "remote": remote,
         "known": {},
     }
     if not result.forced:
         ticks, tick = times.in_ticks()
-        duration = graph.durations(ticks)
-        durations = list(map(duration.__getitem__, flat))
+        busy = [ticks.busy(Action(stage, op, 0), placement) for stage, op in kinds]
+        durations = list(map(busy.__getitem__, kind_of))
         ends = list(map(add, chain.from_iterable(result.begins), durations))
         tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
     return Replayer.from_tables(plan, tables)
