@@ -245,12 +245,13 @@ class Replayer:
         return Timeline(start, end)
 
 
-def compiled(plan: Plan) -> Replayer:
+def compiled(plan: Plan, fresh: bool = False) -> Replayer:
     """``plan``'s :class:`Replayer`, compiled on first use and kept with the plan (plans are
     immutable; :meth:`Plan.__getstate__` leaves it out of pickles). Validation, lowering
-    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`."""
+    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`.
+    ``fresh``: compile from the actions even if one is kept (a full validation's walk)."""
     replayer = plan.__dict__.get(_COMPILED)
-    if replayer is None:
+    if replayer is None or fresh:
         replayer = Replayer(plan)
         keep_compiled(plan, replayer)
     elif not isinstance(replayer, Replayer):  # a maker kept by the plan's producer

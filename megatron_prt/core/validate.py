@@ -21,7 +21,7 @@ from .gcpause import without_gc
 from .grid import format_grid
 from .plan import Plan, vouch, vouched
 from .rendezvous import stuck_ranks
-from .replay import PlanError, Replayer, compiled
+from .replay import PlanError, compiled
 
 
 @without_gc
@@ -36,9 +36,9 @@ def validate(plan: Plan, full: bool = False) -> None:
     if not looks_complete(plan):
         _check_shape(plan)
         _check_exactly_once(plan)
-    if full:  # the dependency walk itself, not a schedule kept with the plan
-        Replayer(plan)
-    compiled(plan)  # dependency order, no deadlock; kept for lowering and replays
+    # dependency order, no deadlock (with full: the walk itself, not what a producer kept);
+    # kept for lowering and replays
+    compiled(plan, fresh=full)
     if plan.lowered:
         _check_rendezvous(plan)
     vouch(plan)
