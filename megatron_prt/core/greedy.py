@@ -91,7 +91,7 @@ class IdResult:
 
     def materialise(self, graph: Graph) -> ListResult:
         actions = graph.actions
-        orders = tuple(tuple([actions[i] for i in ids]) for ids in self.orders)
+        orders = tuple(tuple(map(actions.__getitem__, ids)) for ids in self.orders)
         return ListResult(orders, self.makespan, self.peak_held)
 
 
@@ -130,13 +130,14 @@ class Graph:
         stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
         rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
         counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
+        kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
         self.stage, self.rank, self.kinds, self.producer_counts = [], [], [], []
         for pipe in mb_pipeline:
             self.stage += stage_t[pipe]
             self.rank += rank_t[pipe]
+            self.kinds += kinds_t[pipe]
             self.producer_counts += counts_t[pipe]
-        self.kinds = [2 * s + (j & 1) for j, s in enumerate(self.stage)]
-        self.mb = [mb for mb in range(len(mb_pipeline)) for _ in range(width)]
+        self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
         self.n = len(self.stage)
 
     def _edges(self, pipe: int, ranks: list[int]) -> tuple[list[int], list[tuple]]:
@@ -217,7 +218,8 @@ class Graph:
     def actions(self) -> list[Action]:
         """id -> :class:`Action` (built on first use: only kept plans need them)."""
         ops = (Op.F, Op.B) * (self.n // 2)
-        return list(map(Action._make, zip(self.stage, ops, self.mb, strict=True)))
+        rows = zip(self.stage, ops, self.mb, strict=True)
+        return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
     def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
         placement = self.placement
@@ -230,7 +232,7 @@ class Graph:
     def durations(self, ticks: StageTimes) -> list[int]:
         """id -> its rank's busy time under ``ticks`` (integer stage times)."""
         per_kind = self._busy_per_kind(ticks)
-        return [per_kind[k] for k in self.kinds]
+        return list(map(per_kind.__getitem__, self.kinds))
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
         """rank -> the busy time of all its actions under ``ticks``."""
@@ -252,10 +254,12 @@ class Graph:
         if self.placement.num_pipelines == 2:
             second = self.stage[width : 2 * width]
             template.append([(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(second)])
+        parts = [[part for part, _ in offsets] for offsets in template]
+        half = width // 2  # offsets alternate F, B: one (F, B) pair of additions per stage
         items: list[int] = []
         for mb, pipe in enumerate(self.mb_pipeline):
-            adds = (fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width)
-            items += [part + adds[bit] for part, bit in template[pipe]]
+            adds = [fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width]
+            items += map(add, parts[pipe], adds * half)
         return items
 
 
