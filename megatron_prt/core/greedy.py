@@ -353,28 +353,29 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
-    events, started, begins = [], [], [[] for _ in range(ranks)]
+    started, begins = [], [[] for _ in range(ranks)]
+    due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
+    instants: list[int] = []  # heap of the instants in due
     add_order, add_begin = [o.append for o in order], [b.append for b in begins]
     add_started = started.append
     for i in graph.sources:  # sources arrive at time 0
         fheap[rank_of[i]].append(items[i])
-        events.append(rank_of[i])
+        due.setdefault(0, []).append(rank_of[i])
+    instants += due
     for heap in fheap:
         heapify(heap)
-    heapify(events)
     done = now = 0
     forced = False
     while done < n:
-        forcing = not events  # every rank blocked by its cap alone:
+        forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
             touched, forced = [_forced_rank(fheap, current)], True
         else:
-            now = events[0] // ranks
-            touched = []
-        later = (now + 1) * ranks  # the first event after this instant
-        while events and events[0] < later:
-            rank = heappop(events) % ranks
-            touched.append(rank)
+            now = heappop(instants)
+            touched = due.pop(now)
+        # the ranks with an event now; ranks appended below are looked at too, harmlessly
+        # (an idle rank, or one whose action ends later, is passed over)
+        for rank in touched:
             action = current[rank]
             if action < 0 or end[rank] != now:
                 continue
@@ -396,7 +397,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                             touched.append(user_rank)
                         else:
                             heappush(pending[user_rank], at * n + user)
-                            heappush(events, at * ranks + user_rank)
+                            if at in due:
+                                due[at].append(user_rank)
+                            else:
+                                due[at] = [user_rank]
+                                heappush(instants, at)
                 continue
             for step in users_of[action]:  # free hops: ready the instant it is made
                 user = action + step
@@ -406,7 +411,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     user_rank = rank_of[user]
                     heappush((bheap if user & 1 else fheap)[user_rank], items[user])
                     touched.append(user_rank)
-        arrived = later // ranks * n  # pending entries below this have arrived by now
+        arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
                 continue
@@ -452,7 +457,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 if held[rank] > peak[rank]:
                     peak[rank] = held[rank]
             end[rank] = finish = now + busy
-            heappush(events, finish * ranks + rank)
+            if finish in due:
+                due[finish].append(rank)
+            else:
+                due[finish] = [rank]
+                heappush(instants, finish)
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
 
 
