@@ -21,8 +21,9 @@ reports the makespan and each rank's peak held activations, which the portfolio 
 Speed: a plan of P=64, R=8, m=512 has half a million actions and the portfolio schedules it
 several times, so the scheduler runs on a :class:`Graph` compiled once per (placement,
 micro-batch split): actions are integers, each heap entry is one integer (key, then action)
-and an event is one integer (time, rank). Actions become :class:`Action` values only for the
-plan that is kept.
+and events are bucketed by instant. Actions become :class:`Action` values only for the plan
+that is kept, and that plan's compiled replay (:func:`compiled_schedule`) comes from the
+graph's tables and the scheduler's own timeline rather than from its half a million actions.
 """
 
 from __future__ import annotations
@@ -328,10 +329,12 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     latest the rank may start its next action without its bound passing the limit.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
-    policy, and local variables are what keeps it fast. Events are integers
-    ``time * P + rank`` (a rank's finish or an arrival for it); every event at an instant is
+    policy, and local variables are what keeps it fast. An event is a rank in ``due[time]``
+    (its finish or an arrival for it), ``instants`` the heap of those times: ranks finish
+    together, so there are far fewer instants than actions. Every event at an instant is
     taken before any rank chooses, so a backward that becomes ready now is seen by a rank
-    that also became idle now."""
+    that also became idle now; ranks then choose independently (each from its own heaps),
+    so the order they are looked at in does not change the schedule."""
     ticks, tick = times.in_ticks()
     n, ranks = graph.n, graph.placement.ranks
     placement, rank_of = graph.placement, graph.rank
