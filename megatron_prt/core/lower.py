@@ -12,6 +12,7 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from itertools import accumulate, chain, compress, pairwise, repeat
 from operator import add, itemgetter, mul, sub
 
@@ -97,8 +98,10 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
         items = actions[first:last]
         items += tables.make(tables.send_stage, tables.send_op, kinds, mbs, sending)
         items += tables.make(tables.recv_stage, tables.recv_op, kinds, mbs, receiving)
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        streams.append(tuple(map(items.__getitem__, order)))
+        # sort the items by their keys in place: list.sort asks the key of each item once,
+        # in list order, so the next key is the item's (no index permutation to gather by)
+        items.sort(key=partial(next, iter(keys)))
+        streams.append(tuple(items))
     lowered = replace(plan, ranks=tuple(streams), lowered=True)
     keep_compiled(lowered, replayer)
     return vouch(lowered) if vouched(plan) else lowered
