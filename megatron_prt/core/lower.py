@@ -127,18 +127,20 @@ class _CommTables:
 
     def __init__(self, replayer: Replayer) -> None:
         kinds = replayer.kinds
-        self.remote = remote = replayer.remote_producers()
+        self.remote = replayer.remote_producers()
         self.sends, self.receives = [False] * len(kinds), [False] * len(kinds)
         self.send_stage, self.recv_stage = [s for s, _ in kinds], [s for s, _ in kinds]
         self.send_op, self.recv_op = [None] * len(kinds), [None] * len(kinds)
-        kind_of = replayer.kind_of
-        for consumer, producer in enumerate(remote):  # one action of each receiving kind
-            kind = kind_of[consumer]
-            if producer < 0 or self.receives[kind]:
-                continue
-            send_op, recv_op = comm_ops(replayer.actions[producer])
-            self.receives[kind], self.recv_op[kind] = True, recv_op
-            self.sends[kind_of[producer]], self.send_op[kind_of[producer]] = True, send_op
+        kind_index = {kind: k for k, kind in enumerate(kinds)}
+        split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
+        for kind, (stage, op) in enumerate(kinds):  # the rule, asked once per kind
+            for dep in producers(Action(stage, op, 0), replayer.placement, split):
+                if rank_of[dep.stage] == rank_of[stage] or (dep.stage, dep.op) not in kind_index:
+                    continue
+                send_op, recv_op = comm_ops(dep)
+                self.receives[kind], self.recv_op[kind] = True, recv_op
+                dep_kind = kind_index[dep.stage, dep.op]
+                self.sends[dep_kind], self.send_op[dep_kind] = True, send_op
 
     @staticmethod
     def make(stage_of: list, op_of: list, kinds: list, mbs: list, mask: list) -> list[Action]:
