@@ -122,7 +122,7 @@ class Graph:
     :func:`megatron_prt.core.deps.producers`; ``consumers[pipe][offset]``: ``(offset of a
     consumer, whether the edge crosses ranks)`` within one micro-batch of that pipeline (the
     rule never crosses micro-batches). Every per-id list is one micro-batch's template
-    repeated. Read-only once built."""
+    repeated. Read-only once built (what it keeps is derived and never changes)."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -231,9 +231,13 @@ class Graph:
         ]
 
     def durations(self, ticks: StageTimes) -> list[int]:
-        """id -> its rank's busy time under ``ticks`` (integer stage times)."""
-        per_kind = self._busy_per_kind(ticks)
-        return list(map(per_kind.__getitem__, self.kinds))
+        """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
+        for the next policy of a portfolio (the last stage times asked only)."""
+        kept = self.__dict__.get("_durations")
+        if kept is None or kept[0] != ticks:
+            per_kind = self._busy_per_kind(ticks)
+            kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
+        return kept[1]
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
         """rank -> the busy time of all its actions under ``ticks``."""
