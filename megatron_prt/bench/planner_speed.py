@@ -2,9 +2,14 @@
 
     python benchmarks/planner_speed.py                  # P=64 R=8 m=512, 4 variants; P=8 m=64
     python benchmarks/planner_speed.py 64,8,wave,bi,512 16,4,loop,uni,128
+    python benchmarks/planner_speed.py --full           # also the full checks' time
 
 Times are CPU seconds of this process (``time.process_time``), so other work on a shared
 machine inflates them less than wall time; every case starts from empty planner caches.
+``validate`` returns at once for plans their producer vouches for (the list scheduler's, and
+their lowerings: :mod:`megatron_prt.core.validate`); ``--full`` adds the CPU seconds of
+``validate(plan, full=True)`` and ``validate(lowered, full=True)``, which re-derive every check
+from the actions (what a plan read from a file costs).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..core import Placement, build_plan
 from ..core.greedy import compile_graph
@@ -38,7 +44,9 @@ def parse_case(text: str) -> tuple[Placement, int]:
         raise ValueError(f"case {text!r}: expected P,R,loop|wave,uni|bi,m ({exc})") from None
 
 
-def time_case(placement: Placement, num_microbatches: int, lowering: bool = True) -> dict:
+def time_case(
+    placement: Placement, num_microbatches: int, lowering: bool = True, full: bool = False
+) -> dict:
     """CPU seconds of each planning step for one configuration, from empty caches."""
     _prt_portfolio.cache_clear()
     compile_graph.cache_clear()
@@ -55,6 +63,14 @@ def time_case(placement: Placement, num_microbatches: int, lowering: bool = True
         validate(lowered)
         t4 = clock()
         row |= {"lower": t3 - t2, "lower+validate": t4 - t2, "all": t4 - t0}
+    if full:
+        t5 = clock()
+        validate(replace(plan), full=True)
+        row["full check"] = clock() - t5
+        if lowering:
+            t6 = clock()
+            validate(replace(lowered), full=True)
+            row["full check lowered"] = clock() - t6
     return row
 
 
@@ -62,15 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="planner_speed", description=__doc__)
     parser.add_argument("cases", nargs="*", default=DEFAULT_CASES, help="P,R,placement,dir,m")
     parser.add_argument("--no-lower", action="store_true", help="time build and validate only")
+    parser.add_argument("--full", action="store_true", help="also time validate(full=True)")
     args = parser.parse_args(argv)
     try:
         cases = [(text, *parse_case(text)) for text in args.cases]
     except ValueError as exc:
         parser.exit(2, f"planner_speed: error: {exc}\n")
     columns = ["build", "build+validate"] + ([] if args.no_lower else ["lower+validate", "all"])
-    print(f"{'case':<20} {'actions':>8} " + " ".join(f"{c:>15}" for c in columns))
+    if args.full:
+        columns += ["full check"] + ([] if args.no_lower else ["full check lowered"])
+    print(f"{'case':<20} {'actions':>8} " + " ".join(f"{c:>{max(len(c) + 2, 8)}}" for c in columns))
     for text, placement, m in cases:
-        row = time_case(placement, m, lowering=not args.no_lower)
-        cells = " ".join(f"{row[c]:>14.2f}s" for c in columns)
+        row = time_case(placement, m, lowering=not args.no_lower, full=args.full)
+        cells = " ".join(f"{row[c]:>{max(len(c) + 2, 8) - 1}.2f}s" for c in columns)
         print(f"{text:<20} {row['actions']:>8} {cells}", flush=True)
     return 0

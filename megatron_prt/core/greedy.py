@@ -21,21 +21,27 @@ reports the makespan and each rank's peak held activations, which the portfolio 
 Speed: a plan of P=64, R=8, m=512 has half a million actions and the portfolio schedules it
 several times, so the scheduler runs on a :class:`Graph` compiled once per (placement,
 micro-batch split): actions are integers, each heap entry is one integer (key, then action)
-and an event is one integer (time, rank). Actions become :class:`Action` values only for the
-plan that is kept.
+and events are bucketed by instant. Actions become :class:`Action` values only for the plan
+that is kept, and that plan's compiled replay (:func:`compiled_schedule`) comes from the
+graph's tables and the scheduler's own timeline rather than from its half a million actions.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from itertools import chain, repeat
+from operator import add, mod
 from typing import NamedTuple
 
 from .actions import Action, Op
 from .deps import producers
 from .placement import Placement
+from .plan import Plan
+from .replay import Replayer, Ticks
 from .timing import StageTimes
 
 
@@ -80,10 +86,13 @@ class IdResult:
     ticks: int  # makespan in ticks of the stage times scheduled with
     makespan: float
     peak_held: tuple[int, ...]
+    started: list[int]  # every id in the order the ranks started them (a dependency order)
+    begins: tuple[list[int], ...]  # rank -> start tick of each of its actions
+    forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
         actions = graph.actions
-        orders = tuple(tuple([actions[i] for i in ids]) for ids in self.orders)
+        orders = tuple(tuple(map(actions.__getitem__, ids)) for ids in self.orders)
         return ListResult(orders, self.makespan, self.peak_held)
 
 
@@ -113,7 +122,7 @@ class Graph:
     :func:`megatron_prt.core.deps.producers`; ``consumers[pipe][offset]``: ``(offset of a
     consumer, whether the edge crosses ranks)`` within one micro-batch of that pipeline (the
     rule never crosses micro-batches). Every per-id list is one micro-batch's template
-    repeated. Read-only once built."""
+    repeated. Read-only once built (what it keeps is derived and never changes)."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -122,13 +131,14 @@ class Graph:
         stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
         rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
         counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
+        kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
         self.stage, self.rank, self.kinds, self.producer_counts = [], [], [], []
         for pipe in mb_pipeline:
             self.stage += stage_t[pipe]
             self.rank += rank_t[pipe]
+            self.kinds += kinds_t[pipe]
             self.producer_counts += counts_t[pipe]
-        self.kinds = [2 * s + (j & 1) for j, s in enumerate(self.stage)]
-        self.mb = [mb for mb in range(len(mb_pipeline)) for _ in range(width)]
+        self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
         self.n = len(self.stage)
 
     def _edges(self, pipe: int, ranks: list[int]) -> tuple[list[int], list[tuple]]:
@@ -144,11 +154,73 @@ class Graph:
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
         return counts, [tuple(users) for users in consumers]
 
+    def kinds_of(self, ids: list[int]) -> list[int]:
+        """:attr:`kinds` of ``ids``: ``id mod (width * pipelines)`` when micro-batches take
+        the pipelines in turn (what :func:`~megatron_prt.core.plan.split_microbatches`
+        does), arithmetic rather than a look-up in a half-million-long table."""
+        pipes = self.placement.num_pipelines
+        if self.mb_pipeline != tuple(mb % pipes for mb in range(len(self.mb_pipeline))):
+            return list(map(self.kinds.__getitem__, ids))
+        return list(map(mod, ids, repeat(self.width * pipes)))
+
+    @functools.cached_property
+    def sources(self) -> list[int]:
+        """The ids with no producer (a pipeline's first forward)."""
+        return [i for i, count in enumerate(self.producer_counts) if not count]
+
+    @functools.cached_property
+    def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
+        """Per id: how far ahead its consumers' ids lie, and whether each edge crosses
+        ranks (the scheduler's view of :attr:`consumers`: ``id + step`` is a consumer)."""
+        steps_t, crossing_t = [], []
+        for users in self.consumers:
+            steps_t.append([tuple(o - j for o, _ in edges) for j, edges in enumerate(users)])
+            crossing_t.append([tuple(c for _, c in edges) for edges in users])
+        steps: list[tuple[int, ...]] = []
+        crossing: list[tuple[bool, ...]] = []
+        for pipe in self.mb_pipeline:
+            steps += steps_t[pipe]
+            crossing += crossing_t[pipe]
+        return steps, crossing
+
+    @functools.cached_property
+    def producer_ids(self) -> tuple[list[int], list[int]]:
+        """Per id its producers' ids in :func:`megatron_prt.core.deps.producers`' order, as
+        two slots (``n`` where an action has fewer producers)."""
+        return self._per_id(0, self.n), self._per_id(1, self.n)
+
+    def _per_id(self, slot: int, none: int) -> list[int]:
+        """Slot 0 or 1 of the producers, or (2) the producer on another rank, as ids."""
+        templates = [offsets[slot] for offsets in self._producer_offsets]
+        out: list[int] = []
+        for mb, pipe in enumerate(self.mb_pipeline):
+            base = mb * self.width
+            out += [none if o < 0 else base + o for o in templates[pipe]]
+        return out
+
+    @functools.cached_property
+    def _producer_offsets(self) -> list[tuple[list[int], ...]]:
+        """Per pipeline, one micro-batch: per offset the offsets of its first and second
+        producer and of its producer on another rank (-1: none)."""
+        placement, depth, width = self.placement, self.placement.depth, self.width
+        rank, out = placement.stage_to_rank, []
+        for pipe in range(placement.num_pipelines):
+            slots: tuple[list[int], ...] = ([-1] * width, [-1] * width, [-1] * width)
+            for offset in range(width):
+                action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
+                for slot, dep in enumerate(producers(action, placement)):
+                    slots[slot][offset] = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
+                    if rank[dep.stage] != rank[action.stage]:
+                        slots[2][offset] = slots[slot][offset]
+            out.append(slots)
+        return out
+
     @functools.cached_property
     def actions(self) -> list[Action]:
         """id -> :class:`Action` (built on first use: only kept plans need them)."""
         ops = (Op.F, Op.B) * (self.n // 2)
-        return list(map(Action._make, zip(self.stage, ops, self.mb, strict=True)))
+        rows = zip(self.stage, ops, self.mb, strict=True)
+        return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
     def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
         placement = self.placement
@@ -159,9 +231,13 @@ class Graph:
         ]
 
     def durations(self, ticks: StageTimes) -> list[int]:
-        """id -> its rank's busy time under ``ticks`` (integer stage times)."""
-        per_kind = self._busy_per_kind(ticks)
-        return [per_kind[k] for k in self.kinds]
+        """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
+        for the next policy of a portfolio (the last stage times asked only)."""
+        kept = self.__dict__.get("_durations")
+        if kept is None or kept[0] != ticks:
+            per_kind = self._busy_per_kind(ticks)
+            kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
+        return kept[1]
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
         """rank -> the busy time of all its actions under ``ticks``."""
@@ -183,10 +259,12 @@ class Graph:
         if self.placement.num_pipelines == 2:
             second = self.stage[width : 2 * width]
             template.append([(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(second)])
+        parts = [[part for part, _ in offsets] for offsets in template]
+        half = width // 2  # offsets alternate F, B: one (F, B) pair of additions per stage
         items: list[int] = []
         for mb, pipe in enumerate(self.mb_pipeline):
-            adds = (fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width)
-            items += [part + adds[bit] for part, bit in template[pipe]]
+            adds = [fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width]
+            items += map(add, parts[pipe], adds * half)
         return items
 
 
@@ -255,14 +333,16 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     latest the rank may start its next action without its bound passing the limit.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
-    policy, and local variables are what keeps it fast. Events are integers
-    ``time * P + rank`` (a rank's finish or an arrival for it); every event at an instant is
+    policy, and local variables are what keeps it fast. An event is a rank in ``due[time]``
+    (its finish or an arrival for it), ``instants`` the heap of those times: ranks finish
+    together, so there are far fewer instants than actions. Every event at an instant is
     taken before any rank chooses, so a backward that becomes ready now is seen by a rank
-    that also became idle now."""
+    that also became idle now; ranks then choose independently (each from its own heaps),
+    so the order they are looked at in does not change the schedule."""
     ticks, tick = times.in_ticks()
     n, ranks = graph.n, graph.placement.ranks
-    placement, rank_of, width = graph.placement, graph.rank, graph.width
-    consumers_of_mb = [graph.consumers[pipe] for pipe in graph.mb_pipeline]
+    placement, rank_of = graph.placement, graph.rank
+    users_of, crossing_of = graph.consumer_steps
     items = graph.heap_items(
         policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
         policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
@@ -280,55 +360,73 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
-    events = []
-    for i in range(n):
-        if not waiting[i]:  # sources arrive at time 0
-            fheap[rank_of[i]].append(items[i])
-            events.append(rank_of[i])
+    started, begins = [], [[] for _ in range(ranks)]
+    due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
+    instants: list[int] = []  # heap of the instants in due
+    add_order, add_begin = [o.append for o in order], [b.append for b in begins]
+    add_started = started.append
+    for i in graph.sources:  # sources arrive at time 0
+        fheap[rank_of[i]].append(items[i])
+        due.setdefault(0, []).append(rank_of[i])
+    instants += due
     for heap in fheap:
         heapify(heap)
-    heapify(events)
     done = now = 0
+    forced = False
     while done < n:
-        forcing = not events  # every rank blocked by its cap alone:
+        forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
-            touched = [_forced_rank(fheap, current)]
+            touched, forced = [_forced_rank(fheap, current)], True
         else:
-            now = events[0] // ranks
-            touched = []
-        later = (now + 1) * ranks  # the first event after this instant
-        while events and events[0] < later:
-            rank = heappop(events) % ranks
-            touched.append(rank)
+            now = heappop(instants)
+            touched = due.pop(now)
+        # the ranks with an event now; ranks appended below are looked at too, harmlessly
+        # (an idle rank, or one whose action ends later, is passed over)
+        for rank in touched:
             action = current[rank]
             if action < 0 or end[rank] != now:
                 continue
             current[rank] = -1
             done += 1
             held[rank] -= action & 1
-            base = action - action % width
-            for offset, crosses in consumers_of_mb[action // width][action - base]:
-                user = base + offset
-                if hop:  # free hops: every input is ready the instant it is made
+            if hop:
+                for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
+                    user = action + step
                     at = now + hop if crosses else now
                     if at > ready_at[user]:
                         ready_at[user] = at
-                waiting[user] -= 1
-                if not waiting[user]:
-                    user_rank, at = rank_of[user], ready_at[user]
-                    if at <= now:
-                        heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                        touched.append(user_rank)
-                    else:
-                        heappush(pending[user_rank], at * n + user)
-                        heappush(events, at * ranks + user_rank)
+                    left_to_wait = waiting[user] - 1
+                    waiting[user] = left_to_wait
+                    if not left_to_wait:
+                        user_rank, at = rank_of[user], ready_at[user]
+                        if at <= now:
+                            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                            touched.append(user_rank)
+                        else:
+                            heappush(pending[user_rank], at * n + user)
+                            if at in due:
+                                due[at].append(user_rank)
+                            else:
+                                due[at] = [user_rank]
+                                heappush(instants, at)
+                continue
+            for step in users_of[action]:  # free hops: ready the instant it is made
+                user = action + step
+                left_to_wait = waiting[user] - 1
+                waiting[user] = left_to_wait
+                if not left_to_wait:
+                    user_rank = rank_of[user]
+                    heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                    touched.append(user_rank)
+        arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
                 continue
-            fh, bh, pend = fheap[rank], bheap[rank], pending[rank]
-            while pend and pend[0] < (now + 1) * n:  # arrived by now
+            fh, bh = fheap[rank], bheap[rank]
+            pend = pending[rank]
+            while pend and pend[0] < arrived:
                 user = heappop(pend) % n
-                heappush(bheap[rank] if user & 1 else fh, items[user])
+                heappush(bh if user & 1 else fh, items[user])
             if flush:
                 heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
@@ -354,7 +452,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             busy = duration[action]
             room[rank] += busy
             current[rank] = action
-            order[rank].append(action)
+            add_order[rank](action)
+            add_started(action)
+            add_begin[rank](now)
             if action & 1:
                 last_bwd[rank] = True
             else:
@@ -364,8 +464,77 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 if held[rank] > peak[rank]:
                     peak[rank] = held[rank]
             end[rank] = finish = now + busy
-            heappush(events, finish * ranks + rank)
-    return IdResult(tuple(order), now, now * tick, tuple(peak))
+            if finish in due:
+                due[finish].append(rank)
+            else:
+                due[finish] = [rank]
+                heappush(instants, finish)
+    return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
+
+
+def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: Plan) -> Replayer:
+    """The :class:`~megatron_prt.core.replay.Replayer` of ``plan`` (``result``, scheduled
+    under ``times``, materialised) from the graph's tables. The scheduler started every
+    action after its producers, so ``result.started`` is a dependency order; and unless a
+    forward was forced past its cap every action started as soon as its rank was free and
+    its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
+    n, placement = graph.n, graph.placement
+    flat = list(chain.from_iterable(result.orders))
+    # graph id -> index in the plan's flat order; n: "no producer"; past n + 1: -1
+    where = [n] * (n + 1) + [-1] * (n + 1)
+    deque(map(where.__setitem__, flat, range(n)), maxlen=0)
+    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
+    by_graph_kind = [0] * (2 * placement.num_stages)
+    crosses: tuple[list[bool], list[bool]] = ([], [])
+    for k, (stage, op) in enumerate(kinds):
+        by_graph_kind[2 * stage + (op is Op.B)] = k
+        deps = producers(Action(stage, op, 0), placement)
+        for slot in (0, 1):
+            crosses[slot].append(
+                slot < len(deps)
+                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
+            )
+    graph_kinds = graph.kinds_of(flat)
+    kind_of = list(map(by_graph_kind.__getitem__, graph_kinds))
+
+    def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
+        steps = [
+            n + 1 if o < 0 else o - j
+            for pipe in graph._producer_offsets
+            for j, o in enumerate(pipe[2])
+        ]
+        return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
+
+    def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
+        return list(map(where.__getitem__, map(ids.__getitem__, flat)))
+
+    tables = {
+        "actions": list(chain.from_iterable(plan.ranks)),
+        "rank_of": list(
+            chain.from_iterable(repeat(r, len(ids)) for r, ids in enumerate(result.orders))
+        ),
+        "kinds": kinds,
+        "kind_of": kind_of,
+        "dep": lambda: [gather(ids) for ids in graph.producer_ids],
+        "crosses": lambda: [list(map(flags.__getitem__, kind_of)) for flags in crosses],
+        "order": lambda: list(map(where.__getitem__, result.started)),
+        "remote": remote,
+        "known": {},
+    }
+    if not result.forced:
+        ticks, tick = times.in_ticks()
+        busy = [ticks.busy(Action(stage, op, 0), placement) for stage, op in kinds]
+        durations = list(map(busy.__getitem__, kind_of))
+        ends = list(map(add, chain.from_iterable(result.begins), durations))
+        tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
+    return Replayer.from_tables(plan, tables)
+
+
+def _kind_ids(graph: Graph) -> list[int]:
+    """One id of every kind (stage, op) the graph holds: the first micro-batch of each
+    pipeline it uses."""
+    firsts = {pipe: mb for mb, pipe in reversed(list(enumerate(graph.mb_pipeline)))}
+    return [mb * graph.width + j for mb in firsts.values() for j in range(graph.width)]
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:

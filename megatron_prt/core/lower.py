@@ -11,20 +11,20 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import replace
-from itertools import accumulate, compress, pairwise, repeat
-from operator import itemgetter
+from functools import partial
+from itertools import accumulate, chain, compress, pairwise, repeat
+from operator import add, itemgetter, mul, sub
 
 from .actions import Action, Op
 from .deps import carries_tensor, comm_ops, consumers, producers
 from .gcpause import without_gc
 from .placement import Placement
-from .plan import Plan
+from .plan import Plan, vouch, vouched
 from .replay import Replayer, Ticks, compiled, keep_compiled
 from .timing import StageTimes
 
-_STAGE, _MB = itemgetter(0), itemgetter(2)
+_MB = itemgetter(2)
 
 
 def message_key(producer: Action, consumer: Action) -> tuple:
@@ -74,68 +74,82 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     the producer's rank and a RECV on the consumer's. One order of all events, ``(time,
     message before compute, producer's rank, producer's step)``, written as one integer per
     event, gives every rank's stream; each rank sorts only its own events. The lowered plan
-    keeps the compiled replay of ``plan`` (same compute actions)."""
+    keeps the compiled replay of ``plan`` (same compute actions), and is vouched for when
+    ``plan`` is (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV pair is adjacent in
+    that one order, so it completes under blocking send/recv)."""
     if plan.lowered:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
-    spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
-    starts, ends = _event_keys(plan, replayer.rank_of, ticks, spans)
-    sends, recvs = _messages(replayer)
+    lengths = list(map(len, plan.ranks))
+    spans = list(pairwise([0, *accumulate(lengths)]))
+    starts, ends = _event_keys(plan.placement.ranks, lengths, ticks)
+    tables = _CommTables(replayer)
+    actions, kind_of = replayer.actions, replayer.kind_of
+    mb_of = list(map(_MB, actions))
     streams = []
     for first, last in spans:
-        send_cut = slice(bisect_left(sends[0], first), bisect_left(sends[0], last))
-        recv_cut = slice(bisect_left(recvs[0], first), bisect_left(recvs[0], last))
+        kinds, mbs = kind_of[first:last], mb_of[first:last]
+        sending = list(map(tables.sends.__getitem__, kinds))
+        receiving = list(map(tables.receives.__getitem__, kinds))
         keys = starts[first:last]
-        keys += map(ends.__getitem__, sends[0][send_cut])
-        keys += map(ends.__getitem__, recvs[1][recv_cut])
-        items = replayer.actions[first:last] + sends[1][send_cut] + recvs[2][recv_cut]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        streams.append(tuple(map(items.__getitem__, order)))
+        keys += compress(ends[first:last], sending)
+        keys += map(ends.__getitem__, compress(tables.remote[first:last], receiving))
+        items = actions[first:last]
+        items += tables.make(tables.send_stage, tables.send_op, kinds, mbs, sending)
+        items += tables.make(tables.recv_stage, tables.recv_op, kinds, mbs, receiving)
+        # sort the items by their keys in place: list.sort asks the key of each item once,
+        # in list order, so the next key is the item's (no index permutation to gather by)
+        items.sort(key=partial(next, iter(keys)))
+        streams.append(tuple(items))
     lowered = replace(plan, ranks=tuple(streams), lowered=True)
     keep_compiled(lowered, replayer)
-    return lowered
+    return vouch(lowered) if vouched(plan) else lowered
 
 
-def _event_keys(plan: Plan, rank_of: list[int], ticks: Ticks, spans) -> tuple[list, list]:
-    """Per compute action the integer of its start event and of its end (message) event."""
-    ranks, steps = plan.placement.ranks, max(map(len, plan.ranks), default=0) + 1
-    step = [i - first for first, last in spans for i in range(first, last)]
-    ends = ticks.end
-    starts = [
-        ((2 * (e - d) + 1) * ranks + r) * steps + s
-        for e, d, r, s in zip(ends, ticks.duration, rank_of, step, strict=True)
-    ]
-    return starts, [
-        (2 * e * ranks + r) * steps + s for e, r, s in zip(ends, rank_of, step, strict=True)
-    ]
+def _event_keys(ranks: int, lengths: list[int], ticks: Ticks) -> tuple[list, list]:
+    """Per compute action the integer of its start event ``((2 start + 1) ranks + rank)
+    steps + step`` and of its end (message) event ``(2 end ranks + rank) steps + step``."""
+    steps = max(lengths, default=0) + 1
+    unit = 2 * ranks * steps  # one tick
+    low = list(chain.from_iterable(range(r * steps, r * steps + n) for r, n in enumerate(lengths)))
+    ends = list(map(add, map(mul, ticks.end, repeat(unit)), low))
+    begins = map(mul, map(sub, ticks.end, ticks.duration), repeat(unit))
+    starts = list(map(add, begins, map(add, low, repeat(ranks * steps))))
+    return starts, ends
 
 
-def _messages(replayer: Replayer) -> tuple[tuple, tuple]:
-    """Every cross-rank edge: SENDs as (producer indices in order, SEND actions); RECVs as
-    (consumer indices in order, their producers, RECV actions). An action sends at most one
-    tensor to another rank and receives at most one (the dependency rule)."""
-    actions, kind_of = replayer.actions, replayer.kind_of
-    remote = replayer.remote_producers()
-    receives = [producer >= 0 for producer in remote]
-    users = list(compress(range(len(actions)), receives))
-    producers_ = list(compress(remote, receives))
-    ops = [comm_ops(Action(stage, op, 0)) for stage, op in replayer.kinds]
-    send_op, recv_op = [o[0] for o in ops], [o[1] for o in ops]
-    sent = sorted(producers_)
-    source = list(map(actions.__getitem__, sent))
-    send = zip(
-        map(_STAGE, source),
-        map(send_op.__getitem__, map(kind_of.__getitem__, sent)),
-        map(_MB, source),
-        strict=True,
-    )
-    source = list(map(actions.__getitem__, producers_))
-    recv_ops = map(recv_op.__getitem__, map(kind_of.__getitem__, producers_))
-    sinks = map(_STAGE, map(actions.__getitem__, users))
-    recv = zip(sinks, recv_ops, map(_MB, source), strict=True)
-    return (sent, _make_actions(send)), (users, producers_, _make_actions(recv))
+class _CommTables:
+    """Per kind of compute action (:attr:`Replayer.kinds`): whether it sends a tensor to
+    another rank and the SEND's (stage, op); whether it receives one and the RECV's (stage,
+    op); per action the index of its producer on another rank (-1: none). An action sends
+    at most one tensor to another rank and receives at most one (the dependency rule)."""
 
+    def __init__(self, replayer: Replayer) -> None:
+        kinds = replayer.kinds
+        self.remote = replayer.remote_producers()
+        self.sends, self.receives = [False] * len(kinds), [False] * len(kinds)
+        self.send_stage, self.recv_stage = [s for s, _ in kinds], [s for s, _ in kinds]
+        self.send_op, self.recv_op = [None] * len(kinds), [None] * len(kinds)
+        kind_index = {kind: k for k, kind in enumerate(kinds)}
+        split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
+        for kind, (stage, op) in enumerate(kinds):  # the rule, asked once per kind
+            for dep in producers(Action(stage, op, 0), replayer.placement, split):
+                if rank_of[dep.stage] == rank_of[stage] or (dep.stage, dep.op) not in kind_index:
+                    continue
+                send_op, recv_op = comm_ops(dep)
+                self.receives[kind], self.recv_op[kind] = True, recv_op
+                dep_kind = kind_index[dep.stage, dep.op]
+                self.sends[dep_kind], self.send_op[dep_kind] = True, send_op
 
-def _make_actions(rows) -> list[Action]:
-    return list(map(tuple.__new__, repeat(Action), rows))
+    @staticmethod
+    def make(stage_of: list, op_of: list, kinds: list, mbs: list, mask: list) -> list[Action]:
+        """The comm actions ``(stage_of[kind], op_of[kind], mb)`` of the masked actions."""
+        chosen = list(compress(kinds, mask))
+        rows = zip(
+            map(stage_of.__getitem__, chosen),
+            map(op_of.__getitem__, chosen),
+            compress(mbs, mask),
+            strict=True,
+        )
+        return list(map(tuple.__new__, repeat(Action), rows))

@@ -17,6 +17,7 @@ from .actions import Action, Op, parse
 from .placement import ConfigError, Placement
 
 FORMAT_VERSION = 1
+_VALID = "_valid_by_construction"  # where vouch() marks a plan (see vouched)
 
 
 def split_microbatches(num_microbatches: int, num_pipelines: int) -> tuple[int, ...]:
@@ -157,3 +158,19 @@ class Plan:
     def fingerprint(self) -> str:
         """Stable hash of everything a rank must agree on (used to detect mismatched ranks)."""
         return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+
+
+def vouch(plan: Plan) -> Plan:
+    """Mark ``plan`` valid (what :func:`megatron_prt.core.validate.validate` checks holds)
+    and return it. Only a producer that makes valid plans by construction, or a validation
+    that just passed, may call this: the list scheduler (every action once, each started
+    after its producers), :func:`megatron_prt.core.lower.lower` of a valid plan (SEND/RECV
+    pairs adjacent in one order of events). The mark lives on this object only: a plan
+    derived from it (``replace``, JSON, CSV, pickle) is checked in full."""
+    object.__setattr__(plan, _VALID, True)
+    return plan
+
+
+def vouched(plan: Plan) -> bool:
+    """Whether ``plan`` is known valid (:func:`vouch`)."""
+    return plan.__dict__.get(_VALID, False)

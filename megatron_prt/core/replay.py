@@ -4,6 +4,7 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -78,6 +79,29 @@ class Replayer:
         self.order = self._dependency_order([len(acts) for acts in orders])
         if len(self.order) < len(actions):
             raise PlanError(_deadlock_message(plan, orders, self._done(orders)))
+
+    @classmethod
+    def from_tables(cls, plan: Plan, tables: dict) -> Replayer:
+        """A Replayer of ``plan`` from tables its producer already holds (the list scheduler:
+        :func:`megatron_prt.core.greedy.compiled_schedule`), skipping the derivation and the
+        dependency walk. ``tables``: ``actions``, ``rank_of``, ``kinds``, ``kind_of`` as
+        :meth:`__init__` would make them for a plan that passes it; ``dep`` and ``crosses``
+        (two slots each), ``order`` (a dependency order; the producer vouches for it) and
+        ``remote`` (:meth:`remote_producers`) as functions of no argument, called on first
+        use; ``known``: ``{(stage times in ticks, tick): Ticks}`` that :meth:`run_ticks`
+        returns without replaying (the producer's own timeline)."""
+        replayer = cls.__new__(cls)
+        replayer.placement, replayer._num_microbatches = plan.placement, plan.num_microbatches
+        replayer.actions, replayer.rank_of = tables["actions"], tables["rank_of"]
+        replayer.kinds, replayer.kind_of = tables["kinds"], tables["kind_of"]
+        replayer._lazy, replayer._known = tables, tables["known"]
+        return replayer
+
+    # made by __init__, or on first use from the tables of from_tables
+    _dep = functools.cached_property(lambda self: self._lazy["dep"]())
+    _crosses = functools.cached_property(lambda self: self._lazy["crosses"]())
+    order = functools.cached_property(lambda self: self._lazy["order"]())
+    _known: dict = {}  # noqa: RUF012 - read-only default: no timelines known
 
     def _compile_deps(self, kind_index: dict) -> None:
         """``dep[0][i]``, ``dep[1][i]``: action i's producer slots; ``crosses[0][i]``,
@@ -168,6 +192,8 @@ class Replayer:
         """Per action: the index of its producer on another rank, or -1 (the dependency
         rule gives an action at most one producer on another rank: the tensor it
         receives)."""
+        if "remote" in self.__dict__.get("_lazy", {}):
+            return self._lazy["remote"]()
         n = len(self.actions)
         (first, second), (first_crosses, second_crosses) = self._dep, self._crosses
         if any(a and b for a, b in zip(first_crosses, second_crosses, strict=True)):
@@ -186,6 +212,9 @@ class Replayer:
         """Every action as soon as its rank is free and its producers are done (plus
         ``times.p2p`` per cross-rank hop); default times: :meth:`StageTimes.uniform`."""
         times, tick = (times or StageTimes.uniform(self.placement.depth)).in_ticks()
+        known = self._known.get((times, tick))
+        if known is not None:
+            return known
         busy = [times.busy(Action(stage, op, 0), self.placement) for stage, op in self.kinds]
         duration = list(map(busy.__getitem__, self.kind_of))
         end = [0] * (len(duration) + 2)
@@ -216,20 +245,26 @@ class Replayer:
         return Timeline(start, end)
 
 
-def compiled(plan: Plan) -> Replayer:
+def compiled(plan: Plan, fresh: bool = False) -> Replayer:
     """``plan``'s :class:`Replayer`, compiled on first use and kept with the plan (plans are
     immutable; :meth:`Plan.__getstate__` leaves it out of pickles). Validation, lowering
-    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`."""
+    and replays of one plan share it; raises :class:`PlanError` like :class:`Replayer`.
+    ``fresh``: compile from the actions even if one is kept (a full validation's walk)."""
     replayer = plan.__dict__.get(_COMPILED)
-    if replayer is None:
+    if replayer is None or fresh:
         replayer = Replayer(plan)
+        keep_compiled(plan, replayer)
+    elif not isinstance(replayer, Replayer):  # a maker kept by the plan's producer
+        replayer = replayer(plan)
         keep_compiled(plan, replayer)
     return replayer
 
 
-def keep_compiled(plan: Plan, replayer: Replayer) -> None:
+def keep_compiled(plan: Plan, replayer: Replayer | Callable[[Plan], Replayer]) -> None:
     """Keep ``replayer`` with ``plan``: it must be a compiled plan with the same compute
-    actions (e.g. the plan ``plan`` was lowered from)."""
+    actions (e.g. the plan ``plan`` was lowered from), or a function of the plan that makes
+    one on first use (a producer that holds the tables cheaply, when a caller may never
+    replay; a function of the plan rather than one holding it, so no cycle keeps it)."""
     object.__setattr__(plan, _COMPILED, replayer)
 
 

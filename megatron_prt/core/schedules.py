@@ -30,12 +30,13 @@ from .greedy import (
     Run,
     SortKey,
     compile_graph,
+    compiled_schedule,
     list_schedule,
     oldest_first,
 )
 from .placement import ConfigError, Placement
-from .plan import Plan, split_microbatches
-from .replay import replay
+from .plan import Plan, split_microbatches, vouch
+from .replay import keep_compiled, replay
 from .timing import StageTimes
 from .zerobubble import zero_bubble
 
@@ -235,7 +236,7 @@ def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTime
         if isinstance(result, GaveUp):
             gave_up[k] = result.at
         elif result.ticks <= bound:
-            return _plan(graph, num_microbatches, result)
+            return _plan(graph, times, num_microbatches, result)
     # none met the bound: the best by (makespan, peak held, portfolio order); those that
     # kept up longest go on first, so the others give up early against them
     best: tuple | None = None
@@ -245,12 +246,16 @@ def _prt_portfolio(placement: Placement, num_microbatches: int, times: StageTime
             score = (result.ticks, max(result.peak_held), k)
             if best is None or score < best[:3]:
                 best = (*score, result)
-    return _plan(graph, num_microbatches, best[3])
+    return _plan(graph, times, num_microbatches, best[3])
 
 
-def _plan(graph, num_microbatches: int, result: IdResult) -> Plan:
+def _plan(graph, times: StageTimes, num_microbatches: int, result: IdResult) -> Plan:
+    """The plan of ``result``, vouched for (the list scheduler runs every action once, after
+    its producers), with its compiled replay made from the graph on first use."""
     orders = result.materialise(graph).orders
-    return Plan(graph.placement, num_microbatches, orders, "prt", graph.mb_pipeline)
+    plan = Plan(graph.placement, num_microbatches, orders, "prt", graph.mb_pipeline)
+    keep_compiled(plan, functools.partial(compiled_schedule, graph, times, result))
+    return vouch(plan)
 
 
 def gpipe(placement: Placement, num_microbatches: int, times: StageTimes | None = None) -> Plan:

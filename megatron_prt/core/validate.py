@@ -3,6 +3,12 @@
 For a lowered plan it also replays the SEND/RECV streams with *blocking rendezvous*
 semantics (a SEND waits for the peer's matching RECV and vice versa), the strictest model a
 runtime can face; a plan that passes cannot deadlock under buffered or async p2p either.
+
+A plan its producer made valid by construction (:func:`megatron_prt.core.plan.vouch`: the
+list scheduler's plans, the lowering of a valid plan) skips the checks, which would only
+re-derive what building it proved; ``full=True`` checks it anyway (the tests do, so the
+producers' claims stay checked). A plan that passes is vouched for, so validating it again
+costs nothing.
 """
 
 from __future__ import annotations
@@ -13,23 +19,29 @@ from .actions import Action, Op
 from .census import looks_complete
 from .gcpause import without_gc
 from .grid import format_grid
-from .plan import Plan
+from .plan import Plan, vouch, vouched
 from .rendezvous import stuck_ranks
 from .replay import PlanError, compiled
 
 
 @without_gc
-def validate(plan: Plan) -> None:
+def validate(plan: Plan, full: bool = False) -> None:
     """Raise :class:`PlanError` (with the grid around the first failure) or return None.
 
-    A well-formed plan passes :func:`~megatron_prt.core.census.looks_complete` (whole-column
-    checks); only otherwise do the action-by-action checks run, to name the fault."""
+    A vouched plan returns at once unless ``full``. A well-formed plan passes
+    :func:`~megatron_prt.core.census.looks_complete` (whole-column checks); only otherwise
+    do the action-by-action checks run, to name the fault."""
+    if vouched(plan) and not full:
+        return
     if not looks_complete(plan):
         _check_shape(plan)
         _check_exactly_once(plan)
-    compiled(plan)  # dependency order, no deadlock; kept for lowering and replays
+    # dependency order, no deadlock (with full: the walk itself, not what a producer kept);
+    # kept for lowering and replays
+    compiled(plan, fresh=full)
     if plan.lowered:
         _check_rendezvous(plan)
+    vouch(plan)
 
 
 def _fail(plan: Plan, rank: int, step: int, why: str) -> PlanError:

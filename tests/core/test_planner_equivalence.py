@@ -45,7 +45,7 @@ def check_against_reference(placement: Placement, m: int, kind: str) -> None:
     times = _times(placement, kind)
     _prt_portfolio.cache_clear()  # compare fresh plans, not the cache
     fast, old = prt(placement, m, times), ref.reference_prt(placement, m, times)
-    validate(fast)
+    validate(fast, full=True)
     replay_times = times or StageTimes.uniform(placement.depth)
     fast_makespan = replay(fast, replay_times).makespan
     old_makespan = replay(old, replay_times).makespan
@@ -159,7 +159,7 @@ def test_lowering_matches_the_reference(placement, direction, kind):
         times = _times(place, kind)
         lowered = lower(plan, times)
         assert lowered == ref.reference_lower(plan, times)
-        validate(lowered)
+        validate(lowered, full=True)
 
 
 @pytest.mark.parametrize("lowered", [False, True])
@@ -207,9 +207,9 @@ def test_replay_of_forward_only_and_single_micro_batch_plans(placement, directio
         place = Placement(p, r, placement, direction)
         m = place.num_pipelines  # one micro-batch per pipeline
         plan = prt(place, m)
-        validate(plan)
+        validate(plan, full=True)
         forward = plan.forward_only()
-        validate(forward)
+        validate(forward, full=True)
         if direction == "uni":
             assert replay(forward).makespan == pytest.approx(place.depth * 1.0)
 
@@ -221,4 +221,4 @@ def test_hops_longer_than_every_stage_still_plan(reuse, placement, direction):
     place = Placement(2, reuse, placement, direction)
     times = StageTimes((0.0004,) * place.depth, (0.0008,) * place.depth, 0.05, 0.00007)
     plan = build_plan(place, 2, "prt", times=times)
-    validate(lower(plan))
+    validate(lower(plan), full=True)

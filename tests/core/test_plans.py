@@ -13,9 +13,9 @@ from megatron_prt.core.validate import validate
 
 def _check(placement: Placement, m: int, schedule: str = "prt") -> None:
     plan = build_plan(placement, m, schedule)
-    validate(plan)
+    validate(plan, full=True)
     lowered = lower(plan)
-    validate(lowered)  # blocking send/recv replay: no deadlock
+    validate(lowered, full=True)  # blocking send/recv replay: no deadlock
     assert lowered.compute_only() == plan
     for p in (plan, lowered):
         assert Plan.from_json(p.to_json()) == p
@@ -125,5 +125,5 @@ def test_prt_plans_ranks_whose_stages_take_no_time(placement, direction):
     busy = [float(place.rank_of(s) % 2 == 0) for s in range(place.depth)]  # ranks 1, 3 idle
     times = StageTimes(tuple(busy), tuple(2 * t for t in busy))
     plan = prt(place, 4, times)
-    validate(lower(plan))
+    validate(lower(plan), full=True)
     assert replay(plan, times).makespan <= replay(prt(place, 4), times).makespan
