@@ -254,6 +254,25 @@ def test_ring_holds_a_steps_messages_and_a_later_larger_one_names_shm_capacity()
     assert "shm_capacity= of at least" in results[0][1]["value"][2]
 
 
+def test_rings_of_one_message_each_cannot_deadlock():
+    """Both ranks of P = 2 R = 2 send before they receive; with rings that hold one message
+    each and no receive posted ahead, each used to wait for room in the other's ring until
+    the timeout. A rank that waits now empties its inbound rings."""
+    xs, ys = batch("mlp", 4)
+
+    def body(rank, world):
+        rt, _ = runtime(
+            rank, world, transport="shm", shm_capacity=256, recv_lookahead=0, timeout_s=TIMEOUT_S
+        )
+        return [rt.step(xs, ys) for _ in range(2)]
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+    for losses in results[1][1]["value"]:
+        assert [float(v) for v in losses] == pytest.approx(reference_losses(xs, ys), rel=1e-12)
+
+
 def test_shm_segments_are_unlinked_and_stale_ones_removed():
     dead = os.fork()
     if dead == 0:
