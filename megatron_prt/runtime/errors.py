@@ -184,6 +184,10 @@ _SETTINGS = (
     False,
     True,
     *(getattr(torch, n) for n in ("float32", "float64", "float16", "bfloat16")),
+    None,
+    "auto",
+    "torch",
+    "shm",
 )
 
 
@@ -197,7 +201,7 @@ def setting_code(value) -> int:
 
 
 def setting_text(code: int) -> str:
-    return str(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
+    return repr(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
 
 
 def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> None:

@@ -115,7 +115,12 @@ class PipelineRuntime:
         if split_backward:
             plan = split_backward_plan(plan)
         self.plan = plan.compute_only()
-        settings = {"dtype": dtype, "variable_shapes": variable_shapes}
+        settings = {
+            "dtype": dtype,
+            "variable_shapes": variable_shapes,
+            "transport": transport,  # ranks on different transports would wait forever
+            "shm_capacity": shm_capacity,
+        }
         check_same_plan(self.plan, group, device, timeout_s, stages, settings)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
