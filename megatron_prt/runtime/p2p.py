@@ -13,10 +13,15 @@ them), so they need no tags.
   The sender refuses, naming the flag, a message whose dtype is not the runtime's
   ``dtype`` or whose shape differs from its edge's first without ``variable_shapes``:
   the receiver would read it into a buffer of the wrong size (a wrong result, or gloo
-  aborting the process).
+  aborting the process). With ``dtype=None`` (the first step of a runtime that then
+  sizes its shared-memory rings) the header also carries the edge's dtype, and the
+  transport records each edge's largest message.
 * :class:`ShmTransport` (ranks on one x86 host) copies through one shared-memory ring
   per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
+  Each ring's size is chosen by its receiver (:mod:`megatron_prt.runtime.rings`) and
+  written into the ring for its sender. A rank that waits empties its inbound rings, so
+  two ranks waiting for room in each other's full ring cannot deadlock.
   Ranks whose tensors live on a GPU stage each message through host memory (a device to
   host copy on send, host to device on receive): the way several ranks share one GPU,
   where NCCL refuses two ranks on the same device and gloo has no CUDA send/recv.
@@ -198,7 +203,10 @@ class TorchTransport:
         if len(shape) > _HEADER_LEN - 1:
             raise ValueError(f"pipeline tensors may have at most {_HEADER_LEN - 1} dims: {shape}")
         if self.dtype is None and dtype not in _DTYPES:
-            raise TypeError(f"{dtype} cannot cross the transport; pass dtype={dtype}")
+            raise TypeError(
+                f"{dtype} cannot cross the shared-memory transport; pass transport='torch', "
+                f"dtype={dtype}"
+            )
         code = _DTYPES.index(dtype) if self.dtype is None else 0
         values = [len(shape) | code << 8, *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
         return torch.tensor(values, dtype=torch.int64, device=self.device)
