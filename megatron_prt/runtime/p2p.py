@@ -6,7 +6,8 @@ to one receiver in the order the lowered plan sends them (which is the order it 
 them), so they need no tags.
 
 * :class:`TorchTransport` uses ``torch.distributed`` isend/irecv (gloo on CPU, NCCL on
-  CUDA); on NCCL each group of consecutive comm actions is one batch. Shapes are exchanged
+  CUDA; ranks computing on a GPU under gloo stage each message through the host); on NCCL
+  each group of consecutive comm actions is one batch. Shapes are exchanged
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
   with its shape (every message, with ``variable_shapes``; such receives wait for their
   header where the plan receives, the position the plan's deadlock check proves safe).
@@ -97,6 +98,10 @@ class TorchTransport:
         self.variable_shapes = variable_shapes
         self.rank_of_stage = rank_of_stage
         self.device = device
+        # Where messages travel: the host under gloo, which has no CUDA send/recv (ranks
+        # sharing a GPU stage each message through host memory, as on shared memory).
+        self.wire = wire_device(group, device)
+        self._staged = self.wire != torch.device(device)
         # None: each edge's dtype travels in its shape header, as on shared memory (the
         # first step of a runtime that then sizes its rings, which records ``largest``)
         self.dtype = dtype
@@ -144,7 +149,7 @@ class TorchTransport:
             self._learn(edge, tensor.shape, tensor.dtype)
             header = _Handle(keep=self._header(tensor.shape, tensor.dtype))
             self._queue(dist.P2POp(dist.isend, header.keep, peer, self.group), header)
-        payload = tensor.contiguous()
+        payload = (tensor.to(self.wire) if self._staged else tensor).contiguous()
         # The handle keeps the payload (and the shape header) alive until the send is done.
         handle = _Handle(keep=payload if header is None else (payload, header))
         self._queue(dist.P2POp(dist.isend, payload, peer, self.group), handle)
@@ -155,12 +160,12 @@ class TorchTransport:
         edge = key[:3]
         if not self.knows(key):  # first message on this edge (or any, if shapes vary)
             self.flush()
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
             dist.irecv(header, peer, self.group).wait(self.timeout)
             ndim, code = int(header[0]) & 0xFF, int(header[0]) >> 8
             shape = torch.Size(int(d) for d in header[1 : 1 + ndim])
             self._learn(edge, shape, _DTYPES[code] if self.dtype is None else self.dtype)
-        buf = torch.empty(self.shapes[edge], dtype=self.dtypes[edge], device=self.device)
+        buf = torch.empty(self.shapes[edge], dtype=self.dtypes[edge], device=self.wire)
         handle = _Handle(tensor=buf)
         self._queue(dist.P2POp(dist.irecv, buf, peer, self.group), handle)
         return handle
@@ -190,6 +195,8 @@ class TorchTransport:
 
     def wait(self, handle: _Handle) -> torch.Tensor | None:
         handle.work.wait(self.timeout)
+        if self._staged and handle.tensor is not None:
+            return handle.tensor.to(self.device)
         return handle.tensor
 
     def close(self) -> None:
@@ -209,7 +216,7 @@ class TorchTransport:
             )
         code = _DTYPES.index(dtype) if self.dtype is None else 0
         values = [len(shape) | code << 8, *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return torch.tensor(values, dtype=torch.int64, device=self.wire)
 
 
 _KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
