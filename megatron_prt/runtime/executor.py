@@ -194,9 +194,14 @@ class PipelineRuntime:
         self.callbacks.begin(inputs, targets, forward_only)
         self._run(forward_only)
         losses, self._losses = self._losses, None
-        if self._sizing is not None:  # the messages are known: the rings can be sized
-            self.transport, self._sizing = sized_shm(self, self._sizing), None
+        self._size_rings()  # the messages are known now
         return losses
+
+    def _size_rings(self) -> None:
+        """Build the shared-memory rings once, after the first step (or before the first
+        replica sum); see :mod:`megatron_prt.runtime.rings`. Collective."""
+        if self._sizing is not None:
+            self.transport, self._sizing = sized_shm(self, self._sizing), None
 
     def _run(self, forward_only: bool) -> None:
         """Run this rank's program once: each entry's handler on its precomputed operand."""
@@ -231,6 +236,7 @@ class PipelineRuntime:
         the pipeline group; through shared memory when that is the transport, else
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
         placement = self.plan.placement
+        self._size_rings()
         if isinstance(self.transport, ShmTransport):
             reduce_replica_grads_shm(placement, self.stages, self.transport, self.rank, grad_attr)
         else:

@@ -103,7 +103,8 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
 def sized_shm(runtime, kind: str):
     """After the first step over ``runtime.transport`` (a sizing :class:`TorchTransport`):
     shared-memory rings of the measured sizes, or (``auto`` without room for them) that
-    transport, kept. Collective."""
+    transport, kept. Called before any step (a replica sum first), a ring whose messages
+    are unknown gets :data:`RING_BOUND`. Collective."""
     placement, group = runtime.plan.placement, runtime._group
     largest = _largest_by_sender(runtime.transport, placement, runtime.rank)
     counts, _ = ring_traffic(runtime, runtime.rank)
@@ -111,6 +112,9 @@ def sized_shm(runtime, kind: str):
     sums = min(RING_BOUND, 2 * _replica_grad_bytes(runtime))  # two chunks of a half
     sizes = {}
     for src, count in counts.items():
+        if count and src not in largest:  # sized before any step: its messages are unknown
+            sizes[src] = RING_BOUND
+            continue
         one = message_bytes(largest.get(src, 0))
         sizes[src] = max(min(RING_BOUND, one * count), one, sums * (src in mirrors), RING_FLOOR)
     gathered: list = [None] * dist.get_world_size(group)

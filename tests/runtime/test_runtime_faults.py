@@ -29,6 +29,7 @@ from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
 from megatron_prt.runtime.errors import PipelineError
 from megatron_prt.runtime.local import run_local
 from megatron_prt.runtime.p2p import SHM_FREE_ENV, TorchTransport
+from megatron_prt.runtime.rings import RING_BOUND
 from megatron_prt.runtime.stages import layer_ranges
 
 TIMEOUT_S = 4.0  # where a test waits for a timeout to fire
@@ -252,6 +253,30 @@ def test_ring_holds_a_steps_messages_and_a_later_larger_one_names_shm_capacity()
         receives = sum(a.op in (Op.RECV_F, Op.RECV_B) for a in lowered.ranks[rank])
         assert receives * rows * HIDDEN * 8 <= capacity < 32 << 20
     assert "shm_capacity= of at least" in results[0][1]["value"][2]
+
+
+def test_replica_sum_before_any_step_goes_through_shared_memory():
+    """A replica sum before the first step (the replica-sum calibration does this) builds
+    the rings then: their messages unknown, they get RING_BOUND, and later steps use them."""
+    xs, ys = batch("mlp", 4)
+
+    def body(rank, world):
+        placement = Placement(world, 1, "loop", "bi")
+        rt, stages = runtime(rank, world, transport="shm", shm_capacity=None, placement=placement)
+        for module in stages.values():
+            for p in module.parameters():
+                p.grad = torch.full_like(p, rank + 1.0)
+        rt.reduce_replica_grads()
+        summed = all(torch.all(p.grad == 3.0) for m in stages.values() for p in m.parameters())
+        wire = type(rt.transport).__name__
+        return summed, wire, rt.transport.pair_bytes(1 - rank), rt.step(xs, ys, forward_only=True)
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        assert payload["value"][:3] == (True, "ShmTransport", RING_BOUND)
+    losses = [v for _, payload in results for v in payload["value"][3] if v is not None]
+    assert sorted(map(float, losses)) == pytest.approx(sorted(reference_losses(xs, ys)))
 
 
 def test_rings_of_one_message_each_cannot_deadlock():
