@@ -50,9 +50,11 @@ def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) 
 
 # -- the failure board -----------------------------------------------------------------------
 def _store():
-    """The default process group's rendezvous store, or None without one. torch has no
-    public accessor for it: this private call is the only one in the package, so a torch
-    change can only cost the cross-rank reports, never a run."""
+    """The default process group's rendezvous store, or None without one. torch (to 2.13)
+    has no public accessor for it, and a store of our own from public parts (a TCPStore
+    client of MASTER_ADDR:MASTER_PORT) would cover env:// start-up only, not file:// or
+    tcp:// (local runs, user launchers): this private call is the only one in the package,
+    so a torch change can only cost the cross-rank reports, never a run."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
