@@ -62,6 +62,8 @@ from .split_plan import split_backward_plan
 from .startup import check_same_plan
 from .wgrad import enable_split_backward, split_forward
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable
+
 
 class PipelineRuntime:
     """Runs ``plan``'s actions for this process's rank in the pipeline group ``group``.
@@ -361,7 +363,9 @@ class PipelineRuntime:
         if x is not None:
             x = x.detach().requires_grad_(not forward_only)
         self._ready_at = time.perf_counter()
-        splitting = split_forward(self._split and not forward_only)
+        # the common case opens no split context (generator context managers cost a few
+        # calls each, on every action)
+        splitting = split_forward() if self._split and not forward_only else _NO_CONTEXT
         with torch.set_grad_enabled(not forward_only), self._saving(op.where), splitting:
             out = self.callbacks.forward(op.stage, op.mb, x)
             if out is x and x is not None:
@@ -420,7 +424,7 @@ class PipelineRuntime:
     def _saving(self, where: tuple[int, int]):
         """Around a stage's forward: what autograd saves is held by ``(stage, mb)``."""
         if self._memory is None or self._forward_only:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return self._memory.saving(where)
 
     def _count_kept(self, op: Compute, x: torch.Tensor | None, out) -> None:
