@@ -498,13 +498,6 @@ def build_model(
     return build_stages(placement, rank, make_layer, len(specs), counts)
 
 
-def shm_bytes(specs: list[LayerSpec], image_size: int, micro_batch_size: int) -> int:
-    """Shared-memory ring size per rank pair: room for two of the largest activations (the
-    runtime's default of 32 MiB is too small for big images or micro-batches)."""
-    largest = max(math.prod(shape) for shape in activation_shapes(specs, image_size))
-    return max(32 << 20, 2 * 4 * largest * micro_batch_size)
-
-
 def train_step(
     runtime: PipelineRuntime,
     stages: Mapping[int, nn.Module],
@@ -587,7 +580,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         scorer,
         device=device,
         trace=bool(args.trace),
-        shm_capacity=shm_bytes(specs, args.image_size, args.micro_batch_size),
     )
     batches = StepBatches(data, train_index, args.microbatches, args.micro_batch_size, args.seed)
     if rank == 0:

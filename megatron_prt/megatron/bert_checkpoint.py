@@ -16,9 +16,12 @@ state is read by ``torch.load(weights_only=True)`` and the checkpoint holds no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
@@ -106,10 +109,31 @@ def checkpoint_dir(root: str, iteration: int) -> Path:
 
 def save_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     """All ranks write ``DIR/iter_XXXXXXX``; rank 0 then points ``latest`` at it.
-    Collective (``latest`` is written after every rank's part)."""
-    from .checkpoint import save_checkpoint as save_sharded  # megatron: not at flag parsing
+    Collective (``latest`` is written after every rank's part). A rank whose save fails
+    (its own error, or a peer killed or failing mid-save) prints which folder, the root
+    cause and the checkpoint ``latest`` still names, and exits with status 1; the partial
+    folder lacks dist_checkpointing's metadata, so no load takes it for a checkpoint, and
+    the next save of that iteration writes over it."""
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException
 
     folder = checkpoint_dir(args.save, state.iteration)
+    try:
+        with _terminated_raises():
+            _save(args, state, folder)
+    except (Exception, CheckpointException, Terminated) as exc:
+        _stop_saving(args, folder, exc)
+    if dist.get_rank() == 0:
+        latest = Path(args.save) / "latest"
+        latest.with_suffix(".tmp").write_text(f"{state.iteration}\n")
+        latest.with_suffix(".tmp").replace(latest)
+    dist.barrier()
+    log(f"saved checkpoint of iteration {state.iteration} to {folder}")
+
+
+def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
+    """Every rank's part of ``folder``; returns once all ranks wrote theirs."""
+    from .checkpoint import save_checkpoint as save_sharded  # megatron: not at flag parsing
+
     text = json.dumps(rng_state()).encode()
     sizes: list = [None] * dist.get_world_size()
     dist.all_gather_object(sizes, len(text))
@@ -124,12 +148,58 @@ def save_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     }
     save_sharded(str(folder), state.chunks, state.optimizer, state.iteration, extra)
     dist.barrier()
-    if dist.get_rank() == 0:
-        latest = Path(args.save) / "latest"
-        latest.with_suffix(".tmp").write_text(f"{state.iteration}\n")
-        latest.with_suffix(".tmp").replace(latest)
-    dist.barrier()
-    log(f"saved checkpoint of iteration {state.iteration} to {folder}")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stops the other ranks when one fails)."""
+
+    def __str__(self) -> str:
+        return "SIGTERM (the launcher stops every rank once one fails)"
+
+
+@contextlib.contextmanager
+def _terminated_raises():
+    """Within: SIGTERM raises :class:`Terminated` (main thread only), so a rank stopped by
+    its launcher while saving still says what happened to the checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is terminated:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> NoReturn:
+    """Exit status 1 naming ``folder``, why its save failed (the failing rank's report when
+    this rank's wait on it failed, or it was terminated) and what ``latest`` still names."""
+    from ..runtime.errors import is_wait_failure, post_failure, root_cause
+
+    if getattr(exc, "failures", None):  # CheckpointException: the first failing rank's error
+        exc = getattr(next(iter(exc.failures.values())), "exc", exc)
+    rank = dist.get_rank()
+    reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    waited = is_wait_failure(exc) or isinstance(exc, Terminated)
+    post_failure(f"rank {rank}: saving {folder} failed: {reason}", root=not waited)
+    cause = root_cause(None, wait_s=0.0 if isinstance(exc, Terminated) else 2.0) if waited else ""
+    latest = Path(args.save) / "latest"
+    kept = latest.read_text().strip() if latest.is_file() else None
+    resume = (
+        f"{latest} still names iteration {kept}, which loads (--load {args.save})"
+        if kept
+        else f"no earlier checkpoint was saved in {args.save}"
+    )
+    because = f"{cause}; this rank saw {reason}" if cause else reason
+    message = f"rank {rank}: saving {folder} failed ({because}); {resume}"
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:

@@ -50,9 +50,11 @@ def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) 
 
 # -- the failure board -----------------------------------------------------------------------
 def _store():
-    """The default process group's rendezvous store, or None without one. torch has no
-    public accessor for it: this private call is the only one in the package, so a torch
-    change can only cost the cross-rank reports, never a run."""
+    """The default process group's rendezvous store, or None without one. torch (to 2.13)
+    has no public accessor for it, and a store of our own from public parts (a TCPStore
+    client of MASTER_ADDR:MASTER_PORT) would cover env:// start-up only, not file:// or
+    tcp:// (local runs, user launchers): this private call is the only one in the package,
+    so a torch change can only cost the cross-rank reports, never a run."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -184,6 +186,10 @@ _SETTINGS = (
     False,
     True,
     *(getattr(torch, n) for n in ("float32", "float64", "float16", "bfloat16")),
+    None,
+    "auto",
+    "torch",
+    "shm",
 )
 
 
@@ -197,7 +203,7 @@ def setting_code(value) -> int:
 
 
 def setting_text(code: int) -> str:
-    return str(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
+    return repr(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
 
 
 def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> None:

@@ -33,9 +33,6 @@ Contract
 from __future__ import annotations
 
 import contextlib
-import logging
-import platform
-import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -51,28 +48,21 @@ from ..core.validate import validate
 from .callbacks import LossFn, ModuleCallbacks, StageCallbacks
 from .errors import (
     PipelineError,
-    collective,
     is_wait_failure,
     pipeline_error,
     root_cause,
 )
 from .memory import ActivationMeter
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
-from .p2p import (
-    ShmTransport,
-    TorchTransport,
-    ring_bytes,
-    shm_free_bytes,
-    shm_too_small,
-)
+from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
-from .replicas import reduce_replica_grads, reduce_replica_grads_shm, replica_peers
+from .replicas import reduce_replica_grads, reduce_replica_grads_shm
+from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
 from .wgrad import enable_split_backward, split_forward
 
-_TSO_MACHINES = ("x86_64", "AMD64", "i686")
-_log = logging.getLogger(__name__)
+_NO_CONTEXT = contextlib.nullcontext()  # reusable
 
 
 class PipelineRuntime:
@@ -81,7 +71,9 @@ class PipelineRuntime:
     ``timeout_s`` bounds every wait for a peer (then :class:`PipelineError`);
     ``deallocate_outputs`` frees a sent activation's data (its grad_fn is kept for backward);
     ``trace`` records per-action spans (:meth:`trace`); ``transport`` is ``auto``, ``torch``
-    or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); ``variable_shapes``: activation shapes
+    or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); shared-memory rings are sized from the
+    first step's messages, which go over torch.distributed, or are ``shm_capacity`` bytes
+    each when given (:mod:`megatron_prt.runtime.rings`); ``variable_shapes``: activation shapes
     may differ between micro-batches (each message then carries its shape);
     ``measure_memory``: count the activation bytes this rank holds for backward during each
     step (:meth:`memory_stats`; the attribute may also be switched between steps);
@@ -97,7 +89,7 @@ class PipelineRuntime:
     Construction is
     collective: it checks that every rank holds the same plan and sets up the transport.
     ``__init__`` is long because it stores its options in order, each with the reason it has;
-    the work it does is in ``check_same_plan``, ``_compile`` and ``_make_transport``.
+    the work it does is in ``check_same_plan``, ``_compile`` and ``make_transport``.
     """
 
     def __init__(
@@ -114,7 +106,7 @@ class PipelineRuntime:
         trace: bool = False,
         recv_lookahead: int | None = None,
         transport: str = "auto",
-        shm_capacity: int = 32 << 20,
+        shm_capacity: int | None = None,
         variable_shapes: bool = False,
         measure_memory: bool = False,
         callbacks: StageCallbacks | None = None,
@@ -125,7 +117,12 @@ class PipelineRuntime:
         if split_backward:
             plan = split_backward_plan(plan)
         self.plan = plan.compute_only()
-        settings = {"dtype": dtype, "variable_shapes": variable_shapes}
+        settings = {
+            "dtype": dtype,
+            "variable_shapes": variable_shapes,
+            "transport": transport,  # ranks on different transports would wait forever
+            "shm_capacity": shm_capacity,
+        }
         check_same_plan(self.plan, group, device, timeout_s, stages, settings)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
@@ -181,74 +178,7 @@ class PipelineRuntime:
                 # the plan's own order runs until every edge's shape is exchanged
                 early = post_recvs_early(lowered)
                 self._early[forward_only] = (early, *self._compile(early.ranks[self.rank]))
-        self.transport = self._make_transport(transport, shm_capacity)
-
-    def _make_transport(self, kind: str, shm_capacity: int):
-        """``torch``: torch.distributed p2p. ``shm``: shared memory between ranks on one
-        host. ``auto``: shm when every rank is on this x86 host, either computes on the CPU
-        or shares GPUs over gloo (which has no CUDA send/recv), and /dev/shm has room for
-        the rings (else torch, with one warning line); an explicit ``shm`` without room
-        raises before any segment is created (a full /dev/shm kills with SIGBUS)."""
-        if kind not in ("auto", "torch", "shm"):
-            raise ValueError(
-                f"rank {self.rank}: transport must be auto, torch or shm, got {kind!r}"
-            )
-        placement = self.plan.placement
-        if kind != "torch":
-            rings = {r: self._shm_peers(r) for r in range(placement.ranks)}
-            need = sum(len(senders) for senders, _ in rings.values()) * ring_bytes(shm_capacity)
-            hosts: list = [None] * dist.get_world_size(self._group)
-            with collective("the transport set-up", self._group):
-                dist.all_gather_object(hosts, (socket.gethostname(), shm_free_bytes()), self._group)
-            free = min(f for _, f in hosts)
-            fits = need <= free
-            if kind == "shm" and not fits:
-                raise PipelineError(shm_too_small(self.rank, need, free, shm_capacity))
-        if kind == "auto":
-            # The ring publishes a message with a plain store after the copy; only x86's
-            # store order makes that safe without a fence, so elsewhere auto means torch.
-            staged = self.device.type == "cpu" or dist.get_backend(self._group) == "gloo"
-            same_host = len({h for h, _ in hosts}) == 1 and platform.machine() in _TSO_MACHINES
-            kind = "shm" if staged and same_host and fits else "torch"
-            if staged and same_host and not fits and self.rank == 0:
-                _log.warning(
-                    "megatron_prt: /dev/shm has %d bytes free, the shared-memory rings need %d: "
-                    "using the torch transport (docker run --shm-size=1g or --ipc=host gives "
-                    "the faster one)",
-                    free,
-                    need,
-                )
-        if kind == "torch":
-            return TorchTransport(
-                self._group,
-                placement.rank_of,
-                self.device,
-                self.dtype,
-                self.timeout_s,
-                self.variable_shapes,
-            )
-        return ShmTransport(
-            self._group,
-            placement.rank_of,
-            rings[self.rank],
-            self.timeout_s,
-            shm_capacity,
-            self.device,
-        )
-
-    def _shm_peers(self, rank: int) -> tuple[set[int], set[int]]:
-        """The ranks ``rank`` receives from and sends to, over both programs and (``bi``) the
-        replica gradient sums: one shared-memory ring per (sender, receiver)."""
-        placement = self.plan.placement
-        senders, receivers = set(), set()
-        for lowered, _, _ in self._programs.values():
-            for a in lowered.ranks[rank]:
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    senders.add(placement.rank_of(comm_key(a, placement, self._split)[1]))
-                elif a.op in (Op.SEND_F, Op.SEND_B):
-                    receivers.add(placement.rank_of(comm_key(a, placement, self._split)[2]))
-        mirrors = replica_peers(placement, rank)  # bi: gradient sums go both ways
-        return senders | mirrors, receivers | mirrors
+        self.transport, self._sizing = make_transport(self, transport, shm_capacity)
 
     def close(self) -> None:
         """Release transport resources (shared memory); the runtime is unusable after."""
@@ -266,7 +196,14 @@ class PipelineRuntime:
         self.callbacks.begin(inputs, targets, forward_only)
         self._run(forward_only)
         losses, self._losses = self._losses, None
+        self._size_rings()  # the messages are known now
         return losses
+
+    def _size_rings(self) -> None:
+        """Build the shared-memory rings once, after the first step (or before the first
+        replica sum); see :mod:`megatron_prt.runtime.rings`. Collective."""
+        if self._sizing is not None:
+            self.transport, self._sizing = sized_shm(self, self._sizing), None
 
     def _run(self, forward_only: bool) -> None:
         """Run this rank's program once: each entry's handler on its precomputed operand."""
@@ -301,6 +238,7 @@ class PipelineRuntime:
         the pipeline group; through shared memory when that is the transport, else
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
         placement = self.plan.placement
+        self._size_rings()
         if isinstance(self.transport, ShmTransport):
             reduce_replica_grads_shm(placement, self.stages, self.transport, self.rank, grad_attr)
         else:
@@ -425,7 +363,9 @@ class PipelineRuntime:
         if x is not None:
             x = x.detach().requires_grad_(not forward_only)
         self._ready_at = time.perf_counter()
-        splitting = split_forward(self._split and not forward_only)
+        # the common case opens no split context (generator context managers cost a few
+        # calls each, on every action)
+        splitting = split_forward() if self._split and not forward_only else _NO_CONTEXT
         with torch.set_grad_enabled(not forward_only), self._saving(op.where), splitting:
             out = self.callbacks.forward(op.stage, op.mb, x)
             if out is x and x is not None:
@@ -484,7 +424,7 @@ class PipelineRuntime:
     def _saving(self, where: tuple[int, int]):
         """Around a stage's forward: what autograd saves is held by ``(stage, mb)``."""
         if self._memory is None or self._forward_only:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return self._memory.saving(where)
 
     def _count_kept(self, op: Compute, x: torch.Tensor | None, out) -> None:

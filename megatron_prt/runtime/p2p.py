@@ -6,17 +6,23 @@ to one receiver in the order the lowered plan sends them (which is the order it 
 them), so they need no tags.
 
 * :class:`TorchTransport` uses ``torch.distributed`` isend/irecv (gloo on CPU, NCCL on
-  CUDA); on NCCL each group of consecutive comm actions is one batch. Shapes are exchanged
+  CUDA; ranks computing on a GPU under gloo stage each message through the host); on NCCL
+  each group of consecutive comm actions is one batch. Shapes are exchanged
   once: the first message on an edge ``(kind, from, to)`` is preceded by an int64 header
   with its shape (every message, with ``variable_shapes``; such receives wait for their
   header where the plan receives, the position the plan's deadlock check proves safe).
   The sender refuses, naming the flag, a message whose dtype is not the runtime's
   ``dtype`` or whose shape differs from its edge's first without ``variable_shapes``:
   the receiver would read it into a buffer of the wrong size (a wrong result, or gloo
-  aborting the process).
+  aborting the process). With ``dtype=None`` (the first step of a runtime that then
+  sizes its shared-memory rings) the header also carries the edge's dtype, and the
+  transport records each edge's largest message.
 * :class:`ShmTransport` (ranks on one x86 host) copies through one shared-memory ring
   per (sender, receiver) pair: a message costs two memcpys instead of a trip through the
   kernel's TCP stack, which on a few busy cores costs more than the bubble reuse saves.
+  Each ring's size is chosen by its receiver (:mod:`megatron_prt.runtime.rings`) and
+  written into the ring for its sender. A rank that waits empties its inbound rings, so
+  two ranks waiting for room in each other's full ring cannot deadlock.
   Ranks whose tensors live on a GPU stage each message through host memory (a device to
   host copy on send, host to device on receive): the way several ranks share one GPU,
   where NCCL refuses two ranks on the same device and gloo has no CUDA send/recv.
@@ -38,14 +44,26 @@ import struct
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 import torch.distributed as dist
 
-_HEADER_LEN = 9  # ndim + up to 8 dims
+_HEADER_LEN = 9  # ndim (and dtype code << 8) + up to 8 dims
+_DTYPES = [  # dtypes a message may carry, by code (headers, ring messages)
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def wire_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
@@ -72,7 +90,7 @@ class TorchTransport:
         group: dist.ProcessGroup | None,
         rank_of_stage: Callable[[int], int],
         device: torch.device,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         timeout_s: float,
         variable_shapes: bool = False,
     ) -> None:
@@ -80,9 +98,17 @@ class TorchTransport:
         self.variable_shapes = variable_shapes
         self.rank_of_stage = rank_of_stage
         self.device = device
+        # Where messages travel: the host under gloo, which has no CUDA send/recv (ranks
+        # sharing a GPU stage each message through host memory, as on shared memory).
+        self.wire = wire_device(group, device)
+        self._staged = self.wire != torch.device(device)
+        # None: each edge's dtype travels in its shape header, as on shared memory (the
+        # first step of a runtime that then sizes its rings, which records ``largest``)
         self.dtype = dtype
-        self.timeout = timedelta(seconds=timeout_s)
         self.shapes: dict[tuple, torch.Size] = {}  # edge -> shape
+        self.dtypes: dict[tuple, torch.dtype] = {}  # edge -> dtype
+        self.largest: dict[tuple, int] | None = {} if dtype is None else None  # edge -> bytes
+        self.timeout = timedelta(seconds=timeout_s)
         self._global: dict[int, int] = {}
         self._ops: list[dist.P2POp] = []
         self._handles: list[_Handle] = []
@@ -105,9 +131,11 @@ class TorchTransport:
         return key[:3] in self.shapes and not self.variable_shapes
 
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype:
-            raise _not_sendable(key, tensor, self.dtype)
-        known = self.shapes.get(key[:3])
+        edge = key[:3]
+        dtype = self.dtype if self.dtype is not None else self.dtypes.get(edge)
+        if not isinstance(tensor, torch.Tensor) or (dtype is not None and tensor.dtype != dtype):
+            raise _not_sendable(key, tensor, dtype)
+        known = self.shapes.get(edge)
         if known is not None and tensor.shape != known and not self.variable_shapes:
             raise ValueError(
                 f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
@@ -118,10 +146,10 @@ class TorchTransport:
         peer = self._peer(key[2])
         header = None
         if not self.knows(key):
-            self.shapes[key[:3]] = tensor.shape
-            header = _Handle(keep=self._header(tensor.shape))
+            self._learn(edge, tensor.shape, tensor.dtype)
+            header = _Handle(keep=self._header(tensor.shape, tensor.dtype))
             self._queue(dist.P2POp(dist.isend, header.keep, peer, self.group), header)
-        payload = tensor.contiguous()
+        payload = (tensor.to(self.wire) if self._staged else tensor).contiguous()
         # The handle keeps the payload (and the shape header) alive until the send is done.
         handle = _Handle(keep=payload if header is None else (payload, header))
         self._queue(dist.P2POp(dist.isend, payload, peer, self.group), handle)
@@ -129,16 +157,25 @@ class TorchTransport:
 
     def recv(self, key: tuple) -> _Handle:
         peer = self._peer(key[1])
+        edge = key[:3]
         if not self.knows(key):  # first message on this edge (or any, if shapes vary)
             self.flush()
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
             dist.irecv(header, peer, self.group).wait(self.timeout)
-            ndim = int(header[0])
-            self.shapes[key[:3]] = torch.Size(int(d) for d in header[1 : 1 + ndim])
-        buf = torch.empty(self.shapes[key[:3]], dtype=self.dtype, device=self.device)
+            ndim, code = int(header[0]) & 0xFF, int(header[0]) >> 8
+            shape = torch.Size(int(d) for d in header[1 : 1 + ndim])
+            self._learn(edge, shape, _DTYPES[code] if self.dtype is None else self.dtype)
+        buf = torch.empty(self.shapes[edge], dtype=self.dtypes[edge], device=self.wire)
         handle = _Handle(tensor=buf)
         self._queue(dist.P2POp(dist.irecv, buf, peer, self.group), handle)
         return handle
+
+    def _learn(self, edge: tuple, shape: torch.Size, dtype: torch.dtype) -> None:
+        """Record an edge's shape and dtype from a header sent or received."""
+        self.shapes[edge], self.dtypes[edge] = shape, dtype
+        if self.largest is not None:
+            nbytes = shape.numel() * dtype.itemsize
+            self.largest[edge] = max(nbytes, self.largest.get(edge, 0))
 
     def flush(self) -> None:
         if not self._ops:
@@ -158,6 +195,8 @@ class TorchTransport:
 
     def wait(self, handle: _Handle) -> torch.Tensor | None:
         handle.work.wait(self.timeout)
+        if self._staged and handle.tensor is not None:
+            return handle.tensor.to(self.device)
         return handle.tensor
 
     def close(self) -> None:
@@ -167,11 +206,17 @@ class TorchTransport:
         self._ops.append(op)
         self._handles.append(handle)
 
-    def _header(self, shape: torch.Size) -> torch.Tensor:
+    def _header(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if len(shape) > _HEADER_LEN - 1:
             raise ValueError(f"pipeline tensors may have at most {_HEADER_LEN - 1} dims: {shape}")
-        values = [len(shape), *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self.dtype is None and dtype not in _DTYPES:
+            raise TypeError(
+                f"{dtype} cannot cross the shared-memory transport; pass transport='torch', "
+                f"dtype={dtype}"
+            )
+        code = _DTYPES.index(dtype) if self.dtype is None else 0
+        values = [len(shape) | code << 8, *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
+        return torch.tensor(values, dtype=torch.int64, device=self.wire)
 
 
 _KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
@@ -192,18 +237,6 @@ def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exce
 
 
 # -- shared memory ---------------------------------------------------------------------------
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
 SHM_DIR = "/dev/shm"
 # Free bytes to assume in /dev/shm instead of asking statvfs: for tests, and for hosts whose
 # tmpfs reports more than its memory limit really allows.
@@ -226,12 +259,19 @@ def ring_bytes(capacity: int) -> int:
     return (_DATA + capacity + _PAGE - 1) // _PAGE * _PAGE
 
 
-def shm_too_small(rank: int, need: int, free: int, capacity: int) -> str:
+def shm_too_small(rank: int, need: int, free: int, capacity: int | None) -> str:
+    """The error (or ``auto``'s warning) for rings that do not fit ``free`` bytes;
+    ``capacity``: ``shm_capacity=`` if given (every ring that size), else None (sized)."""
+    rings = (
+        f"rings of shm_capacity={capacity} bytes"
+        if capacity
+        else "rings sized from the first step's messages"
+    )
     return (
-        f"rank {rank}: transport='shm' needs {need} bytes in {SHM_DIR} (rings of "
-        f"shm_capacity={capacity} bytes), {free} are free; give the container more shared "
-        "memory (docker run --shm-size=1g, or --ipc=host), pass a smaller shm_capacity=, or "
-        "use transport='torch' (a full /dev/shm kills the ranks with SIGBUS)"
+        f"rank {rank}: transport='shm' needs {need} bytes in {SHM_DIR} ({rings}), {free} are "
+        "free; give the container more shared memory (docker run --shm-size=1g, or "
+        "--ipc=host), pass a smaller shm_capacity= (bytes of every ring, at least the largest "
+        "message), or use transport='torch' (a full /dev/shm kills the ranks with SIGBUS)"
     )
 
 
@@ -265,7 +305,8 @@ def remove_stale_segments() -> list[str]:
 _MSG = struct.Struct("<11q")  # payload bytes, dtype code, ndim, 8 dims
 _CURSORS = struct.Struct("<2q")  # write, read
 _CURSOR = struct.Struct("<q")
-_DATA = 64  # ring data starts after the two cursors, cache-line aligned
+_CAPACITY_AT = 16  # the ring's data bytes, written by its creator (the receiver)
+_DATA = 64  # ring data starts after the cursors and the capacity, cache-line aligned
 
 
 class _Ring:
@@ -274,19 +315,22 @@ class _Ring:
     (x86 keeps stores in order). Copies go through memoryviews: one memcpy each, no torch op
     overhead on the per-message path."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, capacity: int) -> None:
+    def __init__(self, shm: shared_memory.SharedMemory, capacity: int | None = None) -> None:
+        """``capacity``: create the ring (the receiver), else attach and read it."""
         self.shm = shm
-        self.capacity = capacity
         self.buf = shm.buf
+        if capacity is None:
+            (capacity,) = _CURSOR.unpack_from(self.buf, _CAPACITY_AT)
+        else:
+            _CURSORS.pack_into(self.buf, 0, 0, 0)
+            _CURSOR.pack_into(self.buf, _CAPACITY_AT, capacity)
+        self.capacity = capacity
         # Touch every page now: first-touch page faults would otherwise cost more than the
         # copy itself on every message of the ring's first lap.
         torch.frombuffer(self.buf, dtype=torch.uint8)[_DATA::4096].fill_(0)
 
     def cursors(self) -> tuple[int, int]:
         return _CURSORS.unpack_from(self.buf, 0)
-
-    def zero(self) -> None:
-        _CURSORS.pack_into(self.buf, 0, 0, 0)
 
     def _copy_in(self, pos: int, data: memoryview) -> None:
         start = pos % self.capacity
@@ -314,7 +358,7 @@ class _Ring:
         pos = self.cursors()[0]
         self._copy_in(pos, memoryview(header))
         self._copy_in(pos + len(header), payload)
-        _CURSOR.pack_into(self.buf, 0, pos + _message_bytes(len(payload)))
+        _CURSOR.pack_into(self.buf, 0, pos + message_bytes(len(payload)))
 
     def read(self) -> torch.Tensor:
         pos = self.cursors()[1]
@@ -323,17 +367,21 @@ class _Ring:
         nbytes, code, ndim, *dims = _MSG.unpack(header)
         out = torch.empty(nbytes, dtype=torch.uint8)
         self._copy_out(pos + _MSG.size, memoryview(out.numpy()))
-        _CURSOR.pack_into(self.buf, 8, pos + _message_bytes(nbytes))
+        _CURSOR.pack_into(self.buf, 8, pos + message_bytes(nbytes))
         return out.view(_DTYPES[code]).view(dims[:ndim])
 
 
-def _message_bytes(payload: int) -> int:
+def message_bytes(payload: int) -> int:
+    """Ring bytes one message of ``payload`` bytes takes (header, 8-byte aligned data)."""
     return _MSG.size + (payload + 7) // 8 * 8
 
 
 class ShmTransport:
     """Same-host transport. Collective to build: every rank of ``group`` calls it.
-    Received tensors are on ``device`` (messages cross through host memory)."""
+    Received tensors are on ``device`` (messages cross through host memory).
+    ``capacity``: data bytes of every ring, or, by sender rank, of the rings this rank
+    receives from (:mod:`megatron_prt.runtime.rings` sizes them from the messages; a sender
+    reads a ring's size from the ring)."""
 
     def __init__(
         self,
@@ -341,47 +389,53 @@ class ShmTransport:
         rank_of_stage: Callable[[int], int],
         peers: tuple[set[int], set[int]],
         timeout_s: float,
-        capacity: int = 32 << 20,
+        capacity: int | Mapping[int, int] = 32 << 20,
         device: torch.device | str = "cpu",
     ) -> None:
         self.rank_of_stage = rank_of_stage
         self.timeout_s = timeout_s
-        self.capacity = capacity  # bytes of each ring
+        self.shm_capacity = capacity if isinstance(capacity, int) else None  # for errors
         self.device = torch.device(device)
         self.closed = False
         me = dist.get_rank(group)
         senders, receivers = peers
+        sizes = {src: capacity if isinstance(capacity, int) else capacity[src] for src in senders}
         # One exchange settles the run's segment names, every rank's pid (a peer that dies
         # is noticed by its pid, not only by a timeout) and whether the rings fit.
-        mine = (uuid.uuid4().hex[:12], os.getpid(), shm_free_bytes(), len(senders))
+        inbound = sum(map(ring_bytes, sizes.values()))
+        mine = (uuid.uuid4().hex[:12], os.getpid(), shm_free_bytes(), inbound)
         infos: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(infos, mine, group=group)
         run = infos[0][0]
         self.pids = [pid for _, pid, _, _ in infos]
-        need = sum(count for *_, count in infos) * ring_bytes(capacity)
+        need = sum(nbytes for *_, nbytes in infos)
         free = min(free for _, _, free, _ in infos)
         if need > free:
-            raise RuntimeError(shm_too_small(me, need, free, capacity))
+            raise RuntimeError(shm_too_small(me, need, free, self.shm_capacity))
         remove_stale_segments()
         self._owned = []
-        self._in: dict[int, tuple[_Ring, deque]] = {}
+        # sender -> (ring, posted receives in order, messages drained before their receive)
+        self._in: dict[int, tuple[_Ring, deque, deque]] = {}
         for src in sorted(senders):  # the receiver creates each inbound ring (mode 0600)
             shm = shared_memory.SharedMemory(
-                name=f"prt{run}_{os.getpid()}_{src}_{me}", create=True, size=_DATA + capacity
+                name=f"prt{run}_{os.getpid()}_{src}_{me}", create=True, size=_DATA + sizes[src]
             )
             self._owned.append(shm)
-            ring = _Ring(shm, capacity)
-            ring.zero()
-            self._in[src] = (ring, deque())
+            self._in[src] = (_Ring(shm, sizes[src]), deque(), deque())
         dist.barrier(group=group)
         self._out: dict[int, _Ring] = {}
         for dst in sorted(receivers):
             shm = shared_memory.SharedMemory(name=f"prt{run}_{self.pids[dst]}_{me}_{dst}")
             resource_tracker.unregister(shm._name, "shared_memory")  # the creator owns it
-            self._out[dst] = _Ring(shm, capacity)
+            self._out[dst] = _Ring(shm)
         dist.barrier(group=group)
         for shm in self._owned:  # all attached: the names can go, the memory stays mapped
             shm.unlink()
+
+    def pair_bytes(self, peer: int) -> int:
+        """Data bytes of the smaller of the two rings between this rank and ``peer`` (the
+        same number on both ranks)."""
+        return min(self._out[peer].capacity, self._in[peer][0].capacity)
 
     def knows(self, key: tuple) -> bool:
         return True  # every message carries its shape
@@ -398,12 +452,17 @@ class ShmTransport:
         ring = self._out[dst]
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
         payload = memoryview(flat.cpu().numpy())  # .cpu(): a GPU tensor's copy to the host
-        need = _message_bytes(len(payload))
+        need = message_bytes(len(payload))
         if need > ring.capacity:
+            sized = (
+                f"shm_capacity={self.shm_capacity}"
+                if self.shm_capacity
+                else "sized from the first step's messages"
+            )
             raise ValueError(
                 f"stage {key[1]}, mb {key[3]}: a message of {len(payload)} bytes exceeds the "
-                f"shared-memory ring ({ring.capacity} bytes); pass shm_capacity= of at least "
-                f"{need}"
+                f"shared-memory ring to rank {dst} ({ring.capacity} bytes, {sized}); pass "
+                f"shm_capacity= of at least {need} (every ring that size)"
             )
         self._spin(lambda: ring.free_space() >= need, f"rank {dst} to make room", dst)
         dims = list(tensor.shape) + [0] * (8 - tensor.dim())
@@ -415,7 +474,11 @@ class ShmTransport:
         src = self.rank_of_stage(key[1])
         handle = _Handle()
         handle.peer = src
-        self._in[src][1].append(handle)
+        _, pending, early = self._in[src]
+        if early:  # drained while this rank waited (then no receive was pending)
+            handle.tensor = early.popleft()
+            return handle
+        pending.append(handle)
         self._drain(src)
         return handle
 
@@ -438,7 +501,7 @@ class ShmTransport:
     def close(self) -> None:
         self.closed = True
         rings, self._out, self._in = (
-            [*self._out.values(), *(r for r, _ in self._in.values())],
+            [*self._out.values(), *(r for r, _, _ in self._in.values())],
             {},
             {},
         )
@@ -452,11 +515,16 @@ class ShmTransport:
         except Exception:
             pass
 
-    def _drain(self, src: int) -> None:
-        """Copy out every message already in the ring for which a receive is posted."""
-        ring, pending = self._in[src]
-        while pending and ring.available():
-            pending.popleft().tensor = ring.read().to(self.device)
+    def _drain(self, src: int, every: bool = False) -> None:
+        """Copy out every message already in the ring for which a receive is posted
+        (``every``: all of them, the rest kept for their receives)."""
+        ring, pending, early = self._in[src]
+        while (pending or every) and ring.available():
+            tensor = ring.read().to(self.device)
+            if pending:
+                pending.popleft().tensor = tensor
+            else:
+                early.append(tensor)
 
     def _spin(self, ready: Callable[[], bool], what: str, peer: int) -> None:
         """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has
@@ -469,6 +537,11 @@ class ShmTransport:
         deadline = start + self.timeout_s
         pause, check_at = 1e-5, start + 0.1
         while not ready():
+            # A rank that waits empties its inbound rings: a peer that waits for room in
+            # one of them may be what this wait depends on (rings hold what a step sends,
+            # up to a bound, so a sender can get ahead of a receiver by more).
+            for src in self._in:
+                self._drain(src, every=True)
             now = time.monotonic()
             if now - start < 2e-3:
                 os.sched_yield()

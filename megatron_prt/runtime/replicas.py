@@ -212,7 +212,8 @@ def _reduce_pair_shm(placement: Placement, transport, rank: int, a: int, b: int,
 def _exchange_flat(transport, flat: torch.Tensor, mine: int, peer: int) -> torch.Tensor:
     """Send ``flat`` from stage ``mine`` to stage ``peer``'s rank and receive the peer's
     equally long tensor, chunk by chunk (keys ``("R", from, to, chunk)``)."""
-    chunk = max(1, transport.capacity // 4 // flat.element_size())
+    ring = transport.pair_bytes(transport.rank_of_stage(peer))  # the same on both ranks
+    chunk = max(1, ring // 4 // flat.element_size())
     received = torch.empty_like(flat)
     for index, start in enumerate(range(0, flat.numel(), chunk)):
         piece = flat[start : start + chunk]

@@ -179,6 +179,19 @@ ERROR_CASES = {
         ],
         {},
     ),
+    "transport-disagrees": (
+        _per_rank(transport=("torch", "shm")),
+        ["ranks disagree on the transport (ranks [0] hold transport 'torch'; ranks [1] hold "],
+        {},
+    ),
+    "shm-capacity-disagrees": (
+        _per_rank(transport=("shm", "shm"), shm_capacity=(None, 1 << 20)),
+        [
+            "ranks disagree on the shm_capacity (ranks [0] hold shm_capacity None",
+            "same shm_capacity=",
+        ],
+        {},
+    ),
     "micro-batches-disagree": (
         _per_rank(m=(4, 2)),
         ["ranks disagree on the plan", "micro-batches"],

@@ -37,8 +37,14 @@ def _failing_worker(rank, world, stall, transport):
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
     if rank == 1:
         stages[1] = _Boom(stages[1], at=2, stall=stall)
-    runtime = PipelineRuntime(
-        plan, stages, loss_fn, dtype=torch.float64, timeout_s=TIMEOUT_S, transport=transport
+    runtime = PipelineRuntime(  # shm: rings from the start, so the failure hits them
+        plan,
+        stages,
+        loss_fn,
+        dtype=torch.float64,
+        timeout_s=TIMEOUT_S,
+        transport=transport,
+        shm_capacity=1 << 20,
     )
     xs, ys = batch("mlp", 4)
     start = time.monotonic()

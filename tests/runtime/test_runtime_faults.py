@@ -12,12 +12,25 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from parity_models import HIDDEN, batch, loss_fn, make_layer
+from parity_models import (
+    HIDDEN,
+    NUM_LAYERS,
+    batch,
+    loss_fn,
+    make_layer,
+    reference,
+    train_errors,
+)
 
 from megatron_prt.core import Placement, build_plan
+from megatron_prt.core.actions import Op
+from megatron_prt.core.lower import lower
 from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
+from megatron_prt.runtime.errors import PipelineError
 from megatron_prt.runtime.local import run_local
 from megatron_prt.runtime.p2p import SHM_FREE_ENV, TorchTransport
+from megatron_prt.runtime.rings import RING_BOUND
+from megatron_prt.runtime.stages import layer_ranges
 
 TIMEOUT_S = 4.0  # where a test waits for a timeout to fire
 WAIT_S = 60.0  # everywhere else: generous, so a loaded machine cannot fail a run
@@ -65,6 +78,8 @@ def runtime(rank, world, m=4, layers=8, transport="torch", **kw):
     )
     kw.setdefault("dtype", torch.float64)
     kw.setdefault("timeout_s", WAIT_S)
+    if transport == "shm":  # rings from the start: the faults below hit the first step
+        kw.setdefault("shm_capacity", 1 << 20)
     rt = PipelineRuntime(plan, stages, loss_fn, transport=transport, **kw)
     return rt, stages
 
@@ -131,23 +146,35 @@ def test_float64_model_with_default_dtype_names_the_dtype_argument():
 def test_explicit_shm_without_room_names_shm_size():
     def body(rank, world):
         os.environ[SHM_FREE_ENV] = str(1 << 20)
-        runtime(rank, world, transport="shm")
+        runtime(rank, world, transport="shm")  # two rings of 1 MiB
 
     results = run_case(2, body)
-    expect_errors(results, "--shm-size", "--ipc=host")
+    expect_errors(results, "shm_capacity=1048576", "--shm-size", "--ipc=host")
 
 
-def test_auto_without_room_falls_back_to_torch():
+def test_sized_rings_without_room_name_shm_size_after_the_first_step():
+    def body(rank, world):
+        os.environ[SHM_FREE_ENV] = str(16 << 10)  # less than two rings of RING_FLOOR
+        rt, _ = runtime(rank, world, transport="shm", shm_capacity=None)
+        return rt.step(*batch("mlp", 4))
+
+    results = run_case(2, body)
+    expect_errors(results, "rings sized from the first step's messages", "--shm-size")
+
+
+@pytest.mark.parametrize("capacity", [1 << 20, None], ids=["shm_capacity", "sized"])
+def test_auto_without_room_falls_back_to_torch(capacity):
     xs, ys = batch("mlp", 4)
 
     def body(rank, world):
-        os.environ[SHM_FREE_ENV] = str(1 << 20)
+        os.environ[SHM_FREE_ENV] = str(16 << 10)
         warnings = []
         handler = logging.Handler()
         handler.emit = lambda record: warnings.append(record.getMessage())
         logging.getLogger("megatron_prt").addHandler(handler)
-        rt, _ = runtime(rank, world, transport="auto")
-        return isinstance(rt.transport, TorchTransport), rt.step(xs, ys), warnings
+        rt, _ = runtime(rank, world, transport="auto", shm_capacity=capacity)
+        losses = [rt.step(xs, ys, forward_only=True), rt.step(xs, ys, forward_only=True)]
+        return isinstance(rt.transport, TorchTransport), losses, warnings
 
     results = run_case(2, body)
     for status, payload in results:
@@ -155,8 +182,120 @@ def test_auto_without_room_falls_back_to_torch():
         assert payload["value"][0]
     warned = [w for _, payload in results for w in payload["value"][2]]
     assert len(warned) == 1 and "--shm-size" in warned[0], warned
-    losses = [float(v) for v in results[1][1]["value"][1]]
-    assert losses == pytest.approx(reference_losses(xs, ys), rel=1e-12)
+    for losses in results[1][1]["value"][1]:
+        assert [float(v) for v in losses] == pytest.approx(reference_losses(xs, ys), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "placement", [Placement(2, 2), Placement(2, 2, "wave", "bi")], ids=["uni", "bi"]
+)
+def test_rings_sized_from_the_messages_train_as_the_reference(placement):
+    """/dev/shm too small for 32 MiB rings (the old size of every ring) holds the rings
+    sized from the messages; three training steps (the first over torch.distributed while
+    they are sized, bi's replica sums through them after) match the unpipelined model."""
+    m = 4
+    refs = reference("mlp", m)
+    xs, ys = batch("mlp", m)
+
+    def body(rank, world):
+        os.environ[SHM_FREE_ENV] = str(4 << 20)
+        plan = build_plan(placement, m)
+        stages = build_stages(placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+        try:
+            PipelineRuntime(plan, stages, loss_fn, transport="shm", shm_capacity=32 << 20)
+        except PipelineError as exc:
+            refused = str(exc)
+        sync_replicas(placement, stages)
+        rt = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, transport="shm")
+        ranges = layer_ranges(NUM_LAYERS, placement.depth)
+        err, seen = train_errors(rt, stages, placement, refs, xs, ys, 3, ranges)
+        return refused, type(rt.transport).__name__, err, seen
+
+    results = run_case(2, body)
+    seen = set()
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        refused, wire, err, mine = payload["value"]
+        assert "shm_capacity=33554432" in refused and wire == "ShmTransport"
+        assert max(err.values()) < 1e-10, err
+        seen |= mine
+    assert seen == set(range(m))
+
+
+def test_ring_holds_a_steps_messages_and_a_later_larger_one_names_shm_capacity():
+    """Each ring holds its largest message times the messages it carries in a step (the
+    lowered plan's receives), so a step never waits for room; a later, longer micro-batch
+    (variable_shapes) that outgrows its ring is refused naming shm_capacity."""
+    rows = 512  # 32 KiB float64 activations: rings well above RING_FLOOR, far below 32 MiB
+    xs, ys = ragged_batch((rows,) * 4)
+    plan = build_plan(Placement(2, 2), 4)
+
+    def body(rank, world):
+        os.environ[SHM_FREE_ENV] = str(4 << 20)
+        rt, _ = runtime(rank, world, transport="shm", shm_capacity=None, variable_shapes=True)
+        losses = [rt.step(xs, ys, forward_only=True), rt.step(xs, ys)]
+        capacity = rt.transport.pair_bytes(1 - rank)
+        longer = ragged_batch((rows, 32 * rows, rows, rows))
+        try:
+            rt.step(*longer, forward_only=True)
+        except PipelineError as exc:
+            return losses, capacity, str(exc)
+        return losses, capacity, None
+
+    results = run_case(2, body, deadline_s=4 * WAIT_S)
+    want = reference_losses(xs, ys)
+    for losses in results[1][1]["value"][0]:
+        assert [float(v) for v in losses] == pytest.approx(want, rel=1e-12)
+    lowered = lower(plan)
+    for rank, (status, payload) in enumerate(results):
+        assert status == "ok" and payload["error"] is None, payload
+        _, capacity, _ = payload["value"]
+        receives = sum(a.op in (Op.RECV_F, Op.RECV_B) for a in lowered.ranks[rank])
+        assert receives * rows * HIDDEN * 8 <= capacity < 32 << 20
+    assert "shm_capacity= of at least" in results[0][1]["value"][2]
+
+
+def test_replica_sum_before_any_step_goes_through_shared_memory():
+    """A replica sum before the first step (the replica-sum calibration does this) builds
+    the rings then: their messages unknown, they get RING_BOUND, and later steps use them."""
+    xs, ys = batch("mlp", 4)
+
+    def body(rank, world):
+        placement = Placement(world, 1, "loop", "bi")
+        rt, stages = runtime(rank, world, transport="shm", shm_capacity=None, placement=placement)
+        for module in stages.values():
+            for p in module.parameters():
+                p.grad = torch.full_like(p, rank + 1.0)
+        rt.reduce_replica_grads()
+        summed = all(torch.all(p.grad == 3.0) for m in stages.values() for p in m.parameters())
+        wire = type(rt.transport).__name__
+        return summed, wire, rt.transport.pair_bytes(1 - rank), rt.step(xs, ys, forward_only=True)
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+        assert payload["value"][:3] == (True, "ShmTransport", RING_BOUND)
+    losses = [v for _, payload in results for v in payload["value"][3] if v is not None]
+    assert sorted(map(float, losses)) == pytest.approx(sorted(reference_losses(xs, ys)))
+
+
+def test_rings_of_one_message_each_cannot_deadlock():
+    """Both ranks of P = 2 R = 2 send before they receive; with rings that hold one message
+    each and no receive posted ahead, each used to wait for room in the other's ring until
+    the timeout. A rank that waits now empties its inbound rings."""
+    xs, ys = batch("mlp", 4)
+
+    def body(rank, world):
+        rt, _ = runtime(
+            rank, world, transport="shm", shm_capacity=256, recv_lookahead=0, timeout_s=TIMEOUT_S
+        )
+        return [rt.step(xs, ys) for _ in range(2)]
+
+    results = run_case(2, body)
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+    for losses in results[1][1]["value"]:
+        assert [float(v) for v in losses] == pytest.approx(reference_losses(xs, ys), rel=1e-12)
 
 
 def test_shm_segments_are_unlinked_and_stale_ones_removed():

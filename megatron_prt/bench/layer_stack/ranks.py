@@ -80,10 +80,14 @@ class PrtRunner:
         self.runtime = PipelineRuntime(
             self.plan, self.modules, mse_loss, transport=PRT_TRANSPORT_ARG[cfg.transport]
         )
-        self.wire = type(self.runtime.transport).__name__  # what "auto" really chose
         self.replica_sum_s: list[float] = []  # bi: time spent summing replica gradients
         x, y = batch(args, m)
         self.xs, self.ys = list(x.tensor_split(m)), list(y.tensor_split(m))
+
+    @property
+    def wire(self) -> str:
+        """What ``auto`` really chose (shared memory takes over after the first step)."""
+        return type(self.runtime.transport).__name__
 
     def zero_grad(self) -> None:
         for module in self.modules.values():

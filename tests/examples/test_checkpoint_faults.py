@@ -1,0 +1,71 @@
+"""A rank killed in the middle of a checkpoint save of examples/pretrain_bert.py: the other
+rank stops with an error naming the folder, the killed rank and the checkpoint that still
+loads; ``latest`` keeps naming the previous checkpoint, and a new launch resumes from it and
+saves over the partial folder. CPU, gloo, two ranks under torchrun, about a minute."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_pretrain_bert import EXAMPLE, TINY, bi_flags, data_cache, progress  # noqa: F401
+
+from megatron_prt.megatron.bert_checkpoint import checkpoint_dir, is_complete
+
+INJECT = Path(__file__).resolve().parent / "kill_in_save"  # its sitecustomize kills the rank
+
+
+def run_example(*flags: str, env: dict, log: Path) -> tuple[int, str]:
+    """``(exit status, output)`` of the example on two CPU ranks under torchrun. The output
+    goes through a file: processes a killed rank leaves behind keep a pipe open."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(EXAMPLE), *TINY, *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    with log.open("w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=300, env=env)
+    return done.returncode, log.read_text()
+
+
+def end_leftovers(pids: Path) -> None:
+    """End the processes of the injected launch still running (each left its pid in
+    ``pids``; a pid is ended only while its process still names ``pids`` in its environment)."""
+    for entry in pids.iterdir():
+        with contextlib.suppress(OSError):
+            if str(pids).encode() in Path(f"/proc/{entry.name}/environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def test_rank_killed_mid_save_keeps_the_previous_checkpoint(data_cache, tmp_path):  # noqa: F811
+    pytest.importorskip("megatron.core")
+    save = tmp_path / "ckpt"
+    flags = bi_flags(data_cache, "--save", str(save), "--save-interval", "2")
+    path = os.pathsep.join(filter(None, [str(INJECT), os.environ.get("PYTHONPATH")]))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    kill = {"PYTHONPATH": path, "PRT_DIE_RANK": "1", "PRT_DIE_IN": "iter_0000004"}
+    try:
+        status, output = run_example(
+            *flags, env={**kill, "PRT_PIDS": str(pids)}, log=tmp_path / "killed.log"
+        )
+    finally:
+        end_leftovers(pids)
+    assert status != 0, output[-3000:]
+    partial = checkpoint_dir(str(save), 4)
+    assert partial.is_dir() and not is_complete(partial)  # rank 1 died inside this save
+    assert (save / "latest").read_text().strip() == "2"
+    assert (
+        f"rank 0: saving {partial} failed (rank(s) [1] stopped without reporting an error" in output
+    ), output[-3000:]
+    assert f"{save}/latest still names iteration 2, which loads" in output
+
+    status, output = run_example(*flags, "--load", str(save), env={}, log=tmp_path / "resumed.log")
+    assert status == 0, output[-3000:]
+    assert f"resumed from {checkpoint_dir(str(save), 2)}" in output
+    assert [int(p[0]) for p in progress(output)] == [3, 4, 5, 6]
+    assert (save / "latest").read_text().strip() == "6"
+    assert is_complete(partial)  # saved again over the partial folder
