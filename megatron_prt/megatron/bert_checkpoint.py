@@ -182,6 +182,10 @@ def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> 
     this rank's wait on it failed, or it was terminated) and what ``latest`` still names."""
     from ..runtime.errors import is_wait_failure, post_failure, root_cause
 
+    if threading.current_thread() is threading.main_thread():
+        # the launcher's SIGTERM to the survivors arrives while this waits for the root
+        # cause; the rank exits below anyway, and the report must reach the log first
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if getattr(exc, "failures", None):  # CheckpointException: the first failing rank's error
         exc = getattr(next(iter(exc.failures.values())), "exc", exc)
     rank = dist.get_rank()
