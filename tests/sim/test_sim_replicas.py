@@ -130,8 +130,6 @@ class _RecordingTransport:
     """Stands in for the shared-memory transport: records sends, answers every receive
     with zeros of the size just sent (the peer's gradient is as long as this rank's)."""
 
-    capacity = 1 << 20
-
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
         self.sent_bytes = 0
@@ -146,6 +144,12 @@ class _RecordingTransport:
 
     def recv(self, key):
         return key
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.placement.rank_of(stage)
+
+    def pair_bytes(self, peer: int) -> int:
+        return 1 << 20
 
     def wait(self, handle):
         return self._last.new_zeros(self._last.shape)
