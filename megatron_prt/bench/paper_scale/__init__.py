@@ -183,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = split_jobs(jobs, s) + balanced_split_jobs(results, s)
         split = keep_non_split(Results({**results, **run_all(extra, args.jobs)}))
         if not args.no_tune:
+            tuning = time.perf_counter()
             split = run_tuned_all(split, args.jobs)
+            print(f"tuned rows: {time.perf_counter() - tuning:.0f} s", file=sys.stderr)
     text = report(argv, s, results, time.perf_counter() - started, split)
     out = args.out or (None if args.quick else DEFAULT_OUT)
     if out and os.path.isdir(out):  # --out docs/benchmarks: the report's usual name there
