@@ -75,6 +75,7 @@ def summarize(per_rank: list[dict]) -> dict:
         tuned = next(r for r in rows if r["label"] == TUNED)
         best = min(grid, key=lambda r: r["measured_s"])
         out[stack] = {
+            "costs": cost.to_dict(),
             "rows": sorted(grid, key=lambda r: r["measured_s"]),
             "grid_best": best,
             "predicted_best": min(grid, key=lambda r: r["predicted_s"]),

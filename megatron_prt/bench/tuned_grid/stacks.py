@@ -118,6 +118,7 @@ def _spans(rank: int, placement: Placement, stack: str, args, schedule: str) -> 
         plan, stages, mse_loss, trace=True, shm_capacity=shm_capacity(stack, args)
     )
     xs, ys = batch(stack, args, m)
+    runtime.step(xs, ys)  # warm-up: shapes exchanged, allocator primed (not timed)
     spans = []
     for _ in range(args.profile_steps):
         runtime.step(xs, ys)
