@@ -83,7 +83,9 @@ def test_auto_switches_and_tracks_the_chosen_plan_from_the_start():
     m = 4
     state = all_ok(run_local(1, reference, "gpt", LAYERS_TRAIN, m))[0]["state"]
     layout = ReuseConfig(Placement(2, 2), LAYERS_TRAIN, (3, 1, 1, 3))
-    auto_run = all_ok(run_local(2, _train_auto, "gpt", m, replace(layout, auto_iterations=2), state))
+    auto_run = all_ok(
+        run_local(2, _train_auto, "gpt", m, replace(layout, auto_iterations=2), state)
+    )
     plans = [Plan.from_dict(r["plan"]) for r in auto_run]
     assert len({plan_hash(p) for p in plans}) == 1  # every rank runs rank 0's choice
     chosen = plans[0]
