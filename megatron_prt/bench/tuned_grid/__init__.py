@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--stacks", default=",".join(STACKS), help="comma-separated, of " + ", ".join(STACKS)
     )
     p.add_argument("-m", "--microbatches", type=int, default=8, help="micro-batches (default 8)")
-    p.add_argument("--reps", type=int, default=9, help="timed repetitions per row (median)")
+    p.add_argument("--reps", type=int, default=11, help="timed repetitions per row (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     p.add_argument("--layers", type=int, default=8, help="layers per stack (default 8)")
     p.add_argument("--hidden", type=int, default=512, help="equal and head stacks' width")
