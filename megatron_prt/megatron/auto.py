@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-from collections import defaultdict
 
 import torch.distributed as dist
 
-from ..core.actions import Op
-from ..core.placement import ConfigError, Placement
+from ..core.placement import ConfigError
 from ..core.plan import Plan
-from ..sim.cost import CostModel, LayerCost
+from ..sim.cost import CostModel
+from ..tune.measured import measured_cost
 from ..tune.search_plans import TuneResult, tune_layout
 from .config import ReuseConfig
 
@@ -78,7 +76,8 @@ def _agreed_plan(reuse: ReuseConfig, running: Plan, gathered: list) -> Plan:
     """Rank 0 tunes and broadcasts; every rank checks the plan's hash against rank 0's."""
     payload: list = [None]
     if dist.get_rank() == 0:
-        cost = measured_cost(reuse, running.placement, gathered)
+        counts = reuse.layers_per_stage()
+        cost = measured_cost(running.placement, counts, gathered, reuse.split_backward)
         result = tune_layout(
             cost, running.placement, running.num_microbatches, split_backward=reuse.split_backward
         )
@@ -100,60 +99,6 @@ def plan_hash(plan: Plan) -> str:
     """SHA-256 of the plan's canonical JSON (what every rank compares)."""
     text = json.dumps(plan.to_dict(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def stage_times(placement: Placement, gathered: list) -> tuple[list[float], list[float], float]:
-    """Per model stage: median forward and backward seconds over every traced span of
-    every rank (``gathered[rank][iteration]``: spans ``(action, start, end)``); a split
-    backward counts as its I plus its W. Also W's share of the backward (0 when whole)."""
-    fwd, bwd = defaultdict(list), defaultdict(list)
-    i_w: dict = defaultdict(float)
-    w_total = b_total = 0.0
-    for rank, rank_iterations in enumerate(gathered):
-        for iteration, spans in enumerate(rank_iterations):
-            for action, start, end in spans:
-                k = placement.model_stage(action.stage)
-                if action.op is Op.F:
-                    fwd[k].append(end - start)
-                elif action.op is Op.B:
-                    bwd[k].append(end - start)
-                else:
-                    i_w[(rank, iteration, action.stage, action.mb)] += end - start
-                    w_total += (end - start) if action.op is Op.W else 0.0
-                    b_total += end - start
-    for (_, _, stage, _), seconds in i_w.items():
-        bwd[placement.model_stage(stage)].append(seconds)
-    missing = [k for k in range(placement.depth) if not fwd[k] or not bwd[k]]
-    if missing:
-        raise ConfigError(
-            f"{LOG_PREFIX} no traced forward or backward for model stages {missing}; "
-            "raise the profiled iterations (they must include a training step)"
-        )
-    medians = [statistics.median(fwd[k]) for k in range(placement.depth)]
-    back = [statistics.median(bwd[k]) for k in range(placement.depth)]
-    return medians, back, (w_total / b_total if b_total else 0.0)
-
-
-def measured_cost(reuse: ReuseConfig, placement: Placement, gathered: list) -> CostModel:
-    """A per-layer cost model in seconds: each model stage's measured time spread evenly
-    over its layers (the split is fixed, so only stage sums matter); a stage without
-    layers keeps its time as the embedding (stage 0) or head (last stage)."""
-    fwd, bwd, w_share = stage_times(placement, gathered)
-    counts = reuse.layers_per_stage()
-    layers: list[LayerCost] = []
-    ends: dict[int, LayerCost] = {}
-    for k, n in enumerate(counts):
-        if n:
-            layers += [LayerCost(fwd[k] / n, bwd[k] / n)] * n
-        elif k in (0, placement.depth - 1):
-            ends[k] = LayerCost(fwd[k], bwd[k])
-    return CostModel(
-        layers=tuple(layers),
-        embedding=ends.get(0),
-        head=ends.get(placement.depth - 1),
-        stage_layers=counts,
-        wgrad_fraction=w_share if reuse.split_backward else None,
-    )
 
 
 def describe(result: TuneResult, running: Plan, cost: CostModel, iterations: int) -> str:

@@ -13,8 +13,9 @@ from megatron_prt.core.actions import Action, Op
 from megatron_prt.core.placement import Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import AUTO_ITERATIONS, validate_args
-from megatron_prt.megatron.auto import measured_cost, plan_hash, stage_times
+from megatron_prt.megatron.auto import plan_hash
 from megatron_prt.megatron.config import ReuseConfig
+from megatron_prt.tune.measured import measured_cost, stage_times
 
 MODEL = ("--num-layers", 8, "--pipeline-model-parallel-size", 2, "--global-batch-size", 4)
 
@@ -50,7 +51,7 @@ def test_measured_costs_are_the_median_stage_times():
     fwd, bwd, share = stage_times(reuse.placement, [rank0, rank1])
     assert fwd == pytest.approx([0.31, 0.1]) and bwd == pytest.approx([0.4, 0.2])
     assert share == pytest.approx(0.5)
-    cost = measured_cost(reuse, reuse.placement, [rank0, rank1])
+    cost = measured_cost(reuse.placement, (3, 1), [rank0, rank1], split_backward=True)
     times = cost.stage_times(reuse.placement)
     assert times.fwd == pytest.approx((0.31, 0.1)) and cost.stage_layers == (3, 1)
 
