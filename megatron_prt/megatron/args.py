@@ -232,6 +232,12 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
             "--pipeline-reuse auto and --pipeline-reuse-plan both set: the plan file fixes "
             "the plan; drop one"
         )
+    if auto and getattr(args, "rampup_batch_size", None):
+        raise ConfigError(
+            "--pipeline-reuse auto and --rampup-batch-size both set: the tuned plan is for "
+            "one number of micro-batches per iteration; drop --rampup-batch-size or give "
+            "--pipeline-reuse R"
+        )
     plan_file = apply_plan_file(args, _DEPENDENT_DEFAULTS, _microbatches_per_iteration(args))
     if getattr(args, "pipeline_reuse", None) is None:
         _refuse_flags_without_reuse(args)

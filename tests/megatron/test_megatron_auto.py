@@ -33,6 +33,11 @@ def test_auto_with_a_plan_file_is_refused(tmp_path):
     assert "--pipeline-reuse auto and --pipeline-reuse-plan both set" in message
 
 
+def test_auto_with_a_batch_rampup_is_refused():
+    message = refusal(*MODEL, "--pipeline-reuse", "auto", "--rampup-batch-size", 2, 2, 100)
+    assert "--pipeline-reuse auto and --rampup-batch-size both set" in message
+
+
 def test_bad_auto_value_is_refused():
     with pytest.raises((SystemExit, argparse.ArgumentTypeError)):
         parse(*MODEL, "--pipeline-reuse", "automatic")
