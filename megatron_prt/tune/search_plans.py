@@ -13,8 +13,9 @@ Search space, for ``P`` ranks and ``m`` micro-batches over the cost model's ``L`
 * the plan for that partition: built for equal stages and free messages (what
   :func:`~megatron_prt.core.schedules.build_plan` gives without times) and, for generators
   that read times, built for the partition's real stage and message times; the faster one
-  under the real costs of those within the budget is kept (of both when neither fits), the
-  equal-stage plan on a tie.
+  under the real costs of those within the budget is kept (of all when none fits), the
+  equal-stage plan on a tie; split-backward plans for the costs are built twice, their
+  memory cap in the stages' activation bytes and counted in micro-batches.
 
 Every candidate is scored by :func:`megatron_prt.sim.simulate.simulate` under the full cost
 model (messages and, for ``bi``, the replica-gradient sum included); a ``price`` function
@@ -349,19 +350,38 @@ def _score_family(
                 variants.append(
                     Candidate(family, kind, "costs", counts, plan, simulate(plan, priced))
                 )
+        if schedule in SPLIT_BACKWARD_SCHEDULES:
+            variants += _count_capped(priced, family, kind, counts, num_microbatches)
         # the faster plan of those that fit (of all when none does); a tie keeps equal stages
         fitting = [c for c in variants if c.fits(budget_bytes)] or variants
         out.append(min(fitting, key=lambda c: c.makespan))
     return out
 
 
+def _count_capped(priced, family, kind, counts, num_microbatches) -> list[Candidate]:
+    """The split-backward plan for the costs under a cap counted in micro-batches (equal
+    activation bytes per stage, the planner's default) rather than in bytes: with unequal
+    stages (a ResNet's large early activations) it may hold more than 1F1B's bytes and
+    still fit the budget, and be faster; the budget decides."""
+    placement = family.placement
+    times = priced.stage_times(placement)
+    plan = plan_for(priced, placement, num_microbatches, family.schedule, times, count_cap=True)
+    validate(plan)
+    return [Candidate(family, kind, "costs, count cap", counts, plan, simulate(plan, priced))]
+
+
 def plan_for(
-    cost: CostModel, placement: Placement, num_microbatches: int, schedule: str, times
+    cost: CostModel,
+    placement: Placement,
+    num_microbatches: int,
+    schedule: str,
+    times,
+    count_cap: bool = False,
 ) -> Plan:
     """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
     sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
-    W's share of them under the schedule's cap, equal stages with the cost's W share when
-    ``times`` is None."""
+    W's share of them under the schedule's cap (``count_cap``: equal bytes per stage, the cap
+    counted in micro-batches), equal stages with the cost's W share when ``times`` is None."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return build_plan(placement, num_microbatches, schedule, times)
     if times is None:
@@ -373,7 +393,7 @@ def plan_for(
         num_microbatches,
         times,
         mem_cap="zb-h2" if schedule == "zb-h2" else "1f1b",
-        act=cost.stage_activation_bytes(placement),
+        act=None if count_cap else cost.stage_activation_bytes(placement),
         keep=cost.wgrad_keep_fraction,
     )
 
