@@ -13,10 +13,10 @@ from tune_costs import cost_dict
 from megatron_prt.core.layers import even_layers
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.core.schedules import build_plan
-from megatron_prt.sim.cost import CostModel
+from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
 from megatron_prt.tune.partition import partition
-from megatron_prt.tune.search_plans import Seed, add_seeds, plan_for, tune
+from megatron_prt.tune.search_plans import Seed, add_seeds, tune
 
 P, M, LAYERS = 4, 8, 8  # R up to 2: every row kind exists, the search stays short
 
@@ -34,7 +34,7 @@ def table_rows(cost: CostModel) -> dict[str, Seed]:
         counts = counts or even_layers(LAYERS, placement.depth)
         priced = replace(cost, stage_layers=counts)
         times = priced.stage_times(placement) if schedule in ("prt", "zb") else None
-        plan = plan_for(priced, placement, M, schedule, times)
+        plan = build_plan(placement, M, schedule, times)  # as the paper-scale rows build it
         rows[label] = Seed(label, plan, tuple(counts))
 
     one = Placement(P, 1)
@@ -116,3 +116,21 @@ def test_a_seed_of_the_wrong_depth_is_refused(cost):
     plan = build_plan(Placement(P, 1), M, "1f1b")
     with pytest.raises(ConfigError, match="seed 'x': 3 stage layer counts for 4 model stages"):
         tune(cost, P, M, reuse_limit=1, seeds=[Seed("x", plan, (3, 3, 2))])
+
+
+def test_split_backward_plans_capped_by_count_compete():
+    """Large early activations (a ResNet's): the split-backward planner's own plan, its cap
+    counted in micro-batches, can beat the one capped in bytes. The winner is at least as
+    fast as that plan for every split-backward family and split the tuner tried."""
+    layers = tuple(LayerCost(1.0, 2.0, act=1e7 if i < 2 else 1e6, param=1e6) for i in range(LAYERS))
+    cost = CostModel(layers=layers, p2p_latency=0.05, wgrad_fraction=0.5)
+    result = tune(cost, P, M, reuse_limit=2)
+    tried = 0
+    for c in result.ranked:
+        if c.family.schedule in ("zb", "zb-h2"):
+            priced = replace(cost, stage_layers=c.stage_layers)
+            times = priced.stage_times(c.family.placement)
+            plan = build_plan(c.family.placement, M, c.family.schedule, times)
+            assert result.winner.makespan <= simulate(plan, priced).makespan * (1 + 1e-9)
+            tried += 1
+    assert tried
