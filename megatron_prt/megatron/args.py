@@ -79,12 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="pipeline reuse (megatron-prt)")
     group.add_argument(
         "--pipeline-reuse",
-        type=int,
+        type=_reuse_value,
         default=None,
         metavar="R",
         help="Reuse each pipeline rank R times: a micro-batch crosses R * "
         "pipeline-model-parallel-size stages. Replaces Megatron's pipeline schedule. "
-        "Default None: off.",
+        f"auto[:R] (R default 1): profile the first {AUTO_ITERATIONS} training iterations, "
+        "tune the plan for the model's layout (placement and layer split stay) and switch "
+        "to it; rank 0 logs the choice. Default None: off.",
     )
     group.add_argument(
         "--pipeline-reuse-placement",
@@ -179,6 +181,29 @@ def _seconds(text: str) -> float:
     return value
 
 
+class AutoReuse(int):
+    """``--pipeline-reuse auto[:R]``: R, marked to tune the plan on measured costs."""
+
+
+AUTO_ITERATIONS = 3  # training calls of --pipeline-reuse auto: 1 warm-up, 2 traced
+
+
+def _reuse_value(text: str) -> int:
+    """argparse type of ``--pipeline-reuse``: ``"2"`` -> 2, ``"auto"`` -> AutoReuse(1),
+    ``"auto:2"`` -> AutoReuse(2)."""
+    head, _, tail = text.partition(":")
+    try:
+        if head == "auto":
+            return AutoReuse(int(tail) if tail else 1)
+        if not tail:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(
+        f"--pipeline-reuse takes R (an integer) or auto[:R], got {text!r}"
+    )
+
+
 def _layer_counts(text: str) -> tuple[int, ...]:
     """argparse type of ``--pipeline-reuse-stage-layers``: ``"2,3,3"`` -> ``(2, 3, 3)``."""
     try:
@@ -201,6 +226,18 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     """
     if getattr(args, "pipeline_reuse_config", None) is not None:
         return args.pipeline_reuse_config
+    auto = isinstance(getattr(args, "pipeline_reuse", None), AutoReuse)
+    if auto and getattr(args, "pipeline_reuse_plan", None) is not None:
+        raise ConfigError(
+            "--pipeline-reuse auto and --pipeline-reuse-plan both set: the plan file fixes "
+            "the plan; drop one"
+        )
+    if auto and getattr(args, "rampup_batch_size", None):
+        raise ConfigError(
+            "--pipeline-reuse auto and --rampup-batch-size both set: the tuned plan is for "
+            "one number of micro-batches per iteration; drop --rampup-batch-size or give "
+            "--pipeline-reuse R"
+        )
     plan_file = apply_plan_file(args, _DEPENDENT_DEFAULTS, _microbatches_per_iteration(args))
     if getattr(args, "pipeline_reuse", None) is None:
         _refuse_flags_without_reuse(args)
@@ -213,6 +250,8 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     if plan_file is not None:
         config = replace(config, plan=plan_file.plan)
     check_recompute_blocks(config, args)
+    if auto:
+        config = replace(config, auto_iterations=AUTO_ITERATIONS)
     _check_microbatches(args, config.placement)
     if config.trace_path is not None:
         _check_trace_path(config.trace_path)

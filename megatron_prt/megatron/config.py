@@ -21,7 +21,9 @@ class ReuseConfig:
     ``timeout_s``: how long a rank waits on a peer before :class:`PipelineError`.
     ``split_backward``: run every backward as I (input gradient) then W (weight gradient).
     ``plan``: the plan to run as it is (``--pipeline-reuse-plan``; ``None``: built from
-    ``placement`` and ``schedule`` for the micro-batches of each call)."""
+    ``placement`` and ``schedule`` for the micro-batches of each call). ``auto_iterations``:
+    with ``--pipeline-reuse auto``, the training calls profiled before the plan is tuned
+    and switched (:mod:`megatron_prt.megatron.auto`; 0: off)."""
 
     placement: Placement
     num_layers: int
@@ -31,6 +33,7 @@ class ReuseConfig:
     timeout_s: float = 60.0
     split_backward: bool = False
     plan: Plan | None = None
+    auto_iterations: int = 0
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from ..runtime.errors import PipelineError
 from ..runtime.executor import PipelineRuntime
 from ..runtime.split_plan import split_backward_plan
 from ..runtime.trace import gather_spans, write_measured
+from .auto import AutoTuner
 from .config import ReuseConfig
 from .model import (
     chunk_stages,
@@ -335,6 +337,7 @@ def make_forward_backward_func(
     and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
     function's ``memory_stats()`` gives the last call's activation memory on this rank."""
     pipelines = _Pipelines(reuse, w_delay, timeout_s, transport, measure_memory)
+    auto = AutoTuner(reuse) if reuse.auto_iterations else None
     traced = []  # the first training iteration is written to reuse.trace_path
 
     def forward_backward_pipelining_with_reuse(
@@ -361,6 +364,9 @@ def make_forward_backward_func(
         shape = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length)
         pipeline = pipelines.get(model, config, group, shape, forward_only)
         data = _chunk_data(data_iterator, len(model))
+        profiled = auto is not None and auto.profiling and not forward_only
+        if profiled:
+            auto.before(pipeline)
         with _forward_backward_timer(config):
             store, num_tokens = pipeline.run(
                 forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
@@ -374,6 +380,9 @@ def make_forward_backward_func(
                 )
                 if reuse.trace_path and not traced:
                     traced.append(_write_trace(reuse.trace_path, pipeline, group))
+                tuned = auto.after(pipeline, group) if profiled else None
+                if tuned is not None:  # between iterations: the next call runs it
+                    pipelines.switch(tuned)
         return store
 
     _expose(forward_backward_pipelining_with_reuse, reuse, pipelines.last)
@@ -418,6 +427,14 @@ class _Pipelines:
         pipeline = self.by_key[key]
         self.last[:] = [pipeline]
         return pipeline
+
+    def switch(self, plan) -> None:
+        """Run ``plan`` from the next call on (``--pipeline-reuse auto``): the runtimes built
+        for the old plan are closed and rebuilt on demand."""
+        self.reuse = replace(self.reuse, plan=plan)
+        for pipeline in self.by_key.values():
+            pipeline.close()
+        self.by_key.clear()
 
     def _plan(self, num_microbatches: int, forward_only: bool):
         """``--pipeline-reuse-plan``'s plan, else the one built for the configuration.

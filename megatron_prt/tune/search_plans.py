@@ -13,25 +13,31 @@ Search space, for ``P`` ranks and ``m`` micro-batches over the cost model's ``L`
 * the plan for that partition: built for equal stages and free messages (what
   :func:`~megatron_prt.core.schedules.build_plan` gives without times) and, for generators
   that read times, built for the partition's real stage and message times; the faster one
-  under the real costs of those within the budget is kept (of both when neither fits), the
-  equal-stage plan on a tie.
+  under the real costs of those within the budget is kept (of all when none fits), the
+  equal-stage plan on a tie; split-backward plans for the costs are built twice, their
+  memory cap in the stages' activation bytes and counted in micro-batches.
 
 Every candidate is scored by :func:`megatron_prt.sim.simulate.simulate` under the full cost
-model (messages and, for ``bi``, the replica-gradient sum included). Memory is the simulator's
-per-rank peak activation bytes plus the rank's parameter bytes; a candidate fits when its
-largest per-rank peak is at most the budget.
+model (messages and, for ``bi``, the replica-gradient sum included); a ``price`` function
+gives the cost model of a placement and partition where it depends on them (a FLOP model
+that sizes each message by the cut it crosses). ``seeds`` (:class:`Seed`: any plan with its
+partition, e.g. the plan a job runs today or a peer library's order) are scored beside the
+search and win when they are faster, so the winner is never slower than a plan it was shown.
+Memory is the simulator's per-rank peak activation bytes plus the rank's parameter bytes; a
+candidate fits when its largest per-rank peak is at most the budget.
 
 Ranking (deterministic, documented tie-break): :attr:`Candidate.key` = (predicted iteration
 time, largest per-rank peak, p2p messages, enumeration order). The enumeration order is
 schedule family (1f1b, interleaved, prt, then split backward), R ascending, loop before wave,
-uni before bi, uniform before balanced. Same inputs give the same winner.
+uni before bi, uniform before balanced, seeds last in the order given. Same inputs give the
+same winner.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -56,6 +62,8 @@ TIME_AWARE_SCHEDULES = ("prt", "gpipe", *SPLIT_BACKWARD_SCHEDULES)
 LEAST_MEMORY_SLACK = 1e9
 
 Progress = Callable[[int, int, str], None]
+# the cost model of a placement and partition (stage_layers set); default: the given one
+Pricing = Callable[[Placement, tuple[int, ...]], CostModel]
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,12 @@ class Family:
     order: int  # enumeration order (the last tie-break)
     schedule: str
     placement: Placement
+    name: str = ""  # a seed's own label
 
     @property
     def label(self) -> str:
+        if self.name:
+            return self.name
         c = self.placement
         if self.schedule == "1f1b":
             return "1F1B"
@@ -78,9 +89,19 @@ class Family:
 
 
 @dataclass(frozen=True)
+class Seed:
+    """A plan scored beside the search: ``label`` names it in the ranking, ``stage_layers``
+    is its partition (one count per model stage of ``plan``)."""
+
+    label: str
+    plan: Plan
+    stage_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Candidate:
     """A scored plan: ``stage_layers`` its partition (``partition`` says which kind),
-    ``planned_for`` ``"equal stages"`` or ``"costs"``, ``result`` its simulation."""
+    ``planned_for`` ``"equal stages"``, ``"costs"`` or ``"seed"``, ``result`` its simulation."""
 
     family: Family
     partition: str
@@ -182,10 +203,14 @@ def tune(
     split_backward: bool = True,
     jobs: int = 1,
     progress: Progress | None = None,
+    price: Pricing | None = None,
+    seeds: Sequence[Seed] = (),
 ) -> TuneResult:
     """Score every candidate (module docstring) and pick the fastest that fits.
 
-    ``cost`` needs per-layer costs (its ``stage_layers`` are ignored); ``reuse_limit``
+    ``cost`` needs per-layer costs (its ``stage_layers`` are ignored); ``price``, when
+    given, prices each placement and partition instead (its per-layer costs must be
+    ``cost``'s); ``seeds`` are scored beside the search (:func:`add_seeds`); ``reuse_limit``
     caps R below what the layers allow (a shorter search); ``split_backward`` False leaves
     the split-backward generators out; ``jobs`` > 1 scores the
     families in that many forked processes (same result: the ranking is by key). Raises
@@ -200,8 +225,10 @@ def tune(
     start = time.perf_counter()
     found, skipped = [], []
     todo = families(ranks, len(cost.layers), reuse_limit, split_backward)
+    pricing = price or _Repricing(cost)
+    found += seed_candidates(pricing, seeds, first_order=len(todo))
     for done, (family, scored) in enumerate(
-        _scored(cost, todo, num_microbatches, budget_bytes, jobs)
+        _scored(pricing, todo, num_microbatches, budget_bytes, jobs, len(cost.layers))
     ):
         if progress is not None:
             progress(done + 1, len(todo), family.label)
@@ -217,9 +244,53 @@ def tune(
     return TuneResult(ranked, fits[0], budget_bytes, tuple(skipped), seconds)
 
 
-def _scored(cost, todo, num_microbatches, budget_bytes, jobs) -> Iterator[tuple[Family, object]]:
+class _Repricing:
+    """The default :data:`Pricing`: ``cost`` with the partition's ``stage_layers``."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def __call__(self, placement: Placement, stage_layers: tuple[int, ...]) -> CostModel:
+        return replace(self.cost, stage_layers=tuple(stage_layers))
+
+
+def seed_candidates(price: Pricing, seeds: Sequence[Seed], first_order: int) -> list[Candidate]:
+    """Each seed scored under ``price`` (its enumeration order after the searched
+    families'). Raises :class:`ConfigError` naming a seed whose plan does not validate or
+    whose partition does not give one count per model stage."""
+    out = []
+    for i, seed in enumerate(seeds):
+        placement = seed.plan.placement
+        if len(seed.stage_layers) != placement.depth:
+            raise ConfigError(
+                f"seed {seed.label!r}: {len(seed.stage_layers)} stage layer counts for "
+                f"{placement.depth} model stages; give one count per model stage"
+            )
+        validate(seed.plan)
+        family = Family(first_order + i, "seed", placement, seed.label)
+        result = simulate(seed.plan, price(placement, tuple(seed.stage_layers)))
+        out.append(Candidate(family, "given", "seed", tuple(seed.stage_layers), seed.plan, result))
+    return out
+
+
+def add_seeds(result: TuneResult, price: Pricing, seeds: Sequence[Seed]) -> TuneResult:
+    """``result`` with ``seeds`` scored under ``price`` and ranked among its candidates
+    (the same as passing them to :func:`tune`, without searching again)."""
+    first = 1 + max((c.family.order for c in result.ranked), default=-1)
+    ranked = tuple(sorted((*result.ranked, *seed_candidates(price, seeds, first)), key=_key))
+    fits = [c for c in ranked if c.fits(result.budget_bytes)]
+    return replace(result, ranked=ranked, winner=fits[0] if fits else result.winner)
+
+
+def _key(candidate: Candidate) -> tuple:
+    return candidate.key
+
+
+def _scored(
+    price, todo, num_microbatches, budget_bytes, jobs, num_layers
+) -> Iterator[tuple[Family, object]]:
     """(family, its candidates or why it was skipped), in enumeration order."""
-    args = [(cost, family, num_microbatches, budget_bytes) for family in todo]
+    args = [(price, family, num_microbatches, budget_bytes, num_layers) for family in todo]
     if jobs <= 1:
         yield from zip(todo, (_score_or_skip(*a) for a in args), strict=True)
         return
@@ -230,9 +301,9 @@ def _scored(cost, todo, num_microbatches, budget_bytes, jobs) -> Iterator[tuple[
             yield family, future.result()
 
 
-def _score_or_skip(cost, family, num_microbatches, budget_bytes) -> list[Candidate] | str:
+def _score_or_skip(price, family, m, budget_bytes, num_layers) -> list[Candidate] | str:
     try:
-        return _score_family(cost, family, num_microbatches, budget_bytes)
+        return _score_family(price, family, m, budget_bytes, num_layers)
     except ConfigError as exc:
         return str(exc).split(";")[0]
 
@@ -252,14 +323,19 @@ def _nothing_fits(ranked, budget_bytes, skipped) -> ConfigError:
 
 
 def _score_family(
-    cost: CostModel, family: Family, num_microbatches: int, budget_bytes: float | None
+    price: Pricing,
+    family: Family,
+    num_microbatches: int,
+    budget_bytes: float | None,
+    num_layers: int,
 ) -> list[Candidate]:
     placement, schedule = family.placement, family.schedule
+    cost = price(placement, even_layers(num_layers, placement.depth))
     equal_plan = plan_for(cost, placement, num_microbatches, schedule, None)
     validate(equal_plan)
     out = []
     for kind, counts in _partitions(cost, family, num_microbatches, budget_bytes):
-        priced = replace(cost, stage_layers=counts)
+        priced = price(placement, counts)
         variants = [
             Candidate(
                 family, kind, "equal stages", counts, equal_plan, simulate(equal_plan, priced)
@@ -274,19 +350,38 @@ def _score_family(
                 variants.append(
                     Candidate(family, kind, "costs", counts, plan, simulate(plan, priced))
                 )
+        if schedule in SPLIT_BACKWARD_SCHEDULES:
+            variants += _count_capped(priced, family, kind, counts, num_microbatches)
         # the faster plan of those that fit (of all when none does); a tie keeps equal stages
         fitting = [c for c in variants if c.fits(budget_bytes)] or variants
         out.append(min(fitting, key=lambda c: c.makespan))
     return out
 
 
+def _count_capped(priced, family, kind, counts, num_microbatches) -> list[Candidate]:
+    """The split-backward plan for the costs under a cap counted in micro-batches (equal
+    activation bytes per stage, the planner's default) rather than in bytes: with unequal
+    stages (a ResNet's large early activations) it may hold more than 1F1B's bytes and
+    still fit the budget, and be faster; the budget decides."""
+    placement = family.placement
+    times = priced.stage_times(placement)
+    plan = plan_for(priced, placement, num_microbatches, family.schedule, times, count_cap=True)
+    validate(plan)
+    return [Candidate(family, kind, "costs, count cap", counts, plan, simulate(plan, priced))]
+
+
 def plan_for(
-    cost: CostModel, placement: Placement, num_microbatches: int, schedule: str, times
+    cost: CostModel,
+    placement: Placement,
+    num_microbatches: int,
+    schedule: str,
+    times,
+    count_cap: bool = False,
 ) -> Plan:
     """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
     sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
-    W's share of them under the schedule's cap, equal stages with the cost's W share when
-    ``times`` is None."""
+    W's share of them under the schedule's cap (``count_cap``: equal bytes per stage, the cap
+    counted in micro-batches), equal stages with the cost's W share when ``times`` is None."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return build_plan(placement, num_microbatches, schedule, times)
     if times is None:
@@ -298,7 +393,7 @@ def plan_for(
         num_microbatches,
         times,
         mem_cap="zb-h2" if schedule == "zb-h2" else "1f1b",
-        act=cost.stage_activation_bytes(placement),
+        act=None if count_cap else cost.stage_activation_bytes(placement),
         keep=cost.wgrad_keep_fraction,
     )
 
@@ -321,3 +416,51 @@ def _partitions(
         result = partition(*args, slack=LEAST_MEMORY_SLACK, schedule=family.schedule)
     if result.stage_layers != uniform:
         yield "balanced", result.stage_layers
+
+
+def tune_layout(
+    cost: CostModel,
+    placement: Placement,
+    num_microbatches: int,
+    *,
+    split_backward: bool = False,
+    budget_bytes: float | None = None,
+) -> TuneResult:
+    """The fastest plan for a layout that cannot change: ``placement`` and ``cost``'s
+    ``stage_layers`` stay (the model chunks of a running job are built for them); the
+    schedule (1F1B or megatron interleaved where the placement is theirs, PRT) and the
+    plan (for equal stages or for ``cost``'s times) are chosen. ``split_backward`` True
+    searches the split-backward schedules only (the chunks run I and W), False the others.
+    Ranked as :func:`tune`; raises :class:`ConfigError` when nothing fits the budget."""
+    start = time.perf_counter()
+    counts = cost.layer_counts(placement.depth)
+    names = SPLIT_BACKWARD_SCHEDULES if split_backward else _whole_backward(placement)
+    found, skipped = [], []
+    for order, schedule in enumerate(names):
+        family = Family(order, schedule, placement)
+        try:
+            plans = [("equal stages", plan_for(cost, placement, num_microbatches, schedule, None))]
+            if schedule in TIME_AWARE_SCHEDULES:
+                times = cost.stage_times(placement)
+                plans.append(
+                    ("costs", plan_for(cost, placement, num_microbatches, schedule, times))
+                )
+        except ConfigError as exc:
+            skipped.append((family.label, str(exc).split(";")[0]))
+            continue
+        for planned_for, plan in plans:
+            validate(plan)
+            result = simulate(plan, cost)
+            found.append(Candidate(family, "given", planned_for, counts, plan, result))
+    ranked = tuple(sorted(found, key=_key))
+    fits = [c for c in ranked if c.fits(budget_bytes)]
+    if not fits:
+        raise _nothing_fits(ranked, budget_bytes, skipped)
+    return TuneResult(ranked, fits[0], budget_bytes, tuple(skipped), time.perf_counter() - start)
+
+
+def _whole_backward(placement: Placement) -> tuple[str, ...]:
+    """The non-split schedules that run on ``placement``'s chunks."""
+    if (placement.placement, placement.direction) != ("loop", "uni"):
+        return ("prt",)
+    return ("1f1b", "prt") if placement.reuse == 1 else ("interleaved", "prt")

@@ -350,3 +350,16 @@ def test_quick_report_has_the_split_section(quick_report):
     for name in (*analytic.models(), *profiles.PROFILES):
         assert f"| {name} | 8 | ZB-H1 | " in quick_report
         assert f"| {name} | 8 | torch 1F1B | " in quick_report
+
+
+def test_quick_report_tuned_row_is_never_slower(quick_report):
+    """Every model and m of the split-backward tables has a tuned row, and it is at least as
+    fast as the fastest other row of the same model, link and m (every split, every kind)."""
+    table = quick_report.split("### Every model and m")[1].split("\n\n")[1].splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    column = header.index("tuned vs fastest other row")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert len(rows) == len(analytic.models()) + len(profiles.PROFILES)
+    for row in rows:
+        assert row[column].startswith("+"), row
+    assert quick_report.count("| **tuned**: ") == len(rows)

@@ -19,7 +19,8 @@ profiled on an H200 also times 1F1B and PRT uni on the partitioner's fastest lay
 (:func:`.jobs.balanced_cost`). The last section (:mod:`.zb`, ``--no-split`` leaves it out)
 times split-backward plans (ZB-H1, PRT with split backward) and torch's own schedules under
 the same costs, on the main links at the main table's m; it reads the other rows, which it
-does not change.
+does not change. Its tables end with the tuned row (:mod:`.tuned`, ``--no-tune`` leaves it
+out): ``megatron-prt tune``'s pick under the same costs, never slower than another row.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .tables import (
     paper_table,
     sensitivity_table,
 )
+from .tuned import run_tuned_all
 from .zb import balanced_split_jobs, keep_non_split, split_jobs, split_section
 
 
@@ -160,6 +162,11 @@ def parse_args(argv: Sequence[str]):
         action="store_true",
         help="leave out the split-backward and torch rows (their section)",
     )
+    p.add_argument(
+        "--no-tune",
+        action="store_true",
+        help="leave out the tuned rows (megatron-prt tune's pick) of the split section",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     return p.parse_args(argv)
 
@@ -175,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_split:
         extra = split_jobs(jobs, s) + balanced_split_jobs(results, s)
         split = keep_non_split(Results({**results, **run_all(extra, args.jobs)}))
+        if not args.no_tune:
+            tuning = time.perf_counter()
+            split = run_tuned_all(split, args.jobs)
+            print(f"tuned rows: {time.perf_counter() - tuning:.0f} s", file=sys.stderr)
     text = report(argv, s, results, time.perf_counter() - started, split)
     out = args.out or (None if args.quick else DEFAULT_OUT)
     if out and os.path.isdir(out):  # --out docs/benchmarks: the report's usual name there

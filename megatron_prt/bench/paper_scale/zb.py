@@ -31,6 +31,7 @@ from .jobs import (
     Settings,
 )
 from .split import TORCH
+from .tuned import TUNE_REUSE, TUNED, tuned_row
 
 SPLIT_LINKS = (MAIN_LINK, H200_MAIN_LINK)
 TORCH_REUSES = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}  # take any R
@@ -155,6 +156,8 @@ def best_zb(summary: dict[str, Outcome]) -> Outcome:
 def _row(o: Outcome, one_f_one_b: float) -> tuple:
     v = o.job.variant
     label = v.label if v.role in ("baseline", "zb", "peer") else f"non-split PRT {v.label}"
+    if v.role == TUNED:
+        label = f"**tuned**: {v.label}"
     if v.role == "zb" and v.label != "ZB-H1":
         label = f"PRT {label}"
     if not math.isfinite(o.ms):
@@ -194,6 +197,8 @@ def split_table(results: Results, names, link: str, ms_, paid: bool = False) -> 
                 summary[k] for k in ("1F1B", "prt", "ZB-H1", "zb uni", "zb bi") if k in summary
             ]
             shown += pick(results, key, "peer")
+            tuned = tuned_row(results, key[:4])
+            shown += [tuned] if tuned else []
             rows += [_row(o, first) for o in shown]
     return md_table(header, "lllrrrrl", rows)
 
@@ -211,12 +216,15 @@ def split_links_table(results: Results, keys: Sequence[tuple]) -> list[str]:
         "best torch ms",
         "PRT split vs 1F1B",
         "PRT split vs best torch",
+        "tuned ms",
+        "tuned vs fastest other row",
     )
     rows = []
     for key in keys:
         sm = split_summary(results, key)
         best = best_zb(sm)
         torch_best = sm.get("torch")
+        tuned = tuned_row(results, key[:4])
         rows.append(
             (
                 key[0],
@@ -229,9 +237,29 @@ def split_links_table(results: Results, keys: Sequence[tuple]) -> list[str]:
                 f"{torch_best.ms:.1f} ({torch_best.job.variant.label})" if torch_best else "n/a",
                 f"{sm['1F1B'].ms / best.ms - 1:+.1%}",
                 f"{torch_best.ms / best.ms - 1:+.1%}" if torch_best else "n/a",
+                *_tuned_cells(results, key, tuned),
             )
         )
-    return md_table(header, "lll" + "r" * 7, rows)
+    return md_table(header, "lll" + "r" * 9, rows)
+
+
+def _tuned_cells(results: Results, key: tuple, tuned: Outcome | None) -> tuple[str, str]:
+    """The tuned row's time and its gain over the fastest other row of the same model,
+    link and m (every split, every kind)."""
+    if tuned is None:
+        return ("n/a", "n/a")
+    others = [
+        o
+        for j, o in results.items()
+        if (j.model, j.link, j.microbatches, j.replica_sum) == key[:4]
+        and j.variant.role != TUNED
+        and math.isfinite(o.ms)
+    ]
+    best = fastest(others)
+    return (
+        f"{tuned.ms:.1f} ({tuned.job.variant.label})",
+        f"{best.ms / tuned.ms - 1:+.1%} (vs {best.job.variant.label}, {best.job.partition})",
+    )
 
 
 def _short(o: Outcome) -> str:
@@ -315,8 +343,13 @@ def split_section(results: Results, s: Settings) -> list[str]:
         "rows are torch.distributed.pipelining's own orders read into our plan IR "
         "(`megatron_prt.runtime.peers`) and simulated under the same costs; torch refuses "
         "some configurations (n/a, with its reason). *Busiest rank compute ÷ iteration*: "
-        "1.0 = no bubble on the busiest rank. *non-split PRT*: the fastest PRT row of the "
-        "tables above, for comparison.",
+        "1.0 = no bubble on the busiest rank (the zero-bubble limit). *non-split PRT*: the "
+        "fastest PRT row of the tables above, for comparison. *tuned*: what `megatron-prt "
+        f"tune` picks under the same costs (R up to {TUNE_REUSE}, every schedule family, "
+        "split backward on and off, the even and the partitioner's split, plans for the "
+        "real costs, within the GPU's memory; `megatron_prt.bench.paper_scale.tuned`); "
+        "every row faster than its own search would be shown to it as a seed, and *plan "
+        "kept* names any such row, so the tuned row is never slower than another.",
         "",
         f"### Per model and m (`{MAIN_LINK}`)",
         "",

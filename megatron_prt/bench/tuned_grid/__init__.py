@@ -1,0 +1,140 @@
+"""The measured grid against the tuner's pick (CPU, 2 gloo ranks, one thread each).
+
+    python benchmarks/tuned_grid.py                    # writes out/bench/tuned_grid.{md,json}
+    python benchmarks/tuned_grid.py --smoke            # tiny stacks, 1 repetition: it runs
+
+For each of three layer stacks (:mod:`.stacks`: equal layers, a heavy head on the last
+stage, large messages for little compute) one launch profiles the costs on the ranks,
+plans an exhaustive grid (:func:`.grid.grid_entries`: R in {1, 2, 3, 4}, loop/wave,
+uni/bi, split backward off/on, even and balanced splits), runs ``megatron-prt tune`` on the
+same costs, and times every grid configuration and the tuner's pick as interleaved
+repetitions (medians). The report gives, per stack, the grid's best measured time against
+the tuned pick's (target: within 5%) and the tuned pick's predicted against measured time
+(target: within 10%), and every grid row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ...runtime.local import all_ok, run_local
+from ...sim.simulate import simulate
+from ..report import launch
+from .grid import TUNED, worker
+from .stacks import STACKS
+
+DEFAULT_OUT = "out/bench"
+NAME = "tuned_grid"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--stacks", default=",".join(STACKS), help="comma-separated, of " + ", ".join(STACKS)
+    )
+    p.add_argument("-m", "--microbatches", type=int, default=8, help="micro-batches (default 8)")
+    p.add_argument("--reps", type=int, default=11, help="timed repetitions per row (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    p.add_argument("--layers", type=int, default=8, help="layers per stack (default 8)")
+    p.add_argument("--hidden", type=int, default=512, help="equal and head stacks' width")
+    p.add_argument("--wide", type=int, default=8192, help="the wide stack's channels")
+    p.add_argument("--mb-size", type=int, default=32, help="rows per micro-batch")
+    p.add_argument("--profile-steps", type=int, default=5, help="traced profiling steps")
+    p.add_argument("--burst", type=int, default=64, help="messages per CPU-cost burst")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default {DEFAULT_OUT})")
+    p.add_argument("--smoke", action="store_true", help="tiny stacks, 1 repetition: checks it runs")
+    args = p.parse_args(argv)
+    args.stacks = [s for s in args.stacks.split(",") if s]
+    unknown = sorted(set(args.stacks) - set(STACKS))
+    if unknown:
+        p.error(f"--stacks: unknown {', '.join(unknown)}; choose from {', '.join(STACKS)}")
+    if args.smoke:
+        args.hidden, args.wide, args.mb_size, args.reps, args.warmup = 32, 256, 2, 1, 1
+        args.profile_steps, args.burst = 1, 4
+    return args
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    """Per stack: every row (measured median, predicted), the grid's best and the tuned
+    pick, with the two targets' ratios."""
+    out = {}
+    for stack, res in per_rank[0].items():
+        cost = res["cost"]
+        rows = []
+        for label, plan, counts in [*res["entries"], (TUNED, *res["tuned"][1:])]:
+            predicted = simulate(plan, replace(cost, stage_layers=counts)).makespan
+            measured = statistics.median(res["times"][label])
+            rows.append({"label": label, "measured_s": measured, "predicted_s": predicted})
+        grid = [r for r in rows if r["label"] != TUNED]
+        tuned = next(r for r in rows if r["label"] == TUNED)
+        best = min(grid, key=lambda r: r["measured_s"])
+        out[stack] = {
+            "costs": cost.to_dict(),
+            "rows": sorted(grid, key=lambda r: r["measured_s"]),
+            "grid_best": best,
+            "predicted_best": min(grid, key=lambda r: r["predicted_s"]),
+            "tuned": {**tuned, **res["tune"]},
+            "tuned_vs_grid_best": tuned["measured_s"] / best["measured_s"] - 1,
+            "tuned_predicted_vs_measured": tuned["predicted_s"] / tuned["measured_s"] - 1,
+        }
+    return out
+
+
+def markdown(summary: dict, info: dict) -> str:
+    lines = [
+        "# Measured grid vs the tuned pick (CPU, 2 ranks, one thread each)",
+        "",
+        f"Command: `{info['command']}`; wall time {info['wall_s']:.0f} s; load average "
+        f"{info['load_start']:.1f} at start, {info['load_end']:.1f} at end. Times are medians "
+        "of interleaved repetitions in one launch; predictions are the simulator's from costs "
+        "profiled in the same launch.",
+        "",
+        "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
+        "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
+        "grid rows |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for stack, s in summary.items():
+        b, t = s["grid_best"], s["tuned"]
+        lines.append(
+            f"| {stack} | {b['label']}: {1e3 * b['measured_s']:.2f} ms | {t['label']} | "
+            f"{1e3 * t['measured_s']:.2f} ms | {s['tuned_vs_grid_best']:+.1%} | "
+            f"{1e3 * t['predicted_s']:.2f} ms | {s['tuned_predicted_vs_measured']:+.1%} | "
+            f"{len(s['rows'])} |"
+        )
+    for stack, s in summary.items():
+        lines += [
+            "",
+            f"## {stack}: every grid row (fastest measured first)",
+            "",
+            "| configuration | measured ms | predicted ms | predicted vs measured |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in s["rows"]:
+            lines.append(
+                f"| {r['label']} | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
+                f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    command = " ".join(["python benchmarks/tuned_grid.py", *argv])
+    per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=1800)))
+    summary = summarize(per_rank)
+    os.makedirs(args.out, exist_ok=True)
+    md = os.path.join(args.out, f"{NAME}.md")
+    with open(md, "w") as f:
+        f.write(markdown(summary, info))
+    with open(os.path.join(args.out, f"{NAME}.json"), "w") as f:
+        json.dump({"machine": info, "args": vars(args), "stacks": summary}, f, indent=1)
+    print(f"wrote {md} ({info['wall_s']:.0f} s)")
+    return 0

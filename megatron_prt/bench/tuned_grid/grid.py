@@ -1,0 +1,160 @@
+"""The measured grid and the tuner's pick, on one rank: every configuration of a stack is
+planned on rank 0 (the same plans reach every rank), built as a megatron-prt runtime over
+shared memory, and timed with the layer-stack bench's interleaved repetitions
+(:func:`megatron_prt.bench.common.measure_runners`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+from torch.nn.functional import mse_loss
+
+from ...core import Placement
+from ...core.layers import even_layers
+from ...core.placement import ConfigError
+from ...core.plan import Plan
+from ...runtime import PipelineRuntime, build_stages, sync_replicas
+from ...sim.cost import CostModel
+from ...tune.partition import partition
+from ...tune.search_plans import plan_for, tune
+from ..common import measure_runners, say
+from .stacks import STACKS, batch, layer_maker, profile_costs, shm_capacity
+
+REUSES = (1, 2, 3, 4)
+TUNED = "tuned"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One planned configuration: ``label``, its plan and layer split."""
+
+    label: str
+    plan: Plan
+    stage_layers: tuple[int, ...]
+
+
+def grid_entries(cost: CostModel, ranks: int, m: int) -> list[Entry]:
+    """R in :data:`REUSES` (R * P <= layers), loop/wave (wave needs R >= 2), uni/bi,
+    split backward off/on, the even and the partitioner's fastest split (when it differs);
+    each plan built for its split's costs. Configurations that cannot exist are left out."""
+    out = []
+    layers = len(cost.layers)
+    for reuse in REUSES:
+        if reuse * ranks > layers:
+            continue
+        for where in ("loop", "wave") if reuse > 1 else ("loop",):
+            for direction in ("uni", "bi"):
+                placement = Placement(ranks, reuse, where, direction)
+                for split in (False, True):
+                    out += _entries(cost, placement, m, split)
+    return out
+
+
+def _entries(cost: CostModel, placement: Placement, m: int, split: bool) -> list[Entry]:
+    one_f_one_b = (placement.reuse, placement.placement, placement.direction) == (1, "loop", "uni")
+    schedule = "zb" if split else ("1f1b" if one_f_one_b else "prt")
+    even = even_layers(len(cost.layers), placement.depth)
+    found = partition(cost, placement, m, budget_bytes=math.inf, schedule=schedule)
+    splits = {
+        "even": even,
+        **({"balanced": found.stage_layers} if found.stage_layers != even else {}),
+    }
+    name = f"R={placement.reuse} {placement.placement}/{placement.direction}"
+    name += " split" if split else ""
+    out = []
+    for kind, counts in splits.items():
+        priced = replace(cost, stage_layers=counts)
+        try:
+            plan = plan_for(priced, placement, m, schedule, priced.stage_times(placement))
+        except ConfigError:  # e.g. bi with fewer micro-batches than pipelines
+            continue
+        out.append(Entry(f"{name}, {kind}", plan.compute_only(), counts))
+    return out
+
+
+def tuned_entry(cost: CostModel, ranks: int, m: int) -> tuple[Entry, dict]:
+    """The tuner's pick (R up to max(:data:`REUSES`)) and what it predicted."""
+    start = time.process_time()
+    result = tune(cost, ranks, m, reuse_limit=max(REUSES))
+    w = result.winner
+    label = f"{w.label}, {w.partition} split, plan for {w.planned_for}"
+    info = {"label": label, "predicted_s": w.makespan, "tune_cpu_s": time.process_time() - start}
+    info["candidates"] = len(result.ranked)
+    return Entry(label, w.plan.compute_only(), w.stage_layers), info
+
+
+class GridRunner:
+    """A megatron-prt runtime running one entry's plan on its split (the runner protocol of
+    :func:`megatron_prt.bench.common.measure_runners`)."""
+
+    def __init__(self, entry: Entry, stack: str, rank: int, args, m: int) -> None:
+        self.plan = entry.plan
+        placement = entry.plan.placement
+        self.placement = placement
+        self.modules = build_stages(
+            placement, rank, layer_maker(stack, args), args.layers, entry.stage_layers
+        )
+        sync_replicas(placement, self.modules)
+        self.runtime = PipelineRuntime(
+            entry.plan, self.modules, mse_loss, shm_capacity=shm_capacity(stack, args)
+        )
+        self.wire = type(self.runtime.transport).__name__
+        self.replica_sum_s: list[float] = []
+        self.xs, self.ys = batch(stack, args, m)
+
+    def zero_grad(self) -> None:
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.runtime.step(self.xs, self.ys)
+        if self.placement.direction == "bi":  # a bi training step sums the replicas
+            start = time.perf_counter()
+            self.runtime.reduce_replica_grads()
+            self.replica_sum_s.append(time.perf_counter() - start)
+
+    def peak_bytes(self) -> int:
+        return 0  # not reported: the grid compares time
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def planned(cost: CostModel, ranks: int, m: int) -> tuple[list[Entry], Entry, dict]:
+    """Rank 0 plans the grid and tunes; every rank gets the same entries (collective)."""
+    shared: list = [None]
+    if dist.get_rank() == 0:
+        tuned, info = tuned_entry(cost, ranks, m)
+        shared = [(grid_entries(cost, ranks, m), tuned, info)]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def measure_stack(rank: int, world: int, stack: str, args) -> dict:
+    """Profile ``stack``, plan the grid and tune on rank 0, time every entry and the pick."""
+    say(f"tuned grid, {stack}: profiling costs")
+    cost = profile_costs(rank, world, stack, args)
+    m = args.microbatches
+    entries, tuned, info = planned(cost, world, m)
+    say(f"tuned grid, {stack}: {len(entries)} grid configurations + the tuned pick")
+    built = {e.label: GridRunner(e, stack, rank, args, m) for e in entries}
+    built[TUNED] = GridRunner(tuned, stack, rank, args, m)
+    measured = measure_runners(built, args, f"tuned grid, {stack}:")
+    return {
+        "cost": cost,
+        "entries": [(e.label, e.plan, e.stage_layers) for e in entries],
+        "tuned": (tuned.label, tuned.plan, tuned.stage_layers),
+        "tune": info,
+        "times": measured["times"],
+    }
+
+
+def worker(rank: int, world: int, args) -> dict:
+    """One rank: every stack of ``args.stacks`` in turn."""
+    return {stack: measure_stack(rank, world, stack, args) for stack in args.stacks}
+
+
+__all__ = ["STACKS", "worker"]
