@@ -380,8 +380,8 @@ def plan_for(
 ) -> Plan:
     """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
     sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
-    W's share of them under the schedule's cap (``count_cap``: equal bytes per stage, the cap
-    counted in micro-batches), equal stages with the cost's W share when ``times`` is None."""
+    W's share of them per stage (``stage_wgrad_keep``) under the schedule's cap
+    (``count_cap``: equal bytes per stage, the cap counted in micro-batches), equal stages with the cost's W share when ``times`` is None."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return build_plan(placement, num_microbatches, schedule, times)
     if times is None:
@@ -394,7 +394,7 @@ def plan_for(
         times,
         mem_cap="zb-h2" if schedule == "zb-h2" else "1f1b",
         act=None if count_cap else cost.stage_activation_bytes(placement),
-        keep=cost.wgrad_keep_fraction,
+        keep=cost.wgrad_keep_fraction if count_cap else cost.stage_wgrad_keep(placement),
     )
 
 
