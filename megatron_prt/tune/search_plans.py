@@ -381,7 +381,8 @@ def plan_for(
     """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
     sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
     W's share of them per stage (``stage_wgrad_keep``) under the schedule's cap
-    (``count_cap``: equal bytes per stage, the cap counted in micro-batches), equal stages with the cost's W share when ``times`` is None."""
+    (``count_cap``: equal bytes per stage, the cap counted in micro-batches), equal stages
+    with the cost's W share when ``times`` is None."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return build_plan(placement, num_microbatches, schedule, times)
     if times is None:
