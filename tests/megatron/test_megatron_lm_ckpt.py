@@ -85,6 +85,10 @@ def _save_like_megatron_lm(rank, world, placement, directory, fixed):
         dist_checkpointing.save(_state(saved, optimizer), directory, strategy)
     except CheckpointingException as refused:
         return "refused", str(refused)[:300]
+    finally:  # the writer's helper processes (a Manager): run_local's ranks end by os._exit
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(10)
     fresh = _chunks(reuse, seed=8)
     loaded = dist_checkpointing.load(_state(fresh), directory)
     for c, chunk in enumerate(fresh):
