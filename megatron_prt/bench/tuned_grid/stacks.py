@@ -12,12 +12,21 @@ split-backward step, F, B, I and W medians per layer (backward: the whole one, W
 of the split one); one message of the stack's width
 timed on the shared-memory transport; the bi replica-gradient sum calibrated on a bi
 runtime at the stack's width and at an eighth of it.
+
+[Note: per-message CPU in place] A message timed alone costs its ranks less CPU than one
+sent while both ranks compute (2 ranks on 2 cores: the transport's work competes with the
+compute for the core). So the per-message CPU is fitted in place: the traced many-message
+step (every layer its own stage) and an untraced 1F1B step (R = 1), both timed, give the
+extra CPU per message that makes the simulated difference of the two equal the measured
+one (never below the isolated figure; a per-step constant cancels out).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,9 +34,11 @@ from torch.nn.functional import mse_loss
 
 from ...core import Placement, build_plan
 from ...core.actions import Op
+from ...core.plan import Plan
 from ...runtime import PipelineRuntime, build_stages
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
+from ...sim.simulate import simulate
 from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs
 
 STACKS = ("equal", "head", "wide")
@@ -92,8 +103,8 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
         raise ValueError(f"--layers {args.layers} must be a multiple of the {world} ranks")
     reuse = args.layers // world
     placement = Placement(world, reuse)
-    whole = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
-    split = _spans(rank, placement, stack, args, "zb")
+    whole, _ = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
+    split, _ = _spans(rank, placement, stack, args, "zb")
     mine = torch.zeros(args.layers, 4, dtype=torch.float64)
     for k in range(args.layers):
         for column, (spans, op) in enumerate(
@@ -110,21 +121,49 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
     ]
 
 
-def _spans(rank: int, placement: Placement, stack: str, args, schedule: str) -> list:
+def _spans(
+    rank: int, placement: Placement, stack: str, args, schedule: str, trace: bool = True
+) -> tuple[list, float]:
+    """(the traced actions' spans, the median step time in seconds, the slowest rank's)."""
     m = max(2, placement.ranks)
     plan = build_plan(placement, m, schedule)
     stages = build_stages(placement, rank, layer_maker(stack, args), args.layers)
     runtime = PipelineRuntime(
-        plan, stages, mse_loss, trace=True, shm_capacity=shm_capacity(stack, args)
+        plan, stages, mse_loss, trace=trace, shm_capacity=shm_capacity(stack, args)
     )
     xs, ys = batch(stack, args, m)
     runtime.step(xs, ys)  # warm-up: shapes exchanged, allocator primed (not timed)
-    spans = []
+    spans, steps = [], []
     for _ in range(args.profile_steps):
+        dist.barrier()
+        start = time.perf_counter()
         runtime.step(xs, ys)
-        spans += runtime.trace()
+        steps.append(time.perf_counter() - start)
+        if trace:
+            spans += runtime.trace()
     runtime.close()
-    return spans
+    step = torch.tensor([statistics.median(steps)], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    return spans, float(step)
+
+
+def message_cpu_in_place(cost: CostModel, timed: list[tuple[Plan, float]]) -> float:
+    """[Note: per-message CPU in place]: the ``p2p_cpu`` (>= ``cost.p2p_cpu``) at which the
+    simulated difference of the two ``(plan, measured seconds)`` in ``timed`` (fewest
+    messages first) equals the measured one; bisection (the difference grows with it)."""
+    (few, few_s), (many, many_s) = timed
+
+    def gap(cpu: float) -> float:
+        priced = replace(cost, p2p_cpu=cpu)
+        return simulate(many, priced).makespan - simulate(few, priced).makespan
+
+    low, high = cost.p2p_cpu, cost.p2p_cpu + many_s
+    if gap(low) >= many_s - few_s:
+        return low
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if gap(mid) < many_s - few_s else (low, mid)
+    return (low + high) / 2
 
 
 def _grad_bytes(layer: torch.nn.Module) -> float:
@@ -160,6 +199,12 @@ def profile_costs(rank: int, world: int, stack: str, args) -> CostModel:
         p2p_cpu=cpu,
         **replica_fields(rank, world, stack, args),
     )
+    timed = []
+    for reuse, schedule in ((1, "1f1b"), (args.layers // world, "prt")):
+        placement = Placement(world, reuse)
+        _, step_s = _spans(rank, placement, stack, args, schedule, trace=False)
+        timed.append((build_plan(placement, max(2, world), schedule), step_s))
+    cost = replace(cost, p2p_cpu=message_cpu_in_place(cost, timed))
     shared = [cost]
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank
     return shared[0]
