@@ -113,8 +113,9 @@ def markdown(summary: dict, info: dict) -> str:
             "",
             f"## {stack}: every grid row (fastest measured first)",
             "",
-            f"Per-message CPU fitted in place ([Note: per-message CPU in place] in "
-            f"`megatron_prt/bench/tuned_grid/stacks.py`): {1e3 * s['costs'].get('p2p_cpu', 0.0):.3f} ms; "
+            "Per-message CPU fitted in place ([Note: per-message CPU in place] in "
+            "`megatron_prt/bench/tuned_grid/stacks.py`): "
+            f"{1e3 * s['costs'].get('p2p_cpu', 0.0):.3f} ms; "
             f"latency {1e3 * s['costs'].get('p2p_latency', 0.0):.3f} ms.",
             "",
             "| configuration | measured ms | predicted ms | predicted vs measured |",
