@@ -154,7 +154,10 @@ def profile_model(
     Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
     before, not inside, a multi-rank run. On CPU it installs
-    :func:`megatron_prt.megatron.cpu.enable` (process-wide)."""
+    :func:`megatron_prt.megatron.cpu.enable` (process-wide).
+
+    (Over 60 lines for its signature, one keyword per ``megatron-prt profile`` flag, and
+    this contract; the body is the 40 lines below.)"""
     sizes = {
         "--num-layers": num_layers,
         "--hidden-size": hidden_size,

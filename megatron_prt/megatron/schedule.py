@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -50,6 +50,7 @@ from ..runtime.executor import PipelineRuntime
 from ..runtime.split_plan import split_backward_plan
 from ..runtime.trace import gather_spans, write_measured
 from .auto import AutoTuner
+from .chunk_data import chunk_data
 from .config import ReuseConfig
 from .model import (
     chunk_stages,
@@ -60,54 +61,6 @@ from .model import (
     unwrap,
 )
 from .split import enable_megatron_split_backward
-
-
-class ChunkData:
-    """Batches of one chunk's iterator by micro-batch. ``for_mb(mb)`` is an iterator whose
-    single ``next`` returns batch ``mb``, reading ahead (and keeping) what lies between."""
-
-    def __init__(self, source: Iterator | None, chunk: int) -> None:
-        self.source, self.chunk = source, chunk
-        self.read = 0  # batches taken from ``source`` this iteration
-        self.ahead: dict[int, object] = {}
-
-    def for_mb(self, mb: int) -> Iterator:
-        data = self
-
-        class _One:
-            used = False
-
-            def __iter__(self):
-                return self
-
-            def __next__(self):
-                if self.used:
-                    raise RuntimeError(
-                        f"forward_step_func drew a second batch for micro-batch {mb} of chunk "
-                        f"{data.chunk}; each call must draw at most one"
-                    )
-                self.used = True
-                return data.take(mb)
-
-        return _One()
-
-    def take(self, mb: int):
-        if self.source is None:
-            raise RuntimeError(f"chunk {self.chunk} has no data iterator")
-        while self.read <= mb:
-            self.ahead[self.read] = next(self.source)
-            self.read += 1
-        if mb not in self.ahead:
-            raise RuntimeError(f"batch of micro-batch {mb} was already used (chunk {self.chunk})")
-        return self.ahead.pop(mb)
-
-    def finish(self, num_microbatches: int) -> None:
-        """A chunk that drew data ends the iteration at batch ``m`` (``bi`` chunks draw every
-        other batch); one that drew none leaves its iterator alone."""
-        while 0 < self.read < num_microbatches:
-            next(self.source)
-            self.read += 1
-        self.read, self.ahead = 0, {}
 
 
 class MegatronCallbacks(StageCallbacks):
@@ -363,7 +316,7 @@ def make_forward_backward_func(
         group = _pp_group(pg_collection)
         shape = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length)
         pipeline = pipelines.get(model, config, group, shape, forward_only)
-        data = _chunk_data(data_iterator, len(model))
+        data = chunk_data(data_iterator, len(model))
         profiled = auto is not None and auto.profiling and not forward_only
         if profiled:
             auto.before(pipeline)
@@ -528,20 +481,6 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _chunk_data(data_iterator, chunks: int) -> list[ChunkData]:
-    if not isinstance(data_iterator, list):
-        data_iterator = [data_iterator] * chunks if chunks == 1 else data_iterator
-    if not isinstance(data_iterator, list) or len(data_iterator) != chunks:
-        raise ValueError(f"data_iterator must be a list of {chunks} iterators, one per chunk")
-    shared = [it for it in data_iterator if it is not None]
-    if len({id(it) for it in shared}) != len(shared):
-        raise ValueError(
-            "each model chunk needs its own data iterator (megatron builds one per chunk); "
-            "the same iterator object was given for several chunks"
-        )
-    return [ChunkData(it, c) for c, it in enumerate(data_iterator)]
 
 
 def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, device):

@@ -108,6 +108,7 @@ from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
+from .cost_checks import check_value_types
 from .recompute import (
     KEPT,
     RECOMPUTED_IN_BLOCK,
@@ -556,52 +557,10 @@ class CostModel:
         except ValueError as exc:  # not JSON, or not UTF-8
             raise ConfigError(f"{path}: not JSON ({exc})") from exc
         try:
-            _check_value_types(data)
+            check_value_types(data, CostModel, LayerCost)
             return cls.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
-
-
-def _check_value_types(data: object) -> None:
-    """Refuse JSON values that :meth:`CostModel.from_dict` would turn into a ``TypeError``
-    deep inside (a string for a time, a list that is not one): numbers where numbers go
-    (``null`` and ``Infinity`` only where the field's default is ``None`` or infinite), lists
-    and objects where they go. Keys and ranges are from_dict's to check."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"expected a JSON object of cost keys, got {type(data).__name__}")
-    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict}
-    for key, kind in parts.items():
-        value = data.get(key)
-        if value is not None and not isinstance(value, kind):
-            raise ConfigError(f"key {key} must be a JSON {kind.__name__}, got {value!r}")
-    words = ("recompute_granularity", "recompute_method")  # strings: _check_recompute
-    for key in words:
-        if data.get(key) is not None and not isinstance(data[key], str):
-            raise ConfigError(f"key {key} must be a string or null, got {data[key]!r}")
-    _check_numbers(data, CostModel, "", skip={*parts, *words})
-    for index, count in enumerate(data.get("stage_layers") or ()):
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise ConfigError(f"key stage_layers[{index}] must be an integer, got {count!r}")
-    entries = [(f"layers[{i}]", layer) for i, layer in enumerate(data.get("layers") or ())]
-    entries += [(end, data[end]) for end in ("embedding", "head") if data.get(end) is not None]
-    for where, entry in entries:
-        if not isinstance(entry, dict):
-            raise ConfigError(f"key {where} must be an object with fwd, bwd, act, param")
-        _check_numbers(entry, LayerCost, f"{where}.")
-
-
-def _check_numbers(data: dict, kind: type, prefix: str, skip=()) -> None:
-    for name, spec in kind.__dataclass_fields__.items():
-        if name in skip or name not in data:
-            continue
-        value = data[name]
-        open_ended = spec.default is None or spec.default == math.inf
-        if value is None and open_ended:
-            continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or math.isnan(value) or (math.isinf(value) and not open_ended):
-            allowed = " (or null)" if open_ended else ""
-            raise ConfigError(f"key {prefix}{name} must be a number{allowed}, got {value!r}")
 
 
 # Keys :meth:`CostModel.to_dict` leaves out at these values, so that a file without them

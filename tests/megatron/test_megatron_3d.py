@@ -285,8 +285,9 @@ def _measure_recomputed(rank, world, reuse, recompute: dict, m, plan=None):
 
     from megatron_prt.core import build_plan
     from megatron_prt.megatron import prepare_model
+    from megatron_prt.megatron.chunk_data import ChunkData
     from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.schedule import ChunkData, MegatronPipeline
+    from megatron_prt.megatron.schedule import MegatronPipeline
 
     setup_megatron(reuse.placement.ranks, reuse.placement.chunks_per_rank)
     config = transformer_config(

@@ -248,8 +248,9 @@ def _measure_megatron(rank, world, reuse, m):
     import megatron_models as mm
 
     from megatron_prt.megatron import prepare_model
+    from megatron_prt.megatron.chunk_data import ChunkData
     from megatron_prt.megatron.model import transformer_config_kwargs
-    from megatron_prt.megatron.schedule import ChunkData, MegatronPipeline
+    from megatron_prt.megatron.schedule import MegatronPipeline
 
     placement = reuse.placement
     mm.setup_megatron(placement.ranks, placement.chunks_per_rank)
