@@ -157,7 +157,7 @@ def profile_model(
     :func:`megatron_prt.megatron.cpu.enable` (process-wide).
 
     (Over 60 lines for its signature, one keyword per ``megatron-prt profile`` flag, and
-    this contract; the body is the 40 lines below.)"""
+    this contract.)"""
     sizes = {
         "--num-layers": num_layers,
         "--hidden-size": hidden_size,
@@ -177,14 +177,8 @@ def profile_model(
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = partial(  # the test models' settings: no fused kernels
-            transformer_config,
-            torch_dtype,
-            num_layers=layers_built,
-            hidden_size=hidden_size,
-            ffn_hidden_size=ffn_hidden_size,
-            num_attention_heads=num_attention_heads,
-            use_cpu_initialization=device == "cpu",
+        config = _config_factory(
+            torch_dtype, layers_built, hidden_size, ffn_hidden_size, num_attention_heads, device
         )
         shape = (seq_length, micro_batch_size, vocab_size, device)
         build = partial(build_model, kind, transformer_impl=transformer_impl)
@@ -201,6 +195,20 @@ def profile_model(
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
     return result
+
+
+def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str):
+    """A TransformerConfig maker with the test models' settings (no fused kernels); its
+    keywords override them."""
+    return partial(
+        transformer_config,
+        dtype,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn_hidden,
+        num_attention_heads=heads,
+        use_cpu_initialization=device == "cpu",
+    )
 
 
 def _add_recomputed(costs: dict, granularity: str, build, kind, config, shape, reps, say) -> None:
