@@ -242,12 +242,7 @@ def _bert_config(
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 
     return BERTMaskedWordPieceDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=([prefix], None),
-        split=split,
-        path_to_cache=cache_dir or os.path.join(os.path.dirname(prefix), "cache"),
-        tokenizer=tokenizer,
+        **_config_common(prefix, tokenizer, seq_length, split, seed, cache_dir),
         masking_probability=mask_prob,
         short_sequence_probability=short_seq_prob,
         masking_max_ngram=3,
@@ -286,15 +281,24 @@ def build_gpt_datasets(
     check_indexed_dataset(prefix, tokenizer.vocab_size)
     split_document_ranges(1, split)  # refuses weights megatron would divide by zero on
     config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=([prefix], None),
-        split=split,
-        path_to_cache=cache_dir or os.path.join(os.path.dirname(prefix), "cache"),
-        tokenizer=tokenizer,
+        **_config_common(prefix, tokenizer, seq_length, split, seed, cache_dir),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config)
     return tuple(builder.build())
+
+
+def _config_common(prefix, tokenizer, seq_length: int, split: str, seed: int, cache_dir) -> dict:
+    """The BlendedMegatronDatasetConfig fields every dataset here sets alike: one prefix,
+    megatron's split string, the sample index cached in ``cache_dir`` (default DIR/cache
+    beside the data)."""
+    return {
+        "random_seed": seed,
+        "sequence_length": seq_length,
+        "blend": ([prefix], None),
+        "split": split,
+        "path_to_cache": cache_dir or os.path.join(os.path.dirname(prefix), "cache"),
+        "tokenizer": tokenizer,
+    }
