@@ -193,7 +193,7 @@ def _reuse_value(text: str) -> int:
     ``"auto:2"`` -> AutoReuse(2)."""
     head, _, tail = text.partition(":")
     try:
-        if head == "auto":
+        if head == "auto" and (tail or not text.endswith(":")):
             return AutoReuse(int(tail) if tail else 1)
         if not tail:
             return int(text)

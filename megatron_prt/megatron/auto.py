@@ -77,13 +77,21 @@ def _agreed_plan(reuse: ReuseConfig, running: Plan, gathered: list) -> Plan:
     payload: list = [None]
     if dist.get_rank() == 0:
         counts = reuse.layers_per_stage()
-        cost = measured_cost(running.placement, counts, gathered, reuse.split_backward)
-        result = tune_layout(
-            cost, running.placement, running.num_microbatches, split_backward=reuse.split_backward
-        )
-        print(describe(result, running, cost, len(gathered[0])), flush=True)
-        payload = [result.winner.plan.to_dict()]
+        try:
+            cost = measured_cost(running.placement, counts, gathered, reuse.split_backward)
+            result = tune_layout(
+                cost,
+                running.placement,
+                running.num_microbatches,
+                split_backward=reuse.split_backward,
+            )
+            print(describe(result, running, cost, len(gathered[0])), flush=True)
+            payload = [result.winner.plan.to_dict()]
+        except ConfigError as exc:  # every rank waits in the broadcast: tell them why
+            payload = [{"error": str(exc)}]
     dist.broadcast_object_list(payload, src=0)
+    if "error" in payload[0]:
+        raise ConfigError(f"{LOG_PREFIX} tuning on rank 0 failed: {payload[0]['error']}")
     plan = Plan.from_dict(payload[0])
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, plan_hash(plan))

@@ -120,13 +120,13 @@ def save_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     try:
         with _terminated_raises():
             _save(args, state, folder)
+            if dist.get_rank() == 0:  # (a full disk here too stops with the message)
+                latest = Path(args.save) / "latest"
+                latest.with_suffix(".tmp").write_text(f"{state.iteration}\n")
+                latest.with_suffix(".tmp").replace(latest)
+            dist.barrier()
     except (Exception, CheckpointException, Terminated) as exc:
         _stop_saving(args, folder, exc)
-    if dist.get_rank() == 0:
-        latest = Path(args.save) / "latest"
-        latest.with_suffix(".tmp").write_text(f"{state.iteration}\n")
-        latest.with_suffix(".tmp").replace(latest)
-    dist.barrier()
     log(f"saved checkpoint of iteration {state.iteration} to {folder}")
 
 

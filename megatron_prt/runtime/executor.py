@@ -74,7 +74,9 @@ class PipelineRuntime:
     or ``shm`` (see :mod:`megatron_prt.runtime.p2p`); shared-memory rings are sized from the
     first step's messages, which go over torch.distributed, or are ``shm_capacity`` bytes
     each when given (:mod:`megatron_prt.runtime.rings`); ``variable_shapes``: activation shapes
-    may differ between micro-batches (each message then carries its shape);
+    may differ between micro-batches (each message then carries its shape; on shared memory
+    pass ``shm_capacity`` for the largest, else a later message larger than the first
+    step's stops the step naming ``shm_capacity``);
     ``measure_memory``: count the activation bytes this rank holds for backward during each
     step (:meth:`memory_stats`; the attribute may also be switched between steps);
     ``callbacks``: what the stages compute (default :class:`ModuleCallbacks` over ``stages``

@@ -20,6 +20,7 @@ step's (``variable_shapes``), where a message larger than its sized ring raises 
 from __future__ import annotations
 
 import logging
+import numbers
 import platform
 import socket
 from collections import Counter
@@ -74,6 +75,17 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
     programs, device, dtype, timeout_s and variable_shapes."""
     if kind not in ("auto", "torch", "shm"):
         raise ValueError(f"rank {runtime.rank}: transport must be auto, torch or shm, got {kind!r}")
+    smallest = message_bytes(0)
+    if shm_capacity is not None and (
+        isinstance(shm_capacity, bool)
+        or not isinstance(shm_capacity, numbers.Integral)
+        or shm_capacity < smallest
+    ):
+        raise ValueError(
+            f"rank {runtime.rank}: shm_capacity must be None (rings sized from the messages) "
+            f"or a whole number of bytes >= {smallest}, got {shm_capacity!r}"
+        )
+    shm_capacity = None if shm_capacity is None else int(shm_capacity)
     group, placement = runtime._group, runtime.plan.placement
     if kind != "torch":
         hosts: list = [None] * dist.get_world_size(group)
@@ -126,7 +138,7 @@ def sized_shm(runtime, kind: str):
         if kind == "shm":
             raise PipelineError(shm_too_small(runtime.rank, need, free, None))
         _fall_back(runtime.rank, need, free)
-        return runtime.transport
+        return _torch(runtime, runtime.dtype)  # every rank decides alike: safe to rebuild
     return _shm(runtime, sizes)
 
 

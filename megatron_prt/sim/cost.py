@@ -316,7 +316,10 @@ class CostModel:
                     act=recomputed[0][0],
                     param=sum(layer.param for layer in block),
                     grad=sum(layer.grad_bytes for layer in block),
-                    wgrad=None if any(w is None for w in wgrads) else sum(wgrads),
+                    # [Note: full recomputation has no W], as stage_wgrad_times prices it
+                    wgrad=0.0
+                    if granularity == "full"
+                    else (None if any(w is None for w in wgrads) else sum(wgrads)),
                 )
             )
         model = replace(self.with_recompute(None), layers=tuple(folded), stage_layers=())

@@ -513,3 +513,11 @@ def test_install_waits_as_long_as_the_flag_says(monkeypatch):
     finally:
         installer.uninstall()
     assert seen == [3.0, 9]
+
+
+@pytest.mark.parametrize("value", ["auto:", "auto:x", "auto2"])
+def test_malformed_auto_reuse_is_refused_naming_the_flag(value):
+    from megatron_prt.megatron.args import _reuse_value
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--pipeline-reuse takes R"):
+        _reuse_value(value)

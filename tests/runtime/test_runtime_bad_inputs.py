@@ -211,9 +211,19 @@ ERROR_CASES = {
         {},
     ),
     "shm-ring-too-small": (
-        _per_rank(transport=("shm", "shm"), shm_capacity=(64, 64)),
+        _per_rank(transport=("shm", "shm"), shm_capacity=(128, 128)),
         [],
         {"r0": ["pass shm_capacity= of at least"], "r1": [WAITED]},
+    ),
+    "shm-capacity-zero": (
+        _per_rank(transport=("shm", "shm"), shm_capacity=(0, 0)),
+        ["shm_capacity must be None (rings sized from the messages) or a whole number"],
+        {},
+    ),
+    "shm-capacity-float": (
+        _per_rank(transport=("auto", "auto"), shm_capacity=(1.5e6, 1.5e6)),
+        ["shm_capacity must be None", "got 1500000.0"],
+        {},
     ),
     "step-after-close": (_after_close, ["step() after close(); build a new runtime"], {}),
     "killed-mid-step-shm": (_killed_mid_step("shm"), ["rank 1", "exited while"], {}),

@@ -80,7 +80,7 @@ def test_exact_answers_are_the_best_simulated_split(setting, placement):
         for counts in partitions(len(cost.layers), lows)
         if all(n % unit == 0 for n in counts)
     ]
-    assert result.makespan == pytest.approx(min(times), rel=1e-4)  # the fastest whole-block
+    assert result.makespan == pytest.approx(min(times), rel=1e-9)  # the fastest whole-block
 
 
 def test_block_method_memory_model_matches_the_simulator():
