@@ -397,6 +397,14 @@ def cmd_simulate(args) -> int:
         raise ConfigError("simulate needs --pp and --microbatches, or --plan FILE")
     else:
         plan = _make_plan(args, cost)
+    counts = cost.layer_counts(plan.placement.depth) if cost.layers else ()
+    if counts and not cost.runs_whole_blocks(counts):
+        raise ConfigError(
+            f"stages of {list(counts)} layers: megatron's uniform recomputation runs whole "
+            f"blocks of --recompute-num-layers {cost.recompute_num_layers} per model stage and "
+            "refuses this split; give the cost file stage_layers in whole blocks "
+            "(megatron-prt partition picks one) or another --recompute-num-layers"
+        )
     result = simulate(plan, cost)
     print(json.dumps(result.to_dict(), indent=1) if args.json else _metrics_text(result))
     return 0

@@ -236,9 +236,13 @@ def _slots_and_partners(plan: Plan, ends: dict) -> tuple[dict, dict]:
             queues.setdefault((src, dst, action.op in _SENDS), []).append((rank, action))
     partner = {}
     for (src, dst, is_send), ops in queues.items():
-        if is_send:
-            for send, recv in zip(ops, queues.get((src, dst, False), []), strict=False):
-                partner[send], partner[recv] = recv, send
+        if not is_send:
+            continue
+        recvs = queues.get((src, dst, False), [])
+        if [ends[a][2] for _, a in ops] != [ends[a][2] for _, a in recvs]:
+            raise ValueError(f"ranks {(src, dst)}: sends and receives do not pair up")
+        for send, recv in zip(ops, recvs, strict=True):
+            partner[send], partner[recv] = recv, send
     return slot, partner
 
 

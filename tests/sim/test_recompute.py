@@ -129,6 +129,9 @@ def test_cli_simulate_takes_megatrons_recompute_flags(tmp_path, capsys):
     assert runs[True]["makespan"] > runs[False]["makespan"]
     assert main([*argv, "--recompute-granularity", "full"]) == 2
     assert "--recompute-method" in capsys.readouterr().err
+    whole = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    assert main([*argv, *whole, "--recompute-num-layers", "4"]) == 2  # stages of 2 layers
+    assert "refuses this split" in capsys.readouterr().err
 
 
 def test_split_backward_fully_recomputed_layers_have_no_w():
