@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--top", type=int, default=5, help="tuner's best predicted candidates timed to pick one"
     )
-    p.add_argument("--pick-reps", type=int, default=5, help="timed steps per candidate to pick")
+    p.add_argument("--pick-reps", type=int, default=9, help="timed steps per candidate to pick")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default {DEFAULT_OUT})")
     p.add_argument("--smoke", action="store_true", help="tiny stacks, 1 repetition: checks it runs")
     args = p.parse_args(argv)
