@@ -93,7 +93,7 @@ def _worker(rank, world, message_bytes, grad_bytes, transport, repeats, message_
     replica = calibrate_replica_sync(small, large, repeats)
     small.close()
     large.close()
-    stand_in = _stand_in(rank, world, message_bytes, transport, repeats) if message_cpu else None
+    stand_in = _stand_in(world, message_bytes, transport, repeats) if message_cpu else None
     return hops, replica, stand_in
 
 
@@ -171,7 +171,7 @@ def stand_in_layer(width: int) -> Callable[[int], torch.nn.Module]:
     return make
 
 
-def _stand_in(rank: int, world: int, message_bytes: int, transport: str, repeats: int):
+def _stand_in(world: int, message_bytes: int, transport: str, repeats: int):
     """The stand-in's per-layer costs, message bytes and few/many-message step times."""
     rows = max(1, min(message_bytes, STAND_IN_MAX_BYTES) // (FLOAT * STAND_IN_WIDTH))
     gen = torch.Generator().manual_seed(2000)
