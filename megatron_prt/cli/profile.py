@@ -60,6 +60,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "cpu, none on cuda (the wire there is NCCL between GPUs)",
     )
     p.add_argument(
+        "--message-cpu",
+        choices=("in-place", "none"),
+        default="in-place",
+        help="with --comm: also fit the rank time a message costs while both ranks compute "
+        "(p2p_cpu) from a few- and a many-message step of a stand-in stack on that transport "
+        "(see docs/tune.md); none leaves p2p_cpu out (0 when the tuner reads the file)",
+    )
+    p.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
         default="local",
@@ -148,11 +156,14 @@ def _measure_comm(args: argparse.Namespace, costs: dict) -> dict:
         return {}
     from ..runtime.comm_timing import measure_comm
 
-    print(f"timing a hop and the replica sum on 2 ranks ({transport})", file=sys.stderr)
+    in_place = args.message_cpu == "in-place"
+    what = "a hop, the replica sum" + (" and the message CPU in place" if in_place else "")
+    print(f"timing {what} on 2 ranks ({transport})", file=sys.stderr)
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     grads = sum(part.get("grad", part["param"] / 4) for part in parts)
     grad_bytes = int(min(grads / 2, COMM_GRAD_BYTES_CAP))  # one rank's half of P=2
-    return measure_comm(int(costs["message_bytes"]), max(grad_bytes, 1), transport, args.reps)
+    message_bytes = int(costs["message_bytes"])
+    return measure_comm(message_bytes, max(grad_bytes, 1), transport, args.reps, in_place)
 
 
 def format_summary(costs: dict) -> str:
@@ -185,6 +196,8 @@ def format_summary(costs: dict) -> str:
     if "p2p_latency" in costs:
         lines.append(_comm_row("hop", costs["p2p_latency"], costs["p2p_bandwidth"]))
         lines.append(_comm_row("replica sum", costs["replica_latency"], costs["replica_bandwidth"]))
+    if "p2p_cpu" in costs:
+        lines.append(f"message CPU while ranks compute: {costs['p2p_cpu'] * 1e6:.1f} us")
     return "\n".join(lines)
 
 

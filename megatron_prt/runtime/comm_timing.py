@@ -9,9 +9,15 @@ Two figures the simulator reads (:mod:`megatron_prt.sim.cost`), in seconds and b
   slope to the median at the model's message size the inverse bandwidth;
 * for ``bi``, the replica-gradient sum: :func:`megatron_prt.runtime.replica_timing.
   calibrate_replica_sync` on two ``bi`` runtimes whose stages hold a small and a large
-  gradient, giving ``replica_latency``, ``replica_bandwidth`` and ``replica_add_bandwidth``.
+  gradient, giving ``replica_latency``, ``replica_bandwidth`` and ``replica_add_bandwidth``;
+* optionally ``p2p_cpu``, the rank time a message costs while the ranks compute, fitted in
+  place ([Note: per-message CPU in place] in :mod:`megatron_prt.tune.measured`): a stand-in
+  stack (:func:`stand_in_layer`) is traced with every layer its own stage (per-layer F/B
+  costs), then a 1F1B step (few messages) and a step with every layer its own stage (many)
+  are timed, and the CPU per message that makes their simulated gap the measured one is it
+  (:func:`fit_message_cpu`; the bench's layer stacks call it with their own layers).
 
-:func:`measure_comm` runs both on two local gloo ranks (:func:`megatron_prt.runtime.local.
+:func:`measure_comm` runs these on two local gloo ranks (:func:`megatron_prt.runtime.local.
 run_local`) with the given transport and returns the cost keys.
 """
 
@@ -20,18 +26,28 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.functional import mse_loss
 
+from ..core.actions import Op
 from ..core.placement import Placement
+from ..core.plan import Plan
 from ..core.schedules import build_plan
+from ..sim.cost import CostModel, LayerCost
+from ..tune.measured import message_cpu_in_place
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
 from .replica_timing import calibrate_replica_sync
+from .stages import build_stages
 
 SMALL_BYTES = 4096  # the small point of both lines
 FLOAT = 4  # bytes of the float32 messages and gradients timed
+STAND_IN_LAYERS = 8  # P = 2: R = 4 when every layer is its own stage
+STAND_IN_WIDTH = 256  # features of the stand-in's messages (rows make up the bytes)
+STAND_IN_MAX_BYTES = 4 << 20  # larger messages are fitted at this size (compute grows too)
 
 
 def _hop_seconds(size: int, transport: str, repeats: int) -> float:
@@ -71,13 +87,101 @@ def _replica_runtime(size: int, transport: str) -> PipelineRuntime:
     return PipelineRuntime(plan, stages, lambda out, _: out.sum(), transport=transport)
 
 
-def _worker(rank: int, world: int, message_bytes: int, grad_bytes: int, transport, repeats):
+def _worker(rank, world, message_bytes, grad_bytes, transport, repeats, message_cpu):
     hops = [(b, _hop_seconds(b, transport, repeats)) for b in (SMALL_BYTES, message_bytes)]
     small, large = (_replica_runtime(b, transport) for b in (SMALL_BYTES, grad_bytes))
     replica = calibrate_replica_sync(small, large, repeats)
     small.close()
     large.close()
-    return hops, replica
+    stand_in = _stand_in(world, message_bytes, transport, repeats) if message_cpu else None
+    return hops, replica, stand_in
+
+
+# -- per-message CPU in place ([Note: per-message CPU in place] in tune/measured.py) ---------
+def step_spans(
+    plan: Plan, stages: dict, loss_fn, xs, ys, steps: int, trace: bool = True, **runtime_kwargs
+) -> tuple[list, float]:
+    """One warm-up step, then ``steps`` steps of ``plan`` after a barrier each: this rank's
+    traced spans of all of them (none unless ``trace``) and the median step seconds of the
+    slowest rank (collective; the same on every rank)."""
+    runtime = PipelineRuntime(plan, stages, loss_fn, trace=trace, **runtime_kwargs)
+    runtime.step(xs, ys)  # warm-up: shapes exchanged, allocator primed (not timed)
+    spans, seconds = [], []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        runtime.step(xs, ys)
+        seconds.append(time.perf_counter() - start)
+        spans += runtime.trace() if trace else []
+    runtime.close()
+    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return spans, float(slowest)
+
+
+def layer_costs_in_place(
+    world: int, make_layer: Callable, num_layers: int, xs, ys, loss_fn, steps: int, **kwargs
+) -> list[LayerCost]:
+    """Per layer, F and whole-B medians (seconds) of ``steps`` traced steps with every layer
+    its own stage (R = layers // ``world``, loop); the same on every rank (collective).
+    ``xs``/``ys``: the micro-batches (as ``PipelineRuntime.step`` takes them); ``kwargs`` go
+    to the runtime."""
+    placement = Placement(world, num_layers // world)
+    plan = build_plan(placement, len(xs), "1f1b" if placement.reuse == 1 else "prt")
+    stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
+    spans, _ = step_spans(plan, stages, loss_fn, xs, ys, steps, **kwargs)
+    mine = torch.zeros(num_layers, 2, dtype=torch.float64)
+    for k in range(num_layers):
+        for column, op in enumerate((Op.F, Op.B)):
+            times = [e - s for a, s, e in spans if a.op is op and a.stage == k]
+            mine[k, column] = statistics.median(times) if times else 0.0
+    dist.all_reduce(mine)  # each layer is timed on the one rank that holds it
+    return [LayerCost(fwd=f, bwd=b) for f, b in mine.tolist()]
+
+
+def few_and_many_messages(
+    world: int, make_layer: Callable, num_layers: int, xs, ys, loss_fn, steps: int, **kwargs
+) -> list[tuple[Plan, float]]:
+    """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
+    few messages) and of every layer its own stage (many), on the actual transport
+    (``kwargs`` go to the runtime); what :func:`~megatron_prt.tune.measured.
+    message_cpu_in_place` fits from. Collective."""
+    if num_layers % world or num_layers // world < 2:
+        raise ValueError(
+            f"fitting the per-message CPU needs a multiple of the {world} ranks, at least "
+            f"{2 * world} layers (every layer its own stage against R = 1), got {num_layers}"
+        )
+    timed = []
+    for reuse, schedule in ((1, "1f1b"), (num_layers // world, "prt")):
+        placement = Placement(world, reuse)
+        plan = build_plan(placement, len(xs), schedule)
+        stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
+        _, seconds = step_spans(plan, stages, loss_fn, xs, ys, steps, trace=False, **kwargs)
+        timed.append((plan, seconds))
+    return timed
+
+
+def stand_in_layer(width: int) -> Callable[[int], torch.nn.Module]:
+    """``make(i)``: the stand-in stack's layer ``i``, Linear(width, width) + GELU, seeded."""
+
+    def make(i: int) -> torch.nn.Module:
+        torch.manual_seed(i)
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+
+    return make
+
+
+def _stand_in(world: int, message_bytes: int, transport: str, repeats: int):
+    """The stand-in's per-layer costs, message bytes and few/many-message step times."""
+    rows = max(1, min(message_bytes, STAND_IN_MAX_BYTES) // (FLOAT * STAND_IN_WIDTH))
+    gen = torch.Generator().manual_seed(2000)
+    m = max(2, world)
+    xs = [torch.randn(rows, STAND_IN_WIDTH, generator=gen) for _ in range(m)]
+    ys = [torch.randn(rows, STAND_IN_WIDTH, generator=gen) for _ in range(m)]
+    stack = (world, stand_in_layer(STAND_IN_WIDTH), STAND_IN_LAYERS, xs, ys, mse_loss, repeats)
+    kwargs = {"transport": transport, "shm_capacity": max(1 << 20, 8 * FLOAT * xs[0].numel())}
+    layers = layer_costs_in_place(*stack, **kwargs)
+    return layers, FLOAT * xs[0].numel(), few_and_many_messages(*stack, **kwargs)
 
 
 def _per_second(seconds_per_byte: float) -> float | None:
@@ -86,11 +190,16 @@ def _per_second(seconds_per_byte: float) -> float | None:
 
 
 def measure_comm(
-    message_bytes: int, grad_bytes: int, transport: str = "auto", repeats: int = 5
+    message_bytes: int,
+    grad_bytes: int,
+    transport: str = "auto",
+    repeats: int = 5,
+    message_cpu: bool = False,
 ) -> dict:
     """Cost-model keys measured on two local ranks: ``p2p_latency``, ``p2p_bandwidth``,
     ``replica_latency``, ``replica_bandwidth``, ``replica_add_bandwidth`` (seconds, bytes per
-    second; a bandwidth ``None`` means free). ``message_bytes``: one activation between
+    second; a bandwidth ``None`` means free), and with ``message_cpu`` ``p2p_cpu`` fitted in
+    place on a stand-in stack (module docstring). ``message_bytes``: one activation between
     stages; ``grad_bytes``: gradient bytes a rank sums with its mirrored rank."""
     if message_bytes < 1 or grad_bytes < 1 or repeats < 1:
         raise ValueError(
@@ -98,22 +207,32 @@ def measure_comm(
             f"{grad_bytes}, {repeats}"
         )
     large = max(message_bytes, 2 * SMALL_BYTES)
-    results = all_ok(
-        run_local(2, _worker, large, max(grad_bytes, 2 * SMALL_BYTES), transport, repeats)
-    )
-    hops, replica = results[1]  # the receiving rank times the hop
+    grads = max(grad_bytes, 2 * SMALL_BYTES)
+    results = all_ok(run_local(2, _worker, large, grads, transport, repeats, message_cpu))
+    hops, replica, stand_in = results[1]  # the receiving rank times the hop
     (b0, t0), (b1, t1) = hops
     # the small message's time is the latency (its bytes cost next to nothing): unlike the
     # intercept of the line, noise cannot make it 0 or negative
     slope = max((t1 - t0) / (b1 - b0), 0.0)
     latency = t0
-    return {
+    keys = {
         "p2p_latency": latency,
         "p2p_bandwidth": _per_second(slope),
         "replica_latency": replica["latency_s"],
         "replica_bandwidth": _per_second(replica["wire_s_per_byte"]),
         "replica_add_bandwidth": _per_second(replica["add_s_per_byte"]),
     }
+    if stand_in is not None:
+        layers, stand_in_bytes, timed = stand_in
+        bandwidth = keys["p2p_bandwidth"] or math.inf
+        cost = CostModel(
+            layers=tuple(layers),
+            p2p_latency=latency,
+            p2p_bandwidth=bandwidth,
+            message_bytes=stand_in_bytes,
+        )
+        keys["p2p_cpu"] = message_cpu_in_place(cost, timed)
+    return keys
 
 
 def hop_seconds(costs: dict) -> float:

@@ -1,18 +1,40 @@
-"""Costs from a run's own trace: per model stage, the median forward and backward time of
-the runtime's spans (``PipelineRuntime(trace=True)``, gathered from every rank with
-:func:`megatron_prt.runtime.trace.gather_spans`), as a per-layer cost model for
-:func:`megatron_prt.tune.search_plans.tune_layout` (``--pipeline-reuse auto``, and the same
-steps by hand for the plain-PyTorch runtime: see docs/tune.md)."""
+"""Tuning from measurements, the torch-free half (the timing itself runs in
+:mod:`megatron_prt.runtime.measured_pick` and :mod:`megatron_prt.runtime.comm_timing`):
+
+* costs from a run's own trace: per model stage, the median forward and backward time of
+  the runtime's spans (``PipelineRuntime(trace=True)``, gathered from every rank with
+  :func:`megatron_prt.runtime.trace.gather_spans`), as a per-layer cost model for
+  :func:`megatron_prt.tune.search_plans.tune_layout` (``--pipeline-reuse auto``, and the
+  same steps by hand for the plain-PyTorch runtime: see docs/tune.md);
+* the measured final pick: the tuner's top candidates (:func:`top_candidates`) timed in
+  interleaved repetitions, the fastest median wins (:func:`pick_fastest`);
+* the per-message CPU fitted in place (:func:`message_cpu_in_place`).
+
+[Note: measured final pick] The tuner's best candidates are often predicted within 1-2%
+of each other, finer than the cost model resolves (its per-message and per-step terms are
+fitted, not exact). So the final choice among the top few is made by the clock: each runs
+a few steps on the actual ranks and transport, in rotating order (A B C, B C A, ...) so
+that none always follows the same other one, and the smallest median wins; a tie goes to
+the better predicted. Every step's time is the slowest rank's, so every rank holds the same
+numbers and picks the same plan.
+"""
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 from ..core.actions import Op
 from ..core.placement import ConfigError, Placement
+from ..core.plan import Plan
 from ..sim.cost import CostModel, LayerCost
+from ..sim.simulate import simulate
+from .search_plans import Candidate, TuneResult
+
+T = TypeVar("T")
 
 
 def stage_times(placement: Placement, gathered: list) -> tuple[list[float], list[float], float]:
@@ -70,3 +92,94 @@ def measured_cost(
         stage_layers=counts,
         wgrad_fraction=w_share if split_backward else None,
     )
+
+
+# -- the measured final pick ([Note: measured final pick]) -----------------------------------
+def top_candidates(result: TuneResult, k: int) -> list[Candidate]:
+    """The first ``k`` candidates of ``result`` that fit its budget, best predicted first,
+    each a different (plan, layer split): families that build the same plan count once."""
+    if k < 1:
+        raise ConfigError(f"--top must be >= 1 candidate to time, got {k}")
+    top: list[Candidate] = []
+    for candidate in result.fitting():
+        if not any(_same_run(candidate, kept) for kept in top):
+            top.append(candidate)
+        if len(top) == k:
+            break
+    return top
+
+
+def _same_run(a: Candidate, b: Candidate) -> bool:
+    return a.stage_layers == b.stage_layers and a.plan.compute_only() == b.plan.compute_only()
+
+
+def interleaved_rounds(count: int, reps: int) -> Iterator[list[int]]:
+    """``reps`` rounds over ``count`` items, each round starting one item later."""
+    for rep in range(reps):
+        shift = rep % count if count else 0
+        yield [*range(shift, count), *range(shift)]
+
+
+@dataclass(frozen=True)
+class MeasuredPick(Generic[T]):
+    """``candidates`` in predicted order, ``seconds[i]`` candidate ``i``'s timed steps,
+    ``index`` the winner's (the smallest median; a tie to the better predicted)."""
+
+    candidates: tuple[T, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    index: int
+
+    @property
+    def winner(self) -> T:
+        return self.candidates[self.index]
+
+    @property
+    def medians(self) -> tuple[float, ...]:
+        return tuple(statistics.median(s) for s in self.seconds)
+
+
+def pick_fastest(
+    candidates: Sequence[T], time_step: Callable[[int], float], reps: int
+) -> MeasuredPick[T]:
+    """Time ``reps`` steps of every candidate, interleaved (:func:`interleaved_rounds`):
+    ``time_step(i)`` runs one step of candidate ``i`` and returns its seconds (to agree
+    across ranks it must return the same number on every rank: the slowest rank's)."""
+    if not candidates:
+        raise ConfigError("a measured pick needs at least one candidate")
+    if reps < 1:
+        raise ConfigError(f"--pick-reps must be >= 1 timed step per candidate, got {reps}")
+    seconds: list[list[float]] = [[] for _ in candidates]
+    for order in interleaved_rounds(len(candidates), reps):
+        for i in order:
+            seconds[i].append(float(time_step(i)))
+    medians = [statistics.median(s) for s in seconds]
+    index = min(range(len(candidates)), key=lambda i: (medians[i], i))
+    return MeasuredPick(tuple(candidates), tuple(map(tuple, seconds)), index)
+
+
+# -- per-message CPU fitted in place ([Note: per-message CPU in place]) ----------------------
+def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -> float:
+    """The ``p2p_cpu`` (>= ``cost.p2p_cpu``) at which the simulated difference of the two
+    ``(plan, measured seconds)`` in ``timed`` (fewest messages first) equals the measured
+    one; bisection (the difference grows with it). ``cost`` prices both plans (give it
+    without ``stage_layers``: each plan then gets its even split).
+
+    [Note: per-message CPU in place] A message timed alone costs its ranks less CPU than one
+    sent while the ranks compute (2 ranks on 2 cores: the transport's work competes with the
+    compute for the core). So the per-message CPU is fitted from two timed steps of the same
+    layers, one with few messages and one with many: the extra CPU per message that makes
+    the simulated difference of the two equal the measured one (never below the isolated
+    figure; a per-step constant cancels out)."""
+    (few, few_s), (many, many_s) = timed
+
+    def gap(cpu: float) -> float:
+        priced = replace(cost, p2p_cpu=cpu)
+        return simulate(many, priced).makespan - simulate(few, priced).makespan
+
+    low, high = cost.p2p_cpu, cost.p2p_cpu + many_s
+    if gap(low) >= many_s - few_s:
+        return low
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if gap(mid) < many_s - few_s else (low, mid)
+    return (low + high) / 2

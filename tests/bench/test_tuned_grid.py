@@ -7,9 +7,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from megatron_prt.bench.tuned_grid.grid import grid_entries
+from dataclasses import replace
+
+from megatron_prt.bench.tuned_grid import markdown, summarize
+from megatron_prt.bench.tuned_grid.grid import PREDICTED, TUNED, grid_entries, tuned_entries
 from megatron_prt.core.validate import validate
 from megatron_prt.sim.cost import CostModel, LayerCost
+from megatron_prt.sim.simulate import simulate
 
 
 def _cost(layers: int) -> CostModel:
@@ -35,3 +39,54 @@ def test_grid_covers_every_configuration_that_exists():
 def test_reuse_beyond_the_layers_is_left_out():
     shapes = {e.label.split(",")[0] for e in grid_entries(_cost(6), 2, 4)}
     assert not any(s.startswith("R=4") for s in shapes) and "R=3 wave/uni" in shapes
+
+
+def test_tuned_entries_are_the_tuners_best_distinct_runs():
+    best, info = tuned_entries(_cost(8), 2, 8, top=4)
+    assert len(best) == 4 == len(info["top"])
+    predicted = [c["predicted_s"] for c in info["top"]]
+    assert predicted == sorted(predicted)
+    assert len({(e.stage_layers, e.plan.to_json()) for e in best}) == 4
+
+
+def _stack_result(pick_index: int) -> dict:
+    cost = _cost(8)
+    entries = grid_entries(cost, 2, 8)
+    best, info = tuned_entries(cost, 2, 8, top=3)
+    times = {e.label: [1.0 + 0.01 * i] for i, e in enumerate(entries)}
+    times[TUNED] = [0.9]
+    if pick_index:
+        times[PREDICTED] = [1.2]
+    pick = {"index": pick_index, "reps": 1, "selection_s": [], "selection_median_s": [1, 2, 3]}
+    return {
+        "cost": cost,
+        "entries": [_row(e) for e in entries],
+        "tuned": _row(best[pick_index]),
+        "predicted_best": _row(best[0]),
+        "tune": {**info, "pick": pick},
+        "times": times,
+    }
+
+
+def test_report_prices_the_picked_plan_and_says_how_it_was_picked():
+    summary = summarize([{"head": _stack_result(pick_index=2)}])["head"]
+    best, info = tuned_entries(_cost(8), 2, 8, top=3)
+    picked = best[2]
+    assert summary["tuned"]["label"] == info["top"][2]["label"]
+    priced = replace(_cost(8), stage_layers=picked.stage_layers)
+    assert summary["tuned"]["predicted_s"] == simulate(picked.plan, priced).makespan
+    assert summary["tuned_vs_grid_best"] == pytest.approx(0.9 / 1.0 - 1)
+    assert summary["tuner_first_vs_grid_best"] == pytest.approx(1.2 / 1.0 - 1)
+    machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
+    text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
+    assert "How the pick is made" in text and "held out from the selection" in text
+    assert f"| 3 | {summary['tuned']['top'][2]['label']} |" in text
+
+
+def _row(entry) -> tuple:
+    return entry.label, entry.plan, entry.stage_layers
+
+
+def test_report_when_the_clock_agrees_with_the_tuner():
+    summary = summarize([{"head": _stack_result(pick_index=0)}])["head"]
+    assert summary["tuner_first_vs_grid_best"] == summary["tuned_vs_grid_best"]

@@ -32,6 +32,14 @@ def test_measured_keys_load_and_cost_time(transport):
     assert simulate(plan, cost).makespan > free.makespan
 
 
+def test_message_cpu_fitted_in_place_only_when_asked():
+    assert "p2p_cpu" not in measure_comm(1 << 16, 1 << 16, "shm", repeats=1)  # as before
+    measured = measure_comm(1 << 16, 1 << 16, "shm", repeats=2, message_cpu=True)
+    assert measured["p2p_cpu"] >= 0.0
+    cost = CostModel.from_dict({"message_bytes": 1 << 16, **measured})
+    assert cost.p2p_cpu == measured["p2p_cpu"]
+
+
 def test_measure_comm_refuses_empty_sizes():
     with pytest.raises(ValueError, match="must be >= 1"):
         measure_comm(0, 1)
@@ -48,7 +56,8 @@ def test_profile_writes_measured_message_costs(tmp_path):
         [sys.executable, "-m", "megatron_prt", *argv], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert "hop: latency" in done.stdout
+    assert "hop: latency" in done.stdout and "message CPU while ranks compute" in done.stdout
     costs = CostModel.load(str(out))
     assert costs.p2p_latency > 0 and costs.has_replica_cost
+    assert "p2p_cpu" in json.loads(out.read_text())  # fitted in place by default
     assert json.loads(out.read_text())["p2p_latency"] == costs.p2p_latency

@@ -1,7 +1,14 @@
 """The measured grid and the tuner's pick, on one rank: every configuration of a stack is
 planned on rank 0 (the same plans reach every rank), built as a megatron-prt runtime over
 shared memory, and timed with the layer-stack bench's interleaved repetitions
-(:func:`megatron_prt.bench.common.measure_runners`)."""
+(:func:`megatron_prt.bench.common.measure_runners`).
+
+The tuned pick is the library's measured final pick
+(:func:`megatron_prt.runtime.measured_pick.measured_pick`): the tuner's top ``--top``
+candidates by predicted time are timed in a selection phase of their own (``--pick-reps``
+interleaved steps each) and the fastest median wins. The winner's reported time comes from
+the grid's repetitions that follow, not from the ones that chose it; the tuner's predicted
+best runs there too when the clock picked another plan."""
 
 from __future__ import annotations
 
@@ -17,14 +24,17 @@ from ...core.layers import even_layers
 from ...core.placement import ConfigError
 from ...core.plan import Plan
 from ...runtime import PipelineRuntime, build_stages, sync_replicas
+from ...runtime.measured_pick import measured_pick
 from ...sim.cost import CostModel
+from ...tune.measured import top_candidates
 from ...tune.partition import partition
-from ...tune.search_plans import plan_for, tune
+from ...tune.search_plans import Candidate, plan_for, tune
 from ..common import measure_runners, say
 from .stacks import STACKS, batch, layer_maker, profile_costs, shm_capacity
 
 REUSES = (1, 2, 3, 4)
-TUNED = "tuned"
+TUNED = "tuned"  # the measured pick among the tuner's top candidates
+PREDICTED = "tuner's predicted best"  # its first candidate, when the clock chose another
 
 
 @dataclass(frozen=True)
@@ -75,15 +85,23 @@ def _entries(cost: CostModel, placement: Placement, m: int, split: bool) -> list
     return out
 
 
-def tuned_entry(cost: CostModel, ranks: int, m: int) -> tuple[Entry, dict]:
-    """The tuner's pick (R up to max(:data:`REUSES`)) and what it predicted."""
+def tuned_entries(cost: CostModel, ranks: int, m: int, top: int) -> tuple[list[Entry], dict]:
+    """The tuner's ``top`` best predicted candidates (R up to max(:data:`REUSES`)), best
+    first, and what the tuner said (``predicted_s`` per candidate)."""
     start = time.process_time()
     result = tune(cost, ranks, m, reuse_limit=max(REUSES))
-    w = result.winner
-    label = f"{w.label}, {w.partition} split, plan for {w.planned_for}"
-    info = {"label": label, "predicted_s": w.makespan, "tune_cpu_s": time.process_time() - start}
-    info["candidates"] = len(result.ranked)
-    return Entry(label, w.plan.compute_only(), w.stage_layers), info
+    tune_cpu_s = time.process_time() - start
+    best = top_candidates(result, top)
+    info = {
+        "tune_cpu_s": tune_cpu_s,
+        "candidates": len(result.ranked),
+        "top": [{"label": _label(c), "predicted_s": c.makespan} for c in best],
+    }
+    return [Entry(_label(c), c.plan.compute_only(), c.stage_layers) for c in best], info
+
+
+def _label(c: Candidate) -> str:
+    return f"{c.label}, {c.partition} split, plan for {c.planned_for}"
 
 
 class GridRunner:
@@ -123,33 +141,61 @@ class GridRunner:
         self.runtime.close()
 
 
-def planned(cost: CostModel, ranks: int, m: int) -> tuple[list[Entry], Entry, dict]:
+def planned(cost: CostModel, ranks: int, m: int, top: int) -> tuple[list[Entry], list, dict]:
     """Rank 0 plans the grid and tunes; every rank gets the same entries (collective)."""
     shared: list = [None]
     if dist.get_rank() == 0:
-        tuned, info = tuned_entry(cost, ranks, m)
-        shared = [(grid_entries(cost, ranks, m), tuned, info)]
+        best, info = tuned_entries(cost, ranks, m, top)
+        shared = [(grid_entries(cost, ranks, m), best, info)]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
 
+def pick(best: list[Entry], stack: str, rank: int, args, m: int) -> tuple[dict, dict]:
+    """The measured pick among ``best`` (module docstring): the runners to time again in the
+    grid (:data:`TUNED`, and :data:`PREDICTED` when it lost) and the selection's record."""
+    runners = [GridRunner(e, stack, rank, args, m) for e in best]
+    picked = measured_pick(best, runners, reps=args.pick_reps, warmup=args.warmup)
+    kept = {TUNED: runners[picked.index]}
+    if picked.index != 0:
+        kept[PREDICTED] = runners[0]
+    for i, runner in enumerate(runners):
+        if i not in (0, picked.index):
+            runner.close()
+    record = {
+        "index": picked.index,
+        "reps": args.pick_reps,
+        "selection_s": [list(s) for s in picked.seconds],
+        "selection_median_s": list(picked.medians),
+    }
+    return kept, record
+
+
 def measure_stack(rank: int, world: int, stack: str, args) -> dict:
-    """Profile ``stack``, plan the grid and tune on rank 0, time every entry and the pick."""
+    """Profile ``stack``, plan the grid and tune on rank 0, pick among the tuner's top
+    candidates by the clock, time every entry and the pick."""
     say(f"tuned grid, {stack}: profiling costs")
     cost = profile_costs(rank, world, stack, args)
     m = args.microbatches
-    entries, tuned, info = planned(cost, world, m)
+    entries, best, info = planned(cost, world, m, args.top)
+    say(f"tuned grid, {stack}: timing the tuner's top {len(best)} to pick one")
+    kept, record = pick(best, stack, rank, args, m)
     say(f"tuned grid, {stack}: {len(entries)} grid configurations + the tuned pick")
     built = {e.label: GridRunner(e, stack, rank, args, m) for e in entries}
-    built[TUNED] = GridRunner(tuned, stack, rank, args, m)
+    built.update(kept)
     measured = measure_runners(built, args, f"tuned grid, {stack}:")
     return {
         "cost": cost,
-        "entries": [(e.label, e.plan, e.stage_layers) for e in entries],
-        "tuned": (tuned.label, tuned.plan, tuned.stage_layers),
-        "tune": info,
+        "entries": [_row(e) for e in entries],
+        "tuned": _row(best[record["index"]]),
+        "predicted_best": _row(best[0]),
+        "tune": {**info, "pick": record},
         "times": measured["times"],
     }
+
+
+def _row(entry: Entry) -> tuple:
+    return entry.label, entry.plan, entry.stage_layers
 
 
 def worker(rank: int, world: int, args) -> dict:

@@ -11,20 +11,15 @@ its own stage (R = layers // P, loop) under a traced 1F1B-order step and a trace
 split-backward step, F, B, I and W medians per layer (backward: the whole one, W its share
 of the split one); one message of the stack's width
 timed on the shared-memory transport; the bi replica-gradient sum calibrated on a bi
-runtime at the stack's width and at an eighth of it.
-
-[Note: per-message CPU in place] A message timed alone costs its ranks less CPU than one
-sent while both ranks compute (2 ranks on 2 cores: the transport's work competes with the
-compute for the core). So the per-message CPU is fitted in place: the traced many-message
-step (every layer its own stage) and an untraced 1F1B step (R = 1), both timed, give the
-extra CPU per message that makes the simulated difference of the two equal the measured
-one (never below the isolated figure; a per-step constant cancels out).
+runtime at the stack's width and at an eighth of it; the per-message CPU fitted in place
+on the stack's own layers, as ``megatron-prt profile`` fits it on its stand-in
+(:func:`megatron_prt.runtime.comm_timing.few_and_many_messages`, [Note: per-message CPU in
+place] in :mod:`megatron_prt.tune.measured`).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -34,11 +29,11 @@ from torch.nn.functional import mse_loss
 
 from ...core import Placement, build_plan
 from ...core.actions import Op
-from ...core.plan import Plan
 from ...runtime import PipelineRuntime, build_stages
+from ...runtime.comm_timing import few_and_many_messages, step_spans
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
-from ...sim.simulate import simulate
+from ...tune.measured import message_cpu_in_place
 from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs
 
 STACKS = ("equal", "head", "wide")
@@ -103,8 +98,8 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
         raise ValueError(f"--layers {args.layers} must be a multiple of the {world} ranks")
     reuse = args.layers // world
     placement = Placement(world, reuse)
-    whole, _ = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
-    split, _ = _spans(rank, placement, stack, args, "zb")
+    whole = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
+    split = _spans(rank, placement, stack, args, "zb")
     mine = torch.zeros(args.layers, 4, dtype=torch.float64)
     for k in range(args.layers):
         for column, (spans, op) in enumerate(
@@ -121,49 +116,16 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
     ]
 
 
-def _spans(
-    rank: int, placement: Placement, stack: str, args, schedule: str, trace: bool = True
-) -> tuple[list, float]:
-    """(the traced actions' spans, the median step time in seconds, the slowest rank's)."""
+def _spans(rank: int, placement: Placement, stack: str, args, schedule: str) -> list:
+    """This rank's traced spans of ``args.profile_steps`` steps of ``schedule``."""
     m = max(2, placement.ranks)
-    plan = build_plan(placement, m, schedule)
     stages = build_stages(placement, rank, layer_maker(stack, args), args.layers)
-    runtime = PipelineRuntime(
-        plan, stages, mse_loss, trace=trace, shm_capacity=shm_capacity(stack, args)
-    )
     xs, ys = batch(stack, args, m)
-    runtime.step(xs, ys)  # warm-up: shapes exchanged, allocator primed (not timed)
-    spans, steps = [], []
-    for _ in range(args.profile_steps):
-        dist.barrier()
-        start = time.perf_counter()
-        runtime.step(xs, ys)
-        steps.append(time.perf_counter() - start)
-        if trace:
-            spans += runtime.trace()
-    runtime.close()
-    step = torch.tensor([statistics.median(steps)], dtype=torch.float64)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)
-    return spans, float(step)
-
-
-def message_cpu_in_place(cost: CostModel, timed: list[tuple[Plan, float]]) -> float:
-    """[Note: per-message CPU in place]: the ``p2p_cpu`` (>= ``cost.p2p_cpu``) at which the
-    simulated difference of the two ``(plan, measured seconds)`` in ``timed`` (fewest
-    messages first) equals the measured one; bisection (the difference grows with it)."""
-    (few, few_s), (many, many_s) = timed
-
-    def gap(cpu: float) -> float:
-        priced = replace(cost, p2p_cpu=cpu)
-        return simulate(many, priced).makespan - simulate(few, priced).makespan
-
-    low, high = cost.p2p_cpu, cost.p2p_cpu + many_s
-    if gap(low) >= many_s - few_s:
-        return low
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if gap(mid) < many_s - few_s else (low, mid)
-    return (low + high) / 2
+    plan = build_plan(placement, m, schedule)
+    spans, _ = step_spans(
+        plan, stages, mse_loss, xs, ys, args.profile_steps, shm_capacity=shm_capacity(stack, args)
+    )
+    return spans
 
 
 def _grad_bytes(layer: torch.nn.Module) -> float:
@@ -199,11 +161,17 @@ def profile_costs(rank: int, world: int, stack: str, args) -> CostModel:
         p2p_cpu=cpu,
         **replica_fields(rank, world, stack, args),
     )
-    timed = []
-    for reuse, schedule in ((1, "1f1b"), (args.layers // world, "prt")):
-        placement = Placement(world, reuse)
-        _, step_s = _spans(rank, placement, stack, args, schedule, trace=False)
-        timed.append((build_plan(placement, max(2, world), schedule), step_s))
+    xs, ys = batch(stack, args, max(2, world))
+    timed = few_and_many_messages(
+        world,
+        layer_maker(stack, args),
+        args.layers,
+        xs,
+        ys,
+        mse_loss,
+        args.profile_steps,
+        shm_capacity=shm_capacity(stack, args),
+    )
     cost = replace(cost, p2p_cpu=message_cpu_in_place(cost, timed))
     shared = [cost]
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank

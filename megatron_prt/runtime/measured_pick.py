@@ -1,0 +1,148 @@
+"""The measured final pick on real ranks ([Note: measured final pick] in
+:mod:`megatron_prt.tune.measured`): the tuner's top candidates, each built as a runner, timed
+in place with interleaved repetitions; the fastest median wins, the same on every rank.
+
+Plain PyTorch, for a layout that stays (``tune_layout``: every candidate runs on the same
+stage modules)::
+
+    from megatron_prt.runtime.measured_pick import pick_plan
+    from megatron_prt.tune.measured import top_candidates
+
+    result = tune_layout(cost, placement, m)                  # on every rank (or broadcast)
+    picked = pick_plan(top_candidates(result, 5), stages, loss_fn, xs, ys)
+    runtime = PipelineRuntime(picked.winner.plan, stages, loss_fn)
+
+Candidates with other placements or splits need their own stage modules: build a runner per
+candidate (anything with ``step()`` and ``zero_grad()``) and call :func:`measured_pick`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..core.placement import ConfigError
+from ..tune.measured import MeasuredPick, pick_fastest
+from ..tune.search_plans import Candidate
+from .executor import PipelineRuntime
+
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """One candidate, ready to run: ``step()`` one training step (inputs its own),
+    ``zero_grad()`` before it."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+def measured_pick(
+    candidates: Sequence[T],
+    runners: Sequence[Runner],
+    reps: int = 5,
+    warmup: int = 1,
+    step_seconds: Callable[[int], float] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> MeasuredPick[T]:
+    """Time ``reps`` steps of each ``runners[i]`` (candidate ``i``) after ``warmup``
+    untimed ones, interleaved, and pick the smallest median (collective over ``group``).
+
+    A step's time is the slowest rank's (barrier, step, all-reduce max), so every rank
+    holds the same numbers; the group's first rank decides and broadcasts, and a rank that
+    would have decided otherwise raises. ``step_seconds(i)``, when given, replaces the clock:
+    this rank's seconds for one step of candidate ``i`` (tests). The runners stay open
+    (the caller owns them); gradients they leave are the last timed step's."""
+    if len(candidates) != len(runners):
+        raise ConfigError(f"{len(candidates)} candidates but {len(runners)} runners")
+    for _ in range(warmup):  # shapes exchanged, buffers and allocator primed
+        for runner in runners:
+            runner.zero_grad()
+            runner.step()
+    local = step_seconds or (lambda i: _step_seconds(runners[i], group))
+    picked = pick_fastest(candidates, lambda i: _slowest(local(i), group), reps)
+    decided = [picked.index]
+    dist.broadcast_object_list(decided, src=_first_rank(group), group=group)
+    if decided[0] != picked.index:
+        raise ConfigError(
+            f"measured pick: rank {dist.get_rank()} found candidate {picked.index} fastest "
+            f"but rank {_first_rank(group)} found {decided[0]} from the same timings"
+        )
+    return picked
+
+
+def _step_seconds(runner: Runner, group) -> float:
+    runner.zero_grad()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    runner.step()
+    return time.perf_counter() - start
+
+
+def _slowest(seconds: float, group) -> float:
+    shared = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+    return float(shared)
+
+
+def _first_rank(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+class RuntimeRunner:
+    """A :class:`PipelineRuntime` of ``plan`` on ``stages`` with fixed inputs (the
+    :class:`Runner` of :func:`pick_plan`); ``runtime_kwargs`` go to the runtime."""
+
+    def __init__(self, plan, stages: dict, loss_fn, xs, ys, **runtime_kwargs) -> None:
+        self.stages = stages
+        self.runtime = PipelineRuntime(plan, stages, loss_fn, **runtime_kwargs)
+        self.xs, self.ys = xs, ys
+
+    def step(self) -> None:
+        self.runtime.step(self.xs, self.ys)
+        if self.runtime.plan.placement.direction == "bi":  # a bi step sums the replicas
+            self.runtime.reduce_replica_grads()
+
+    def zero_grad(self) -> None:
+        for module in self.stages.values():
+            module.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def pick_plan(
+    candidates: Sequence[Candidate],
+    stages: dict,
+    loss_fn,
+    xs,
+    ys,
+    reps: int = 5,
+    warmup: int = 1,
+    group: dist.ProcessGroup | None = None,
+    **runtime_kwargs,
+) -> MeasuredPick[Candidate]:
+    """:func:`measured_pick` of ``candidates`` that share one layout (placement and layer
+    split, as :func:`~megatron_prt.tune.search_plans.tune_layout`'s do), each run on
+    ``stages`` with inputs ``xs`` / targets ``ys`` (this rank's, as ``PipelineRuntime.step``
+    takes them). Collective; the parameters are not changed (no optimizer step), their
+    gradients are zeroed."""
+    layouts = {(c.plan.placement, tuple(c.stage_layers)) for c in candidates}
+    if len(layouts) > 1:
+        raise ConfigError(
+            "pick_plan: the candidates need different stage modules (placements or layer "
+            "splits differ); build a runner per candidate and call measured_pick"
+        )
+    runners = [RuntimeRunner(c.plan, stages, loss_fn, xs, ys, **runtime_kwargs) for c in candidates]
+    try:
+        return measured_pick(candidates, runners, reps, warmup, group=group)
+    finally:
+        for runner in runners:
+            runner.close()
+        for module in stages.values():
+            module.zero_grad(set_to_none=True)

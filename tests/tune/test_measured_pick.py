@@ -1,0 +1,113 @@
+"""The measured final pick ([Note: measured final pick] in megatron_prt/tune/measured.py):
+among the tuner's top candidates the one with the smallest measured median wins, even when
+the cost model predicted another one faster; every rank picks the same one. Timers are
+fakes (no timing assertion); the real-runtime check only asks that the ranks agree and the
+weights are untouched."""
+
+from __future__ import annotations
+
+import pytest
+from tune_costs import cost_dict
+
+from megatron_prt.core.placement import ConfigError, Placement
+from megatron_prt.sim.cost import CostModel
+from megatron_prt.tune.measured import interleaved_rounds, pick_fastest, top_candidates
+from megatron_prt.tune.search_plans import tune, tune_layout
+
+M = 4
+
+
+def _result():
+    return tune(CostModel.from_dict(cost_dict()), 2, M, reuse_limit=2, split_backward=False)
+
+
+def test_top_candidates_are_distinct_runs_in_predicted_order():
+    result = _result()
+    top = top_candidates(result, 4)
+    assert len(top) == 4 and top[0] is result.winner
+    assert [c.key for c in top] == sorted(c.key for c in top)
+    runs = {(c.stage_layers, c.plan.compute_only().to_json()) for c in top}
+    assert len(runs) == 4
+    with pytest.raises(ConfigError, match="--top"):
+        top_candidates(result, 0)
+
+
+def test_measured_faster_beats_predicted_faster():
+    top = top_candidates(_result(), 3)
+    measured = {0: 2.0, 1: 1.5, 2: 1.9}  # the predicted second is really the fastest
+    picked = pick_fastest(top, lambda i: measured[i], reps=3)
+    assert picked.winner is top[1] and picked.winner is not _result().winner
+    assert picked.medians == (2.0, 1.5, 1.9)
+
+
+def test_median_not_mean_and_ties_go_to_the_better_predicted():
+    runs = {0: iter([1.0, 1.0, 9.0]), 1: iter([1.1, 1.1, 1.1])}  # one outlier step of 0
+    assert pick_fastest(["a", "b"], lambda i: next(runs[i]), reps=3).winner == "a"
+    assert pick_fastest(["a", "b"], lambda i: 1.0, reps=2).index == 0
+
+
+def test_rounds_rotate_so_no_candidate_always_follows_the_same_one():
+    assert list(interleaved_rounds(3, 4)) == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    order = []
+    pick_fastest("abc", lambda i: order.append(i) or 1.0, reps=3)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+
+
+def test_refuses_nothing_to_time():
+    with pytest.raises(ConfigError, match="at least one"):
+        pick_fastest([], lambda i: 1.0, reps=1)
+    with pytest.raises(ConfigError, match="--pick-reps"):
+        pick_fastest(["a"], lambda i: 1.0, reps=0)
+
+
+# -- on 2 gloo ranks -------------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+from parity_models import NUM_LAYERS, batch, loss_fn, make_layer  # noqa: E402
+
+from megatron_prt.runtime import build_stages  # noqa: E402
+from megatron_prt.runtime.local import all_ok, run_local  # noqa: E402
+from megatron_prt.runtime.measured_pick import measured_pick, pick_plan  # noqa: E402
+
+
+class _Idle:
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def _disagreeing_clocks(rank, world):
+    # alone, rank 0 would pick "a" and rank 1 "b"; the slowest rank's times: a 4.0, b 3.0
+    local = {0: {0: 1.0, 1: 3.0}, 1: {0: 4.0, 1: 2.0}}[rank]
+    picked = measured_pick(["a", "b"], [_Idle(), _Idle()], reps=3, step_seconds=local.get)
+    return picked.winner, picked.medians
+
+
+def test_ranks_agree_on_the_slowest_ranks_times():
+    results = all_ok(run_local(2, _disagreeing_clocks, deadline_s=120))
+    assert results[0] == results[1] == ("b", (4.0, 3.0))
+
+
+PLACEMENT = Placement(2, 2)
+COUNTS = (5, 1, 1, 5)
+
+
+def _real_pick(rank, world):
+    stages = build_stages(PLACEMENT, rank, lambda i: make_layer("mlp", i), NUM_LAYERS, COUNTS)
+    before = [p.detach().clone() for _, s in sorted(stages.items()) for p in s.parameters()]
+    cost = CostModel.from_dict(cost_dict())
+    cost = CostModel(layers=cost.layers, stage_layers=COUNTS)
+    top = top_candidates(tune_layout(cost, PLACEMENT, M), 3)
+    xs, ys = batch("mlp", M)
+    picked = pick_plan(top, stages, loss_fn, xs, ys, reps=2, dtype=torch.float64)
+    after = [p.detach() for _, s in sorted(stages.items()) for p in s.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return picked.index, len(top), unchanged
+
+
+def test_pick_plan_on_real_runtimes_agrees_and_leaves_weights():
+    results = all_ok(run_local(2, _real_pick, deadline_s=300))
+    assert results[0][0] == results[1][0] and 0 <= results[0][0] < results[0][1]
+    assert results[0][1] > 1 and all(r[2] for r in results)
