@@ -34,7 +34,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from itertools import accumulate, chain, repeat
-from operator import add, itemgetter, le, mul
+from operator import add, itemgetter, le
 
 from .actions import Action, Op
 from .deps import producers
@@ -42,8 +42,6 @@ from .lower import message_ends
 from .plan import Plan
 
 _STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
-_OPS = tuple(Op)
-_CODE = {id(op): code for code, op in enumerate(_OPS)}  # by identity: Op's hash is slow
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
 _SENDS = (Op.SEND_F, Op.SEND_B)
 
@@ -106,14 +104,16 @@ class _Flat:
         ranks = list(chain.from_iterable(map(repeat, range(placement.ranks), lengths)))
         if list(map(placement.stage_to_rank.__getitem__, stages)) != ranks:
             return None
-        op_ids = list(map(id, map(_OP, actions)))
-        ops = [_OPS[code] for code in sorted(map(_CODE.__getitem__, set(op_ids)))]
-        if not plan.lowered and not set(ops) <= set(_COMPUTE):
-            return None
-        # key = (stage * len(ops) + slot) * m + mb, the op's part looked up as slot * m
-        op_blocks = list(map({id(op): k * m for k, op in enumerate(ops)}.__getitem__, op_ids))
-        stage_blocks = map(mul, stages, repeat(len(ops) * m))
-        flat = cls(plan, list(map(add, map(add, stage_blocks, op_blocks), mbs)), ops)
+        op_of = list(map(_OP, actions))
+        present = set(op_of)  # Op hashes as its str value: fast
+        ops = [op for op in Op if op in present]
+        if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
+            return None  # an op that is no Op, or communication in a plan not lowered
+        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks
+        op_blocks = list(map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of))
+        stage_blocks = range(0, placement.num_stages * len(ops) * m, len(ops) * m)
+        keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
+        flat = cls(plan, list(keys), ops)
         return flat if flat._complete(op_blocks) and flat._pipelines_match() else None
 
     def _complete(self, op_blocks: list[int]) -> bool:
