@@ -77,7 +77,7 @@ def _check_shape(plan: Plan) -> None:
                 raise _fail(plan, rank, step, f"no such micro-batch (m={plan.num_microbatches})")
             if action.op.is_comm and not plan.lowered:
                 raise _fail(plan, rank, step, "communication in a plan not marked lowered")
-            if action.op.is_compute and placement.rank_of(action.stage) != rank:
+            if placement.rank_of(action.stage) != rank:  # a SEND/RECV names a stage here too
                 raise _fail(
                     plan,
                     rank,
