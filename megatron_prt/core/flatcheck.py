@@ -7,11 +7,12 @@ mark a producer left on the plan; only when it says no do the action-by-action c
 to find and name the fault. See [Note: flat check].
 
 [Note: flat check]
-Every action becomes the integer ``key = (stage * 8 + op code) * m + mb`` and its global
-index ``g`` (ranks concatenated); ``where[key] = g`` is one table, so the actions of one
-kind (stage, op) form a *row* ``where[kind * m : (kind + 1) * m]`` indexed by micro-batch
-(-1 where absent). The dependency rule never crosses micro-batches, so an edge "producer
-kind -> consumer kind" is a pair of rows compared element by element:
+Every action becomes the integer ``key = (stage * len(ops) + slot) * m + mb`` (``ops``: the
+ops the plan holds, ``slot``: the op's place among them) and its global index ``g`` (ranks
+concatenated); ``where[key] = g`` is one table, so the actions of one kind (stage, op) form
+a *row* ``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent). The
+dependency rule never crosses micro-batches, so an edge "producer kind -> consumer kind" is
+a pair of rows compared element by element:
 
 * exactly once, right rank, right pipeline: whole-list comparisons and one count of the
   filled entries of ``where`` (keys distinct and as many as the plan needs);
@@ -20,13 +21,19 @@ kind -> consumer kind" is a pair of rows compared element by element:
 * a producer on another rank: the replay. Each rank runs its actions in order while their
   remote producers are done; a rank that waits parks on the rank it waits for and is woken
   when that rank moves. Local producers need no check there (they precede on the rank).
+  The replay's outcome does not depend on the order ranks are taken in (an action that can
+  run stays runnable until it runs), so "every rank finishes" is the close check's verdict.
 
-A lowered plan adds the SEND/RECV rows: each message (a consumer with a remote producer)
-has one SEND after its producer on the producer's rank and one RECV before its consumer on
-the consumer's rank. Then no compute action ever blocks, and the blocking send/recv replay
-of :mod:`megatron_prt.core.rendezvous` reduces to the SEND/RECV streams alone: a SEND
-completes with its RECV when the receiver stands at it. Conditions are only ever added
-(a SEND before its producer is refused here), so a yes here is a yes there.
+A lowered plan adds the SEND/RECV rows: every message (a consumer with a remote producer)
+has exactly one SEND, after its producer on the producer's rank, and one RECV, before its
+consumer on the consumer's rank, and there are no other SEND/RECV actions. Then a compute
+action never blocks under :mod:`megatron_prt.core.rendezvous`'s rule (its local producers
+and its RECV precede it on its rank), so only the SEND/RECV pairs can: a pair completes
+when both ranks stand at it, i.e. each waits for the action before its partner (-1 when the
+partner is first on its rank), and the same replay decides. It also proves the compute
+order (producer, SEND = RECV, consumer is a path in time). The flat check asks more than
+the close checks in one place: a SEND before its producer (which the lowering writes when
+a stage takes no time) is refused here and left to them.
 """
 
 from __future__ import annotations
