@@ -38,9 +38,10 @@ a stage takes no time) is refused here and left to them.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections import deque
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, pairwise, repeat
 from operator import add, itemgetter, le
 
 from .actions import Action, Op
@@ -88,10 +89,10 @@ class _Flat:
         slot = self.slot.get(op)
         return None if slot is None else stage * len(self.ops) + slot
 
-    def row(self, kind: int | None) -> list[int]:
+    def row(self, kind: int | None) -> array:
         """Global index of the action of ``kind`` per micro-batch (-1: none)."""
         if kind is None:
-            return [-1] * self.m
+            return array("q", [-1]) * self.m
         return self.where[kind * self.m : (kind + 1) * self.m]
 
     @classmethod
@@ -103,36 +104,37 @@ class _Flat:
         placement, m = plan.placement, plan.num_microbatches
         if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
             return None
-        actions = list(chain.from_iterable(plan.ranks))
-        stages, mbs = list(map(_STAGE, actions)), list(map(_MB, actions))
-        if not actions or min(stages) < 0 or min(mbs) < 0 or max(mbs) >= m:
+        stages = list(map(_STAGE, chain.from_iterable(plan.ranks)))
+        mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
+        if not stages or min(stages) < 0 or min(mbs) < 0 or max(mbs) >= m:
             return None
-        lengths = map(len, plan.ranks)
-        ranks = list(chain.from_iterable(map(repeat, range(placement.ranks), lengths)))
-        if list(map(placement.stage_to_rank.__getitem__, stages)) != ranks:
-            return None
-        op_of = list(map(_OP, actions))
+        starts = [0, *accumulate(map(len, plan.ranks))]
+        for rank, (first, last) in enumerate(pairwise(starts)):
+            if set(map(placement.stage_to_rank.__getitem__, stages[first:last])) - {rank}:
+                return None
+        op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
         present = set(op_of)  # Op hashes as its str value: fast
         ops = [op for op in Op if op in present]
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
-        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks
-        op_blocks = list(map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of))
+        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
+        # integers in arrays here and in where: no int object kept per action
+        op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
         stage_blocks = range(0, placement.num_stages * len(ops) * m, len(ops) * m)
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
-        flat = cls(plan, list(keys), ops)
-        return flat if flat._complete(op_blocks) and flat._pipelines_match() else None
+        flat = cls(plan, array("q", keys), ops)
+        return flat if flat._complete(op_of) and flat._pipelines_match() else None
 
-    def _complete(self, op_blocks: list[int]) -> bool:
+    def _complete(self, op_of: list[Op]) -> bool:
         """Keys distinct; compute ops one of F | F, B | F, I, W; every needed action there."""
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
-        self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
+        self.where = where = array("q", [-1]) * (self.placement.num_stages * len(self.ops) * m)
         deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
-        self.computes = sum(op_blocks.count(self.slot[op] * m) for op in compute_ops)
+        self.computes = sum(map(op_of.count, compute_ops))
         return self.computes == m * self.placement.depth * len(compute_ops)
 
     def _pipelines_match(self) -> bool:
