@@ -39,10 +39,9 @@ a stage takes no time) is refused here and left to them.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
 from collections import deque
 from itertools import accumulate, chain, pairwise, repeat
-from operator import add, itemgetter, le
+from operator import add, itemgetter, le, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -120,7 +119,7 @@ class _Flat:
         # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
         # integers in arrays here and in where: no int object kept per action
         op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
-        stage_blocks = range(0, placement.num_stages * len(ops) * m, len(ops) * m)
+        stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
         flat = cls(plan, array("q", keys), ops)
         return flat if flat._complete(op_of) and flat._pipelines_match() else None
@@ -234,6 +233,8 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
     done = bytearray(len(need))
     done[-1] = 1
     ones = memoryview(b"\x01" * len(need))
+    lengths = map(sub, starts[1:], starts[:-1])
+    owner = list(chain.from_iterable(map(repeat, range(len(starts) - 1), lengths)))  # rank
     pos, ends = starts[:-1], starts[1:]
     waiting: list[list[int]] = [[] for _ in pos]  # rank -> ranks parked on it
     todo = list(range(len(pos)))
@@ -250,5 +251,5 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
                 todo += waiting[rank]
                 waiting[rank] = []
         if i < end:
-            waiting[bisect_right(starts, need[i]) - 1].append(rank)
+            waiting[owner[need[i]]].append(rank)
     return pos == ends
