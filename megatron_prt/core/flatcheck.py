@@ -105,11 +105,11 @@ class _Flat:
             return None
         stages = list(map(_STAGE, chain.from_iterable(plan.ranks)))
         mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
-        if not stages or min(stages) < 0 or min(mbs) < 0 or max(mbs) >= m:
+        if not stages or min(mbs) < 0 or max(mbs) >= m:
             return None
         starts = [0, *accumulate(map(len, plan.ranks))]
-        for rank, (first, last) in enumerate(pairwise(starts)):
-            if set(map(placement.stage_to_rank.__getitem__, stages[first:last])) - {rank}:
+        for rank, (first, last) in enumerate(pairwise(starts)):  # also: stages in range
+            if not frozenset(placement.rank_stages[rank]).issuperset(stages[first:last]):
                 return None
         op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
         present = set(op_of)  # Op hashes as its str value: fast

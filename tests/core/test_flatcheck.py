@@ -211,3 +211,23 @@ def test_full_validate_of_a_big_plan_is_the_flat_check(big_plan, monkeypatch):
     monkeypatch.setattr(module, "check_closely", lambda plan: pytest.fail("fell back"))
     validate(big_plan, full=True)
     validate(lower(big_plan), full=True)
+
+
+@pytest.mark.parametrize(
+    "stage, mb, why",
+    [
+        (-1, 0, "no such stage"),
+        (4, 0, "no such stage"),
+        (0, -1, "no such micro-batch"),
+        (0, 3, "no such micro-batch"),
+    ],
+)
+def test_out_of_range_names_are_refused(stage, mb, why):
+    """A stage or micro-batch out of range would alias another action's key: refused."""
+    plan = build_plan(Placement(2, 2), 3)
+    acts = list(plan.ranks[0])
+    acts[acts.index(Action(0, Op.F, 1))] = Action(stage, Op.F, mb)
+    bad = _with_ranks(plan, {0: acts})
+    assert not passes(bad)
+    with pytest.raises(PlanError, match=why):
+        validate(bad)
