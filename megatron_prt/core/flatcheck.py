@@ -219,7 +219,7 @@ class _Flat:
             partner_kind[sent], partner_kind[received] = received, sent
         if 2 * messages != n - self.computes:
             return None
-        for start in self.starts[1:-1]:  # a partner first on its rank waits for nothing
+        for start in set(self.starts[1:-1]) - {n}:  # a partner first on its rank: no wait
             kind, mb = divmod(self.keys[start], self.m)
             if kind in partner_kind:
                 need[self.where[partner_kind[kind] * self.m + mb]] = -1

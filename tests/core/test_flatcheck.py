@@ -231,3 +231,30 @@ def test_out_of_range_names_are_refused(stage, mb, why):
     assert not passes(bad)
     with pytest.raises(PlanError, match=why):
         validate(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement, direction", [("loop", "uni"), ("wave", "bi")])
+def test_benchmark_size_break_mid_steady_state(placement, direction):
+    """P=64, R=8, m=512 (half a million actions): the valid plan and its lowering pass the
+    flat check; one B moved before its own F at the middle of rank 31's steady state, and
+    one RECV moved after a later SEND on rank 32, are refused and named."""
+    plan = build_plan(Placement(64, 8, placement, direction), 512)
+    lowered = lower(plan)
+    assert passes(replace(plan)) and passes(replace(lowered))
+    acts = list(plan.ranks[31])
+    step = _middle(plan, 31, Op.B)
+    backward = acts.pop(step)
+    acts.insert(acts.index(Action(backward.stage, Op.F, backward.mb)), backward)
+    bad = _with_ranks(plan, {31: acts})
+    assert not passes(bad)
+    with pytest.raises(PlanError, match=f"{backward} \\(stage {backward.stage}, mb "):
+        validate(bad)
+    acts = list(lowered.ranks[32])
+    step = _middle(lowered, 32, Op.RECV_F)
+    send = next(i for i in range(step + 1, len(acts)) if acts[i].op is Op.SEND_B)
+    acts.insert(send, acts.pop(step))
+    bad = _with_ranks(lowered, {32: acts})
+    assert not passes(bad)
+    with pytest.raises(PlanError, match="deadlocks"):
+        validate(bad)
