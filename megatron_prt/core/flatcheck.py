@@ -138,14 +138,23 @@ class _Flat:
 
     def _pipelines_match(self) -> bool:
         """Every stage's actions are of micro-batches of its pipeline: in each row of a
-        stage, the other pipelines' micro-batches are absent."""
+        stage, the other pipelines' micro-batches are absent (a strided slice of the row
+        when they are evenly spaced, as ``split_microbatches`` makes them)."""
         placement, per_stage = self.placement, len(self.ops)
         if placement.num_pipelines == 1:
             return True
         for pipeline, stages in enumerate(placement.pipelines):
             others = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p != pipeline]
+            if not others:
+                continue
+            step = others[1] - others[0] if len(others) > 1 else 1
+            if others == list(range(others[0], others[-1] + 1, step)):
+                pick = itemgetter(slice(others[0], others[-1] + 1, step))
+            else:
+                pick = itemgetter(*others, others[0])  # always a tuple
+            absent = pick(array("q", [-1]) * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
-                if list(map(self.row(kind).__getitem__, others)).count(-1) != len(others):
+                if pick(self.row(kind)) != absent:
                     return False
         return True
 
@@ -183,7 +192,7 @@ class _Flat:
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
-                if self.row(kind).count(-1) == self.m:
+                if self.row(kind) == self.row(None):  # the plan has no such action
                     continue
                 try:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)

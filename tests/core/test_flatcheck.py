@@ -258,3 +258,19 @@ def test_benchmark_size_break_mid_steady_state(placement, direction):
     assert not passes(bad)
     with pytest.raises(PlanError, match="deadlocks"):
         validate(bad)
+
+
+def test_any_split_of_micro_batches_between_pipelines():
+    """Micro-batches renamed so the pipelines take them unevenly spaced (0, 1, 1, 0, 0, 1):
+    still valid; naming a wrong pipeline for one is refused."""
+    plan = build_plan(Placement(2, 2, "wave", "bi"), 6)
+    rename = {0: 0, 2: 3, 4: 4, 1: 1, 3: 2, 5: 5}  # pipeline 0 keeps 0, 3, 4
+    ranks = tuple(tuple(Action(s, op, rename[mb]) for s, op, mb in acts) for acts in plan.ranks)
+    for lowered in (False, True):
+        renamed = replace(plan, ranks=ranks, mb_pipeline=(0, 1, 1, 0, 0, 1))
+        renamed = lower(renamed) if lowered else renamed
+        assert passes(replace(renamed)) and _closely_valid(renamed)
+        wrong = replace(renamed, mb_pipeline=(0, 1, 1, 0, 1, 0))
+        assert not passes(wrong)
+        with pytest.raises(PlanError, match="runs on pipeline"):
+            validate(wrong)
