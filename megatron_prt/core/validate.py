@@ -34,8 +34,9 @@ from .replay import PlanError, compiled
 def validate(plan: Plan, full: bool = False) -> None:
     """Raise :class:`PlanError` (with the grid around the first failure) or return None.
 
-    A vouched plan returns at once unless ``full``; otherwise :func:`~megatron_prt.core.
-    flatcheck.passes` decides, and :func:`check_closely` names the fault when it says no."""
+    A vouched plan returns at once unless ``full``; otherwise the flat check
+    (:func:`~megatron_prt.core.flatcheck.passes`) decides, and :func:`check_closely` names
+    the fault when it says no (or finds the plan valid after all)."""
     if vouched(plan) and not full:
         return
     if not passes(plan):
