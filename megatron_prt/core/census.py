@@ -22,10 +22,11 @@ _BACKWARD = frozenset({Op.B, Op.I, Op.W})
 
 def looks_complete(plan: Plan) -> bool:
     """True when: the plan has its placement's ranks and a pipeline per micro-batch; every
-    action names a stage and a micro-batch of the plan, of the same pipeline; compute runs
-    on its stage's rank; communication appears only in a lowered plan; and the compute
-    actions are exactly F, B (or F, I, W, or F alone) of every stage of every
-    micro-batch's pipeline, each once. False says only that a closer look is needed."""
+    action names a stage and a micro-batch of the plan, of the same pipeline, and runs on
+    its stage's rank (a SEND names the sending stage, a RECV the receiving one);
+    communication appears only in a lowered plan; and the compute actions are exactly F, B
+    (or F, I, W, or F alone) of every stage of every micro-batch's pipeline, each once.
+    False says only that a closer look is needed."""
     placement, m = plan.placement, plan.num_microbatches
     if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
         return False
@@ -48,7 +49,7 @@ def looks_complete(plan: Plan) -> bool:
         else:
             mask = list(map(_COMPUTE.__contains__, ops))
             compute, compute_stages = compress(acts, mask), list(compress(stages, mask))
-        if set(map(placement.stage_to_rank.__getitem__, compute_stages)) - {rank}:
+        if set(map(placement.stage_to_rank.__getitem__, stages)) - {rank}:
             return False
         if placement.num_pipelines > 1 and not _same_pipeline(plan, stages, mbs):
             return False

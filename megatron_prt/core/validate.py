@@ -4,11 +4,16 @@ For a lowered plan it also replays the SEND/RECV streams with *blocking rendezvo
 semantics (a SEND waits for the peer's matching RECV and vice versa), the strictest model a
 runtime can face; a plan that passes cannot deadlock under buffered or async p2p either.
 
+Two checkers, one verdict: :func:`megatron_prt.core.flatcheck.passes` re-derives every
+condition from the actions and the dependency rule on flat integer lists (linear, mostly
+C-level list passes; see [Note: flat check]); only when it says no does
+:func:`check_closely` go action by action, to name the fault in a :class:`PlanError` (or
+find that the plan is valid after all: the flat check may refuse more than it must).
+
 A plan its producer made valid by construction (:func:`megatron_prt.core.plan.vouch`: the
-list scheduler's plans, the lowering of a valid plan) skips the checks, which would only
-re-derive what building it proved; ``full=True`` checks it anyway (the tests do, so the
-producers' claims stay checked). A plan that passes is vouched for, so validating it again
-costs nothing.
+list scheduler's plans, the lowering of a valid plan) skips the checks unless ``full``;
+``full=True`` checks it anyway, trusting no mark. A plan that passes is vouched for, so
+validating it again costs nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import Counter
 
 from .actions import Action, Op
 from .census import looks_complete
+from .flatcheck import passes
 from .gcpause import without_gc
 from .grid import format_grid
 from .plan import Plan, vouch, vouched
@@ -28,20 +34,26 @@ from .replay import PlanError, compiled
 def validate(plan: Plan, full: bool = False) -> None:
     """Raise :class:`PlanError` (with the grid around the first failure) or return None.
 
-    A vouched plan returns at once unless ``full``. A well-formed plan passes
-    :func:`~megatron_prt.core.census.looks_complete` (whole-column checks); only otherwise
-    do the action-by-action checks run, to name the fault."""
+    A vouched plan returns at once unless ``full``; otherwise the flat check
+    (:func:`~megatron_prt.core.flatcheck.passes`) decides, and :func:`check_closely` names
+    the fault when it says no (or finds the plan valid after all)."""
     if vouched(plan) and not full:
         return
+    if not passes(plan):
+        check_closely(plan)
+    vouch(plan)
+
+
+@without_gc
+def check_closely(plan: Plan) -> None:
+    """The action-by-action checks: raise :class:`PlanError` naming rank, step and action,
+    or return None when ``plan`` is valid. Keeps the compiled replay with the plan."""
     if not looks_complete(plan):
         _check_shape(plan)
         _check_exactly_once(plan)
-    # dependency order, no deadlock (with full: the walk itself, not what a producer kept);
-    # kept for lowering and replays
-    compiled(plan, fresh=full)
+    compiled(plan, fresh=True)  # dependency order, no deadlock; kept for lowering, replays
     if plan.lowered:
         _check_rendezvous(plan)
-    vouch(plan)
 
 
 def _fail(plan: Plan, rank: int, step: int, why: str) -> PlanError:
@@ -66,7 +78,7 @@ def _check_shape(plan: Plan) -> None:
                 raise _fail(plan, rank, step, f"no such micro-batch (m={plan.num_microbatches})")
             if action.op.is_comm and not plan.lowered:
                 raise _fail(plan, rank, step, "communication in a plan not marked lowered")
-            if action.op.is_compute and placement.rank_of(action.stage) != rank:
+            if placement.rank_of(action.stage) != rank:  # a SEND/RECV names a stage here too
                 raise _fail(
                     plan,
                     rank,

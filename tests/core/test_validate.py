@@ -88,3 +88,16 @@ def test_comm_in_unlowered_plan_is_refused(plan):
     bad = _with_rank(plan, 0, (Action(0, Op.SEND_F, 0), *plan.ranks[0]))
     with pytest.raises(PlanError, match="not marked lowered"):
         validate(bad)
+
+
+def test_send_on_the_wrong_rank_is_refused():
+    """A SEND names the stage whose tensor it sends: it runs on that stage's rank (the
+    blocking replay alone would pair it with its RECV from anywhere)."""
+    plan = lower(build_plan(Placement(3, 1), 2, "1f1b"))
+    send = Action(0, Op.SEND_F, 1)
+    r0 = [a for a in plan.ranks[0] if a != send]
+    r2 = [*plan.ranks[2][:1], send, *plan.ranks[2][1:]]
+    ranks = (tuple(r0), plan.ranks[1], tuple(r2))
+    bad = Plan(plan.placement, 2, ranks, plan.schedule, plan.mb_pipeline, lowered=True)
+    with pytest.raises(PlanError, match="stage 0 lives on rank 0"):
+        validate(bad)

@@ -1,0 +1,264 @@
+"""The full check of a plan on flat integer lists: a quick, independent yes.
+
+:func:`megatron_prt.core.validate.validate` asks :func:`passes` first. It re-derives every
+condition from the actions and the dependency rule (:func:`megatron_prt.core.deps.producers`,
+:func:`megatron_prt.core.lower.message_ends`, asked once per kind of action), trusting no
+mark a producer left on the plan; only when it says no do the action-by-action checks run,
+to find and name the fault. See [Note: flat check].
+
+[Note: flat check]
+Every action becomes the integer ``key = (stage * len(ops) + slot) * m + mb`` (``ops``: the
+ops the plan holds, ``slot``: the op's place among them) and its global index ``g`` (ranks
+concatenated); ``where[key] = g`` is one table, so the actions of one kind (stage, op) form
+a *row* ``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent). The
+dependency rule never crosses micro-batches, so an edge "producer kind -> consumer kind" is
+a pair of rows compared element by element:
+
+* exactly once, right rank, right pipeline: whole-list comparisons and one count of the
+  filled entries of ``where`` (keys distinct and as many as the plan needs);
+* a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier global
+  index on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
+* a producer on another rank: the replay. Each rank runs its actions in order while their
+  remote producers are done; a rank that waits parks on the rank it waits for and is woken
+  when that rank moves. Local producers need no check there (they precede on the rank).
+  The replay's outcome does not depend on the order ranks are taken in (an action that can
+  run stays runnable until it runs), so "every rank finishes" is the close check's verdict.
+
+A lowered plan adds the SEND/RECV rows: every message (a consumer with a remote producer)
+has exactly one SEND, after its producer on the producer's rank, and one RECV, before its
+consumer on the consumer's rank, and there are no other SEND/RECV actions. Then a compute
+action never blocks under :mod:`megatron_prt.core.rendezvous`'s rule (its local producers
+and its RECV precede it on its rank), so only the SEND/RECV pairs can: a pair completes
+when both ranks stand at it, i.e. each waits for the action before its partner (-1 when the
+partner is first on its rank), and the same replay decides. It also proves the compute
+order (producer, SEND = RECV, consumer is a path in time). The flat check asks more than
+the close checks in one place: a SEND before its producer (which the lowering writes when
+a stage takes no time) is refused here and left to them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from itertools import accumulate, chain, pairwise, repeat
+from operator import add, itemgetter, le, sub
+
+from .actions import Action, Op
+from .deps import producers
+from .lower import message_ends
+from .plan import Plan
+
+_STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
+_COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+_SENDS = (Op.SEND_F, Op.SEND_B)
+
+
+def passes(plan: Plan) -> bool:
+    """True when ``plan`` passes every check of
+    :func:`~megatron_prt.core.validate.validate`; False says only that a closer look is
+    needed (it may still pass). Linear in the plan, mostly in C-level list passes."""
+    try:
+        flat = _Flat.of(plan)
+    except (IndexError, KeyError, TypeError):  # a stage out of range, an op no Op, a str mb
+        return False
+    if flat is None or not flat.local_order_holds():
+        return False
+    need = flat.message_needs() if plan.lowered else flat.remote_needs()
+    return need is not None and _replay_completes(need, flat.starts)
+
+
+class _Flat:
+    """A plan as integer lists over its actions, rank after rank (see [Note: flat check]).
+    Kinds are numbered ``stage * len(ops) + slot``, slot the op's place among the ops the
+    plan holds (``slot``), so ``where`` has one row per kind the plan could hold."""
+
+    def __init__(self, plan: Plan, keys: list[int], ops: list[Op]) -> None:
+        self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
+        self.keys, self.n, self.ops = keys, len(keys), ops
+        self.slot = {op: k for k, op in enumerate(ops)}
+        self.starts = [0, *accumulate(map(len, plan.ranks))]
+        self.split = Op.I in ops
+        if self.split:
+            self.compute_ops = (Op.F, Op.I, Op.W)
+        else:
+            self.compute_ops = (Op.F, Op.B) if {Op.B, Op.W} & set(ops) else (Op.F,)
+
+    def kind(self, stage: int, op: Op) -> int | None:
+        """The kind of ``(stage, op)``, None when the plan has no ``op`` at all."""
+        slot = self.slot.get(op)
+        return None if slot is None else stage * len(self.ops) + slot
+
+    def row(self, kind: int | None) -> array:
+        """Global index of the action of ``kind`` per micro-batch (-1: none)."""
+        if kind is None:
+            return array("q", [-1]) * self.m
+        return self.where[kind * self.m : (kind + 1) * self.m]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Flat | None:
+        """The flat plan, or None when a shape check fails: rank count, a pipeline per
+        micro-batch, stage and micro-batch in range, every action on its stage's rank and
+        its micro-batch's pipeline, no action twice, comm only if lowered, the compute
+        actions exactly those the plan needs."""
+        placement, m = plan.placement, plan.num_microbatches
+        if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
+            return None
+        stages = list(map(_STAGE, chain.from_iterable(plan.ranks)))
+        mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
+        if not stages or min(mbs) < 0 or max(mbs) >= m:
+            return None
+        starts = [0, *accumulate(map(len, plan.ranks))]
+        for rank, (first, last) in enumerate(pairwise(starts)):  # also: stages in range
+            if not frozenset(placement.rank_stages[rank]).issuperset(stages[first:last]):
+                return None
+        op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
+        present = set(op_of)  # Op hashes as its str value: fast
+        ops = [op for op in Op if op in present]
+        if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
+            return None  # an op that is no Op, or communication in a plan not lowered
+        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
+        # integers in arrays here and in where: no int object kept per action
+        op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
+        stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
+        keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
+        flat = cls(plan, array("q", keys), ops)
+        return flat if flat._complete(op_of) and flat._pipelines_match() else None
+
+    def _complete(self, op_of: list[Op]) -> bool:
+        """Keys distinct; compute ops one of F | F, B | F, I, W; every needed action there."""
+        m, n, compute_ops = self.m, self.n, self.compute_ops
+        if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
+            return False
+        self.where = where = array("q", [-1]) * (self.placement.num_stages * len(self.ops) * m)
+        deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
+        if len(where) - where.count(-1) != n:
+            return False
+        self.computes = sum(map(op_of.count, compute_ops))
+        return self.computes == m * self.placement.depth * len(compute_ops)
+
+    def _pipelines_match(self) -> bool:
+        """Every stage's actions are of micro-batches of its pipeline: in each row of a
+        stage, the other pipelines' micro-batches are absent (a strided slice of the row
+        when they are evenly spaced, as ``split_microbatches`` makes them)."""
+        placement, per_stage = self.placement, len(self.ops)
+        if placement.num_pipelines == 1:
+            return True
+        for pipeline, stages in enumerate(placement.pipelines):
+            others = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p != pipeline]
+            if not others:
+                continue
+            step = others[1] - others[0] if len(others) > 1 else 1
+            if others == list(range(others[0], others[-1] + 1, step)):
+                pick = itemgetter(slice(others[0], others[-1] + 1, step))
+            else:
+                pick = itemgetter(*others, others[0])  # always a tuple
+            absent = pick(array("q", [-1]) * self.m)
+            for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
+                if pick(self.row(kind)) != absent:
+                    return False
+        return True
+
+    def _edges(self) -> list[tuple[int, int, bool]]:
+        """(producer kind, consumer kind, crosses ranks) of every compute kind, from the
+        dependency rule asked once per kind."""
+        placement, rank_of, split = self.placement, self.placement.stage_to_rank, self.split
+        edges = []
+        for stage in range(placement.num_stages):
+            for op in self.compute_ops:
+                for dep in producers(Action(stage, op, 0), placement, split):
+                    crosses = rank_of[dep.stage] != rank_of[stage]
+                    edges.append((self.kind(dep.stage, dep.op), self.kind(stage, op), crosses))
+        return edges
+
+    def local_order_holds(self) -> bool:
+        """Every producer on its consumer's rank comes before it there."""
+        self.edges = self._edges()
+        row = self.row
+        return all(all(map(le, row(p), row(c))) for p, c, crosses in self.edges if not crosses)
+
+    def remote_needs(self) -> list[int]:
+        """Per action: the index of its producer on another rank (-1: none)."""
+        need = [-1] * (self.n + 1)  # need[-1]: where the absent (-1) entries of a row land
+        for producer, consumer, crosses in self.edges:
+            if crosses:
+                deque(map(need.__setitem__, self.row(consumer), self.row(producer)), maxlen=0)
+        return need
+
+    def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
+        """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
+        that edge (:func:`message_ends`, asked once per kind the plan holds); None if one
+        carries no one tensor."""
+        carrier = {}
+        for stage in range(self.placement.num_stages):
+            for op in (op for op in self.ops if op.is_comm):
+                kind = self.kind(stage, op)
+                if self.row(kind) == self.row(None):  # the plan has no such action
+                    continue
+                try:
+                    ends = message_ends(Action(stage, op, 0), self.placement, self.split)
+                except ValueError:
+                    return None
+                edge = tuple(self.kind(end.stage, end.op) for end in ends)
+                carrier[(*edge, op in _SENDS)] = kind
+        return carrier
+
+    def message_needs(self) -> list[int] | None:
+        """Per action of a lowered plan: what it waits for under blocking send/recv, given
+        that every message has its SEND after the producer and its RECV before the consumer
+        and there are no other SEND/RECV actions (else None). A SEND or RECV waits for the
+        action before its partner (the partner's rank stands at the partner), -1 when the
+        partner is first on its rank; a compute action waits for nothing more."""
+        carrier, row, n = self._carriers(), self.row, self.n
+        if carrier is None:
+            return None
+        need, partner_kind, messages = [-1] * (n + 1), {}, 0
+        for producer, consumer, crosses in self.edges:
+            if not crosses:
+                continue
+            sent = carrier.get((producer, consumer, True))
+            received = carrier.get((producer, consumer, False))
+            if sent is None or received is None:
+                return None
+            sends, receives, consumers = row(sent), row(received), row(consumer)
+            if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
+                return None
+            messages += self.m - consumers.count(-1)
+            deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)
+            deque(map(need.__setitem__, receives, map(add, sends, repeat(-1))), maxlen=0)
+            partner_kind[sent], partner_kind[received] = received, sent
+        if 2 * messages != n - self.computes:
+            return None
+        for start in set(self.starts[1:-1]) - {n}:  # a partner first on its rank: no wait
+            kind, mb = divmod(self.keys[start], self.m)
+            if kind in partner_kind:
+                need[self.where[partner_kind[kind] * self.m + mb]] = -1
+        return need
+
+
+def _replay_completes(need: list[int], starts: list[int]) -> bool:
+    """Each rank runs its actions in order while ``need[i]`` is done (index -1 always is);
+    a rank that waits parks on the rank it waits for, woken when that one moves. True when
+    every rank finishes. One loop whose cost is the number of times a rank waits."""
+    done = bytearray(len(need))
+    done[-1] = 1
+    ones = memoryview(b"\x01" * len(need))
+    lengths = map(sub, starts[1:], starts[:-1])
+    owner = list(chain.from_iterable(map(repeat, range(len(starts) - 1), lengths)))  # rank
+    pos, ends = starts[:-1], starts[1:]
+    waiting: list[list[int]] = [[] for _ in pos]  # rank -> ranks parked on it
+    todo = list(range(len(pos)))
+    while todo:
+        rank = todo.pop()
+        first = i = pos[rank]
+        end = ends[rank]
+        while i < end and done[need[i]]:
+            i += 1
+        if i > first:
+            done[first:i] = ones[: i - first]
+            pos[rank] = i
+            if waiting[rank]:
+                todo += waiting[rank]
+                waiting[rank] = []
+        if i < end:
+            waiting[owner[need[i]]].append(rank)
+    return pos == ends
