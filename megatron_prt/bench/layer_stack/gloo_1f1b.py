@@ -14,7 +14,9 @@ third configuration, from a fixed cost model (I and W each half of the backward)
     python benchmarks/gloo_1f1b.py --microbatches 4,8 --reps 41
 
 prints one table per m: medians of wall time and of CPU time per step (max over ranks),
-and megatron-prt's ratios to torch's.
+and megatron-prt's ratios to torch's: of the medians, and (``paired``) the median of the
+per-round ratios. Under load from other processes trust the CPU columns and ``paired``;
+the wall-clock columns are for a quiet machine.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def _medians(per_rank: list[dict], m: int, key: str) -> tuple[float, float, floa
     return wall, cpu, thread
 
 
+def _paired(per_rank: list[dict], m: int, key: str) -> float:
+    """Median over rounds of torch's wall time / this one's in the same round (the two ran
+    a few steps apart, so a drift in load cancels)."""
+    pairs = zip(per_rank[0][m][TORCH], per_rank[0][m][key], strict=True)
+    return statistics.median(theirs[0] / ours[0] for theirs, ours in pairs)
+
+
 def table(per_rank: list[dict], m: int, zb: bool) -> list[str]:
     ref = _medians(per_rank, m, TORCH)
     rows = []
@@ -105,6 +114,7 @@ def table(per_rank: list[dict], m: int, zb: bool) -> list[str]:
                 key,
                 f"{wall * 1e3:.2f}",
                 f"{ref[0] / wall:.3f}",
+                f"{_paired(per_rank, m, key):.3f}",
                 f"{cpu * 1e3:.2f}",
                 f"{ref[1] / cpu:.3f}",
                 f"{thread * 1e3:.2f}",
@@ -115,12 +125,13 @@ def table(per_rank: list[dict], m: int, zb: bool) -> list[str]:
         f"m={m}",
         "wall ms",
         "torch/this",
+        "paired",
         "process CPU ms",
         "torch/this",
         "thread CPU ms",
         "torch/this",
     ]
-    return md_table(header, "lrrrrrr", rows)
+    return md_table(header, "lrrrrrrr", rows)
 
 
 def main(argv: list[str] | None = None) -> int:
