@@ -25,8 +25,12 @@ CONFIGS = [  # (layer kind, R, placement, direction, m)
 
 def _worker(rank: int, world: int) -> list:
     group = dist.new_group(PIPELINE)  # collective: every rank of the world calls it
-    if rank not in PIPELINE:
-        return []
+    out = _train_configs(group) if rank in PIPELINE else []
+    dist.barrier()  # the rank outside the group stays until the pipeline is done with gloo
+    return out
+
+
+def _train_configs(group) -> list:
     group_rank = dist.get_rank(group)
     out = []
     for kind, reuse, placement, direction, m in CONFIGS:
@@ -58,3 +62,45 @@ def test_pipeline_subgroup_keeps_parity():
             for what, value in err.items():
                 assert value <= TOL, f"{config}: {what} differs by {value:.3g}"
         assert seen == set(range(config[-1])), f"{config}: losses missing"
+
+
+class _Recorder:
+    """Wraps a transport: logs ``send``/``recv`` calls by kind of message, in call order."""
+
+    def __init__(self, inner, log: list) -> None:
+        self.inner, self.log = inner, log
+
+    def send(self, key, tensor):
+        self.log.append(f"send {key[0]} {key[3]}")
+        return self.inner.send(key, tensor)
+
+    def recv(self, key):
+        self.log.append(f"recv {key[0]} {key[3]}")
+        return self.inner.recv(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _first_stage_log(rank: int, world: int) -> list[str]:
+    """Rank 0's calls in a 1F1B step (m=4) after the first, which exchanged the shapes."""
+    plan = build_plan(Placement(world), 4, "1f1b")
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, transport="torch")
+    xs, ys = batch("mlp", 4)
+    runtime.step(xs, ys)
+    log: list[str] = []
+    runtime.transport = _Recorder(runtime.transport, log)
+    forward = runtime.callbacks.forward
+    runtime.callbacks.forward = lambda stage, mb, x: log.append(f"F {mb}") or forward(stage, mb, x)
+    runtime.step(xs, ys)
+    return log
+
+
+def test_receives_posted_ahead_go_behind_the_sends():
+    """The first stage computes F0 and sends it before posting the receives it needs only
+    later; every receive it posts is still posted before the gradient it receives is needed
+    (all four, lookahead 16, before the first backward's wait)."""
+    log = all_ok(run_local(2, _first_stage_log, deadline_s=120))[0]
+    assert log[:2] == ["F 0", "send act 0"], log
+    assert log[2:6] == [f"recv grad {mb}" for mb in range(4)], log
