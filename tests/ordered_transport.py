@@ -83,7 +83,7 @@ class StreamOrderedTransport:
         while (item := self._queue.get()) is not None:
             ops, work = item
             try:
-                for started in [op.op(op.tensor, op.peer, op.group) for op in ops]:
+                for started in [self.inner._start(*op) for op in ops]:
                     started.wait(self.inner.timeout)
             except Exception as exc:  # handed to the waiting compute
                 work.error = exc

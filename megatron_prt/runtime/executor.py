@@ -213,7 +213,6 @@ class PipelineRuntime:
         if forward_only in self._early and all(map(self.transport.knows, self._recv_order)):
             lowered, program, self._recv_order = self._early[forward_only]
         self._begin(forward_only)
-        self._prepost()
         t0 = time.perf_counter()
         step = 0  # index in the lowered plan, for errors
         action: Action | None = None
@@ -221,7 +220,6 @@ class PipelineRuntime:
             for step, action, handler, operand, is_compute in program:  # noqa: B007 (errors)
                 handler(operand)
                 if is_compute:
-                    self._prepost()
                     if self.trace_enabled:  # span: from inputs ready to compute done
                         end = time.perf_counter()
                         self.spans.append((action, self._ready_at - t0, end - t0))
@@ -333,11 +331,15 @@ class PipelineRuntime:
             self._memory = ActivationMeter(params, self.device)
 
     def _take_received(self, key: tuple) -> torch.Tensor:
+        self._prepost()  # before this rank blocks, so that peers can send it what follows
         return self.transport.wait(self._received.pop(key))
 
     def _prepost(self) -> None:
         """Keep up to ``recv_lookahead`` receives posted beyond the plan's position, in the
-        plan's order (so per-peer message order is unchanged)."""
+        plan's order (so per-peer message order is unchanged). Called after each group of
+        comm actions, behind its sends, and before each wait for a message: never ahead of
+        the sends a compute produced (they are on a peer's critical path, the receives
+        rarely are), nor ahead of a step's first compute when it needs no message."""
         order = self._recv_order
         posted = False
         while (
@@ -447,6 +449,7 @@ class PipelineRuntime:
     def _communicate(self, batch: list[tuple]) -> None:
         for handler, key, where in batch:
             handler(key, where)
+        self._prepost()
         self.transport.flush()
 
     def _send_output(self, key: tuple, where: tuple[int, int]) -> None:

@@ -110,16 +110,21 @@ class TorchTransport:
         self.largest: dict[tuple, int] | None = {} if dtype is None else None  # edge -> bytes
         self.timeout = timedelta(seconds=timeout_s)
         self._global: dict[int, int] = {}
-        self._ops: list[dist.P2POp] = []
+        # queued messages: (is_send, tensor, peer's rank in ``group``), and their handles
+        self._ops: list[tuple[bool, torch.Tensor, int]] = []
         self._handles: list[_Handle] = []
         # NCCL needs a batch to progress a group of sends and receives together; gloo's
         # p2p is asynchronous already, and its coalescing path does not mix safely with the
         # plain receive that learns a new edge's shape.
         self._batched = dist.get_backend(group) == "nccl"
+        # Unbatched messages go straight to the process group's send/recv: dist.isend and
+        # dist.irecv redo their argument checks and group look-ups on every call, a few
+        # microseconds a message on the critical path of every hop.
+        self._pg = dist.group.WORLD if group is None else group
         self.closed = False
 
-    def _peer(self, stage: int) -> int:
-        rank = self.rank_of_stage(stage)
+    def _global_rank(self, rank: int) -> int:
+        """The global rank of ``group``'s ``rank`` (what dist.P2POp and dist.irecv take)."""
         if rank not in self._global:
             self._global[rank] = (
                 rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -143,31 +148,31 @@ class TorchTransport:
                 f"{tuple(known)}: micro-batches whose shapes differ need "
                 "PipelineRuntime(..., variable_shapes=True) (or pad them to one shape)"
             )
-        peer = self._peer(key[2])
+        peer = self.rank_of_stage(key[2])
         header = None
         if not self.knows(key):
             self._learn(edge, tensor.shape, tensor.dtype)
             header = _Handle(keep=self._header(tensor.shape, tensor.dtype))
-            self._queue(dist.P2POp(dist.isend, header.keep, peer, self.group), header)
+            self._queue(True, header.keep, peer, header)
         payload = (tensor.to(self.wire) if self._staged else tensor).contiguous()
         # The handle keeps the payload (and the shape header) alive until the send is done.
         handle = _Handle(keep=payload if header is None else (payload, header))
-        self._queue(dist.P2POp(dist.isend, payload, peer, self.group), handle)
+        self._queue(True, payload, peer, handle)
         return handle
 
     def recv(self, key: tuple) -> _Handle:
-        peer = self._peer(key[1])
+        peer = self.rank_of_stage(key[1])
         edge = key[:3]
         if not self.knows(key):  # first message on this edge (or any, if shapes vary)
             self.flush()
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
-            dist.irecv(header, peer, self.group).wait(self.timeout)
+            dist.irecv(header, self._global_rank(peer), self.group).wait(self.timeout)
             ndim, code = int(header[0]) & 0xFF, int(header[0]) >> 8
             shape = torch.Size(int(d) for d in header[1 : 1 + ndim])
             self._learn(edge, shape, _DTYPES[code] if self.dtype is None else self.dtype)
         buf = torch.empty(self.shapes[edge], dtype=self.dtypes[edge], device=self.wire)
         handle = _Handle(tensor=buf)
-        self._queue(dist.P2POp(dist.irecv, buf, peer, self.group), handle)
+        self._queue(False, buf, peer, handle)
         return handle
 
     def _learn(self, edge: tuple, shape: torch.Size, dtype: torch.dtype) -> None:
@@ -181,14 +186,29 @@ class TorchTransport:
         if not self._ops:
             return
         if self._batched:
-            works = dist.batch_isend_irecv(self._ops)
-            if len(works) != len(self._ops):  # coalesced: one work for the whole batch
-                works = [works[-1]] * len(self._ops)
+            ops = [
+                dist.P2POp(
+                    dist.isend if is_send else dist.irecv,
+                    tensor,
+                    self._global_rank(peer),
+                    self.group,
+                )
+                for is_send, tensor, peer in self._ops
+            ]
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # coalesced: one work for the whole batch
+                works = [works[-1]] * len(ops)
         else:
-            works = [op.op(op.tensor, op.peer, op.group) for op in self._ops]
+            works = [self._start(*op) for op in self._ops]
         for work, handle in zip(works, self._handles, strict=True):
             handle.work = work
         self._ops, self._handles = [], []
+
+    def _start(self, is_send: bool, tensor: torch.Tensor, peer: int) -> dist.Work:
+        """Post one queued message (unbatched) on the process group."""
+        if tensor.is_complex():  # as dist.isend / dist.irecv pass it
+            tensor = torch.view_as_real(tensor)
+        return (self._pg.send if is_send else self._pg.recv)([tensor], peer, 0)
 
     def is_completed(self, handle: _Handle) -> bool:
         return handle.work.is_completed()
@@ -202,8 +222,9 @@ class TorchTransport:
     def close(self) -> None:
         self.closed = True
 
-    def _queue(self, op: dist.P2POp, handle: _Handle) -> None:
-        self._ops.append(op)
+    def _queue(self, is_send: bool, tensor: torch.Tensor, peer: int, handle: _Handle) -> None:
+        """Queue a message to or from ``peer`` (its rank in ``group``) for :meth:`flush`."""
+        self._ops.append((is_send, tensor, peer))
         self._handles.append(handle)
 
     def _header(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
