@@ -276,16 +276,19 @@ def test_any_split_of_micro_batches_between_pipelines():
             validate(wrong)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lower() puts a SEND before the compute that makes its tensor when that stage "
-    "takes no time (its end event ties with its start and messages sort first); the runtime "
-    "would send a tensor not made yet. The flat check refuses it, the close checks accept it.",
-)
 def test_lowering_with_idle_stages_sends_after_the_producer():
+    """A stage that takes no time ends at the instant it starts: its SEND still follows
+    it in its rank's stream (the runtime cannot send a tensor not made yet)."""
     placement = Placement(2, 2)
     busy = [float(placement.rank_of(s) % 2 == 0) for s in range(placement.depth)]
     times = StageTimes(tuple(busy), tuple(2 * t for t in busy))
     lowered = lower(build_plan(placement, 4), times)
     validate(replace(lowered), full=True)
     assert passes(replace(lowered))
+    for stream in lowered.ranks:
+        made = set()
+        for stage, op, mb in stream:
+            if op.is_compute:
+                made.add((stage, op, mb))
+            elif op in (Op.SEND_F, Op.SEND_B):
+                assert (stage, Op.F if op is Op.SEND_F else Op.B, mb) in made, (stage, op, mb)
