@@ -165,8 +165,15 @@ class Graph:
 
     @functools.cached_property
     def sources(self) -> list[int]:
-        """The ids with no producer (a pipeline's first forward)."""
-        return [i for i, count in enumerate(self.producer_counts) if not count]
+        """The ids with no producer (a pipeline's first forward), from one micro-batch's
+        template per pipeline (the counts repeat per micro-batch)."""
+        counts, width = self.producer_counts, self.width
+        firsts = {}  # pipeline -> the offsets of its template with no producer
+        for mb, pipe in enumerate(self.mb_pipeline):
+            if pipe not in firsts:
+                base = mb * width
+                firsts[pipe] = [j for j in range(width) if not counts[base + j]]
+        return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
     def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
