@@ -42,6 +42,7 @@ from .deps import producers
 from .placement import Placement
 from .plan import Plan
 from .replay import Replayer, Ticks
+from .steady import SteadyWatch
 from .timing import StageTimes
 
 
@@ -350,11 +351,15 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     n, ranks = graph.n, graph.placement.ranks
     placement, rank_of = graph.placement, graph.rank
     users_of, crossing_of = graph.consumer_steps
-    items = graph.heap_items(
+    keys = (
         policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
         policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
     )
+    items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
+    watch = SteadyWatch.of(graph, duration, hop, policy.flush, keys)
+    # the watch samples at the end of an instant in which watch_rank started next_source
+    watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
     left = graph.work_per_rank(ticks)
     # past any makespan: every action run one after another, each after a hop
     unlimited = n * (max(duration, default=0) + hop) + max(tails, default=0) + 1
@@ -378,12 +383,13 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     instants += due
     for heap in fheap:
         heapify(heap)
-    done = now = 0
+    done = now = interruptions = 0  # interruptions: forced forwards and give-ups
     forced = False
     while done < n:
         forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
             touched, forced = [_forced_rank(fheap, current)], True
+            interruptions += 1
         else:
             now = heappop(instants)
             touched = due.pop(now)
@@ -451,6 +457,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             if heap is None:
                 continue
             while now > room[rank]:
+                interruptions += 1
                 limit = yield GaveUp(now)
                 raised = (unlimited if limit is None else limit) - give_up
                 give_up += raised
@@ -476,6 +483,16 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             else:
                 due[finish] = [rank]
                 heappush(instants, finish)
+        if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
+            run = dict(
+                started=started, order=order, begins=begins, current=current, end=end,
+                held=held, last_bwd=last_bwd, room=room, waiting=waiting, items=items,
+                fheap=fheap, bheap=bheap, due=due, instants=instants,
+            )  # fmt: skip
+            skipped = watch.sample(now, interruptions, run)
+            next_source = watch.next_source
+            if skipped is not None:
+                now, done = now + skipped[0], done + skipped[1]
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
 
 
