@@ -230,7 +230,8 @@ class Graph:
         rows = zip(self.stage, ops, self.mb, strict=True)
         return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
-    def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
+    def busy_per_kind(self, ticks: StageTimes) -> list[int]:
+        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``."""
         placement = self.placement
         return [
             ticks.busy(Action(stage, op, 0), placement)
@@ -243,13 +244,13 @@ class Graph:
         for the next policy of a portfolio (the last stage times asked only)."""
         kept = self.__dict__.get("_durations")
         if kept is None or kept[0] != ticks:
-            per_kind = self._busy_per_kind(ticks)
+            per_kind = self.busy_per_kind(ticks)
             kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
         return kept[1]
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
         """rank -> the busy time of all its actions under ``ticks``."""
-        placement, per_kind = self.placement, self._busy_per_kind(ticks)
+        placement, per_kind = self.placement, self.busy_per_kind(ticks)
         mbs = [self.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
         work = [0] * placement.ranks
         for stage, rank in enumerate(placement.stage_to_rank):
@@ -357,7 +358,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     )
     items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
-    watch = SteadyWatch.of(graph, duration, hop, policy.flush, keys)
+    watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
     # the watch samples at the end of an instant in which watch_rank started next_source
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
     left = graph.work_per_rank(ticks)

@@ -36,6 +36,7 @@ with the micro-batch. Then:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from heapq import heapify
 from itertools import accumulate, chain, repeat
@@ -49,51 +50,55 @@ class SteadyWatch:
     those forwards. ``next_source`` is -2 once the watch is over."""
 
     @classmethod
-    def of(cls, graph, duration: list[int], hop: int, flush: bool, keys) -> SteadyWatch | None:
-        """A watch when the conditions of the note hold, else None."""
+    def of(cls, graph, ticks, hop: int, flush: bool, keys) -> SteadyWatch | None:
+        """A watch when the conditions of the note hold (``ticks``: the integer stage times
+        scheduled with), else None."""
         pipes = graph.placement.num_pipelines
-        alternating = graph.mb_pipeline == tuple(mb % pipes for mb in range(len(graph.mb_pipeline)))
+        turns = tuple(mb % pipes for mb in range(len(graph.mb_pipeline)))
         rising = all(all(map(lt, key.by_mb, key.by_mb[1:])) for key in keys)
-        if hop or flush or not alternating or not rising or min(duration, default=0) <= 0:
+        if hop or flush or graph.mb_pipeline != turns or not rising:
             return None
-        return cls(graph, duration, keys)
+        if min(graph.busy_per_kind(ticks), default=0) <= 0:
+            return None
+        return cls(graph, graph.durations(ticks), keys)
 
     def __init__(self, graph, duration: list[int], keys) -> None:
         self.n, self.duration, self.keys = graph.n, duration, keys
         self.pipes = graph.placement.num_pipelines
         self.kw = graph.width * self.pipes  # ids per round of micro-batches (one per pipeline)
         self.rank, self.next_source = graph.rank[0], 0
-        self.counts, self.counted = [0] * self.kw, 0  # per kind: started; started counted
         self.seen: dict[tuple, tuple] = {}
 
     def sample(self, now: int, interruptions: int, run: dict) -> tuple[int, int] | None:
         """Record the state; when it repeats, repeat the period in ``run`` (the scheduler's
-        lists, changed in place) and return (ticks skipped, actions finished meanwhile)."""
+        lists, changed in place) and return (ticks skipped, actions finished meanwhile).
+
+        The per-rank part of the state is the key of what is kept; the counts started per
+        kind are compared only when that part recurs: they moved by the same ``d`` for every
+        kind exactly when the starts in between hold ``d`` of every kind."""
         self.next_source += self.kw
-        started, current = run["started"], run["current"]
-        kinds = Counter(map(mod, started[self.counted :], repeat(self.kw)))
-        self.counted = len(started)
-        for kind, count in kinds.items():
-            self.counts[kind] += count
-        base = self.counts[0]
+        base = self.next_source // self.kw  # rounds whose first forward has started
         shift = base * self.kw
+        started, current = run["started"], run["current"]
         state = (
-            tuple(map(sub, self.counts, repeat(base))),
             tuple(None if c < 0 else c - shift for c in current),
-            tuple(0 if c < 0 else e - now for c, e in zip(current, run["end"], strict=True)),
+            tuple(map(sub, run["end"], repeat(now))),
             tuple(run["last_bwd"]),
             tuple(run["held"]),
         )
         earlier = self.seen.get(state)
-        lengths = [len(ids) for ids in run["order"]]
-        self.seen[state] = (now, base, lengths, len(started), run["room"][:], interruptions)
+        self.seen[state] = (now, base, len(started), interruptions)
         if earlier is None:
             return None
-        t0, base0, lengths0, started0, room0, interruptions0 = earlier
-        if interruptions != interruptions0 or not self._keys_shift(base - base0):
+        t0, base0, started0, interruptions0 = earlier
+        rounds = base - base0
+        if interruptions != interruptions0 or not self._keys_shift(rounds):
             return None  # not a clean period: watch on from this state
-        period = _Period(run, lengths0, started0, now - t0, (base - base0) * self.kw)
-        times = min(self._room_bound(period, run, room0), self._id_bound(period, run))
+        kinds = Counter(map(mod, started[started0:], repeat(self.kw)))
+        if len(kinds) != self.kw or set(kinds.values()) != {rounds}:
+            return None
+        period = _Period(run, t0, started0, now - t0, rounds * self.kw)
+        times = min(self._room_bound(period, run), self._id_bound(period, run))
         if times < 1:
             return None
         self.next_source = -2  # one repeat per run: what follows is the cool-down
@@ -114,14 +119,16 @@ class SteadyWatch:
         top = max(max(period.started), max(run["current"]))
         return (self.n - 1 - top) // period.ids
 
-    def _room_bound(self, period: _Period, run: dict, room0: list[int]) -> int:
-        """How many repeats keep every start within the give-up bound."""
+    def _room_bound(self, period: _Period, run: dict) -> int:
+        """How many repeats keep every start within the give-up bound (no give-up in the
+        period: ``room`` then grew by the period's work alone)."""
         times = self.n  # more than any run repeats
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
             work = sum(map(self.duration.__getitem__, ids))
             if not ids or work >= period.ticks:
                 continue
-            room = accumulate(map(self.duration.__getitem__, ids), initial=room0[rank])
+            room0 = run["room"][rank] - work
+            room = accumulate(map(self.duration.__getitem__, ids), initial=room0)
             slack = min(map(sub, room, begins))
             times = min(times, slack // (period.ticks - work))
         return times
@@ -131,7 +138,8 @@ class _Period:
     """What the scheduler did between two equal states: per rank the ids started and their
     start ticks, every start in order; ``ticks`` and ``ids``: the shift of one period."""
 
-    def __init__(self, run: dict, lengths0: list[int], started0: int, ticks: int, ids: int):
+    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int):
+        lengths0 = [bisect_right(begins, t0) for begins in run["begins"]]
         self.order = [o[k:] for o, k in zip(run["order"], lengths0, strict=True)]
         self.begins = [b[k:] for b, k in zip(run["begins"], lengths0, strict=True)]
         self.started = run["started"][started0:]
@@ -140,6 +148,8 @@ class _Period:
     def repeat(self, times: int, run: dict, watch: SteadyWatch) -> None:
         """Append ``times`` shifted copies of the period and move the state on as many."""
         ids, ticks = self.ids, self.ticks
+        self._move_waiting(times * ids, run, watch)  # these two read the state as it is
+        self._move_heaps(times * ids, run, watch.n)
         shifts = range(1, times + 1)
         for rank, (seg, begins) in enumerate(zip(self.order, self.begins, strict=True)):
             run["order"][rank] += chain.from_iterable(
@@ -157,8 +167,6 @@ class _Period:
             end[rank] += times * ticks
             if action >= 0:
                 current[rank] = action + times * ids
-        self._move_waiting(times * ids, run, watch)
-        self._move_heaps(times * ids, run, watch.n)
         due, instants = run["due"], run["instants"]
         due.clear()
         for rank, action in enumerate(current):
@@ -169,7 +177,10 @@ class _Period:
 
     def _move_waiting(self, shift: int, run: dict, watch: SteadyWatch) -> None:
         """Producer counts waited for: the window of ids not done nor untouched, shifted."""
-        kw, counts, n = watch.kw, watch.counts, watch.n
+        kw, n = watch.kw, watch.n
+        counts = [0] * kw  # per kind: how many started
+        for kind, count in Counter(map(mod, run["started"], repeat(kw))).items():
+            counts[kind] = count
         not_started = min(c * kw + kind for kind, c in enumerate(counts))
         first = min([not_started] + [c for c in run["current"] if c >= 0])
         top = max((c - 1) * kw + kind for kind, c in enumerate(counts) if c)
