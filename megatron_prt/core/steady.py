@@ -192,6 +192,7 @@ class _Period:
 
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:
+        """Each heap entry shifted, those past the last id left out."""
         items = run["items"]
         for heaps in (run["fheap"], run["bheap"]):
             for rank, heap in enumerate(heaps):
