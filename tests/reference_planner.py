@@ -336,17 +336,24 @@ def reference_lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     actions = list(timeline.start)
     consumers = consumers_map(actions, placement, plan.split_backward)
     rank_of = placement.stage_to_rank
-    events = []  # (time, kind: 0 = message, 1 = compute, rank, action, consumer)
+    start_level = _reference_levels(plan, timeline)
+
+    def message_level(action: Action) -> int:  # a zero-time producer's message: one above
+        zero = timeline.start[action] == timeline.end[action]
+        return start_level[action] + 1 if zero else 0
+
+    events = []  # (time, level, kind: 0 = message, 1 = compute, rank, action, consumer)
     for action, begin in timeline.start.items():
         rank = rank_of[action.stage]
-        events.append((begin, 1, rank, action, None))
+        events.append((begin, start_level[action], 1, rank, action, None))
         for consumer in consumers[action]:
             if rank_of[consumer.stage] != rank:
-                events.append((timeline.end[action], 0, rank, action, consumer))
+                end = timeline.end[action]
+                events.append((end, message_level(action), 0, rank, action, consumer))
     step = {a: i for acts in plan.ranks for i, a in enumerate(acts)}
-    events.sort(key=lambda e: (e[0], e[1], e[2], step[e[3]]))
+    events.sort(key=lambda e: (e[0], e[1], e[2], e[3], step[e[4]]))
     streams: list[list[Action]] = [[] for _ in range(placement.ranks)]
-    for _, kind, rank, action, consumer in events:
+    for _, _, kind, rank, action, consumer in events:
         if kind == 1:
             streams[rank].append(action)
             continue
@@ -354,3 +361,25 @@ def reference_lower(plan: Plan, times: StageTimes | None = None) -> Plan:
         streams[rank].append(Action(action.stage, send_op, action.mb))
         streams[rank_of[consumer.stage]].append(Action(consumer.stage, recv_op, action.mb))
     return replace(plan, ranks=tuple(tuple(s) for s in streams), lowered=True)
+
+
+def _reference_levels(plan: Plan, timeline) -> dict[Action, int]:
+    """Per compute action the level of its start among events at its instant: at least the
+    level of the previous action of its rank starting then, and above the message of a
+    zero-time producer on another rank ending then (a fixed point, one pass per hop)."""
+    placement, split = plan.placement, plan.split_backward
+    start, end = timeline.start, timeline.end
+    level = dict.fromkeys(start, 0)
+    changed = True
+    while changed:
+        changed = False
+        for acts in plan.ranks:
+            for before, action in zip((None, *acts[:-1]), acts, strict=True):
+                need = level[before] if before is not None and start[before] == start[action] else 0
+                for dep in producers(action, placement, split):
+                    remote = placement.rank_of(dep.stage) != placement.rank_of(action.stage)
+                    if remote and end[dep] == start[action] == start[dep]:
+                        need = max(need, level[dep] + 1)
+                if need > level[action]:
+                    level[action], changed = need, True
+    return level

@@ -32,8 +32,8 @@ and its RECV precede it on its rank), so only the SEND/RECV pairs can: a pair co
 when both ranks stand at it, i.e. each waits for the action before its partner (-1 when the
 partner is first on its rank), and the same replay decides. It also proves the compute
 order (producer, SEND = RECV, consumer is a path in time). The flat check asks more than
-the close checks in one place: a SEND before its producer (which the lowering writes when
-a stage takes no time) is refused here and left to them.
+the close checks in one place: a SEND before its producer is refused here and left to them
+(:func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from .deps import producers
 from .placement import Placement
 from .plan import Plan
 from .replay import Replayer, Ticks
+from .steady import SteadyWatch
 from .timing import StageTimes
 
 
@@ -165,8 +166,15 @@ class Graph:
 
     @functools.cached_property
     def sources(self) -> list[int]:
-        """The ids with no producer (a pipeline's first forward)."""
-        return [i for i, count in enumerate(self.producer_counts) if not count]
+        """The ids with no producer (a pipeline's first forward), from one micro-batch's
+        template per pipeline (the counts repeat per micro-batch)."""
+        counts, width = self.producer_counts, self.width
+        firsts = {}  # pipeline -> the offsets of its template with no producer
+        for mb, pipe in enumerate(self.mb_pipeline):
+            if pipe not in firsts:
+                base = mb * width
+                firsts[pipe] = [j for j in range(width) if not counts[base + j]]
+        return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
     def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
@@ -222,7 +230,8 @@ class Graph:
         rows = zip(self.stage, ops, self.mb, strict=True)
         return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
-    def _busy_per_kind(self, ticks: StageTimes) -> list[int]:
+    def busy_per_kind(self, ticks: StageTimes) -> list[int]:
+        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``."""
         placement = self.placement
         return [
             ticks.busy(Action(stage, op, 0), placement)
@@ -235,13 +244,13 @@ class Graph:
         for the next policy of a portfolio (the last stage times asked only)."""
         kept = self.__dict__.get("_durations")
         if kept is None or kept[0] != ticks:
-            per_kind = self._busy_per_kind(ticks)
+            per_kind = self.busy_per_kind(ticks)
             kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
         return kept[1]
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
         """rank -> the busy time of all its actions under ``ticks``."""
-        placement, per_kind = self.placement, self._busy_per_kind(ticks)
+        placement, per_kind = self.placement, self.busy_per_kind(ticks)
         mbs = [self.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
         work = [0] * placement.ranks
         for stage, rank in enumerate(placement.stage_to_rank):
@@ -343,11 +352,15 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     n, ranks = graph.n, graph.placement.ranks
     placement, rank_of = graph.placement, graph.rank
     users_of, crossing_of = graph.consumer_steps
-    items = graph.heap_items(
+    keys = (
         policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
         policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
     )
+    items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
+    watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
+    # the watch samples at the end of an instant in which watch_rank started next_source
+    watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
     left = graph.work_per_rank(ticks)
     # past any makespan: every action run one after another, each after a hop
     unlimited = n * (max(duration, default=0) + hop) + max(tails, default=0) + 1
@@ -371,12 +384,13 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     instants += due
     for heap in fheap:
         heapify(heap)
-    done = now = 0
+    done = now = interruptions = 0  # interruptions: forced forwards and give-ups
     forced = False
     while done < n:
         forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
             touched, forced = [_forced_rank(fheap, current)], True
+            interruptions += 1
         else:
             now = heappop(instants)
             touched = due.pop(now)
@@ -444,6 +458,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             if heap is None:
                 continue
             while now > room[rank]:
+                interruptions += 1
                 limit = yield GaveUp(now)
                 raised = (unlimited if limit is None else limit) - give_up
                 give_up += raised
@@ -469,6 +484,16 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             else:
                 due[finish] = [rank]
                 heappush(instants, finish)
+        if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
+            run = dict(
+                started=started, order=order, begins=begins, current=current, end=end,
+                held=held, last_bwd=last_bwd, room=room, waiting=waiting, items=items,
+                fheap=fheap, bheap=bheap, due=due, instants=instants,
+            )  # fmt: skip
+            skipped = watch.sample(now, interruptions, run)
+            next_source = watch.next_source
+            if skipped is not None:
+                now, done = now + skipped[0], done + skipped[1]
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
 
 

@@ -72,18 +72,20 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
 
     Events: each compute at its start; each cross-rank edge at its producer's end, a SEND on
     the producer's rank and a RECV on the consumer's. One order of all events, ``(time,
-    message before compute, producer's rank, producer's step)``, written as one integer per
-    event, gives every rank's stream; each rank sorts only its own events. The lowered plan
-    keeps the compiled replay of ``plan`` (same compute actions), and is vouched for when
-    ``plan`` is (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV pair is adjacent in
-    that one order, so it completes under blocking send/recv)."""
+    level, message before compute, producer's rank, producer's step)``, written as one
+    integer per event, gives every rank's stream; each rank sorts only its own events. The
+    level (:func:`_levels`) is 0 unless actions take no time: it puts a zero-time producer
+    before its message and the message before its consumer when all three share an instant.
+    The lowered plan keeps the compiled replay of ``plan`` (same compute actions), and is
+    vouched for when ``plan`` is (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV
+    pair is adjacent in that one order, so it completes under blocking send/recv)."""
     if plan.lowered:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
     lengths = list(map(len, plan.ranks))
     spans = list(pairwise([0, *accumulate(lengths)]))
-    starts, ends = _event_keys(plan.placement.ranks, lengths, ticks)
+    starts, ends = _event_keys(plan.placement.ranks, lengths, ticks, _levels(replayer, ticks))
     tables = _CommTables(replayer)
     actions, kind_of = replayer.actions, replayer.kind_of
     mb_of = list(map(_MB, actions))
@@ -107,16 +109,49 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     return vouch(lowered) if vouched(plan) else lowered
 
 
-def _event_keys(ranks: int, lengths: list[int], ticks: Ticks) -> tuple[list, list]:
-    """Per compute action the integer of its start event ``((2 start + 1) ranks + rank)
-    steps + step`` and of its end (message) event ``(2 end ranks + rank) steps + step``."""
+def _event_keys(
+    ranks: int, lengths: list[int], ticks: Ticks, levels: tuple[list, list] | None
+) -> tuple[list, list]:
+    """Per compute action the integer of its start event ``(((start levels + level) 2 + 1)
+    ranks + rank) steps + step`` and of its end (message) event ``(((end levels + level) 2)
+    ranks + rank) steps + step``; without ``levels`` every level is 0 and ``levels`` 1."""
     steps = max(lengths, default=0) + 1
-    unit = 2 * ranks * steps  # one tick
     low = list(chain.from_iterable(range(r * steps, r * steps + n) for r, n in enumerate(lengths)))
+    depth = 1 if levels is None else max(levels[1], default=0) + 1
+    unit = depth * 2 * ranks * steps  # one tick
     ends = list(map(add, map(mul, ticks.end, repeat(unit)), low))
     begins = map(mul, map(sub, ticks.end, ticks.duration), repeat(unit))
     starts = list(map(add, begins, map(add, low, repeat(ranks * steps))))
+    if levels is not None:
+        level_unit = repeat(2 * ranks * steps)
+        starts = list(map(add, starts, map(mul, levels[0], level_unit)))
+        ends = list(map(add, ends, map(mul, levels[1], level_unit)))
     return starts, ends
+
+
+def _levels(replayer: Replayer, ticks: Ticks) -> tuple[list[int], list[int]] | None:
+    """Per compute action the level of its start event and of its message event, or None
+    when every action takes time (all levels 0). Ties at one instant otherwise put a
+    message before the compute that made it. A zero-time action's message is one level
+    above its start; an action starts at least at the level of the previous action of its
+    rank starting at the same instant, and above the message it receives at that instant.
+    Walked in the replay's dependency order, so producers are levelled first."""
+    duration, end = ticks.duration, ticks.end
+    if 0 not in duration:
+        return None
+    remote, rank_of = replayer.remote_producers(), replayer.rank_of
+    start_level, message_level = [0] * len(end), [0] * len(end)
+    for i in replayer.order:
+        start, level = end[i] - duration[i], 0
+        before = i - 1
+        if i and rank_of[before] == rank_of[i] and end[before] - duration[before] == start:
+            level = start_level[before]
+        producer = remote[i]
+        if producer >= 0 and end[producer] == start and message_level[producer] > level:
+            level = message_level[producer]
+        start_level[i] = level
+        message_level[i] = level + 1 if duration[i] == 0 else 0
+    return start_level, message_level
 
 
 class _CommTables:

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_prt.core import Action, Op, Placement, Plan, StageTimes, build_plan
 from megatron_prt.core.flatcheck import passes
-from megatron_prt.core.lower import lower
+from megatron_prt.core.lower import lower, message_ends
 from megatron_prt.core.replay import PlanError
 from megatron_prt.core.validate import check_closely, validate
 
@@ -276,16 +276,30 @@ def test_any_split_of_micro_batches_between_pipelines():
             validate(wrong)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lower() puts a SEND before the compute that makes its tensor when that stage "
-    "takes no time (its end event ties with its start and messages sort first); the runtime "
-    "would send a tensor not made yet. The flat check refuses it, the close checks accept it.",
+@pytest.mark.parametrize("schedule", ["prt", "zb-h2", "gpipe"])
+@pytest.mark.parametrize(
+    "placement, direction", [("loop", "uni"), ("wave", "uni"), ("loop", "bi"), ("wave", "bi")]
 )
-def test_lowering_with_idle_stages_sends_after_the_producer():
-    placement = Placement(2, 2)
-    busy = [float(placement.rank_of(s) % 2 == 0) for s in range(placement.depth)]
+@pytest.mark.parametrize("idle", ["odd ranks", "even ranks", "every third stage"])
+def test_lowering_with_idle_stages_sends_after_the_producer(schedule, placement, direction, idle):
+    """A stage that takes no time ends at the instant it starts: its SEND still follows
+    the action that makes its tensor in its rank's stream (the runtime cannot send a
+    tensor not made yet), and the flat check says yes."""
+    place = Placement(3, 2, placement, direction)
+    if idle == "every third stage":
+        busy = [float(s % 3 != 0) for s in range(place.depth)]
+    else:
+        busy = [float(place.rank_of(s) % 2 == (idle == "odd ranks")) for s in range(place.depth)]
     times = StageTimes(tuple(busy), tuple(2 * t for t in busy))
-    lowered = lower(build_plan(placement, 4), times)
+    lowered = lower(build_plan(place, 7, schedule, times), times)
     validate(replace(lowered), full=True)
     assert passes(replace(lowered))
+    split = lowered.split_backward
+    for stream in lowered.ranks:
+        made = set()
+        for action in stream:
+            if action.op.is_compute:
+                made.add(action)
+            elif action.op in (Op.SEND_F, Op.SEND_B):
+                producer, _ = message_ends(action, place, split)
+                assert producer in made, (action, producer)

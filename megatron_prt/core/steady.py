@@ -1,0 +1,201 @@
+"""Repeating the list scheduler's steady state instead of scheduling it action by action.
+
+[Note: repeating the steady state]
+:func:`megatron_prt.core.greedy._steps` is deterministic: what it does from an instant on
+depends only on its state then. :class:`SteadyWatch` looks at that state each time the next
+micro-batch of pipeline 0 enters (its first forward starts); when the state equals one seen
+earlier shifted by ``d`` micro-batch rounds (``d * pipelines`` micro-batches, ids ``+ d *
+kw``) and ``dt`` ticks, the actions started in between (the *period*) are repeated, shifted,
+as many times ``K`` as the argument below allows, the state is moved on by ``K`` periods,
+and the scheduler goes on from there. The plan is the one the scheduler would have made.
+
+Used only when messages are free (``p2p == 0``), no action takes zero time, the policy is
+not ``flush``, micro-batches take the pipelines in turn and both sort keys rise strictly
+with the micro-batch. Then:
+
+* Every kind (stage, op) starts its micro-batches in order (induction over starts: if
+  ``(kind, mb + 1)`` starts while ``(kind, mb)`` has not, ``mb`` is not ready, or the heap
+  would pop it first (same stage part, lower mb part); so a producer of ``mb`` is not done
+  while its ``mb + 1`` is, impossible on one rank running in order). So the state at the end
+  of an instant is: per kind the count started; per rank the running action and its end,
+  the activations held, whether it last ran a backward. Done = started less running (no
+  zero-time action is left to finish), ready = all producers done: the heaps and the
+  counts of producers waited for follow. That is the watched state, relative to the count
+  of pipeline 0's first stage.
+* Shifted by ``d * kw`` ids, every comparison the heaps make gives the same answer when the
+  keys' micro-batch parts move by a constant (checked over every micro-batch); so from a
+  repeated state each choice is the period's choice shifted, as long as the shifted action
+  exists (``K`` bounds the largest id of the period and of the running actions below
+  ``n``). A shifted heap lacks the images past the last micro-batch; its minimum is still
+  the image of the original minimum while that image exists.
+* Each start checks ``now <= room[rank]`` (the give-up bound, :class:`~megatron_prt.core.
+  greedy.Run`); over a period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >=
+  W``, so the slack of each start shrinks by ``dt - W`` per period: ``K`` keeps every
+  repeated slack at or above 0. A period with a forced forward or a give-up is not repeated.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from heapq import heapify
+from itertools import accumulate, chain, repeat
+from operator import add, lt, mod, sub
+
+
+class SteadyWatch:
+    """The watch of one scheduling run (see [Note: repeating the steady state]). The
+    scheduler calls :meth:`sample` at the end of each instant in which the first forward of
+    micro-batch ``next_source`` started (pipeline 0's micro-batches in turn); ``rank`` runs
+    those forwards. ``next_source`` is -2 once the watch is over."""
+
+    @classmethod
+    def of(cls, graph, ticks, hop: int, flush: bool, keys) -> SteadyWatch | None:
+        """A watch when the conditions of the note hold (``ticks``: the integer stage times
+        scheduled with), else None."""
+        pipes = graph.placement.num_pipelines
+        turns = tuple(mb % pipes for mb in range(len(graph.mb_pipeline)))
+        rising = all(all(map(lt, key.by_mb, key.by_mb[1:])) for key in keys)
+        if hop or flush or graph.mb_pipeline != turns or not rising:
+            return None
+        if min(graph.busy_per_kind(ticks), default=0) <= 0:
+            return None
+        return cls(graph, graph.durations(ticks), keys)
+
+    def __init__(self, graph, duration: list[int], keys) -> None:
+        self.n, self.duration, self.keys = graph.n, duration, keys
+        self.pipes = graph.placement.num_pipelines
+        self.kw = graph.width * self.pipes  # ids per round of micro-batches (one per pipeline)
+        self.rank, self.next_source = graph.rank[0], 0
+        self.seen: dict[tuple, tuple] = {}
+
+    def sample(self, now: int, interruptions: int, run: dict) -> tuple[int, int] | None:
+        """Record the state; when it repeats, repeat the period in ``run`` (the scheduler's
+        lists, changed in place) and return (ticks skipped, actions finished meanwhile).
+
+        The per-rank part of the state is the key of what is kept; the counts started per
+        kind are compared only when that part recurs: they moved by the same ``d`` for every
+        kind exactly when the starts in between hold ``d`` of every kind."""
+        self.next_source += self.kw
+        base = self.next_source // self.kw  # rounds whose first forward has started
+        shift = base * self.kw
+        started, current = run["started"], run["current"]
+        state = (
+            tuple(None if c < 0 else c - shift for c in current),
+            tuple(map(sub, run["end"], repeat(now))),
+            tuple(run["last_bwd"]),
+            tuple(run["held"]),
+        )
+        earlier = self.seen.get(state)
+        self.seen[state] = (now, base, len(started), interruptions)
+        if earlier is None:
+            return None
+        t0, base0, started0, interruptions0 = earlier
+        rounds = base - base0
+        if interruptions != interruptions0 or not self._keys_shift(rounds):
+            return None  # not a clean period: watch on from this state
+        kinds = Counter(map(mod, started[started0:], repeat(self.kw)))
+        if len(kinds) != self.kw or set(kinds.values()) != {rounds}:
+            return None
+        period = _Period(run, t0, started0, now - t0, rounds * self.kw)
+        times = min(self._room_bound(period, run), self._id_bound(period, run))
+        if times < 1:
+            return None
+        self.next_source = -2  # one repeat per run: what follows is the cool-down
+        period.repeat(times, run, self)
+        return times * period.ticks, times * len(period.started)
+
+    def _keys_shift(self, rounds: int) -> bool:
+        """Both keys' micro-batch parts move by one constant per ``rounds`` rounds."""
+        mbs = rounds * self.pipes
+        for key in self.keys:
+            by_mb = list(key.by_mb)
+            if len(set(map(sub, by_mb[mbs:], by_mb[: len(by_mb) - mbs]))) > 1:
+                return False
+        return True
+
+    def _id_bound(self, period: _Period, run: dict) -> int:
+        """How many repeats keep every started and running id below ``n``."""
+        top = max(max(period.started), max(run["current"]))
+        return (self.n - 1 - top) // period.ids
+
+    def _room_bound(self, period: _Period, run: dict) -> int:
+        """How many repeats keep every start within the give-up bound (no give-up in the
+        period: ``room`` then grew by the period's work alone)."""
+        times = self.n  # more than any run repeats
+        for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
+            work = sum(map(self.duration.__getitem__, ids))
+            if not ids or work >= period.ticks:
+                continue
+            room0 = run["room"][rank] - work
+            room = accumulate(map(self.duration.__getitem__, ids), initial=room0)
+            slack = min(map(sub, room, begins))
+            times = min(times, slack // (period.ticks - work))
+        return times
+
+
+class _Period:
+    """What the scheduler did between two equal states: per rank the ids started and their
+    start ticks, every start in order; ``ticks`` and ``ids``: the shift of one period."""
+
+    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int):
+        lengths0 = [bisect_right(begins, t0) for begins in run["begins"]]
+        self.order = [o[k:] for o, k in zip(run["order"], lengths0, strict=True)]
+        self.begins = [b[k:] for b, k in zip(run["begins"], lengths0, strict=True)]
+        self.started = run["started"][started0:]
+        self.ticks, self.ids = ticks, ids
+
+    def repeat(self, times: int, run: dict, watch: SteadyWatch) -> None:
+        """Append ``times`` shifted copies of the period and move the state on as many."""
+        ids, ticks = self.ids, self.ticks
+        self._move_waiting(times * ids, run, watch)  # these two read the state as it is
+        self._move_heaps(times * ids, run, watch.n)
+        shifts = range(1, times + 1)
+        for rank, (seg, begins) in enumerate(zip(self.order, self.begins, strict=True)):
+            run["order"][rank] += chain.from_iterable(
+                map(add, seg, repeat(k * ids)) for k in shifts
+            )
+            run["begins"][rank] += chain.from_iterable(
+                map(add, begins, repeat(k * ticks)) for k in shifts
+            )
+            run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
+        run["started"] += chain.from_iterable(
+            map(add, self.started, repeat(k * ids)) for k in shifts
+        )
+        current, end = run["current"], run["end"]
+        for rank, action in enumerate(current):
+            end[rank] += times * ticks
+            if action >= 0:
+                current[rank] = action + times * ids
+        due, instants = run["due"], run["instants"]
+        due.clear()
+        for rank, action in enumerate(current):
+            if action >= 0:
+                due.setdefault(end[rank], []).append(rank)
+        instants[:] = due
+        heapify(instants)
+
+    def _move_waiting(self, shift: int, run: dict, watch: SteadyWatch) -> None:
+        """Producer counts waited for: the window of ids not done nor untouched, shifted."""
+        kw, n = watch.kw, watch.n
+        counts = [0] * kw  # per kind: how many started
+        for kind, count in Counter(map(mod, run["started"], repeat(kw))).items():
+            counts[kind] = count
+        not_started = min(c * kw + kind for kind, c in enumerate(counts))
+        first = min([not_started] + [c for c in run["current"] if c >= 0])
+        top = max((c - 1) * kw + kind for kind, c in enumerate(counts) if c)
+        last = (top // kw + 1) * kw
+        waiting = run["waiting"]
+        window = waiting[first:last]
+        high = min(n, last + shift)
+        waiting[first + shift : high] = window[: high - first - shift]
+
+    @staticmethod
+    def _move_heaps(shift: int, run: dict, n: int) -> None:
+        """Each heap entry shifted, those past the last id left out."""
+        items = run["items"]
+        for heaps in (run["fheap"], run["bheap"]):
+            for rank, heap in enumerate(heaps):
+                moved = [items[i % n + shift] for i in heap if i % n + shift < n]
+                heapify(moved)
+                heaps[rank] = moved
