@@ -3,9 +3,10 @@
 megatron-core's ``BertModel`` (local spec, tied embeddings, binary head, float32) trained
 through :func:`megatron_prt.megatron.make_forward_backward_func` under megatron-prt's 1F1B
 plan (R=1) and its PRT variants, on P local gloo ranks, with the same weights and data for
-every variant. Repetitions are interleaved (A B C, B C A, ...) and reported as medians with
-ratios against 1F1B; next to each, the simulator's prediction for the plan that ran, from
-costs profiled before the launch (:func:`megatron_prt.megatron.profile.profile_model`: per
+every variant. Repetitions are interleaved (a seeded shuffle per round: A C B, B A C, ...)
+and reported as medians with ratios against 1F1B; next to each, the simulator's prediction
+for the plan that ran, from costs profiled before the launch
+(:func:`megatron_prt.megatron.profile.profile_model`: per
 layer, embedding and head), per-message costs of the transport the runs use and (bi) the
 cost of the replica-gradient sum in megatron's finalize path, both measured in the launch;
 and each rank's peak activation bytes (``ActivationMeter`` through the
@@ -263,8 +264,8 @@ def report_md(args, summary: dict, info: dict) -> str:
         "`megatron_prt.megatron.make_forward_backward_func` (megatron's forward_step, loss "
         "and finalize path; the CPU shim `megatron_prt.megatron.cpu`); the same data for "
         f"every row; {args.warmup} warm-up steps, then {args.reps} repetitions interleaved "
-        "across all rows (A B C, B C A, ...), median shown; a step's time is the slowest "
-        "rank's; gradients are zeroed outside the timed region.",
+        "across all rows (a seeded shuffle per round: A C B, B A C, ...), median shown; "
+        "a step's time is the slowest rank's; gradients are zeroed outside the timed region.",
         "",
         costs_md(args, summary),
         "",

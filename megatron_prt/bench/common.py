@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runtime.p2p import ShmTransport
 from ..sim.cost import CostModel
 from ..sim.simulate import simulate
+from ..tune.measured import interleaved_rounds
 
 T = TypeVar("T")
 
@@ -43,16 +44,16 @@ def timed_step(runner) -> float:
 
 
 def interleaved_times(runners: dict, reps: int, label: str = "") -> dict[str, list[float]]:
-    """``reps`` rounds over all runners; each round starts one runner later (A B C, B C A,
-    ...), so no configuration always runs right after the same other one. A progress line
-    every few rounds (``label`` names the section and m)."""
+    """``reps`` rounds over all runners, each in its own seeded shuffled order
+    (:func:`~megatron_prt.tune.measured.interleaved_rounds`: the same on every rank), so no
+    configuration always runs right after the same other one. A progress line every few
+    rounds (``label`` names the section and m)."""
     keys = list(runners)
     times: dict[str, list[float]] = {key: [] for key in keys}
     every = max(1, reps // 4)
-    for rep in range(reps):
-        shift = rep % len(keys) if keys else 0
-        for key in keys[shift:] + keys[:shift]:
-            times[key].append(timed_step(runners[key]))
+    for rep, order in enumerate(interleaved_rounds(len(keys), reps)):
+        for i in order:
+            times[keys[i]].append(timed_step(runners[keys[i]]))
         if (rep + 1) % every == 0 or rep + 1 == reps:
             say(f"{label} repetition {rep + 1}/{reps}")
     return times

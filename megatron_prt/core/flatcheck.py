@@ -31,9 +31,9 @@ action never blocks under :mod:`megatron_prt.core.rendezvous`'s rule (its local 
 and its RECV precede it on its rank), so only the SEND/RECV pairs can: a pair completes
 when both ranks stand at it, i.e. each waits for the action before its partner (-1 when the
 partner is first on its rank), and the same replay decides. It also proves the compute
-order (producer, SEND = RECV, consumer is a path in time). The flat check asks more than
-the close checks in one place: a SEND before its producer is refused here and left to them
-(:func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
+order (producer, SEND = RECV, consumer is a path in time). A SEND before its producer is
+refused by both (the close checks' blocking replay makes a SEND wait for its producer and
+names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
 """
 
 from __future__ import annotations

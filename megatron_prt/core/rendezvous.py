@@ -2,7 +2,8 @@
 
 The rule (:mod:`megatron_prt.core.validate` states it): a compute action waits until its
 same-rank producers are done and the messages from its other producers are received; a SEND
-and its matching RECV complete together, when the sender stands at the SEND and the receiver
+waits until the compute that makes its tensor is done, then completes together with its
+matching RECV, when the sender stands at the SEND and the receiver
 at the RECV; a RECV never completes on its own. Producers come from
 :func:`megatron_prt.core.deps.producers`, message identity from
 :func:`megatron_prt.core.lower.message_key` and :func:`~megatron_prt.core.lower.message_ends`,
@@ -69,6 +70,11 @@ class _Tables:
                 else:
                     own = message_base(message_key(producer, consumer)[:3])
                     peer_stage = consumer.stage
+                    if kind_type == _SEND:  # the tensor it sends must be made first
+                        made = (producer.stage, producer.op)
+                        need[0] = (
+                            2 * mbs + kind_index[made] * mbs if made in kind_index else (self.never)
+                        )
             self.type.append(kind_type)
             self.need.append(need)
             self.own.append(own)
@@ -115,6 +121,13 @@ def stuck_ranks(plan: Plan) -> dict[int, int]:
                         on_token[token].append(rank)
                     break
             elif what == _SEND:
+                token = need[kind][0] + mb
+                if not done[token]:  # its producer has not run (a plan read from a file)
+                    if on_token[token] is None:
+                        on_token[token] = [rank]
+                    else:
+                        on_token[token].append(rank)
+                    break
                 pos[rank] = i  # in case a malformed plan sends to its own rank
                 token, receiver = own[kind] + mb, peer[kind]
                 at = pos[receiver]

@@ -25,6 +25,7 @@ from .census import looks_complete
 from .flatcheck import passes
 from .gcpause import without_gc
 from .grid import format_grid
+from .lower import message_ends
 from .plan import Plan, vouch, vouched
 from .rendezvous import stuck_ranks
 from .replay import PlanError, compiled
@@ -119,8 +120,8 @@ def _check_exactly_once(plan: Plan) -> None:
 
 def _check_rendezvous(plan: Plan) -> None:
     """Blocking replay (:func:`~megatron_prt.core.rendezvous.stuck_ranks`): compute needs
-    local producers done and remote ones received; SEND and RECV complete together when
-    both ranks stand at the matching pair."""
+    local producers done and remote ones received; a SEND needs its producer done; SEND and
+    RECV complete together when both ranks stand at the matching pair."""
     streams = plan.ranks
     stuck = stuck_ranks(plan)
     if stuck:
@@ -128,4 +129,21 @@ def _check_rendezvous(plan: Plan) -> None:
         lines = [f"lowered plan deadlocks under blocking send/recv at rank {rank}, step {step}:"]
         for r, p in stuck.items():
             lines.append(f"  rank {r} blocked at step {p}: {streams[r][p]}")
+        _check_send_after_producer(plan, stuck)  # else a wait on the other ranks
         raise PlanError("\n".join(lines) + "\n" + format_grid(streams, stuck))
+
+
+def _check_send_after_producer(plan: Plan, stuck: dict[int, int]) -> None:
+    """Name a stuck SEND that stands before the compute making its tensor (the runtime
+    would send a tensor not made yet); the replay only sees that the rank stops there."""
+    for rank, step in stuck.items():
+        action = plan.ranks[rank][step]
+        if action.op not in (Op.SEND_F, Op.SEND_B):
+            continue
+        producer = message_ends(action, plan.placement, plan.split_backward)[0]
+        at = [i for i, a in enumerate(plan.ranks[rank]) if a == producer]
+        if at and at[0] < step:
+            continue  # made: the SEND waits for its receiver
+        later = at
+        where = f"later, at step {later[0]}" if later else "nowhere on this rank"
+        raise _fail(plan, rank, step, f"sends the output of {producer}, which runs {where}")

@@ -13,14 +13,21 @@
 [Note: measured final pick] The tuner's best candidates are often predicted within 1-2%
 of each other, finer than the cost model resolves (its per-message and per-step terms are
 fitted, not exact). So the final choice among the top few is made by the clock: each runs
-a few steps on the actual ranks and transport, in rotating order (A B C, B C A, ...) so
-that none always follows the same other one, and the smallest median wins; a tie goes to
-the better predicted. Every step's time is the slowest rank's, so every rank holds the same
-numbers and picks the same plan.
+a few steps on the actual ranks and transport, in a shuffled order each round ([Note:
+shuffled rounds]) so that none always follows the same other one, and the smallest median
+wins; a tie goes to the better predicted. Every step's time is the slowest rank's, so every
+rank holds the same
+numbers and picks the same plan. Near twins (the same configuration with zb's or ZB-H2's
+cap, an even or a balanced split) are predicted within a fraction of a percent and measure
+within the noise of each other, so timing five of them tells the clock little; with
+``per_configuration`` the top K are K different configurations, each in its best predicted
+form, which is where the model's blind spots (per-step and per-message terms that depend on
+the configuration) lie.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -95,15 +102,21 @@ def measured_cost(
 
 
 # -- the measured final pick ([Note: measured final pick]) -----------------------------------
-def top_candidates(result: TuneResult, k: int) -> list[Candidate]:
+def top_candidates(result: TuneResult, k: int, per_configuration: bool = False) -> list[Candidate]:
     """The first ``k`` candidates of ``result`` that fit its budget, best predicted first,
-    each a different (plan, layer split): families that build the same plan count once."""
+    each a different (plan, layer split): families that build the same plan count once.
+    ``per_configuration``: also at most one per configuration (reuse, placement,
+    direction, split backward or not), its best predicted plan and split; see
+    [Note: measured final pick] for why the clock needs such alternatives."""
     if k < 1:
         raise ConfigError(f"--top must be >= 1 candidate to time, got {k}")
     top: list[Candidate] = []
     for candidate in result.fitting():
-        if not any(_same_run(candidate, kept) for kept in top):
-            top.append(candidate)
+        if any(_same_run(candidate, kept) for kept in top):
+            continue
+        if per_configuration and any(_config(candidate) == _config(kept) for kept in top):
+            continue
+        top.append(candidate)
         if len(top) == k:
             break
     return top
@@ -113,11 +126,25 @@ def _same_run(a: Candidate, b: Candidate) -> bool:
     return a.stage_layers == b.stage_layers and a.plan.compute_only() == b.plan.compute_only()
 
 
+def _config(candidate: Candidate) -> tuple:
+    placement = candidate.plan.placement
+    split = candidate.plan.split_backward
+    return (placement.reuse, placement.placement, placement.direction, split)
+
+
 def interleaved_rounds(count: int, reps: int) -> Iterator[list[int]]:
-    """``reps`` rounds over ``count`` items, each round starting one item later."""
+    """``reps`` rounds over ``count`` items, each in its own shuffled order, seeded by the
+    round: the same orders on every rank and in every launch.
+
+    [Note: shuffled rounds] Rotating rounds (A B C, B C A, ...) keep each item behind the
+    same other one in all but one round in ``count``; a step that runs slower after a
+    particular predecessor (caches, the allocator, the transport's threads still busy)
+    then biases one item's median the same way every round. A fresh order per round
+    spreads the predecessors and the positions."""
     for rep in range(reps):
-        shift = rep % count if count else 0
-        yield [*range(shift, count), *range(shift)]
+        order = list(range(count))
+        random.Random(rep).shuffle(order)
+        yield order
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,9 @@ def test_flat_yes_implies_close_yes_on_broken_plans(placement, m, schedule):
                 assert _closely_valid(bad), bad
 
 
-def test_a_send_before_its_producer_is_left_to_the_close_checks():
-    """The one place the flat check asks more: a SEND before its producer (the lowering
-    writes it when a stage takes no time). The close checks decide, as before: valid."""
+def test_a_send_before_its_producer_is_refused_by_both_checks():
+    """A SEND before its producer (the runtime would send a tensor not made yet): the close
+    checks, which decide when the flat check says no, accepted it before."""
     plan = lower(build_plan(Placement(2, 1), 2, "1f1b"))
     r0 = list(plan.ranks[0])
     send = Action(0, Op.SEND_F, 0)
@@ -107,7 +107,8 @@ def test_a_send_before_its_producer_is_left_to_the_close_checks():
     r0.insert(0, send)  # sent before 0F0 ran
     odd = _with_ranks(plan, {0: r0})
     assert not passes(odd)
-    validate(odd)
+    with pytest.raises(PlanError, match=r"rank 0, step 0: 0SEND_F0 .* sends the output of 0F0"):
+        validate(odd)
 
 
 # -- broken plans at the benchmark's size: a fault in the middle of the steady state --------
@@ -303,3 +304,19 @@ def test_lowering_with_idle_stages_sends_after_the_producer(schedule, placement,
             elif action.op in (Op.SEND_F, Op.SEND_B):
                 producer, _ = message_ends(action, place, split)
                 assert producer in made, (action, producer)
+
+
+def test_close_checks_refuse_a_send_before_its_producer():
+    """A plan read from a file with a SEND ahead of the compute making its tensor: the
+    close checks (which decide when the flat check says no) used to accept it."""
+    placement = Placement(2, 2)
+    plan = lower(build_plan(placement, 4), StageTimes.uniform(placement.depth))
+    rank = 0
+    acts = list(plan.ranks[rank])
+    send = next(i for i, a in enumerate(acts) if a.op is Op.SEND_F)
+    producer = max(i for i in range(send) if acts[i].op is Op.F)
+    acts.insert(producer, acts.pop(send))  # the SEND moves just ahead of its producer
+    broken = _with_ranks(plan, {rank: acts})
+    assert not passes(replace(broken))
+    with pytest.raises(PlanError, match=r"sends the output of .*, which runs later, at step"):
+        check_closely(replace(broken))

@@ -46,11 +46,16 @@ def test_median_not_mean_and_ties_go_to_the_better_predicted():
     assert pick_fastest(["a", "b"], lambda i: 1.0, reps=2).index == 0
 
 
-def test_rounds_rotate_so_no_candidate_always_follows_the_same_one():
-    assert list(interleaved_rounds(3, 4)) == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+def test_rounds_are_seeded_shuffles_so_no_candidate_always_follows_the_same_one():
+    rounds = list(interleaved_rounds(4, 12))
+    assert rounds == list(interleaved_rounds(4, 12))  # the same on every rank and launch
+    assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)
+    # rotation kept each item behind one fixed other one in all but one round in four
+    predecessors = {i: {r[r.index(i) - 1] for r in rounds if r.index(i) > 0} for i in range(4)}
+    assert all(len(before) >= 2 for before in predecessors.values())
     order = []
     pick_fastest("abc", lambda i: order.append(i) or 1.0, reps=3)
-    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert order == [i for r in interleaved_rounds(3, 3) for i in r]
 
 
 def test_refuses_nothing_to_time():
@@ -111,3 +116,21 @@ def test_pick_plan_on_real_runtimes_agrees_and_leaves_weights():
     results = all_ok(run_local(2, _real_pick, deadline_s=300))
     assert results[0][0] == results[1][0] and 0 <= results[0][0] < results[0][1]
     assert results[0][1] > 1 and all(r[2] for r in results)
+
+
+def test_top_candidates_per_configuration_are_different_configurations():
+    result = tune(CostModel.from_dict(cost_dict()), 2, M, reuse_limit=2)
+
+    def config(c):
+        p = c.plan.placement
+        return (p.reuse, p.placement, p.direction, c.plan.split_backward)
+
+    plain = top_candidates(result, 6)
+    assert len({config(c) for c in plain}) < 6  # near twins crowd the plain top 6
+    diverse = top_candidates(result, 6, per_configuration=True)
+    assert len({config(c) for c in diverse}) == len(diverse) == 6
+    assert diverse[0] is result.winner
+    assert [c.key for c in diverse] == sorted(c.key for c in diverse)
+    # each is its configuration's best predicted fitting candidate
+    for c in diverse:
+        assert c is next(x for x in result.fitting() if config(x) == config(c))

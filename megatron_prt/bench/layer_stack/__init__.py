@@ -7,10 +7,10 @@ split-backward ``zb`` plans (F/I/W, weight GEMMs deferred to W) over gloo
 (``transport="torch"``) and over shared memory (``transport="auto"``, the CPU default), and
 torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (2 and 4 stages per
 rank), ScheduleLoopedBFS, ScheduleInterleavedZeroBubble (2 and 4), ScheduleZBVZeroBubble and
-ScheduleDualPipeV (gloo). Repetitions are interleaved
-(A B C, B C A, ...) and reported as medians; torch's gradients are checked against
-megatron-prt's for the same stage split. Next to each measurement: the simulator's
-prediction for the plan that ran (torch's schedules converted to plans) from per-layer costs
+ScheduleDualPipeV (gloo). Repetitions are interleaved (a seeded shuffle per round: A C B, B
+A C, ...) and reported as medians; torch's gradients are checked against megatron-prt's for
+the same stage split. Next to each measurement: the simulator's prediction for the plan that
+ran (torch's schedules converted to plans) from per-layer costs
 (for the zb rows: the backward split into input and weight gradient in the proportions of
 their thread CPU times, :func:`ranks.profile_split`, and the bytes held until I and from I
 until W, which also cap the zb plans at 1F1B's simulated peak),

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ...runtime.cpu import keep_freed_memory
 from ...runtime.local import all_ok, run_local
 from ...sim.cost import CostModel, LayerCost
+from ...tune.measured import interleaved_rounds
 from ..report import md_table
 from .configs import GLOO, Config
 from .ranks import PrtRunner, TorchRunner
@@ -79,10 +80,9 @@ def worker(rank: int, world: int, args) -> dict:
                 runner.step()
         keys = list(runners)
         samples: dict[str, list] = {key: [] for key in keys}
-        for rep in range(args.reps):  # interleaved: A B C, B C A, ...
-            shift = rep % len(keys)
-            for key in keys[shift:] + keys[:shift]:
-                samples[key].append(_timed(runners[key]))
+        for order in interleaved_rounds(len(keys), args.reps):  # [Note: shuffled rounds]
+            for i in order:
+                samples[keys[i]].append(_timed(runners[keys[i]]))
         for runner in runners.values():
             runner.close()
         out[m] = samples

@@ -363,8 +363,8 @@ def report_md(args, summary: dict, info: dict) -> str:
         f"{args.layers} x (Linear {args.hidden}x{args.hidden} + GELU), fp32, micro-batch "
         f"{args.mb_size}, MSE loss; the same data and stage split for every row; "
         f"{args.warmup} warm-up steps, then {args.reps} repetitions interleaved across all rows "
-        "(A B C, B C A, ...), median shown; a step's time is the slowest rank's; gradients "
-        "are zeroed outside the timed region.",
+        "(a seeded shuffle per round: A C B, B A C, ...), median shown; a step's time is the "
+        "slowest rank's; gradients are zeroed outside the timed region.",
         "",
         f"Profiled in this launch: per layer forward {layer['fwd'] * 1e3:.3f} ms, backward "
         f"{layer['bwd'] * 1e3:.3f} ms (traced 1F1B steps); per message (latency, CPU): gloo "

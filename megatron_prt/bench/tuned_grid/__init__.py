@@ -41,7 +41,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--stacks", default=",".join(STACKS), help="comma-separated, of " + ", ".join(STACKS)
     )
     p.add_argument("-m", "--microbatches", type=int, default=8, help="micro-batches (default 8)")
-    p.add_argument("--reps", type=int, default=11, help="timed repetitions per row (median)")
+    p.add_argument("--reps", type=int, default=21, help="timed repetitions per row (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     p.add_argument("--layers", type=int, default=8, help="layers per stack (default 8)")
     p.add_argument("--hidden", type=int, default=512, help="equal and head stacks' width")
@@ -50,9 +50,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5, help="traced profiling steps")
     p.add_argument("--burst", type=int, default=64, help="messages per CPU-cost burst")
     p.add_argument(
-        "--top", type=int, default=5, help="tuner's best predicted candidates timed to pick one"
+        "--top", type=int, default=6, help="tuner's best predicted candidates timed to pick one"
     )
-    p.add_argument("--pick-reps", type=int, default=9, help="timed steps per candidate to pick")
+    p.add_argument("--pick-reps", type=int, default=15, help="timed steps per candidate to pick")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default {DEFAULT_OUT})")
     p.add_argument("--smoke", action="store_true", help="tiny stacks, 1 repetition: checks it runs")
     args = p.parse_args(argv)
@@ -112,8 +112,9 @@ def markdown(summary: dict, info: dict) -> str:
         "of interleaved repetitions in one launch; predictions are the simulator's from costs "
         "profiled in the same launch.",
         "",
-        f"How the pick is made: the tuner's {info['top']} best predicted candidates (distinct "
-        f"plans) are timed in place in a selection phase of their own (timed "
+        f"How the pick is made: the tuner's {info['top']} best predicted candidates (one per "
+        f"configuration: reuse, placement, direction, split backward; each in its best "
+        f"predicted plan and split) are timed in place in a selection phase of their own (timed "
         f"interleaved steps per candidate: {info['pick_reps']}, after the warm-up; the "
         "slowest rank's time per step; "
         "`megatron_prt.runtime.measured_pick.measured_pick`) and the smallest median wins. "

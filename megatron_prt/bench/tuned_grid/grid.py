@@ -86,12 +86,13 @@ def _entries(cost: CostModel, placement: Placement, m: int, split: bool) -> list
 
 
 def tuned_entries(cost: CostModel, ranks: int, m: int, top: int) -> tuple[list[Entry], dict]:
-    """The tuner's ``top`` best predicted candidates (R up to max(:data:`REUSES`)), best
-    first, and what the tuner said (``predicted_s`` per candidate)."""
+    """The tuner's ``top`` best predicted candidates (R up to max(:data:`REUSES`)), one per
+    configuration (:func:`~megatron_prt.tune.measured.top_candidates`), best first, and what
+    the tuner said (``predicted_s`` per candidate)."""
     start = time.process_time()
     result = tune(cost, ranks, m, reuse_limit=max(REUSES))
     tune_cpu_s = time.process_time() - start
-    best = top_candidates(result, top)
+    best = top_candidates(result, top, per_configuration=True)
     info = {
         "tune_cpu_s": tune_cpu_s,
         "candidates": len(result.ranked),
