@@ -279,8 +279,9 @@ def reference_prt(
 
 
 def reference_stuck(plan: Plan) -> dict[int, int]:
-    """The blocking send/recv replay megatron_prt.core.validate ran before it was compiled,
-    one action at a time: ``{rank: step}`` where each rank that cannot finish stands."""
+    """The blocking send/recv replay megatron_prt.core.validate ran before it was compiled
+    (with its later rule that a SEND waits for its producer), one action at a time:
+    ``{rank: step}`` where each rank that cannot finish stands."""
     from megatron_prt.core.lower import comm_key, message_ends, message_key
 
     placement, split, streams = plan.placement, plan.split_backward, plan.ranks
@@ -309,6 +310,8 @@ def reference_stuck(plan: Plan) -> dict[int, int]:
                     done.add(action)
                 elif action.op in (Op.SEND_F, Op.SEND_B):
                     producer, consumer = message_ends(action, placement, split)
+                    if producer not in done:  # a SEND waits for the tensor it sends
+                        break
                     key = message_key(producer, consumer)
                     peer = placement.rank_of(consumer.stage)
                     head = streams[peer][pos[peer]] if pos[peer] < len(streams[peer]) else None
