@@ -111,7 +111,7 @@ def measure_m(args, world: int, m: int, state: dict) -> dict:
         built,
         args,
         f"bert, m={m}:",
-        lambda runners: {"losses": {label: r.losses for label, r in runners.items()}},
+        lambda runners, _times: {"losses": {label: r.losses for label, r in runners.items()}},
     )
 
 

@@ -80,11 +80,11 @@ def time_summary(samples: list[float]) -> dict:
 
 
 def measure_runners(
-    built: dict, args, label: str, check: Callable[[dict], dict] | None = None
+    built: dict, args, label: str, check: Callable[[dict, dict], dict] | None = None
 ) -> dict:
     """Every runner of ``built`` (key -> runner, or the reason it cannot run): ``args.warmup``
     warm-up steps, one metered step, ``args.reps`` interleaved timed repetitions, then
-    ``check(runners)`` (more fields of the result) before they close. Per key: ``refused``
+    ``check(runners, times)`` (more fields of the result) before they close. Per key: ``refused``
     (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and ``replica_sum_s`` (bi:
     median of the timed steps' sums). A runner has ``step``, ``zero_grad``, ``peak_bytes``,
     ``close``, ``plan``, ``wire`` and ``replica_sum_s``."""
@@ -94,7 +94,7 @@ def measure_runners(
             runner.step()
     peaks = {key: runner.peak_bytes() for key, runner in runners.items()}
     times = interleaved_times(runners, args.reps, label)
-    checked = check(runners) if check else {}
+    checked = check(runners, times) if check else {}
     for runner in runners.values():
         runner.close()
     return {

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 from megatron_prt.bench.tuned_grid import markdown, summarize
 from megatron_prt.bench.tuned_grid.grid import PREDICTED, TUNED, grid_entries, tuned_entries
@@ -65,6 +66,10 @@ def _stack_result(pick_index: int) -> dict:
         "predicted_best": _row(best[0]),
         "tune": {**info, "pick": pick},
         "times": times,
+        "rematch": {
+            "grid_best": entries[0].label,
+            "times": {entries[0].label: [1.0, 1.1, 1.2], TUNED: [1.02, 1.05, 1.0]},
+        },
     }
 
 
@@ -81,6 +86,9 @@ def test_report_prices_the_picked_plan_and_says_how_it_was_picked():
     text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
     assert "How the pick is made" in text and "held out from the selection" in text
     assert f"| 3 | {summary['tuned']['top'][2]['label']} |" in text
+    # the held-out rematch: its own medians, not the grid's repetitions
+    assert summary["rematch"]["tuned_vs_grid_best"] == pytest.approx(1.02 / 1.1 - 1)
+    assert "1100.00 / 1020.00, -7.3%" in text
 
 
 def _row(entry) -> tuple:
@@ -90,3 +98,24 @@ def _row(entry) -> tuple:
 def test_report_when_the_clock_agrees_with_the_tuner():
     summary = summarize([{"head": _stack_result(pick_index=0)}])["head"]
     assert summary["tuner_first_vs_grid_best"] == summary["tuned_vs_grid_best"]
+
+
+def test_rematch_times_the_grid_best_and_the_pick_again(monkeypatch):
+    from megatron_prt.bench.tuned_grid import grid
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+    runners = {"a": Runner("a"), "b": Runner("b"), TUNED: Runner(TUNED)}
+    times = {"a": [2.0, 2.0], "b": [1.0, 3.0, 1.0], TUNED: [5.0]}  # b has the smaller median
+    ran = []
+
+    def fake_times(pair, reps, label):
+        ran.append((list(pair), reps))
+        return {key: [0.5] * reps for key in pair}
+
+    monkeypatch.setattr(grid, "interleaved_times", fake_times)
+    record = grid.rematch(runners, times, SimpleNamespace(reps=4), "x")["rematch"]
+    assert ran == [(["b", TUNED], 4)]
+    assert record["grid_best"] == "b" and record["times"] == {"b": [0.5] * 4, TUNED: [0.5] * 4}

@@ -383,7 +383,10 @@ def measure_m(rank: int, world: int, args, m: int, costs: dict[str, CostModel]) 
         for cfg in all_configs()
     }
     return measure_runners(
-        built, args, f"layer stack, m={m}:", lambda runners: {"grad_gap": grad_gaps(runners)}
+        built,
+        args,
+        f"layer stack, m={m}:",
+        lambda runners, _times: {"grad_gap": grad_gaps(runners)},
     )
 
 
