@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ..runtime.measured_pick import slowest_step_seconds
 from ..runtime.p2p import ShmTransport
 from ..sim.cost import CostModel
 from ..sim.simulate import simulate
@@ -32,15 +33,9 @@ def say(message: str) -> None:
 
 # -- measuring -----------------------------------------------------------------------------
 def timed_step(runner) -> float:
-    """One step's wall time: it ends when the slowest rank is done. Gradients are zeroed
-    before the clock starts."""
-    runner.zero_grad()
-    dist.barrier()
-    start = time.perf_counter()
-    runner.step()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    """One step's wall time: it ends when the slowest rank is done (gradients zeroed before
+    the clock starts; :func:`~megatron_prt.runtime.measured_pick.slowest_step_seconds`)."""
+    return slowest_step_seconds(runner)
 
 
 def interleaved_times(runners: dict, reps: int, label: str = "") -> dict[str, list[float]]:

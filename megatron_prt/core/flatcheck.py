@@ -112,6 +112,8 @@ class _Flat:
             if not frozenset(placement.rank_stages[rank]).issuperset(stages[first:last]):
                 return None
         op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
+        if set(map(type, op_of)) != {Op}:  # "F" equals Op.F and hashes alike: not enough
+            return None
         present = set(op_of)  # Op hashes as its str value: fast
         ops = [op for op in Op if op in present]
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
@@ -171,8 +173,13 @@ class _Flat:
         return edges
 
     def local_order_holds(self) -> bool:
-        """Every producer on its consumer's rank comes before it there."""
+        """Every producer on its consumer's rank comes before it there; False too when a
+        kind has two producers on other ranks (one wait per action is all the replay
+        holds; the dependency rule gives at most one today, the close checks decide else)."""
         self.edges = self._edges()
+        remote = [c for _, c, crosses in self.edges if crosses]
+        if len(remote) != len(set(remote)):
+            return False
         row = self.row
         return all(all(map(le, row(p), row(c))) for p, c, crosses in self.edges if not crosses)
 
@@ -188,7 +195,7 @@ class _Flat:
         """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
         that edge (:func:`message_ends`, asked once per kind the plan holds); None if one
         carries no one tensor."""
-        carrier = {}
+        carrier, rank_of = {}, self.placement.stage_to_rank
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
@@ -198,6 +205,8 @@ class _Flat:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)
                 except ValueError:
                     return None
+                if rank_of[ends[0].stage] == rank_of[ends[1].stage]:
+                    return None  # a same-rank hand-off needs no message: the close look
                 edge = tuple(self.kind(end.stage, end.op) for end in ends)
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
@@ -221,6 +230,10 @@ class _Flat:
                 return None
             sends, receives, consumers = row(sent), row(received), row(consumer)
             if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
+                return None
+            # a message is all there or all absent (every compute action is there): else a
+            # lone SEND's partner index -1 would read as "wait for the plan's last action"
+            if not sends.count(-1) == receives.count(-1) == consumers.count(-1):
                 return None
             messages += self.m - consumers.count(-1)
             deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)

@@ -29,6 +29,7 @@ from ..core.placement import ConfigError
 from ..tune.measured import MeasuredPick, pick_fastest
 from ..tune.search_plans import Candidate
 from .executor import PipelineRuntime
+from .p2p import wire_device
 
 T = TypeVar("T")
 
@@ -49,49 +50,61 @@ def measured_pick(
     warmup: int = 1,
     step_seconds: Callable[[int], float] | None = None,
     group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
 ) -> MeasuredPick[T]:
     """Time ``reps`` steps of each ``runners[i]`` (candidate ``i``) after ``warmup``
     untimed ones, interleaved, and pick the smallest median (collective over ``group``).
 
     A step's time is the slowest rank's (barrier, step, all-reduce max), so every rank
-    holds the same numbers; the group's first rank decides and broadcasts, and a rank that
-    would have decided otherwise raises. ``step_seconds(i)``, when given, replaces the clock:
-    this rank's seconds for one step of candidate ``i`` (tests). The runners stay open
-    (the caller owns them); gradients they leave are the last timed step's."""
-    if len(candidates) != len(runners):
+    holds the same numbers and picks the same candidate; the picks are gathered and, should
+    they differ, every rank raises. ``step_seconds(i)``, when given, replaces the clock:
+    this rank's seconds for one step of candidate ``i`` (tests). ``device``: where the
+    runners compute (a CUDA step is synchronized before the clock stops; the group's
+    collectives get tensors where its backend takes them). The runners stay open (the
+    caller owns them); gradients they leave are the last timed step's."""
+    if len(candidates) != len(runners):  # every rank gets the same lists: all raise
         raise ConfigError(f"{len(candidates)} candidates but {len(runners)} runners")
+    device = torch.device(device)
+    wire = wire_device(group, device)
     for _ in range(warmup):  # shapes exchanged, buffers and allocator primed
         for runner in runners:
             runner.zero_grad()
             runner.step()
-    local = step_seconds or (lambda i: _step_seconds(runners[i], group))
-    picked = pick_fastest(candidates, lambda i: _slowest(local(i), group), reps)
-    decided = [picked.index]
-    dist.broadcast_object_list(decided, src=_first_rank(group), group=group)
-    if decided[0] != picked.index:
+    local = step_seconds or (lambda i: _step_seconds(runners[i], group, device))
+    picked = pick_fastest(candidates, lambda i: _slowest(local(i), group, wire), reps)
+    chosen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(chosen, picked.index, group=group)
+    if len(set(chosen)) > 1:  # every rank sees every choice: all raise, none waits
         raise ConfigError(
-            f"measured pick: rank {dist.get_rank()} found candidate {picked.index} fastest "
-            f"but rank {_first_rank(group)} found {decided[0]} from the same timings"
+            f"measured pick: the ranks found different candidates fastest ({chosen}, in "
+            "group rank order) from timings that should be the same on every rank"
         )
     return picked
 
 
-def _step_seconds(runner: Runner, group) -> float:
+def slowest_step_seconds(
+    runner: Runner, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> float:
+    """One timed step of ``runner`` (gradients zeroed off the clock, a barrier, the step):
+    the slowest rank's seconds, the same on every rank of ``group`` (collective)."""
+    device = torch.device(device)
+    return _slowest(_step_seconds(runner, group, device), group, wire_device(group, device))
+
+
+def _step_seconds(runner: Runner, group, device: torch.device) -> float:
     runner.zero_grad()
     dist.barrier(group=group)
     start = time.perf_counter()
     runner.step()
+    if device.type == "cuda":  # the clock stops when the kernels are done, not queued
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def _slowest(seconds: float, group) -> float:
-    shared = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(seconds: float, group, wire: torch.device) -> float:
+    shared = torch.tensor([seconds], dtype=torch.float64, device=wire)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
     return float(shared)
-
-
-def _first_rank(group) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 class RuntimeRunner:
@@ -140,7 +153,8 @@ def pick_plan(
         )
     runners = [RuntimeRunner(c.plan, stages, loss_fn, xs, ys, **runtime_kwargs) for c in candidates]
     try:
-        return measured_pick(candidates, runners, reps, warmup, group=group)
+        device = runners[0].runtime.device if runners else "cpu"
+        return measured_pick(candidates, runners, reps, warmup, group=group, device=device)
     finally:
         for runner in runners:
             runner.close()

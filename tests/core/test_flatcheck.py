@@ -33,13 +33,14 @@ def _with_ranks(plan: Plan, changes: dict, **fields) -> Plan:
 
 def _mutations(plan: Plan, rng: random.Random, count: int):
     """Plans one edit away from ``plan``: an action dropped, doubled, moved, swapped with its
-    neighbour, moved to another rank, or its micro-batch changed."""
+    neighbour, moved to another rank, or its micro-batch changed; in a lowered plan also a
+    SEND/RECV of any kind added."""
     busy = [r for r, acts in enumerate(plan.ranks) if acts]
     for _ in range(count):
         rank = rng.choice(busy)
         acts = list(plan.ranks[rank])
         step = rng.randrange(len(acts))
-        edit = rng.randrange(6)
+        edit = rng.randrange(7 if plan.lowered else 6)
         if edit == 0:
             del acts[step]
         elif edit == 1:
@@ -53,9 +54,14 @@ def _mutations(plan: Plan, rng: random.Random, count: int):
             moved = acts.pop(step)
             yield _with_ranks(plan, {rank: acts, other: (*plan.ranks[other], moved)})
             continue
-        else:
+        elif edit == 5:
             stage, op, mb = acts[step]
             acts[step] = Action(stage, op, (mb + 1) % plan.num_microbatches)
+        else:  # a SEND/RECV of any kind for a stage of this rank (lowered plans)
+            stage = rng.choice(plan.placement.rank_stages[rank])
+            op = rng.choice([Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B])
+            extra = Action(stage, op, rng.randrange(plan.num_microbatches))
+            acts.insert(rng.randrange(len(acts) + 1), extra)
         yield _with_ranks(plan, {rank: acts})
 
 
@@ -95,6 +101,22 @@ def test_flat_yes_implies_close_yes_on_broken_plans(placement, m, schedule):
         for bad in _mutations(plan, rng, 40):
             if passes(bad):
                 assert _closely_valid(bad), bad
+
+
+def test_flat_yes_implies_close_yes_two_edits_away():
+    """Two edits can balance each other where one cannot (a RECV dropped, a SEND added)."""
+    flat_yes = 0
+    for placement, m, schedule in SMALL[::3]:
+        rng = random.Random(f"two{placement}{m}{schedule}")
+        for plan in _plans(placement, m, schedule):
+            if not plan.lowered:
+                continue
+            for once in _mutations(plan, rng, 15):
+                for bad in _mutations(once, rng, 4):
+                    if passes(bad):
+                        flat_yes += 1
+                        assert _closely_valid(bad), bad
+    assert flat_yes > 0  # some edits keep a valid plan (a swap of independent actions)
 
 
 def test_a_send_before_its_producer_is_refused_by_both_checks():
@@ -320,3 +342,26 @@ def test_close_checks_refuse_a_send_before_its_producer():
     assert not passes(replace(broken))
     with pytest.raises(PlanError, match=r"sends the output of .*, which runs later, at step"):
         check_closely(replace(broken))
+
+
+def test_two_edits_that_balance_the_message_count_are_refused():
+    """A RECV dropped and a SEND for a same-rank hand-off (a wave turn) added: the message
+    count still matched, and the lone SEND's missing partner read as "wait for the plan's
+    last action", so the flat check passed a plan the close checks refuse."""
+    placement = Placement(3, 2, "wave", "uni")
+    plan = lower(build_plan(placement, 4, "prt"))
+    turn = Action(2, Op.SEND_F, 0)  # 2F0 -> 3F0: both stages on rank 2
+    assert placement.rank_of(2) == placement.rank_of(3) == 2
+    r0 = [a for a in plan.ranks[0] if a != Action(0, Op.RECV_B, 3)]
+    assert len(r0) == len(plan.ranks[0]) - 1
+    bad = _with_ranks(plan, {0: r0, 2: [turn, *plan.ranks[2]]})
+    assert not passes(replace(bad))
+    with pytest.raises(PlanError):
+        validate(replace(bad), full=True)
+
+
+def test_an_op_given_as_its_string_is_refused_by_the_flat_check():
+    plan = build_plan(Placement(2, 1), 2, "1f1b")
+    r0 = list(plan.ranks[0])
+    r0[0] = Action(r0[0].stage, "F", r0[0].mb)  # equal to Op.F, hashes alike
+    assert not passes(_with_ranks(plan, {0: r0}))

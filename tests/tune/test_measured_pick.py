@@ -95,6 +95,26 @@ def test_ranks_agree_on_the_slowest_ranks_times():
     assert results[0] == results[1] == ("b", (4.0, 3.0))
 
 
+def _own_clocks(rank, world):
+    # each rank keeps its own times (no slowest-rank sum): rank 0 picks "a", rank 1 "b"
+    from megatron_prt.runtime import measured_pick as module
+
+    module._slowest = lambda seconds, group, wire: seconds
+    local = {0: {0: 1.0, 1: 3.0}, 1: {0: 4.0, 1: 2.0}}[rank]
+    try:
+        measured_pick(["a", "b"], [_Idle(), _Idle()], reps=3, step_seconds=local.get)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_pick_differently_all_raise():
+    """Before, only the rank that disagreed with rank 0 raised; the other went on into its
+    next collective and waited there."""
+    results = all_ok(run_local(2, _own_clocks, deadline_s=120))
+    assert all("found different candidates fastest ([0, 1]" in r for r in results), results
+
+
 PLACEMENT = Placement(2, 2)
 COUNTS = (5, 1, 1, 5)
 

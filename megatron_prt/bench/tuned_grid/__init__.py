@@ -78,7 +78,7 @@ def summarize(per_rank: list[dict]) -> dict:
         picks = [(TUNED, *res["tuned"][1:]), (PREDICTED, *res["predicted_best"][1:])]
         rows = []
         for label, plan, counts in [*res["entries"], *picks]:
-            if label not in res["times"]:
+            if label == PREDICTED and label not in res["times"]:
                 continue  # the predicted best is the pick: timed once, as the pick
             predicted = simulate(plan, replace(cost, stage_layers=counts)).makespan
             measured = statistics.median(res["times"][label])
@@ -105,6 +105,8 @@ def summarize(per_rank: list[dict]) -> dict:
 
 
 def markdown(summary: dict, info: dict) -> str:
+    """The report: how the pick is made, the targets' table, each stack's selection and grid
+    rows (one long list of lines on purpose: the report reads top to bottom here)."""
     lines = [
         "# Measured grid vs the tuned pick (CPU, 2 ranks, one thread each)",
         "",
