@@ -41,7 +41,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from itertools import accumulate, chain, pairwise, repeat
-from operator import add, itemgetter, le, sub
+from operator import add, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -238,27 +238,33 @@ class _Flat:
 def _replay_completes(need: list[int], starts: list[int]) -> bool:
     """Each rank runs its actions in order while ``need[i]`` is done (index -1 always is);
     a rank that waits parks on the rank it waits for, woken when that one moves. True when
-    every rank finishes. One loop whose cost is the number of times a rank waits."""
-    done = bytearray(len(need))
-    done[-1] = 1
-    ones = memoryview(b"\x01" * len(need))
+    every rank finishes. One loop whose cost is the number of times a rank waits.
+
+    Action ``j`` is done when its rank stands past it (``pos[owner[j]] > j``): no per-action
+    mark to write as ranks move, and ``owner[need[i]]`` is gathered once at C speed. Index
+    -1 belongs to a rank that is always past it; other negative indices count from the end,
+    as list indexing reads them."""
+    size, ranks = len(need), len(starts) - 1
+    if min(need) < -1:
+        need = list(map(mod, need, repeat(size)))
     lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(len(starts) - 1), lengths)))  # rank
-    pos, ends = starts[:-1], starts[1:]
-    waiting: list[list[int]] = [[] for _ in pos]  # rank -> ranks parked on it
-    todo = list(range(len(pos)))
+    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))  # rank
+    owner += repeat(ranks, size - len(owner))  # need -1 (and need[-1]): the always-done rank
+    after = list(map(owner.__getitem__, need))  # the rank of what each action waits for
+    pos, ends = [*starts[:-1], size], starts[1:]
+    waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
+    todo = list(range(ranks))
     while todo:
         rank = todo.pop()
         first = i = pos[rank]
         end = ends[rank]
-        while i < end and done[need[i]]:
+        while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
-            done[first:i] = ones[: i - first]
             pos[rank] = i
             if waiting[rank]:
                 todo += waiting[rank]
                 waiting[rank] = []
         if i < end:
-            waiting[owner[need[i]]].append(rank)
-    return pos == ends
+            waiting[after[i]].append(rank)
+    return pos[:-1] == ends
