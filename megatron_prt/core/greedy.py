@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import add, mod
+from operator import add, itemgetter, mod
 from typing import NamedTuple
 
 from .actions import Action, Op
@@ -93,8 +93,16 @@ class IdResult:
 
     def materialise(self, graph: Graph) -> ListResult:
         actions = graph.actions
-        orders = tuple(tuple(map(actions.__getitem__, ids)) for ids in self.orders)
+        orders = tuple(_gather(actions, ids) for ids in self.orders)
         return ListResult(orders, self.makespan, self.peak_held)
+
+
+def _gather(values: list, ids: list[int]) -> tuple:
+    """``tuple(values[i] for i in ids)``, in one C call (itemgetter of several ids returns a
+    tuple; of one, the value itself)."""
+    if len(ids) > 1:
+        return itemgetter(*ids)(values)
+    return tuple(map(values.__getitem__, ids))
 
 
 @dataclass(frozen=True)
