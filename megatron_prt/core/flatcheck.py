@@ -38,7 +38,6 @@ names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stag
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from itertools import accumulate, chain, pairwise, repeat
 from operator import add, itemgetter, le, mod, sub
@@ -88,10 +87,10 @@ class _Flat:
         slot = self.slot.get(op)
         return None if slot is None else stage * len(self.ops) + slot
 
-    def row(self, kind: int | None) -> array:
+    def row(self, kind: int | None) -> list[int]:
         """Global index of the action of ``kind`` per micro-batch (-1: none)."""
         if kind is None:
-            return array("q", [-1]) * self.m
+            return [-1] * self.m
         return self.where[kind * self.m : (kind + 1) * self.m]
 
     @classmethod
@@ -117,11 +116,12 @@ class _Flat:
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
         # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
-        # integers in arrays here and in where: no int object kept per action
+        # keys and where are plain lists: reading a list hands out the int it holds, where an
+        # array makes a new one per read (the rows are read and compared many times)
         op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
         stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
-        flat = cls(plan, array("q", keys), ops)
+        flat = cls(plan, list(keys), ops)
         return flat if flat._complete(op_of) and flat._pipelines_match() else None
 
     def _complete(self, op_of: list[Op]) -> bool:
@@ -129,7 +129,7 @@ class _Flat:
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
-        self.where = where = array("q", [-1]) * (self.placement.num_stages * len(self.ops) * m)
+        self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
         deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
@@ -152,7 +152,7 @@ class _Flat:
                 pick = itemgetter(slice(others[0], others[-1] + 1, step))
             else:
                 pick = itemgetter(*others, others[0])  # always a tuple
-            absent = pick(array("q", [-1]) * self.m)
+            absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
                 if pick(self.row(kind)) != absent:
                     return False
