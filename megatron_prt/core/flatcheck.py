@@ -38,10 +38,9 @@ names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stag
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from itertools import accumulate, chain, pairwise, repeat
-from operator import add, itemgetter, le, sub
+from operator import add, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -88,10 +87,10 @@ class _Flat:
         slot = self.slot.get(op)
         return None if slot is None else stage * len(self.ops) + slot
 
-    def row(self, kind: int | None) -> array:
+    def row(self, kind: int | None) -> list[int]:
         """Global index of the action of ``kind`` per micro-batch (-1: none)."""
         if kind is None:
-            return array("q", [-1]) * self.m
+            return [-1] * self.m
         return self.where[kind * self.m : (kind + 1) * self.m]
 
     @classmethod
@@ -119,11 +118,12 @@ class _Flat:
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
         # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
-        # integers in arrays here and in where: no int object kept per action
+        # keys and where are plain lists: reading a list hands out the int it holds, where an
+        # array makes a new one per read (the rows are read and compared many times)
         op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
         stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
-        flat = cls(plan, array("q", keys), ops)
+        flat = cls(plan, list(keys), ops)
         return flat if flat._complete(op_of) and flat._pipelines_match() else None
 
     def _complete(self, op_of: list[Op]) -> bool:
@@ -131,7 +131,7 @@ class _Flat:
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
-        self.where = where = array("q", [-1]) * (self.placement.num_stages * len(self.ops) * m)
+        self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
         deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
@@ -154,7 +154,7 @@ class _Flat:
                 pick = itemgetter(slice(others[0], others[-1] + 1, step))
             else:
                 pick = itemgetter(*others, others[0])  # always a tuple
-            absent = pick(array("q", [-1]) * self.m)
+            absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
                 if pick(self.row(kind)) != absent:
                     return False
@@ -251,27 +251,33 @@ class _Flat:
 def _replay_completes(need: list[int], starts: list[int]) -> bool:
     """Each rank runs its actions in order while ``need[i]`` is done (index -1 always is);
     a rank that waits parks on the rank it waits for, woken when that one moves. True when
-    every rank finishes. One loop whose cost is the number of times a rank waits."""
-    done = bytearray(len(need))
-    done[-1] = 1
-    ones = memoryview(b"\x01" * len(need))
+    every rank finishes. One loop whose cost is the number of times a rank waits.
+
+    Action ``j`` is done when its rank stands past it (``pos[owner[j]] > j``): no per-action
+    mark to write as ranks move, and ``owner[need[i]]`` is gathered once at C speed. Index
+    -1 belongs to a rank that is always past it; other negative indices count from the end,
+    as list indexing reads them."""
+    size, ranks = len(need), len(starts) - 1
+    if min(need) < -1:
+        need = list(map(mod, need, repeat(size)))
     lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(len(starts) - 1), lengths)))  # rank
-    pos, ends = starts[:-1], starts[1:]
-    waiting: list[list[int]] = [[] for _ in pos]  # rank -> ranks parked on it
-    todo = list(range(len(pos)))
+    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))  # rank
+    owner += repeat(ranks, size - len(owner))  # need -1 (and need[-1]): the always-done rank
+    after = list(map(owner.__getitem__, need))  # the rank of what each action waits for
+    pos, ends = [*starts[:-1], size], starts[1:]
+    waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
+    todo = list(range(ranks))
     while todo:
         rank = todo.pop()
         first = i = pos[rank]
         end = ends[rank]
-        while i < end and done[need[i]]:
+        while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
-            done[first:i] = ones[: i - first]
             pos[rank] = i
             if waiting[rank]:
                 todo += waiting[rank]
                 waiting[rank] = []
         if i < end:
-            waiting[owner[need[i]]].append(rank)
-    return pos == ends
+            waiting[after[i]].append(rank)
+    return pos[:-1] == ends

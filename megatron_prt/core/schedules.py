@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import product
+from operator import add
 
 from .actions import Action, Op
 from .gcpause import without_gc
@@ -46,9 +47,9 @@ Generator = Callable[[Placement, int, StageTimes], Plan]
 # -- warm-up depth (caps) ---------------------------------------------------------------------
 def _span(placement: Placement, rank: int) -> list[tuple[int, int]]:
     """Per pipeline: (first, last) flow position of this rank's stages."""
-    out = []
+    out, rank_of = [], placement.stage_to_rank
     for stages in placement.pipelines:
-        pos = [i for i, s in enumerate(stages) if placement.rank_of(s) == rank]
+        pos = [i for i, s in enumerate(stages) if rank_of[s] == rank]
         out.append((min(pos), max(pos)))
     return out
 
@@ -81,8 +82,11 @@ def _round_trip(placement: Placement, times: StageTimes, rank: int) -> float:
     period = sum(both(placement.model_stage(s)) for s in placement.rank_stages[rank])
     if period <= 0:
         return 0.0
+    # the additions of both(k) for k from first to the last stage, in order, in C
+    depth = placement.depth
     trip = sum(
-        sum(both(k) for k in range(first, placement.depth)) for first, _ in _span(placement, rank)
+        sum(map(add, times.fwd[first:depth], times.bwd[first:depth]))
+        for first, _ in _span(placement, rank)
     )
     return trip / period
 
