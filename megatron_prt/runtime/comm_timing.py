@@ -40,6 +40,7 @@ from ..sim.cost import CostModel, LayerCost
 from ..tune.measured import message_cpu_in_place
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
+from .measured_pick import RuntimeRunner, slowest_step_seconds
 from .replica_timing import calibrate_replica_sync
 from .stages import build_stages
 
@@ -101,22 +102,18 @@ def _worker(rank, world, message_bytes, grad_bytes, transport, repeats, message_
 def step_spans(
     plan: Plan, stages: dict, loss_fn, xs, ys, steps: int, trace: bool = True, **runtime_kwargs
 ) -> tuple[list, float]:
-    """One warm-up step, then ``steps`` steps of ``plan`` after a barrier each: this rank's
-    traced spans of all of them (none unless ``trace``) and the median step seconds of the
-    slowest rank (collective; the same on every rank)."""
-    runtime = PipelineRuntime(plan, stages, loss_fn, trace=trace, **runtime_kwargs)
-    runtime.step(xs, ys)  # warm-up: shapes exchanged, allocator primed (not timed)
+    """One warm-up step, then ``steps`` timed steps of ``plan``
+    (:func:`~megatron_prt.runtime.measured_pick.slowest_step_seconds`): this rank's traced
+    spans of them (none unless ``trace``) and the median of the slowest rank's step seconds
+    (collective; the same on every rank)."""
+    runner = RuntimeRunner(plan, stages, loss_fn, xs, ys, trace=trace, **runtime_kwargs)
+    runner.step()  # warm-up: shapes exchanged, allocator primed (not timed)
     spans, seconds = [], []
     for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        runtime.step(xs, ys)
-        seconds.append(time.perf_counter() - start)
-        spans += runtime.trace() if trace else []
-    runtime.close()
-    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return spans, float(slowest)
+        seconds.append(slowest_step_seconds(runner))
+        spans += runner.runtime.trace() if trace else []
+    runner.close()
+    return spans, statistics.median(seconds)
 
 
 def layer_costs_in_place(
