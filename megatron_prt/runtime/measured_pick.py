@@ -14,6 +14,10 @@ stage modules)::
 
 Candidates with other placements or splits need their own stage modules: build a runner per
 candidate (anything with ``step()`` and ``zero_grad()``) and call :func:`measured_pick`.
+A caller whose steps are driven from outside (``--pipeline-reuse auto``: megatron's training
+loop) times each with :func:`slowest_step_seconds`, picks with
+:func:`~megatron_prt.tune.measured.fastest` and checks the ranks agree with
+:func:`check_same_pick`.
 """
 
 from __future__ import annotations
@@ -72,23 +76,42 @@ def measured_pick(
             runner.step()
     local = step_seconds or (lambda i: _step_seconds(runners[i], group, device))
     picked = pick_fastest(candidates, lambda i: _slowest(local(i), group, wire), reps)
-    chosen = [None] * dist.get_world_size(group)
-    dist.all_gather_object(chosen, picked.index, group=group)
-    if len(set(chosen)) > 1:  # every rank sees every choice: all raise, none waits
-        raise ConfigError(
-            f"measured pick: the ranks found different candidates fastest ({chosen}, in "
-            "group rank order) from timings that should be the same on every rank"
-        )
+    check_same_pick(picked.index, group)
     return picked
 
 
+def check_same_pick(
+    index: int, group: dist.ProcessGroup | None = None, who: str = "measured pick", fix: str = ""
+) -> None:
+    """Collective over ``group``: gather every rank's picked candidate ``index``; should
+    they differ, every rank raises (none goes on into a collective the others skip), naming
+    which ranks picked which. ``who`` opens the message, ``fix`` ends it."""
+    chosen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(chosen, index, group=group)
+    if len(set(chosen)) > 1:
+        ranks = {pick: [r for r, c in enumerate(chosen) if c == pick] for pick in chosen}
+        by_pick = "; ".join(f"candidate {pick} on ranks {ranks[pick]}" for pick in sorted(ranks))
+        raise ConfigError(
+            f"{who}: the ranks found different candidates fastest ({chosen}, in group rank "
+            f"order: {by_pick}) from timings that should be the same on every rank{fix}"
+        )
+
+
 def slowest_step_seconds(
-    runner: Runner, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+    runner: Runner,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    local_seconds: Callable[[], float] | None = None,
 ) -> float:
     """One timed step of ``runner`` (gradients zeroed off the clock, a barrier, the step):
-    the slowest rank's seconds, the same on every rank of ``group`` (collective)."""
+    the slowest rank's seconds, the same on every rank of ``group`` (collective).
+    ``local_seconds``, when given, replaces the clock: this rank's seconds for the step,
+    which still runs (tests)."""
     device = torch.device(device)
-    return _slowest(_step_seconds(runner, group, device), group, wire_device(group, device))
+    seconds = _step_seconds(runner, group, device)
+    if local_seconds is not None:
+        seconds = local_seconds()
+    return _slowest(seconds, group, wire_device(group, device))
 
 
 def _step_seconds(runner: Runner, group, device: torch.device) -> float:

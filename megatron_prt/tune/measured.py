@@ -7,7 +7,9 @@
   :func:`megatron_prt.tune.search_plans.tune_layout` (``--pipeline-reuse auto``, and the
   same steps by hand for the plain-PyTorch runtime: see docs/tune.md);
 * the measured final pick: the tuner's top candidates (:func:`top_candidates`) timed in
-  interleaved repetitions, the fastest median wins (:func:`pick_fastest`);
+  interleaved repetitions, the fastest median wins (:func:`pick_fastest`, or
+  :func:`fastest` over timings taken by a caller that drives the steps itself, as
+  ``--pipeline-reuse auto`` times megatron's training iterations);
 * the per-message CPU fitted in place (:func:`message_cpu_in_place`).
 
 [Note: measured final pick] The tuner's best candidates are often predicted within 1-2%
@@ -179,9 +181,24 @@ def pick_fastest(
     for order in interleaved_rounds(len(candidates), reps):
         for i in order:
             seconds[i].append(float(time_step(i)))
+    return fastest(candidates, seconds)
+
+
+def fastest(candidates: Sequence[T], seconds: Sequence[Sequence[float]]) -> MeasuredPick[T]:
+    """The pick from timings already taken (``seconds[i]``: candidate ``i``'s timed steps,
+    ``candidates`` in predicted order): the smallest median, a tie to the better predicted.
+    For callers whose steps are driven from outside (``--pipeline-reuse auto`` times the
+    training loop's own iterations in :func:`interleaved_rounds` order)."""
+    if not candidates:
+        raise ConfigError("a measured pick needs at least one candidate")
+    if len(seconds) != len(candidates) or not all(seconds):
+        raise ConfigError(
+            f"a measured pick needs timed steps for each of its {len(candidates)} candidates, "
+            f"got {[len(s) for s in seconds]}"
+        )
     medians = [statistics.median(s) for s in seconds]
     index = min(range(len(candidates)), key=lambda i: (medians[i], i))
-    return MeasuredPick(tuple(candidates), tuple(map(tuple, seconds)), index)
+    return MeasuredPick(tuple(candidates), tuple(tuple(map(float, s)) for s in seconds), index)
 
 
 # -- per-message CPU fitted in place ([Note: per-message CPU in place]) ----------------------

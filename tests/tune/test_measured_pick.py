@@ -11,7 +11,7 @@ from tune_costs import cost_dict
 
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.sim.cost import CostModel
-from megatron_prt.tune.measured import interleaved_rounds, pick_fastest, top_candidates
+from megatron_prt.tune.measured import fastest, interleaved_rounds, pick_fastest, top_candidates
 from megatron_prt.tune.search_plans import tune, tune_layout
 
 M = 4
@@ -56,6 +56,20 @@ def test_rounds_are_seeded_shuffles_so_no_candidate_always_follows_the_same_one(
     order = []
     pick_fastest("abc", lambda i: order.append(i) or 1.0, reps=3)
     assert order == [i for r in interleaved_rounds(3, 3) for i in r]
+
+
+def test_pick_from_timings_taken_outside_is_pick_fastests():
+    """The training loop drives auto's timed calls: ``fastest`` over its timings picks as
+    ``pick_fastest`` does when it drives them (median, a tie to the better predicted)."""
+    runs = {0: [1.0, 1.0, 9.0], 1: [1.1, 1.1, 1.1], 2: [1.0, 1.0, 1.0]}
+    steps = {i: iter(s) for i, s in runs.items()}
+    driven = pick_fastest("abc", lambda i: next(steps[i]), reps=3)
+    given = fastest("abc", [runs[0], runs[1], runs[2]])
+    assert given == driven and given.winner == "a"
+    with pytest.raises(ConfigError, match="timed steps for each of its 2 candidates"):
+        fastest("ab", [[1.0], []])
+    with pytest.raises(ConfigError, match="at least one"):
+        fastest([], [])
 
 
 def test_refuses_nothing_to_time():
@@ -113,6 +127,7 @@ def test_ranks_that_pick_differently_all_raise():
     next collective and waited there."""
     results = all_ok(run_local(2, _own_clocks, deadline_s=120))
     assert all("found different candidates fastest ([0, 1]" in r for r in results), results
+    assert all("candidate 0 on ranks [0]; candidate 1 on ranks [1]" in r for r in results)
 
 
 PLACEMENT = Placement(2, 2)
