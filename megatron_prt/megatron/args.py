@@ -41,6 +41,7 @@ from .plan_flag import add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
+DEFAULT_AUTO_CANDIDATES = ReuseConfig.auto_candidates
 
 # Defaults of the flags that only mean something with --pipeline-reuse (dest -> default).
 _DEPENDENT_DEFAULTS = {
@@ -53,6 +54,7 @@ _DEPENDENT_DEFAULTS = {
     "pipeline_reuse_trace": None,
     "pipeline_reuse_timeout": DEFAULT_TIMEOUT_S,
     "pipeline_reuse_split_backward": False,
+    "pipeline_reuse_auto_candidates": DEFAULT_AUTO_CANDIDATES,
 }
 
 # Megatron settings that also decide which layers go where; PRT owns the layer layout.
@@ -85,8 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Reuse each pipeline rank R times: a micro-batch crosses R * "
         "pipeline-model-parallel-size stages. Replaces Megatron's pipeline schedule. "
         f"auto[:R] (R default 1): profile the first {AUTO_ITERATIONS} training iterations, "
-        "tune the plan for the model's layout (placement and layer split stay) and switch "
-        "to it; rank 0 logs the choice. Default None: off.",
+        "tune the plan for the model's layout (placement and layer split stay), time the "
+        "best predicted plans on the next training iterations (see "
+        "--pipeline-reuse-auto-candidates) and switch to the fastest measured one; rank 0 "
+        "logs the choice. Default None: off.",
     )
     group.add_argument(
         "--pipeline-reuse-placement",
@@ -153,6 +157,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Split every backward into input gradient (I, sent upstream at once) and weight "
         "gradient (W, the weight GEMMs alone, later). Default off.",
     )
+    group.add_argument(
+        "--pipeline-reuse-auto-candidates",
+        type=_positive_int,
+        default=DEFAULT_AUTO_CANDIDATES,
+        metavar="K",
+        help="With --pipeline-reuse auto: after tuning, run each of the K best predicted "
+        f"plans for 1 warm-up and {ReuseConfig.auto_pick_reps} timed training iterations "
+        "(interleaved; training goes on, every plan gives the same gradients) and keep the "
+        "one with the smallest median iteration time of the slowest rank. 1: switch to the "
+        f"predicted best untimed. Default {DEFAULT_AUTO_CANDIDATES}.",
+    )
     return parser
 
 
@@ -168,6 +183,16 @@ def _bytes(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 24GiB)") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a byte count > 0 (e.g. 24GiB), got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
 
 
@@ -252,6 +277,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     check_recompute_blocks(config, args)
     if auto:
         config = replace(config, auto_iterations=AUTO_ITERATIONS)
+    _check_auto_candidates(args, auto)
     _check_microbatches(args, config.placement)
     if config.trace_path is not None:
         _check_trace_path(config.trace_path)
@@ -403,7 +429,18 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
         trace_path=args.pipeline_reuse_trace,
         timeout_s=getattr(args, "pipeline_reuse_timeout", DEFAULT_TIMEOUT_S),
         split_backward=bool(getattr(args, "pipeline_reuse_split_backward", False)),
+        auto_candidates=getattr(args, "pipeline_reuse_auto_candidates", DEFAULT_AUTO_CANDIDATES),
     )
+
+
+def _check_auto_candidates(args: argparse.Namespace, auto: bool) -> None:
+    candidates = getattr(args, "pipeline_reuse_auto_candidates", DEFAULT_AUTO_CANDIDATES)
+    if not auto and candidates != DEFAULT_AUTO_CANDIDATES:
+        raise ConfigError(
+            f"--pipeline-reuse-auto-candidates {candidates} given with --pipeline-reuse "
+            f"{args.pipeline_reuse}: it sets how many tuned plans --pipeline-reuse auto times; "
+            f"use --pipeline-reuse auto:{args.pipeline_reuse} or drop it"
+        )
 
 
 def _check_microbatches(args: argparse.Namespace, placement: Placement) -> None:

@@ -1,14 +1,36 @@
-"""``--pipeline-reuse auto``: profile the first training iterations, tune, switch plans.
+"""``--pipeline-reuse auto``: profile the first training iterations, tune, time the best
+predicted plans on the next ones, switch to the fastest measured.
 
 The first :attr:`~megatron_prt.megatron.config.ReuseConfig.auto_iterations` training calls
 run the plan the flags give (the first is warm-up); the later ones are traced (the
 runtime's per-action spans: inputs ready to compute done). After the last of them every
 pipeline rank's spans are gathered over the pipeline group, each model stage's forward and
 backward time is the median over its micro-batches and replicas, and global rank 0 runs
-:func:`megatron_prt.tune.search_plans.tune_layout` on those costs and broadcasts the plan it
-picks to every rank, which checks the plan's hash against rank 0's. The new plan runs from
-the next call on: the switch happens between two iterations (after the gradients are
-final, before the optimizer step), so no iteration mixes two plans.
+:func:`megatron_prt.tune.search_plans.tune_layout` on those costs and broadcasts its
+:attr:`~megatron_prt.megatron.config.ReuseConfig.auto_candidates` best predicted plans
+(``--pipeline-reuse-auto-candidates`` K; distinct plans,
+:func:`~megatron_prt.tune.measured.top_candidates`); every rank checks their hash against
+rank 0's. With K = 1 (or one distinct plan) the predicted best runs from the next call on.
+
+Otherwise the measured pick ([Note: measured final pick] in
+:mod:`megatron_prt.tune.measured`) runs on the training loop's own iterations: each
+candidate runs one untimed warm-up call (its runtime built, buffers primed), then
+``auto_pick_reps`` timed calls each, in :func:`~megatron_prt.tune.measured.interleaved_rounds`'
+seeded shuffled order. A call's time is the slowest rank's, over the whole world (TP and DP
+ranks too, so every rank holds the same numbers), from a barrier before the pipeline runs
+to the end of megatron's gradient finalize
+(:func:`~megatron_prt.runtime.measured_pick.slowest_step_seconds`). The smallest median
+wins, a tie to the better predicted (:func:`~megatron_prt.tune.measured.fastest`); the
+ranks' picks are gathered and every rank raises should they differ
+(:func:`~megatron_prt.runtime.measured_pick.check_same_pick`); rank 0 logs every candidate's
+predicted and measured time. Training goes on while measuring: every candidate runs the same
+stage modules on the same micro-batches, so each gives the same gradients up to the
+summation order (the candidates are restricted to plans of the running placement, layer
+split, micro-batch count and backward kind: :func:`same_gradients`); with dropout, the mask
+of a micro-batch follows the RNG draw order, which each plan's forward order sets, as it does
+between any two plans. Every switch happens between two iterations (after the gradients
+are final, before the optimizer step), so no iteration mixes two plans; the candidates'
+runtimes stay built until the final switch.
 
 The model chunks were built for the flags' placement (P, R, loop/wave, uni/bi) and layer
 split; rebuilding them mid-run would move parameters and optimizer state between ranks, so
@@ -17,63 +39,164 @@ interleaved where the placement is theirs, PRT), built for equal stages or for t
 measured times, and with ``--pipeline-reuse-split-backward`` the split-backward
 schedules (whole-backward ones without it: the chunks' backward is not split mid-run).
 To change R, placement or the split, tune offline (``megatron-prt tune``) and restart with
-``--pipeline-reuse-plan``. Messages are not priced (the spans time compute only).
+``--pipeline-reuse-plan``. Messages are not priced in the prediction (the spans time compute
+only); the measured pick's clock sees them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..core.placement import ConfigError
 from ..core.plan import Plan
+from ..runtime.measured_pick import check_same_pick, slowest_step_seconds
 from ..sim.cost import CostModel
-from ..tune.measured import measured_cost
-from ..tune.search_plans import TuneResult, tune_layout
+from ..tune.measured import (
+    MeasuredPick,
+    fastest,
+    interleaved_rounds,
+    measured_cost,
+    top_candidates,
+)
+from ..tune.search_plans import Candidate, TuneResult, tune_layout
 from .config import ReuseConfig
 
 LOG_PREFIX = "megatron-prt: --pipeline-reuse auto:"
-chosen: list[Plan] = []  # the plan of this process's last switch (tools and tests read it)
+chosen: list[Plan] = []  # the plan of this process's last final switch (tools and tests read it)
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """A plan auto may switch to, as rank 0 broadcasts it: ``label`` its schedule family,
+    ``planned_for`` what it was built for, ``predicted_s`` the tuner's seconds per iteration."""
+
+    plan: Plan
+    label: str
+    planned_for: str
+    predicted_s: float
 
 
 class AutoTuner:
-    """The profile-tune-switch state of one forward-backward function (module docstring)."""
+    """The profile-tune-measure-switch state of one forward-backward function (module
+    docstring). ``step_seconds(i)``, when set, replaces the clock: this rank's seconds for
+    one training call of candidate ``i`` (the call still runs; tests)."""
 
     def __init__(self, reuse: ReuseConfig) -> None:
         self.reuse = reuse
         self.calls = 0
         self.spans: list[list] = []  # this rank's spans of each traced iteration
+        self.candidates: list[AutoCandidate] = []
+        self.queue: list[tuple[int, bool]] = []  # (candidate, timed) of each call still to run
+        self.seconds: list[list[float]] = []  # each candidate's timed calls
+        self.picked: MeasuredPick[AutoCandidate] | None = None
+        self.step_seconds: Callable[[int], float] | None = None
         self.done = False
 
     @property
     def profiling(self) -> bool:
+        """Training calls are still profiled or timed (the schedule hands them here)."""
         return not self.done
 
     def before(self, pipeline) -> None:
-        """Trace this training call unless it is the warm-up one."""
-        pipeline.trace_enabled = self.calls > 0 or bool(self.reuse.trace_path)
+        """Trace this training call when it is a profiled one after the warm-up."""
+        traced = 0 < self.calls < self.reuse.auto_iterations
+        pipeline.trace_enabled = traced or bool(self.reuse.trace_path)
+
+    def timed(self, pipeline, call: Callable[[], object]) -> object:
+        """Run ``call`` (one training iteration on ``pipeline``) and return what it returns;
+        a timed call of the measured pick is timed as the slowest rank's (collective over
+        the world)."""
+        if not self.queue or not self.queue[0][1]:
+            return call()
+        index = self.queue[0][0]
+        iteration = _Iteration(call)
+        local = None if self.step_seconds is None else (lambda: self.step_seconds(index))
+        self.seconds[index].append(slowest_step_seconds(iteration, None, pipeline.device, local))
+        return iteration.result
 
     def after(self, pipeline, group) -> Plan | None:
-        """Record this call's spans; after the last profiled one, the tuned plan (collective
-        over the pipeline group and the world), else ``None``."""
+        """After a training call: the plan of the next call when it changes, else ``None``
+        (collective over the pipeline group and the world after the last profiled call and
+        the last timed one). :attr:`done` says whether the switch is the final one."""
         self.calls += 1
+        if self.calls <= self.reuse.auto_iterations:
+            return self._after_profiled(pipeline, group)
+        self.queue.pop(0)
+        if self.queue:
+            return self.candidates[self.queue[0][0]].plan
+        return self._final(self._measured_winner())
+
+    def _after_profiled(self, pipeline, group) -> Plan | None:
         if self.calls > 1:
             self.spans.append(pipeline.trace())
         pipeline.trace_enabled = bool(self.reuse.trace_path)
         if self.calls < self.reuse.auto_iterations:
             return None
-        self.done = True
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, self.spans, group=group)
-        plan = _agreed_plan(self.reuse, pipeline.plan, gathered)
-        chosen[:] = [plan]
-        return plan
+        self.candidates = _agreed_candidates(self.reuse, pipeline.plan, gathered)
+        if len(self.candidates) == 1:
+            return self._final(self.candidates[0])
+        count, reps = len(self.candidates), self.reuse.auto_pick_reps
+        self.queue = [(i, False) for i in range(count)]  # warm-ups: runtimes built, primed
+        self.queue += [(i, True) for order in interleaved_rounds(count, reps) for i in order]
+        self.seconds = [[] for _ in self.candidates]
+        return self.candidates[0].plan
+
+    def _measured_winner(self) -> AutoCandidate:
+        self.picked = fastest(self.candidates, self.seconds)
+        check_same_pick(
+            self.picked.index,
+            who=f"{LOG_PREFIX} the measured pick",
+            fix="; a rank ran another plan or a timing was not shared. To switch to the "
+            "predicted best untimed, set --pipeline-reuse-auto-candidates 1",
+        )
+        if dist.get_rank() == 0:
+            print(describe_pick(self.picked, self.reuse.auto_pick_reps), flush=True)
+        return self.picked.winner
+
+    def _final(self, winner: AutoCandidate) -> Plan:
+        self.done = True
+        chosen[:] = [winner.plan]
+        return winner.plan
 
 
-def _agreed_plan(reuse: ReuseConfig, running: Plan, gathered: list) -> Plan:
-    """Rank 0 tunes and broadcasts; every rank checks the plan's hash against rank 0's."""
+class _Iteration:
+    """One training call as a :class:`~megatron_prt.runtime.measured_pick.Runner`; megatron's
+    training loop zeroes the gradients before it, so ``zero_grad`` leaves them."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.call = call
+        self.result: object = None
+
+    def step(self) -> None:
+        self.result = self.call()
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def same_gradients(candidate: Candidate, running: Plan, stage_layers: tuple[int, ...]) -> bool:
+    """Whether ``candidate`` computes what ``running`` does, up to summation order: the same
+    placement (stage modules), layer split, micro-batches and backward kind, so switching
+    to it mid-training changes no gradient beyond fp rounding."""
+    plan = candidate.plan
+    return (
+        plan.placement == running.placement
+        and tuple(candidate.stage_layers) == tuple(stage_layers)
+        and plan.num_microbatches == running.num_microbatches
+        and plan.split_backward == running.split_backward
+    )
+
+
+def _agreed_candidates(reuse: ReuseConfig, running: Plan, gathered: list) -> list[AutoCandidate]:
+    """Rank 0 tunes and broadcasts its best predicted plans; every rank checks their hash
+    against every other rank's."""
     payload: list = [None]
     if dist.get_rank() == 0:
         counts = reuse.layers_per_stage()
@@ -85,22 +208,34 @@ def _agreed_plan(reuse: ReuseConfig, running: Plan, gathered: list) -> Plan:
                 running.num_microbatches,
                 split_backward=reuse.split_backward,
             )
-            print(describe(result, running, cost, len(gathered[0])), flush=True)
-            payload = [result.winner.plan.to_dict()]
+            top = top_candidates(result, reuse.auto_candidates)
+            top = [c for c in top if same_gradients(c, running, counts)]
+            print(describe(result, running, cost, len(gathered[0]), len(top)), flush=True)
+            payload = [[_candidate_dict(c) for c in top]]
         except ConfigError as exc:  # every rank waits in the broadcast: tell them why
             payload = [{"error": str(exc)}]
     dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
         raise ConfigError(f"{LOG_PREFIX} tuning on rank 0 failed: {payload[0]['error']}")
-    plan = Plan.from_dict(payload[0])
+    candidates = [AutoCandidate(Plan.from_dict(d.pop("plan")), **d) for d in payload[0]]
+    digest = hashlib.sha256(" ".join(plan_hash(c.plan) for c in candidates).encode()).hexdigest()
     digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, plan_hash(plan))
+    dist.all_gather_object(digests, digest[:16])
     if len(set(digests)) != 1:
         raise ConfigError(
             f"{LOG_PREFIX} ranks hold different plans after the broadcast (hashes "
-            f"{sorted(set(digests))}); rank {dist.get_rank()} has {plan_hash(plan)}"
+            f"{sorted(set(digests))}); rank {dist.get_rank()} has {digest[:16]}"
         )
-    return plan
+    return candidates
+
+
+def _candidate_dict(candidate: Candidate) -> dict:
+    return {
+        "plan": candidate.plan.to_dict(),
+        "label": candidate.label,
+        "planned_for": candidate.planned_for,
+        "predicted_s": candidate.makespan,
+    }
 
 
 def plan_hash(plan: Plan) -> str:
@@ -109,8 +244,11 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def describe(result: TuneResult, running: Plan, cost: CostModel, iterations: int) -> str:
-    """The log line of rank 0: what was measured, chosen and predicted."""
+def describe(
+    result: TuneResult, running: Plan, cost: CostModel, iterations: int, timing: int = 1
+) -> str:
+    """The log line of rank 0 after tuning: what was measured, predicted and chosen (or,
+    ``timing`` > 1, how many of the best predicted plans are timed next)."""
     w = result.winner
     was = next((c for c in result.ranked if c.plan == running), None)
     before = f"{1e3 * was.makespan:.2f} ms" if was else "not among the candidates"
@@ -118,10 +256,31 @@ def describe(result: TuneResult, running: Plan, cost: CostModel, iterations: int
     stages = ", ".join(
         f"{1e3 * f:.2f}/{1e3 * b:.2f}" for f, b in zip(times.fwd, times.bwd, strict=True)
     )
+    then = (
+        f"timing the {timing} best predicted plans on the next training iterations "
+        "(--pipeline-reuse-auto-candidates)"
+        if timing > 1
+        else "plan hash " + plan_hash(w.plan)
+    )
     return (
         f"{LOG_PREFIX} {iterations} traced iterations, per model stage F/B ms {stages}; "
-        f"chose {w.label}, plan for {w.planned_for}: predicted {1e3 * w.makespan:.2f} ms per "
+        f"{'chose' if timing == 1 else 'predicted best'} {w.label}, plan for {w.planned_for}: "
+        f"predicted {1e3 * w.makespan:.2f} ms per "
         f"iteration (running plan: {before}); {len(result.ranked)} plans scored. The layer "
         f"split {','.join(map(str, cost.stage_layers))} and placement are kept (the model "
-        "chunks are built for them); plan hash " + plan_hash(w.plan)
+        f"chunks are built for them); {then}"
+    )
+
+
+def describe_pick(picked: MeasuredPick[AutoCandidate], reps: int) -> str:
+    """The log line of rank 0 after the measured pick: every candidate's predicted and
+    measured (median of the slowest rank's) time per iteration, the one kept."""
+    rows = "; ".join(
+        f"{c.label} ({c.planned_for}) predicted {1e3 * c.predicted_s:.2f} ms, measured "
+        f"{1e3 * median:.2f} ms" + (" <- chosen" if i == picked.index else "")
+        for i, (c, median) in enumerate(zip(picked.candidates, picked.medians, strict=True))
+    )
+    return (
+        f"{LOG_PREFIX} measured pick, median of {reps} timed iterations each (slowest rank): "
+        f"{rows}; switching to {picked.winner.label}, plan hash {plan_hash(picked.winner.plan)}"
     )

@@ -23,7 +23,10 @@ class ReuseConfig:
     ``plan``: the plan to run as it is (``--pipeline-reuse-plan``; ``None``: built from
     ``placement`` and ``schedule`` for the micro-batches of each call). ``auto_iterations``:
     with ``--pipeline-reuse auto``, the training calls profiled before the plan is tuned
-    and switched (:mod:`megatron_prt.megatron.auto`; 0: off)."""
+    and switched (:mod:`megatron_prt.megatron.auto`; 0: off). ``auto_candidates``: how many
+    of the tuned plans (best predicted first) auto then times on training iterations before
+    it keeps the fastest measured one (1: the predicted best, untimed);
+    ``auto_pick_reps``: timed iterations of each of them."""
 
     placement: Placement
     num_layers: int
@@ -34,6 +37,8 @@ class ReuseConfig:
     split_backward: bool = False
     plan: Plan | None = None
     auto_iterations: int = 0
+    auto_candidates: int = 3
+    auto_pick_reps: int = 3
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction
@@ -41,6 +46,12 @@ class ReuseConfig:
             raise ConfigError("--pipeline-reuse-plan: the plan's placement is not the flags'")
         if not self.timeout_s > 0:
             raise ConfigError(f"--pipeline-reuse-timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.auto_candidates < 1 or self.auto_pick_reps < 1:
+            raise ConfigError(
+                f"--pipeline-reuse-auto-candidates must be >= 1 (1: switch to the predicted "
+                f"best plan untimed), got {self.auto_candidates}; auto_pick_reps must be >= 1 "
+                f"timed iteration per plan, got {self.auto_pick_reps}"
+            )
 
     def layers_per_stage(self) -> tuple[int, ...]:
         """Layer count of every model stage ``0..D-1``; raises :class:`ConfigError`."""

@@ -1,5 +1,8 @@
-"""``--pipeline-reuse auto``: the flag, and a run that profiles, tunes and switches plans
-mid-training tracks a run that used the chosen plan from the start (CPU, gloo, 2 ranks)."""
+"""``--pipeline-reuse auto``: the flags; a run that profiles, tunes and switches plans
+mid-training tracks a run that used the chosen plan from the start; with
+``--pipeline-reuse-auto-candidates`` > 1 the measured-faster plan wins over the
+predicted-faster one on every rank (fake clocks) while training tracks the non-pipelined
+model (CPU, gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,14 @@ import pytest
 from megatron_flags import parse, refusal
 
 from megatron_prt.core.actions import Action, Op
-from megatron_prt.core.placement import Placement
+from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import AUTO_ITERATIONS, validate_args
-from megatron_prt.megatron.auto import plan_hash
+from megatron_prt.megatron.auto import plan_hash, same_gradients
 from megatron_prt.megatron.config import ReuseConfig
+from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.tune.measured import measured_cost, stage_times
+from megatron_prt.tune.search_plans import tune_layout
 
 MODEL = ("--num-layers", 8, "--pipeline-model-parallel-size", 2, "--global-batch-size", 4)
 
@@ -26,6 +31,35 @@ def test_auto_flag_keeps_the_layout_and_profiles():
     plain = validate_args(parse(*MODEL, "--pipeline-reuse", "auto"))
     assert plain.placement == Placement(2, 1) and plain.auto_iterations == AUTO_ITERATIONS
     assert validate_args(parse(*MODEL, "--pipeline-reuse", "2")).auto_iterations == 0
+
+
+def test_auto_candidates_flag():
+    config = validate_args(parse(*MODEL, "--pipeline-reuse", "auto"))
+    assert config.auto_candidates == ReuseConfig.auto_candidates == 3
+    picked = parse(*MODEL, "--pipeline-reuse", "auto", "--pipeline-reuse-auto-candidates", 1)
+    assert validate_args(picked).auto_candidates == 1
+    message = refusal(*MODEL, "--pipeline-reuse", 2, "--pipeline-reuse-auto-candidates", 5)
+    assert "--pipeline-reuse-auto-candidates 5 given with --pipeline-reuse 2" in message
+    assert "auto:2" in message
+    message = refusal(*MODEL, "--pipeline-reuse-auto-candidates", 5)
+    assert "--pipeline-reuse-auto-candidates given without --pipeline-reuse" in message
+    with pytest.raises((SystemExit, argparse.ArgumentTypeError)):
+        parse(*MODEL, "--pipeline-reuse", "auto", "--pipeline-reuse-auto-candidates", 0)
+    with pytest.raises(ConfigError, match="--pipeline-reuse-auto-candidates must be >= 1"):
+        ReuseConfig(Placement(2, 1), 8, auto_candidates=0)
+
+
+def test_auto_chooses_among_plans_with_the_running_gradients():
+    """Every plan tune_layout offers runs the running plan's stage modules, split, micro-batches
+    and backward kind; a plan of another placement does not (it is never switched to)."""
+    placement, counts, m = Placement(2, 2), (3, 1, 1, 3), 4
+    cost = CostModel(layers=(LayerCost(1.0, 2.0),) * 8, stage_layers=counts)
+    running = build_plan(placement, m)
+    ranked = tune_layout(cost, placement, m).ranked
+    assert len(ranked) > 1 and all(same_gradients(c, running, counts) for c in ranked)
+    other = replace(ranked[0], plan=build_plan(Placement(2, 2, "wave"), m))
+    assert not same_gradients(other, running, counts)
+    assert not same_gradients(ranked[0], running, (2, 2, 2, 2))
 
 
 def test_auto_with_a_plan_file_is_refused(tmp_path):
@@ -61,17 +95,33 @@ def test_measured_costs_are_the_median_stage_times():
     assert times.fwd == pytest.approx((0.31, 0.1)) and cost.stage_layers == (3, 1)
 
 
-def _train_auto(rank, world, kind, m, reuse, state):
+def _train_auto(rank, world, kind, m, reuse, state, clocks=None):
+    """``clocks[rank][i]``: this rank's fake seconds for a call of candidate ``i``."""
     from megatron_models import train
 
     import megatron_prt.megatron as integration
     from megatron_prt.megatron import auto
 
     made, make = [], integration.make_forward_backward_func
-    integration.make_forward_backward_func = lambda *a, **k: made.append(make(*a, **k)) or made[0]
+
+    def making(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        if clocks is not None:
+            made[0].auto.step_seconds = clocks[rank].get
+        return made[0]
+
+    integration.make_forward_backward_func = making
     result = train(rank, world, kind, m, reuse, state)
-    ran = made[0].pipeline().plan  # the plan of the last (third) training call
-    return {**result, "plan": auto.chosen[0].to_dict(), "ran": ran.to_dict()}
+    tuner = made[0].auto
+    ran = made[0].pipeline().plan  # the plan of the last training call
+    picked = tuner.picked
+    return {
+        **result,
+        "plan": auto.chosen[0].to_dict(),
+        "ran": ran.to_dict(),
+        "candidates": [c.plan.to_dict() for c in tuner.candidates],
+        "pick": None if picked is None else (picked.index, picked.medians),
+    }
 
 
 def test_auto_switches_and_tracks_the_chosen_plan_from_the_start():
@@ -89,9 +139,9 @@ def test_auto_switches_and_tracks_the_chosen_plan_from_the_start():
     m = 4
     state = all_ok(run_local(1, reference, "gpt", LAYERS_TRAIN, m))[0]["state"]
     layout = ReuseConfig(Placement(2, 2), LAYERS_TRAIN, (3, 1, 1, 3))
-    auto_run = all_ok(
-        run_local(2, _train_auto, "gpt", m, replace(layout, auto_iterations=2), state)
-    )
+    once = replace(layout, auto_iterations=2, auto_candidates=1)  # K = 1: no measured pick
+    auto_run = all_ok(run_local(2, _train_auto, "gpt", m, once, state))
+    assert all(r["pick"] is None and len(r["candidates"]) == 1 for r in auto_run)
     plans = [Plan.from_dict(r["plan"]) for r in auto_run]
     assert len({plan_hash(p) for p in plans}) == 1  # every rank runs rank 0's choice
     chosen = plans[0]
@@ -107,3 +157,47 @@ def test_auto_switches_and_tracks_the_chosen_plan_from_the_start():
     torch.testing.assert_close(
         torch.tensor(auto_run[-1]["losses"]), torch.tensor(fixed[-1]["losses"]), **TOL
     )
+
+
+def test_auto_keeps_the_measured_faster_plan_and_tracks_the_reference(monkeypatch):
+    """K = 2, one timed call each: with fake clocks, the predicted second (candidate 1) is
+    the measured faster by the slowest rank's times (rank 0 alone would keep candidate 0), so
+    every rank switches to it; training goes on through all four plans (profiled, the two
+    candidates, the winner) and tracks the non-pipelined model."""
+    pytest.importorskip("megatron.core")
+    import megatron_models
+    import torch
+    from megatron_models import LAYERS_TRAIN, reference, train
+    from test_megatron_training import TOL
+
+    from megatron_prt.core.plan import Plan
+    from megatron_prt.runtime.local import all_ok, run_local
+
+    # 2 profiled calls, 2 warm-ups, 2 timed, then one call of the winner
+    monkeypatch.setattr(megatron_models, "STEPS", 7)
+    m = 4
+    state = all_ok(run_local(1, reference, "gpt", LAYERS_TRAIN, m))[0]["state"]
+    want = all_ok(run_local(1, train, "gpt", m, None, state))[0]
+    layout = ReuseConfig(
+        Placement(2, 2), LAYERS_TRAIN, (3, 1, 1, 3), auto_iterations=2, auto_candidates=2
+    )
+    layout = replace(layout, auto_pick_reps=1)
+    clocks = {0: {0: 1.0, 1: 3.0}, 1: {0: 4.0, 1: 2.0}}  # slowest rank: 4.0 against 3.0
+    got = all_ok(run_local(2, _train_auto, "gpt", m, layout, state, clocks, deadline_s=600))
+    for result in got:
+        candidates = [Plan.from_dict(d) for d in result["candidates"]]
+        assert len(candidates) == 2 and candidates[0] != candidates[1]
+        assert result["pick"] == (1, (4.0, 3.0))
+        assert Plan.from_dict(result["plan"]) == candidates[1]  # not the predicted best
+        assert Plan.from_dict(result["ran"]) == candidates[1]  # the last call ran it
+    assert got[0]["candidates"] == got[1]["candidates"] and got[0]["plan"] == got[1]["plan"]
+    torch.testing.assert_close(torch.tensor(got[-1]["losses"]), torch.tensor(want["losses"]), **TOL)
+    for rank, result in enumerate(got):
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]), torch.tensor(want["norms"]), **TOL
+        )
+        for name, values in result["params"].items():
+            for value in values:
+                torch.testing.assert_close(
+                    value, want["params"][name][0], **TOL, msg=f"rank {rank}: {name}"
+                )
