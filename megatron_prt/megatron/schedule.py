@@ -320,7 +320,8 @@ def make_forward_backward_func(
         profiled = auto is not None and auto.profiling and not forward_only
         if profiled:
             auto.before(pipeline)
-        with _forward_backward_timer(config):
+
+        def iteration():  # the call's work: what auto's measured pick times
             store, num_tokens = pipeline.run(
                 forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
             )
@@ -331,14 +332,21 @@ def make_forward_backward_func(
                 _finalize(
                     reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce
                 )
+            return store
+
+        with _forward_backward_timer(config):
+            store = auto.timed(pipeline, iteration) if profiled else iteration()
+            if not forward_only:
                 if reuse.trace_path and not traced:
                     traced.append(_write_trace(reuse.trace_path, pipeline, group))
                 tuned = auto.after(pipeline, group) if profiled else None
                 if tuned is not None:  # between iterations: the next call runs it
-                    pipelines.switch(tuned)
+                    pipelines.switch(tuned, final=auto.done)
         return store
 
     _expose(forward_backward_pipelining_with_reuse, reuse, pipelines.last)
+    # --pipeline-reuse auto's AutoTuner (None without auto): its candidates and measured pick
+    forward_backward_pipelining_with_reuse.auto = auto  # type: ignore[attr-defined]
     return forward_backward_pipelining_with_reuse
 
 
@@ -362,7 +370,7 @@ class _Pipelines:
     def get(self, model: list, config, group, shape: tuple, forward_only: bool) -> MegatronPipeline:
         """The runtime for ``shape`` (num_microbatches, seq_length, micro_batch_size,
         decoder_seq_length) over ``model``, built on first use; it becomes ``last``."""
-        key = (*shape, id(model[0]))
+        key = (*shape, id(model[0]), id(self.reuse.plan))
         if key not in self.by_key:
             plan = self._plan(shape[0], forward_only)
             device = _device_of(model[0])
@@ -381,13 +389,13 @@ class _Pipelines:
         self.last[:] = [pipeline]
         return pipeline
 
-    def switch(self, plan) -> None:
-        """Run ``plan`` from the next call on (``--pipeline-reuse auto``): the runtimes built
-        for the old plan are closed and rebuilt on demand."""
+    def switch(self, plan, final: bool = True) -> None:
+        """Run ``plan`` from the next call on (``--pipeline-reuse auto``). ``final``: the
+        runtimes built for other plans are closed; else they stay for a switch back (the
+        measured pick alternates its candidates and must not time their builds)."""
         self.reuse = replace(self.reuse, plan=plan)
-        for pipeline in self.by_key.values():
-            pipeline.close()
-        self.by_key.clear()
+        for key in [k for k in self.by_key if final and k[-1] != id(plan)]:
+            self.by_key.pop(key).close()
 
     def _plan(self, num_microbatches: int, forward_only: bool):
         """``--pipeline-reuse-plan``'s plan, else the one built for the configuration.
