@@ -70,6 +70,7 @@ def test_flags_live_in_their_own_help_group():
         "pipeline_reuse_trace",
         "pipeline_reuse_timeout",
         "pipeline_reuse_split_backward",
+        "pipeline_reuse_auto_candidates",
     }
 
 
