@@ -120,9 +120,10 @@ class AutoTuner:
         return iteration.result
 
     def after(self, pipeline, group) -> Plan | None:
-        """After a training call: the plan of the next call when it changes, else ``None``
-        (collective over the pipeline group and the world after the last profiled call and
-        the last timed one). :attr:`done` says whether the switch is the final one."""
+        """After a training call: the plan the next call runs, or ``None`` to keep the
+        running one (collective over the pipeline group and the world after the last
+        profiled call and after the last timed one). :attr:`done` says whether a switch is
+        the final one (while measuring, every call names its candidate's plan)."""
         self.calls += 1
         if self.calls <= self.reuse.auto_iterations:
             return self._after_profiled(pipeline, group)
