@@ -211,6 +211,11 @@ def _agreed_candidates(reuse: ReuseConfig, running: Plan, gathered: list) -> lis
             )
             top = top_candidates(result, reuse.auto_candidates)
             top = [c for c in top if same_gradients(c, running, counts)]
+            if not top:  # tune_layout keeps the layout, so its winner always qualifies
+                raise ConfigError(
+                    "no tuned plan keeps the running placement, layer split and backward; "
+                    "report this with the flags, or set --pipeline-reuse-plan"
+                )
             print(describe(result, running, cost, len(gathered[0]), len(top)), flush=True)
             payload = [[_candidate_dict(c) for c in top]]
         except ConfigError as exc:  # every rank waits in the broadcast: tell them why
