@@ -13,7 +13,9 @@ F/B, with one more rule: a forward may start only while the rank's activation by
 under a per-rank cap (default: what plain 1F1B holds on its busiest rank). Priorities: a
 ready I first (it is on the critical path), then a forward the caps admit, then W (the
 filler; W also frees the memory a blocked forward waits for). A small portfolio of
-policies runs; the fastest plan under the cap wins, ties going to the one holding less.
+policies runs; the plan under the cap that replays fastest under the given times wins,
+ties going to the one holding less (a run's own clock is no judge: a rank its caps hold
+back idles there, while the replay starts the same order as early as it can).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from .actions import Action, Op
@@ -80,7 +82,9 @@ class ZBPolicy:
     sweep a chunk, then the next chunk); ``inp_order``: which ready I first, ``oldest`` or
     ``grouped`` (the group's last chunk first). ``reserve``: a micro-batch enters a rank
     only if the cap leaves room for all of its stages there (tight caps: no rank fills up
-    with first chunks while the micro-batches it holds wait for their later ones)."""
+    with first chunks while the micro-batches it holds wait for their later ones).
+    ``per_mb``: ``caps`` count micro-batches on the rank (from its first forward there to
+    its last I there), not forwards, so a later chunk of one it holds never waits on them."""
 
     caps: tuple[int, ...] | None = None
     alternate: bool = True
@@ -89,6 +93,7 @@ class ZBPolicy:
     w_resets: bool = False
     reserve: bool = False
     inp_order: str = "oldest"
+    per_mb: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,8 @@ def zero_bubble(
     act: Sequence[float] | None = None,
     keep: float | Sequence[float] = WGRAD_KEEP_FRACTION,
 ) -> Plan:
-    """The fastest F/I/W plan of the portfolio whose every rank holds at most ``mem_cap``.
+    """The F/I/W plan of the portfolio that replays fastest under ``times`` among those
+    whose every rank holds at most ``mem_cap``.
 
     ``act[k]``: activation bytes of model stage ``k`` for one micro-batch (default: 1/D
     each, so one micro-batch through the whole model is 1); ``keep``: the share of a
@@ -131,13 +137,27 @@ def zero_bubble(
     cap = resolve_mem_cap(mem_cap, placement, num_microbatches, act)
     mb_pipeline = split_microbatches(num_microbatches, placement.num_pipelines)
     name = "zb-h2" if mem_cap == "zb-h2" else "zb"
-    best, best_makespan = None, math.inf
+    bound = split_lower_bound(placement, mb_pipeline, times)
+    best, best_key, lowest = None, (math.inf, math.inf), math.inf
     for planning in _planning_times(placement, times):
-        orders = _best_orders(placement, mb_pipeline, planning, act, keep, cap)
-        plan = Plan(placement, num_microbatches, orders, name, mb_pipeline)
-        makespan = replay(plan, times).makespan
-        if makespan < best_makespan:
-            best, best_makespan = plan, makespan
+        for policy in _portfolio(placement, planning):
+            result = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy).run()
+            peak = max(result.peak_bytes)
+            lowest = min(lowest, peak)
+            if peak > cap * (1 + 1e-9):
+                continue
+            plan = Plan(placement, num_microbatches, result.orders, name, mb_pipeline)
+            key = (replay(plan, times).makespan, peak)
+            if key < best_key:
+                best, best_key = plan, key
+            if best_key[0] <= bound * (1 + 1e-12):
+                return best
+    if best is None:
+        raise ConfigError(
+            f"no split-backward plan for {placement} with m={num_microbatches} fits the "
+            f"activation cap {cap:.6g} (the lowest found holds {lowest:.6g}); raise mem_cap "
+            "(e.g. 'zb-h2') or the number of micro-batches"
+        )
     return best
 
 
@@ -153,29 +173,6 @@ def _planning_times(placement: Placement, times: StageTimes) -> list[StageTimes]
     if (times.fwd, times.bwd, times.p2p, times.p2p_cpu) != (uniform.fwd, uniform.bwd, 0, 0):
         out.append(uniform)
     return out
-
-
-def _best_orders(placement, mb_pipeline, times, act, keep, cap):
-    """The portfolio under ``times``: the fastest orders under ``cap`` (ties: less held)."""
-    bound = split_lower_bound(placement, mb_pipeline, times)
-    best, lowest = None, math.inf
-    for policy in _portfolio(placement, times):
-        result = ZBScheduler(placement, mb_pipeline, times, act, keep, cap, policy).run()
-        peak = max(result.peak_bytes)
-        lowest = min(lowest, peak)
-        if peak > cap * (1 + 1e-9):
-            continue
-        if best is None or (result.makespan, peak) < (best.makespan, max(best.peak_bytes)):
-            best = result
-        if best.makespan <= bound * (1 + 1e-12):
-            break
-    if best is None:
-        raise ConfigError(
-            f"no split-backward plan for {placement} with m={len(mb_pipeline)} fits the "
-            f"activation cap {cap:.6g} (the lowest found holds {lowest:.6g}); raise mem_cap "
-            "(e.g. 'zb-h2') or the number of micro-batches"
-        )
-    return best.orders
 
 
 def split_lower_bound(placement: Placement, mb_pipeline: Sequence[int], times: StageTimes) -> float:
@@ -221,6 +218,8 @@ def _portfolio(placement: Placement, times: StageTimes) -> list[ZBPolicy]:
         (("grouped", "oldest"), ("deepest", "grouped")), (trip, None), steady
     ):
         out.append(ZBPolicy(caps, alternate, False, fwd, w_resets, inp_order=inp))
+    if placement.reuse > 1:  # caps counting micro-batches: later chunks never wait on them
+        out += [replace(policy, per_mb=True) for policy in out if policy.caps is not None]
     return out
 
 
@@ -258,91 +257,100 @@ class _Rank:
 
 class ZBScheduler:
     """One list-scheduling run of every F, I and W in integer ticks. Events are
-    ``(tick, seq, rank, finished action or None for a wake-up)``, ties in push order, so a
-    run is deterministic. If every rank is blocked by its caps alone, the best waiting
-    forward runs anyway (the run never deadlocks; its peak then tells the caller)."""
+    ``(tick, seq, rank, finished action's index or -1 for a wake-up)``, ties in push order,
+    so a run is deterministic. If every rank is blocked by its caps alone, the best waiting
+    forward runs anyway (the run never deadlocks; its peak then tells the caller). Actions
+    are indices into the cached graph's list and per-stage facts are lists (a run makes
+    and orders every action once: hashing an :class:`Action` costs more than its work)."""
 
     def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy: ZBPolicy):
-        self.placement, self.policy, self.cap, self.keep = placement, policy, cap, keep
+        self.placement, self.policy, self.cap = placement, policy, cap * (1 + 1e-9)
         self.times, self.tick = times.in_ticks()
-        self.act = act
         self.mb_pipeline = mb_pipeline
         self.group_width = placement.ranks * placement.num_pipelines  # grouped orders
         self.groups = max(1, len(mb_pipeline) // self.group_width)
+        model = [placement.model_stage(s) for s in range(placement.num_stages)]
+        self.stage_bytes = [act[k] for k in model]
+        self.stage_keep = [keep[k] for k in model]
+        self.busy = {
+            op: [self.times.busy(Action(s, op, 0), placement) for s in range(len(model))]
+            for op in (Op.F, Op.I, Op.W)
+        }
         # (rank, pipeline) -> (the rank's first stage in it, bytes of all its stages in it)
         self.entry = {}
         for pipe, stages in enumerate(placement.pipelines):
             for rank in range(placement.ranks):
                 mine = [s for s in stages if placement.rank_of(s) == rank]
-                self.entry[rank, pipe] = (
-                    mine[0],
-                    sum(self._bytes(Action(s, Op.F, 0)) for s in mine),
-                )
+                self.entry[rank, pipe] = (mine[0], sum(self.stage_bytes[s] for s in mine))
         self.actions, self.consumers, counts = _graph(placement, tuple(mb_pipeline))
-        self.waiting = dict(counts)
-        self.ready_at = dict.fromkeys(self.actions, 0)
+        self.waiting = list(counts)
+        self.ready_at = [0] * len(self.actions)
         self.rank_of = placement.stage_to_rank
         self.ranks = [_Rank([], [], [], []) for _ in range(placement.ranks)]
         self.order: list[list[Action]] = [[] for _ in self.ranks]
         self.events: list = []
         self.seq = 0
 
-    def _bytes(self, action: Action) -> float:
-        return self.act[self.placement.model_stage(action.stage)]
-
     def run(self) -> ZBResult:
-        for action in self.actions:
-            if self.waiting[action] == 0:
-                self._arrive(action)
+        for index, count in enumerate(self.waiting):
+            if count == 0:
+                self._arrive(index)
         done = now = 0
+        events, ranks = self.events, self.ranks
         while done < len(self.actions):
-            if not self.events:  # every rank blocked by its caps alone
-                rank = min((s.fwd[0], r) for r, s in enumerate(self.ranks) if s.fwd and not s.busy)[
-                    1
-                ]
-                self._start(rank, heapq.heappop(self.ranks[rank].fwd)[1], now)
+            if not events:  # every rank blocked by its caps alone
+                rank = min((s.fwd[0], r) for r, s in enumerate(ranks) if s.fwd and not s.busy)[1]
+                self._start(rank, heapq.heappop(ranks[rank].fwd)[1], now)
                 continue
-            now = self.events[0][0]
+            now = events[0][0]
             touched = set()
-            while self.events and self.events[0][0] == now:
-                _, _, rank, action = heapq.heappop(self.events)
+            while events and events[0][0] == now:
+                _, _, rank, index = heapq.heappop(events)
                 touched.add(rank)
-                if action is not None:
+                if index >= 0:
                     done += 1
-                    self._finish(rank, action, now)
+                    self._finish(rank, index, now)
             for rank in sorted(touched):
-                state = self.ranks[rank]
+                state = ranks[rank]
                 if not state.busy:
                     self._admit(state, now)
-                    action = self._pick(state, rank)
-                    if action is not None:
-                        self._start(rank, action, now)
+                    index = self._pick(state, rank)
+                    if index is not None:
+                        self._start(rank, index, now)
         orders = tuple(tuple(acts) for acts in self.order)
-        return ZBResult(orders, now * self.tick, tuple(s.peak for s in self.ranks))
+        return ZBResult(orders, now * self.tick, tuple(s.peak for s in ranks))
 
     def _admit(self, state: _Rank, now: int) -> None:
-        while state.arrivals and state.arrivals[0][0] <= now:
-            action = heapq.heappop(state.arrivals)[2]
-            queue = {Op.F: state.fwd, Op.I: state.inp, Op.W: state.wgt}[action.op]
-            heapq.heappush(queue, (self._key(action), action))
+        arrivals = state.arrivals
+        while arrivals and arrivals[0][0] <= now:
+            index = heapq.heappop(arrivals)[2]
+            action = self.actions[index]
+            op = action.op
+            queue = state.fwd if op is Op.F else state.inp if op is Op.I else state.wgt
+            heapq.heappush(queue, (self._key(action), index))
 
     def _key(self, action: Action) -> tuple:
-        order = {Op.F: self.policy.fwd_order, Op.I: self.policy.inp_order}.get(action.op)
-        if order == "deepest":
-            return (-action.stage, action.mb)
-        if order == "grouped":
-            chunk = (action.stage % self.placement.depth) // self.placement.ranks
-            group = min(action.mb // self.group_width, self.groups - 1)
-            return (group, chunk if action.op is Op.F else -chunk, action.mb)
-        return (action.mb, -action.stage if action.op is Op.F else action.stage)
-
-    def _pick(self, state: _Rank, rank: int) -> Action | None:
+        stage, op, mb = action
         policy = self.policy
-        fwd_ok = (
-            bool(state.fwd)
-            and self._fits(state, rank, state.fwd[0][1])
-            and (policy.caps is None or state.ahead < policy.caps[rank])
-        )
+        order = policy.fwd_order if op is Op.F else policy.inp_order if op is Op.I else None
+        if order == "deepest":
+            return (-stage, mb)
+        if order == "grouped":
+            chunk = (stage % self.placement.depth) // self.placement.ranks
+            group = min(mb // self.group_width, self.groups - 1)
+            return (group, chunk if op is Op.F else -chunk, mb)
+        return (mb, -stage if op is Op.F else stage)
+
+    def _pick(self, state: _Rank, rank: int) -> int | None:
+        policy = self.policy
+        fwd_ok = False
+        if state.fwd:
+            forward = self.actions[state.fwd[0][1]]
+            fwd_ok = self._fits(state, rank, forward) and (
+                policy.caps is None
+                or state.ahead < policy.caps[rank]
+                or (policy.per_mb and not self._enters(rank, forward))
+            )
         if state.inp and not (fwd_ok and policy.alternate and state.last_was_i):
             return heapq.heappop(state.inp)[1]
         if state.wgt and policy.eager_w:
@@ -353,53 +361,64 @@ class ZBScheduler:
             return heapq.heappop(state.wgt)[1]
         return None
 
+    def _enters(self, rank: int, action: Action) -> bool:
+        """Whether ``action`` is on its micro-batch's first stage on ``rank``."""
+        return action.stage == self.entry[rank, self.mb_pipeline[action.mb]][0]
+
     def _fits(self, state: _Rank, rank: int, forward: Action) -> bool:
-        need = self._bytes(forward)
+        need = self.stage_bytes[forward.stage]
         if self.policy.reserve:
             first, chain = self.entry[rank, self.mb_pipeline[forward.mb]]
             need = chain if forward.stage == first else 0.0
             need += state.reserved
-        return state.held + need <= self.cap * (1 + 1e-9)
+        return state.held + need <= self.cap
 
-    def _start(self, rank: int, action: Action, now: int) -> None:
+    def _start(self, rank: int, index: int, now: int) -> None:
         state = self.ranks[rank]
         state.busy = True
-        if action.op is not Op.W or self.policy.w_resets:  # W may sit inside F, I, F, I
-            state.last_was_i = action.op is Op.I
-        if action.op is Op.F:
-            first, chain = self.entry[rank, self.mb_pipeline[action.mb]]
-            state.reserved += (chain if action.stage == first else 0.0) - self._bytes(action)
-            state.held += self._bytes(action)
-            state.peak = max(state.peak, state.held)
-            state.ahead += 1
+        stage, op, mb = action = self.actions[index]
+        if op is not Op.W or self.policy.w_resets:  # W may sit inside F, I, F, I
+            state.last_was_i = op is Op.I
+        if op is Op.F:
+            first, chain = self.entry[rank, self.mb_pipeline[mb]]
+            size = self.stage_bytes[stage]
+            state.reserved += (chain if stage == first else 0.0) - size
+            state.held += size
+            if state.held > state.peak:
+                state.peak = state.held
+            state.ahead += not self.policy.per_mb or stage == first
         self.order[rank].append(action)
         self.seq += 1
-        end = now + self.times.busy(action, self.placement)
-        heapq.heappush(self.events, (end, self.seq, rank, action))
+        heapq.heappush(self.events, (now + self.busy[op][stage], self.seq, rank, index))
 
-    def _finish(self, rank: int, action: Action, now: int) -> None:
+    def _finish(self, rank: int, index: int, now: int) -> None:
         state = self.ranks[rank]
         state.busy = False
-        keep = self.keep[self.placement.model_stage(action.stage)]
-        if action.op is Op.I:  # frees what only the input gradient needed
-            state.held -= (1 - keep) * self._bytes(action)
-            state.peak = max(state.peak, state.held)  # keep > 1: I's output gradients
-            state.ahead -= 1
-        elif action.op is Op.W:
-            state.held -= keep * self._bytes(action)
-        for nxt in self.consumers[action]:
-            hop = self.times.p2p if self.rank_of[nxt.stage] != rank else 0
-            self.ready_at[nxt] = max(self.ready_at[nxt], now + hop)
-            self.waiting[nxt] -= 1
-            if self.waiting[nxt] == 0:
+        stage, op, _ = action = self.actions[index]
+        keep = self.stage_keep[stage]
+        if op is Op.I:  # frees what only the input gradient needed
+            state.held -= (1 - keep) * self.stage_bytes[stage]
+            if state.held > state.peak:  # keep > 1: I's output gradients
+                state.peak = state.held
+            state.ahead -= not self.policy.per_mb or self._enters(rank, action)
+        elif op is Op.W:
+            state.held -= keep * self.stage_bytes[stage]
+        rank_of, ready_at, waiting, hop = self.rank_of, self.ready_at, self.waiting, self.times.p2p
+        for nxt, nxt_stage in self.consumers[index]:
+            at = now + hop if rank_of[nxt_stage] != rank else now
+            if at > ready_at[nxt]:
+                ready_at[nxt] = at
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
                 self._arrive(nxt)
 
-    def _arrive(self, action: Action) -> None:
-        rank = self.rank_of[action.stage]
-        at = self.ready_at[action]
-        heapq.heappush(self.ranks[rank].arrivals, (at, (action.mb, action.stage), action))
+    def _arrive(self, index: int) -> None:
+        stage, _, mb = self.actions[index]
+        rank = self.rank_of[stage]
+        at = self.ready_at[index]
+        heapq.heappush(self.ranks[rank].arrivals, (at, (mb, stage), index))
         self.seq += 1
-        heapq.heappush(self.events, (at, self.seq, rank, None))
+        heapq.heappush(self.events, (at, self.seq, rank, -1))
 
 
 def split_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
@@ -415,8 +434,11 @@ def split_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Acti
 
 @functools.lru_cache(maxsize=16)
 def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
-    """The actions, their consumers and how many producers each waits for (read-only)."""
+    """The actions, per action the ``(index, stage)`` of its consumers, and how many
+    producers each waits for (read-only)."""
     actions = split_actions(placement, mb_pipeline)
+    index = {a: i for i, a in enumerate(actions)}
     consumers = consumers_map(actions, placement, split=True)
-    counts = {a: len(producers(a, placement, split=True)) for a in actions}
-    return actions, consumers, counts
+    users = [tuple((index[c], c.stage) for c in consumers[a]) for a in actions]
+    counts = [len(producers(a, placement, split=True)) for a in actions]
+    return actions, users, counts
