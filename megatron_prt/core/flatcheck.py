@@ -34,13 +34,28 @@ partner is first on its rank), and the same replay decides. It also proves the c
 order (producer, SEND = RECV, consumer is a path in time). A SEND before its producer is
 refused by both (the close checks' blocking replay makes a SEND wait for its producer and
 names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
+
+[Note: a lowering's check covers its plan]
+:func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
+check plus one comparison: ``plan`` is a compute plan of the same placement, micro-batch count
+and split, and each of its ranks holds, in order, the very objects that are the compute
+actions of that rank of ``lowered`` (``is``: equal values of the same types, so an op given
+as its string or a ``True`` micro-batch cannot slip through as equal). Every check of
+``plan`` then holds because ``lowered`` passed it: the shape checks and exactly-once read
+the same compute actions (comm actions are extra rows, never counted as compute); a
+producer on the consumer's rank precedes it on both; and a producer on another rank comes
+before its SEND, the SEND completes with its RECV, the RECV precedes the consumer, so the
+order in which ``lowered``'s blocking replay completes, restricted to compute actions,
+runs every rank of ``plan`` in its order with each action after its producers: ``plan``'s
+replay finishes (its outcome does not depend on the order ranks are taken in). When the
+comparison fails nothing is assumed: ``plan`` is checked on its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate, chain, pairwise, repeat
-from operator import add, itemgetter, le, mod, sub
+from itertools import accumulate, chain, compress, pairwise, repeat
+from operator import add, is_, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -49,6 +64,7 @@ from .plan import Plan
 
 _STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+_COMPUTE_SET = frozenset(_COMPUTE)
 _SENDS = (Op.SEND_F, Op.SEND_B)
 
 
@@ -56,14 +72,41 @@ def passes(plan: Plan) -> bool:
     """True when ``plan`` passes every check of
     :func:`~megatron_prt.core.validate.validate`; False says only that a closer look is
     needed (it may still pass). Linear in the plan, mostly in C-level list passes."""
+    return _passing(plan) is not None
+
+
+def lowering_passes(plan: Plan, lowered: Plan) -> bool:
+    """True when both ``plan`` and ``lowered`` pass every check of
+    :func:`~megatron_prt.core.validate.validate`, decided from ``lowered``'s check alone
+    when ``lowered`` holds ``plan``'s compute actions themselves (see [Note: a lowering's
+    check covers its plan]); False says only that a closer look is needed."""
+    flat = _passing(lowered)
+    if flat is None or not lowered.lowered or plan.lowered:
+        return False
+    if (plan.placement, plan.num_microbatches, plan.mb_pipeline) != (
+        lowered.placement,
+        lowered.num_microbatches,
+        lowered.mb_pipeline,
+    ):
+        return passes(plan)
+    compute = list(map(_COMPUTE_SET.__contains__, flat.op_of))
+    per_rank = [compute[first:last].count(True) for first, last in pairwise(flat.starts)]
+    if per_rank != list(map(len, plan.ranks)):
+        return passes(plan)
+    made = compress(chain.from_iterable(lowered.ranks), compute)
+    return all(map(is_, made, chain.from_iterable(plan.ranks))) or passes(plan)
+
+
+def _passing(plan: Plan) -> _Flat | None:
+    """The flat plan when ``plan`` passes (:func:`passes`), else None."""
     try:
         flat = _Flat.of(plan)
     except (IndexError, KeyError, TypeError):  # a stage out of range, an op no Op, a str mb
-        return False
+        return None
     if flat is None or not flat.local_order_holds():
-        return False
+        return None
     need = flat.message_needs() if plan.lowered else flat.remote_needs()
-    return need is not None and _replay_completes(need, flat.starts)
+    return flat if need is not None and _replay_completes(need, flat.starts) else None
 
 
 class _Flat:
@@ -124,6 +167,7 @@ class _Flat:
         stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
         flat = cls(plan, list(keys), ops)
+        flat.op_of = op_of  # kept for lowering_passes
         return flat if flat._complete(op_of) and flat._pipelines_match() else None
 
     def _complete(self, op_of: list[Op]) -> bool:
