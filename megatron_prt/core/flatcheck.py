@@ -120,6 +120,8 @@ class _Flat:
         self.slot = {op: k for k, op in enumerate(ops)}
         self.starts = [0, *accumulate(map(len, plan.ranks))]
         self.split = Op.I in ops
+        self.kinds_per_pipeline = self.placement.depth * len(ops)
+        self.lanes = [(0, 1)] * self.placement.num_pipelines  # see row
         if self.split:
             self.compute_ops = (Op.F, Op.I, Op.W)
         else:
@@ -131,9 +133,18 @@ class _Flat:
         return None if slot is None else stage * len(self.ops) + slot
 
     def row(self, kind: int | None) -> list[int]:
-        """Global index of the action of ``kind`` per micro-batch (-1: none)."""
+        """Global index of the action of ``kind`` per micro-batch of its stage's pipeline
+        (-1: none), in micro-batch order: a strided slice of the whole row when those
+        micro-batches are evenly spaced (bi's two pipelines take turns), the whole row
+        otherwise. The rest of the row is -1 (``_pipelines_match``), so every comparison of
+        rows and every count of -1 entries gives the verdict whole rows would, on half the
+        entries for bi."""
         if kind is None:
             return [-1] * self.m
+        start, step = self.lanes[kind // self.kinds_per_pipeline]
+        return self.where[kind * self.m + start : (kind + 1) * self.m : step]
+
+    def _whole_row(self, kind: int) -> list[int]:
         return self.where[kind * self.m : (kind + 1) * self.m]
 
     @classmethod
@@ -190,6 +201,10 @@ class _Flat:
         if placement.num_pipelines == 1:
             return True
         for pipeline, stages in enumerate(placement.pipelines):
+            own = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p == pipeline]
+            step = own[1] - own[0] if len(own) > 1 else 1
+            if own and own == list(range(own[0], self.m, step)):
+                self.lanes[pipeline] = (own[0], step)
             others = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p != pipeline]
             if not others:
                 continue
@@ -200,7 +215,7 @@ class _Flat:
                 pick = itemgetter(*others, others[0])  # always a tuple
             absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
-                if pick(self.row(kind)) != absent:
+                if pick(self._whole_row(kind)) != absent:
                     return False
         return True
 
@@ -243,7 +258,8 @@ class _Flat:
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
-                if self.row(kind) == self.row(None):  # the plan has no such action
+                row = self.row(kind)
+                if row.count(-1) == len(row):  # the plan has no such action
                     continue
                 try:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)
@@ -279,7 +295,7 @@ class _Flat:
             # lone SEND's partner index -1 would read as "wait for the plan's last action"
             if not sends.count(-1) == receives.count(-1) == consumers.count(-1):
                 return None
-            messages += self.m - consumers.count(-1)
+            messages += len(consumers) - consumers.count(-1)
             deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)
             deque(map(need.__setitem__, receives, map(add, sends, repeat(-1))), maxlen=0)
             partner_kind[sent], partner_kind[received] = received, sent
