@@ -89,7 +89,7 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
         lowered.mb_pipeline,
     ):
         return passes(plan)
-    compute = list(map(_COMPUTE_SET.__contains__, flat.op_of))
+    compute = flat.computes_at
     per_rank = [compute[first:last].count(True) for first, last in pairwise(flat.starts)]
     if per_rank != list(map(len, plan.ranks)):
         return passes(plan)
@@ -178,7 +178,6 @@ class _Flat:
         stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
         keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
         flat = cls(plan, list(keys), ops)
-        flat.op_of = op_of  # kept for lowering_passes
         return flat if flat._complete(op_of) and flat._pipelines_match() else None
 
     def _complete(self, op_of: list[Op]) -> bool:
@@ -190,7 +189,11 @@ class _Flat:
         deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
-        self.computes = sum(map(op_of.count, compute_ops))
+        if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
+            self.computes_at = list(map(_COMPUTE_SET.__contains__, op_of))
+            self.computes = self.computes_at.count(True)
+        else:  # a plan not lowered holds compute actions only (of), all of compute_ops
+            self.computes = n
         return self.computes == m * self.placement.depth * len(compute_ops)
 
     def _pipelines_match(self) -> bool:
