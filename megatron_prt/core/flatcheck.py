@@ -40,7 +40,11 @@ names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stag
 check plus one comparison: ``plan`` is a compute plan of the same placement, micro-batch count
 and split, and each of its ranks holds, in order, the very objects that are the compute
 actions of that rank of ``lowered`` (``is``: equal values of the same types, so an op given
-as its string or a ``True`` micro-batch cannot slip through as equal). Every check of
+as its string or a ``True`` micro-batch cannot slip through as equal; checked as one
+sequence, rank after rank, plus the first and last action of each rank of ``plan`` being of
+that rank's stages: ``lowered``'s compute actions are on their stages' ranks, so the
+sequence is rank 0's block, then rank 1's, and a rank of ``plan`` that starts and ends
+inside its own block is that block). Every check of
 ``plan`` then holds because ``lowered`` passed it: the shape checks and exactly-once read
 the same compute actions (comm actions are extra rows, never counted as compute); a
 producer on the consumer's rank precedes it on both; and a producer on another rank comes
@@ -89,12 +93,18 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
         lowered.mb_pipeline,
     ):
         return passes(plan)
-    compute = flat.computes_at
-    per_rank = [compute[first:last].count(True) for first, last in pairwise(flat.starts)]
-    if per_rank != list(map(len, plan.ranks)):
+    if len(plan.ranks) != len(lowered.ranks) or sum(map(len, plan.ranks)) != flat.computes:
         return passes(plan)
-    made = compress(chain.from_iterable(lowered.ranks), compute)
-    return all(map(is_, made, chain.from_iterable(plan.ranks))) or passes(plan)
+    made = compress(chain.from_iterable(lowered.ranks), flat.computes_at)
+    if not all(map(is_, made, chain.from_iterable(plan.ranks))):
+        return passes(plan)
+    # the same sequence, rank after rank; lowered's runs rank 0's stages first, then rank
+    # 1's...: a plan rank whose first and last action are of its own stages is that block
+    rank_of = plan.placement.stage_to_rank
+    ends = ((rank, acts[0][0], acts[-1][0]) for rank, acts in enumerate(plan.ranks) if acts)
+    if all(rank_of[first] == rank == rank_of[last] for rank, first, last in ends):
+        return True
+    return passes(plan)
 
 
 def _passing(plan: Plan) -> _Flat | None:

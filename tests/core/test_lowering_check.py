@@ -152,3 +152,24 @@ def test_other_fields_are_checked_on_their_own():
     assert _verdict(validate_lowering, swapped, lowered) == _verdict(_separately, swapped, lowered)
     assert _verdict(validate_lowering, swapped, lowered) != "ok"
     assert _verdict(validate_lowering, lowered, lowered) == "ok"  # both valid plans
+
+
+@pytest.mark.parametrize("where", ["end to next", "start to previous", "extra empty rank"])
+def test_the_same_sequence_split_at_other_ranks_is_refused(where):
+    """The lowering's compute actions, the same objects in the same order, but a rank of the
+    plan ending one action later or earlier (an action on a rank its stage is not on), or one
+    more (empty) rank: the separate check refuses, and so must the covering one."""
+    plan, lowered = _pair(Placement(4, 2, "loop", "uni"), 8, "prt")
+    ranks = [list(acts) for acts in plan.ranks]
+    if where == "end to next":
+        ranks[2].insert(0, ranks[1].pop())
+    elif where == "start to previous":
+        ranks[1].append(ranks[2].pop(0))
+    else:
+        ranks.append([])
+    moved = replace(plan, ranks=tuple(map(tuple, ranks)))
+    assert [a for acts in moved.ranks for a in acts] == [a for acts in plan.ranks for a in acts]
+    assert not lowering_passes(moved, lowered)
+    expected = _verdict(_separately, moved, lowered)
+    assert expected != "ok"
+    assert _verdict(validate_lowering, moved, lowered) == expected
