@@ -306,9 +306,10 @@ class _Flat:
                 return None
             # a message is all there or all absent (every compute action is there): else a
             # lone SEND's partner index -1 would read as "wait for the plan's last action"
-            if not sends.count(-1) == receives.count(-1) == consumers.count(-1):
+            absent = consumers.count(-1)
+            if not sends.count(-1) == receives.count(-1) == absent:
                 return None
-            messages += len(consumers) - consumers.count(-1)
+            messages += len(consumers) - absent
             deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)
             deque(map(need.__setitem__, receives, map(add, sends, repeat(-1))), maxlen=0)
             partner_kind[sent], partner_kind[received] = received, sent
