@@ -13,7 +13,9 @@ find that the plan is valid after all: the flat check may refuse more than it mu
 A plan its producer made valid by construction (:func:`megatron_prt.core.plan.vouch`: the
 list scheduler's plans, the lowering of a valid plan) skips the checks unless ``full``;
 ``full=True`` checks it anyway, trusting no mark. A plan that passes is vouched for, so
-validating it again costs nothing.
+validating it again costs nothing. :func:`validate_lowering` gives the verdicts of the full
+validation of a plan and of its lowering together, for little more than the lowering's check
+(:func:`megatron_prt.core.flatcheck.lowering_passes`).
 """
 
 from __future__ import annotations
