@@ -341,17 +341,19 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
     pos, ends = [*starts[:-1], size], starts[1:]
     waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
     todo = list(range(ranks))
+    next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
     while todo:
-        rank = todo.pop()
+        rank = next_rank()
         first = i = pos[rank]
         end = ends[rank]
         while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
             pos[rank] = i
-            if waiting[rank]:
-                todo += waiting[rank]
-                waiting[rank] = []
+            woken = waiting[rank]
+            if woken:  # the list is kept and emptied: no new list per wake
+                todo += woken
+                woken.clear()
         if i < end:
             waiting[after[i]].append(rank)
     return pos[:-1] == ends
