@@ -40,7 +40,8 @@ def message_ends(comm: Action, placement: Placement, split: bool = False) -> tup
     a SEND by its producer's stage and a RECV by its consumer's; the other end comes from
     the dependency rule (:func:`_message_edges`, asked once per placement)."""
     stage, op, mb = comm
-    found = _message_edges(placement, split).get((stage, op), ())
+    # an op given as its string equals the Op but is no SEND/RECV the rule names
+    found = _message_edges(placement, split).get((stage, op), ()) if isinstance(op, Op) else ()
     if len(found) != 1:
         found = [(p._replace(mb=mb), c._replace(mb=mb)) for p, c in found]
         raise ValueError(

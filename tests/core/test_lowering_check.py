@@ -3,7 +3,8 @@ validate(lowered, full=True) together: the check of a lowering covers its plan o
 lowering holds the plan's own compute actions ([Note: a lowering's check covers its plan]).
 Broken plans, each broken on one side, must be refused with the error the separate check
 gives; plans equal to the lowering's compute actions but not the same objects (a str op, a
-bool micro-batch, a plan read from a file) are checked on their own."""
+bool micro-batch, a plan read from a file) are checked on their own. message_ends, now read
+from one table per placement, gives what searching the dependency rule gave."""
 
 import itertools
 import random
@@ -12,8 +13,9 @@ from dataclasses import replace
 import pytest
 
 from megatron_prt.core import Action, Op, Placement, Plan, build_plan
+from megatron_prt.core.deps import carries_tensor, comm_ops, consumers, producers
 from megatron_prt.core.flatcheck import lowering_passes
-from megatron_prt.core.lower import lower
+from megatron_prt.core.lower import lower, message_ends
 from megatron_prt.core.plan import vouched
 from megatron_prt.core.validate import validate, validate_lowering
 
@@ -173,3 +175,41 @@ def test_the_same_sequence_split_at_other_ranks_is_refused(where):
     expected = _verdict(_separately, moved, lowered)
     assert expected != "ok"
     assert _verdict(validate_lowering, moved, lowered) == expected
+
+
+def _message_ends_by_search(comm: Action, placement: Placement, split: bool):
+    """message_ends as it was written before its table: every edge of the comm's stage that
+    carries a tensor with that SEND/RECV op, asked of the rule directly."""
+    stage, op, mb = comm
+    sending = op in (Op.SEND_F, Op.SEND_B)
+    found = []
+    for own in (Action(stage, o, mb) for o in ((Op.F, Op.I, Op.W) if split else (Op.F, Op.B))):
+        if sending:
+            edges = [(own, c) for c in consumers(own, placement, split)]
+        else:
+            edges = [(p, own) for p in producers(own, placement, split)]
+        slot = 0 if sending else 1
+        found += [(p, c) for p, c in edges if carries_tensor(p, c) and comm_ops(p)[slot] is op]
+    return found[0] if len(found) == 1 else None
+
+
+PLACEMENTS = [
+    Placement(p, r, placement, direction)
+    for (p, r), placement, direction in itertools.product(
+        [(1, 1), (2, 2), (3, 2), (4, 3)], ["loop", "wave"], ["uni", "bi"]
+    )
+]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=str)
+@pytest.mark.parametrize("split", [False, True])
+def test_message_ends_from_its_table_is_the_rule_searched(placement, split):
+    for stage in range(placement.num_stages):
+        for op in Op:
+            comm = Action(stage, op, 5)
+            expected = _message_ends_by_search(comm, placement, split)
+            try:
+                got = message_ends(comm, placement, split)
+            except ValueError:
+                got = None
+            assert got == expected, (comm, placement, split)
