@@ -34,13 +34,32 @@ partner is first on its rank), and the same replay decides. It also proves the c
 order (producer, SEND = RECV, consumer is a path in time). A SEND before its producer is
 refused by both (the close checks' blocking replay makes a SEND wait for its producer and
 names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
+
+[Note: a lowering's check covers its plan]
+:func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
+check plus one comparison: ``plan`` is a compute plan of the same placement, micro-batch count
+and split, and each of its ranks holds, in order, the very objects that are the compute
+actions of that rank of ``lowered`` (``is``: equal values of the same types, so an op given
+as its string or a ``True`` micro-batch cannot slip through as equal; checked as one
+sequence, rank after rank, plus the first and last action of each rank of ``plan`` being of
+that rank's stages: ``lowered``'s compute actions are on their stages' ranks, so the
+sequence is rank 0's block, then rank 1's, and a rank of ``plan`` that starts and ends
+inside its own block is that block). Every check of
+``plan`` then holds because ``lowered`` passed it: the shape checks and exactly-once read
+the same compute actions (comm actions are extra rows, never counted as compute); a
+producer on the consumer's rank precedes it on both; and a producer on another rank comes
+before its SEND, the SEND completes with its RECV, the RECV precedes the consumer, so the
+order in which ``lowered``'s blocking replay completes, restricted to compute actions,
+runs every rank of ``plan`` in its order with each action after its producers: ``plan``'s
+replay finishes (its outcome does not depend on the order ranks are taken in). When the
+comparison fails nothing is assumed: ``plan`` is checked on its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate, chain, pairwise, repeat
-from operator import add, itemgetter, le, mod, sub
+from itertools import accumulate, chain, compress, pairwise, repeat
+from operator import add, is_, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -49,6 +68,7 @@ from .plan import Plan
 
 _STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+_COMPUTE_SET = frozenset(_COMPUTE)
 _SENDS = (Op.SEND_F, Op.SEND_B)
 
 
@@ -56,14 +76,47 @@ def passes(plan: Plan) -> bool:
     """True when ``plan`` passes every check of
     :func:`~megatron_prt.core.validate.validate`; False says only that a closer look is
     needed (it may still pass). Linear in the plan, mostly in C-level list passes."""
+    return _passing(plan) is not None
+
+
+def lowering_passes(plan: Plan, lowered: Plan) -> bool:
+    """True when both ``plan`` and ``lowered`` pass every check of
+    :func:`~megatron_prt.core.validate.validate`, decided from ``lowered``'s check alone
+    when ``lowered`` holds ``plan``'s compute actions themselves (see [Note: a lowering's
+    check covers its plan]); False says only that a closer look is needed."""
+    flat = _passing(lowered)
+    if flat is None or not lowered.lowered or plan.lowered:
+        return False
+    if (plan.placement, plan.num_microbatches, plan.mb_pipeline) != (
+        lowered.placement,
+        lowered.num_microbatches,
+        lowered.mb_pipeline,
+    ):
+        return passes(plan)
+    if len(plan.ranks) != len(lowered.ranks) or sum(map(len, plan.ranks)) != flat.computes:
+        return passes(plan)
+    made = compress(chain.from_iterable(lowered.ranks), flat.computes_at)
+    if not all(map(is_, made, chain.from_iterable(plan.ranks))):
+        return passes(plan)
+    # the same sequence, rank after rank; lowered's runs rank 0's stages first, then rank
+    # 1's...: a plan rank whose first and last action are of its own stages is that block
+    rank_of = plan.placement.stage_to_rank
+    ends = ((rank, acts[0][0], acts[-1][0]) for rank, acts in enumerate(plan.ranks) if acts)
+    if all(rank_of[first] == rank == rank_of[last] for rank, first, last in ends):
+        return True
+    return passes(plan)
+
+
+def _passing(plan: Plan) -> _Flat | None:
+    """The flat plan when ``plan`` passes (:func:`passes`), else None."""
     try:
         flat = _Flat.of(plan)
     except (IndexError, KeyError, TypeError):  # a stage out of range, an op no Op, a str mb
-        return False
+        return None
     if flat is None or not flat.local_order_holds():
-        return False
+        return None
     need = flat.message_needs() if plan.lowered else flat.remote_needs()
-    return need is not None and _replay_completes(need, flat.starts)
+    return flat if need is not None and _replay_completes(need, flat.starts) else None
 
 
 class _Flat:
@@ -77,6 +130,8 @@ class _Flat:
         self.slot = {op: k for k, op in enumerate(ops)}
         self.starts = [0, *accumulate(map(len, plan.ranks))]
         self.split = Op.I in ops
+        self.kinds_per_pipeline = self.placement.depth * len(ops)
+        self.lanes = [(0, 1)] * self.placement.num_pipelines  # see row
         if self.split:
             self.compute_ops = (Op.F, Op.I, Op.W)
         else:
@@ -88,9 +143,18 @@ class _Flat:
         return None if slot is None else stage * len(self.ops) + slot
 
     def row(self, kind: int | None) -> list[int]:
-        """Global index of the action of ``kind`` per micro-batch (-1: none)."""
+        """Global index of the action of ``kind`` per micro-batch of its stage's pipeline
+        (-1: none), in micro-batch order: a strided slice of the whole row when those
+        micro-batches are evenly spaced (bi's two pipelines take turns), the whole row
+        otherwise. The rest of the row is -1 (``_pipelines_match``), so every comparison of
+        rows and every count of -1 entries gives the verdict whole rows would, on half the
+        entries for bi."""
         if kind is None:
             return [-1] * self.m
+        start, step = self.lanes[kind // self.kinds_per_pipeline]
+        return self.where[kind * self.m + start : (kind + 1) * self.m : step]
+
+    def _whole_row(self, kind: int) -> list[int]:
         return self.where[kind * self.m : (kind + 1) * self.m]
 
     @classmethod
@@ -135,7 +199,11 @@ class _Flat:
         deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
-        self.computes = sum(map(op_of.count, compute_ops))
+        if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
+            self.computes_at = list(map(_COMPUTE_SET.__contains__, op_of))
+            self.computes = self.computes_at.count(True)
+        else:  # a plan not lowered holds compute actions only (of), all of compute_ops
+            self.computes = n
         return self.computes == m * self.placement.depth * len(compute_ops)
 
     def _pipelines_match(self) -> bool:
@@ -146,6 +214,10 @@ class _Flat:
         if placement.num_pipelines == 1:
             return True
         for pipeline, stages in enumerate(placement.pipelines):
+            own = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p == pipeline]
+            step = own[1] - own[0] if len(own) > 1 else 1
+            if own and own == list(range(own[0], self.m, step)):
+                self.lanes[pipeline] = (own[0], step)
             others = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p != pipeline]
             if not others:
                 continue
@@ -156,7 +228,7 @@ class _Flat:
                 pick = itemgetter(*others, others[0])  # always a tuple
             absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
-                if pick(self.row(kind)) != absent:
+                if pick(self._whole_row(kind)) != absent:
                     return False
         return True
 
@@ -199,7 +271,8 @@ class _Flat:
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
-                if self.row(kind) == self.row(None):  # the plan has no such action
+                row = self.row(kind)
+                if row.count(-1) == len(row):  # the plan has no such action
                     continue
                 try:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)
@@ -233,9 +306,10 @@ class _Flat:
                 return None
             # a message is all there or all absent (every compute action is there): else a
             # lone SEND's partner index -1 would read as "wait for the plan's last action"
-            if not sends.count(-1) == receives.count(-1) == consumers.count(-1):
+            absent = consumers.count(-1)
+            if not sends.count(-1) == receives.count(-1) == absent:
                 return None
-            messages += self.m - consumers.count(-1)
+            messages += len(consumers) - absent
             deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)
             deque(map(need.__setitem__, receives, map(add, sends, repeat(-1))), maxlen=0)
             partner_kind[sent], partner_kind[received] = received, sent
@@ -267,17 +341,19 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
     pos, ends = [*starts[:-1], size], starts[1:]
     waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
     todo = list(range(ranks))
+    next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
     while todo:
-        rank = todo.pop()
+        rank = next_rank()
         first = i = pos[rank]
         end = ends[rank]
         while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
             pos[rank] = i
-            if waiting[rank]:
-                todo += waiting[rank]
-                waiting[rank] = []
+            woken = waiting[rank]
+            if woken:  # the list is kept and emptied: no new list per wake
+                todo += woken
+                woken.clear()
         if i < end:
             waiting[after[i]].append(rank)
     return pos[:-1] == ends

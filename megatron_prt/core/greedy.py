@@ -450,10 +450,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             if current[rank] >= 0:
                 continue
             fh, bh = fheap[rank], bheap[rank]
-            pend = pending[rank]
-            while pend and pend[0] < arrived:
-                user = heappop(pend) % n
-                heappush(bh if user & 1 else fh, items[user])
+            if hop:  # free hops ready their users at once: nothing pending
+                pend = pending[rank]
+                while pend and pend[0] < arrived:
+                    user = heappop(pend) % n
+                    heappush(bh if user & 1 else fh, items[user])
             if flush:
                 heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
@@ -487,16 +488,17 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 last_bwd[rank] = True
             else:
                 last_bwd[rank] = False
-                held[rank] += 1
+                held[rank] = holding = held[rank] + 1
                 fwd_left[rank] -= 1
-                if held[rank] > peak[rank]:
-                    peak[rank] = held[rank]
+                if holding > peak[rank]:
+                    peak[rank] = holding
             end[rank] = finish = now + busy
-            if finish in due:
-                due[finish].append(rank)
-            else:
+            ending = due.get(finish)
+            if ending is None:
                 due[finish] = [rank]
                 heappush(instants, finish)
+            else:
+                ending.append(rank)
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,

@@ -12,12 +12,12 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
+from functools import lru_cache, partial
 from itertools import accumulate, chain, compress, pairwise, repeat
 from operator import add, itemgetter, mul, sub
 
 from .actions import Action, Op
-from .deps import carries_tensor, comm_ops, consumers, producers
+from .deps import carries_tensor, comm_ops, producers
 from .gcpause import without_gc
 from .placement import Placement
 from .plan import Plan, vouch, vouched
@@ -38,27 +38,38 @@ def message_key(producer: Action, consumer: Action) -> tuple:
 def message_ends(comm: Action, placement: Placement, split: bool = False) -> tuple[Action, Action]:
     """``(producer, consumer)`` of the tensor a SEND/RECV action carries. :func:`lower` names
     a SEND by its producer's stage and a RECV by its consumer's; the other end comes from
-    the dependency rule."""
+    the dependency rule (:func:`_message_edges`, asked once per placement)."""
     stage, op, mb = comm
-    sending = op in (Op.SEND_F, Op.SEND_B)
-    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
-    found = []
-    for own in (Action(stage, o, mb) for o in ops):
-        if sending:
-            edges = [(own, c) for c in consumers(own, placement, split)]
-        else:
-            edges = [(p, own) for p in producers(own, placement, split)]
-        found += [
-            (p, c)
-            for p, c in edges
-            if carries_tensor(p, c) and comm_ops(p)[0 if sending else 1] is op
-        ]
+    # an op given as its string equals the Op but is no SEND/RECV the rule names
+    found = _message_edges(placement, split).get((stage, op), ()) if isinstance(op, Op) else ()
     if len(found) != 1:
+        found = [(p._replace(mb=mb), c._replace(mb=mb)) for p, c in found]
         raise ValueError(
             f"{comm}: a SEND/RECV must carry exactly one tensor edge, found {found} "
             f"under {placement}"
         )
-    return found[0]
+    producer, consumer = found[0]
+    return Action(producer.stage, producer.op, mb), Action(consumer.stage, consumer.op, mb)
+
+
+@lru_cache(maxsize=32)
+def _message_edges(placement: Placement, split: bool) -> dict[tuple, list[tuple[Action, Action]]]:
+    """``(stage, comm op)`` -> the tensor edges of micro-batch 0 such a SEND/RECV could
+    carry: every edge of the dependency rule that carries a tensor, under the SEND of its
+    producer's stage and the RECV of its consumer's (:func:`~megatron_prt.core.deps.comm_ops`
+    of the producer), in the order the consumers and their producers are listed."""
+    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
+    sends: dict[tuple, list] = {}
+    receives: dict[tuple, list] = {}
+    for stage in range(placement.num_stages):
+        for op in ops:
+            consumer = Action(stage, op, 0)
+            for producer in producers(consumer, placement, split):
+                if carries_tensor(producer, consumer):
+                    send_op, recv_op = comm_ops(producer)
+                    sends.setdefault((producer.stage, send_op), []).append((producer, consumer))
+                    receives.setdefault((stage, recv_op), []).append((producer, consumer))
+    return {**sends, **receives}
 
 
 def comm_key(comm: Action, placement: Placement, split: bool = False) -> tuple:

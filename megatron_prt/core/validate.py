@@ -13,7 +13,9 @@ find that the plan is valid after all: the flat check may refuse more than it mu
 A plan its producer made valid by construction (:func:`megatron_prt.core.plan.vouch`: the
 list scheduler's plans, the lowering of a valid plan) skips the checks unless ``full``;
 ``full=True`` checks it anyway, trusting no mark. A plan that passes is vouched for, so
-validating it again costs nothing.
+validating it again costs nothing. :func:`validate_lowering` gives the verdicts of the full
+validation of a plan and of its lowering together, for little more than the lowering's check
+(:func:`megatron_prt.core.flatcheck.lowering_passes`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections import Counter
 
 from .actions import Action, Op
 from .census import looks_complete
-from .flatcheck import passes
+from .flatcheck import lowering_passes, passes
 from .gcpause import without_gc
 from .grid import format_grid
 from .lower import message_ends
@@ -43,6 +45,22 @@ def validate(plan: Plan, full: bool = False) -> None:
     if not passes(plan):
         check_closely(plan)
     vouch(plan)
+
+
+@without_gc
+def validate_lowering(plan: Plan, lowered: Plan) -> None:
+    """``validate(plan, full=True)`` and ``validate(lowered, full=True)`` in one: the same
+    verdicts and errors, trusting no mark. When ``lowered`` holds ``plan``'s own compute
+    actions (``lower(plan)`` does) the check of ``lowered`` proves ``plan`` valid too and
+    ``plan`` costs one comparison (:func:`~megatron_prt.core.flatcheck.lowering_passes`,
+    [Note: a lowering's check covers its plan]); else each is checked on its own. Both are
+    vouched for when they pass."""
+    if lowering_passes(plan, lowered):
+        vouch(plan)
+        vouch(lowered)
+        return
+    validate(plan, full=True)
+    validate(lowered, full=True)
 
 
 @without_gc
