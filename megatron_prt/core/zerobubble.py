@@ -20,17 +20,18 @@ back idles there, while the replay starts the same order as early as it can).
 [Note: runs that differ only in caps]
 A run's caps act only through its cap tests (``ZBScheduler._admits``), each made with the
 rank's counts: ``ahead`` (forwards started, their I not finished) and ``mbs_ahead``
-(micro-batches entered, their last I there not finished), both kept whatever the caps.
-Two policies equal but for ``caps`` and ``per_mb`` make the same choices, hence the same
-orders and peaks, as long as their tests answer alike; by induction over the choices, a
-policy whose tests would answer every test of a traced run as it was answered repeats that
-run. A trace keeps per rank the largest count a test admitted and the smallest it stopped
-(``mbs_ahead`` for forwards entering a micro-batch; ``per_mb`` admits the others, so a
-trace with one of those stopped repeats no ``per_mb`` policy); :func:`_repeats` compares
-the caps with them. Uncapped (None) is a cap of infinity. So the portfolio runs each
-distinct run once: a cap that never stopped a forward, its ``+1`` copy, its uncapped copy
-and (at R > 1) its ``per_mb`` copy are one run. ``_step`` tests the caps only where the
-choice turns on them, so no test whose answer could not matter narrows a trace.
+(micro-batches entered, their last I there not finished), kept whatever the caps. By
+induction over the choices, a policy equal but for ``caps`` and ``per_mb`` whose tests
+would answer every test of a traced run as it was answered makes the same choices: the
+same orders and peaks. A trace keeps per rank the largest count a test admitted and the
+smallest it stopped (``mbs_ahead``: entering forwards only; ``per_mb`` admits the others,
+so a trace with one of those stopped repeats no ``per_mb`` policy); :func:`_repeats`
+compares the caps (None: infinity) with them. So a cap that never stopped a forward, its
+``+1``, uncapped and ``per_mb`` copies are one run. ``_step`` tests the caps only where
+the choice turns on them, so no test whose answer could not matter narrows a trace. The
+same induction covers ``fwd_order`` "oldest" against a "deepest" run where at every look
+at the first ready forward both orders find one that fits and enters alike and start the
+same one (``oldest_too``), and ``reserve`` where every memory test answers alike with it.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class ZBResult:
     makespan: float
     peak_bytes: tuple[float, ...]  # rank -> most activation bytes held at once
     cap_trace: tuple[tuple, ...]  # rank -> what its cap tests saw (_Rank.trace)
+    oldest_too: bool  # fwd_order "deepest": "oldest" would have made the same run
+    reserve_too: bool  # not ``reserve``: ``reserve`` would have made the same run
 
 
 def zero_bubble(
@@ -182,20 +185,31 @@ def _distinct_runs(placement, mb_pipeline, planning, act, keep, cap):
     """The runs of the portfolio under ``planning``, in portfolio order, less those of
     policies whose run would repeat one already made (see [Note: runs that differ only in
     caps]): the same orders and peaks, so the same replay, and an equal key never wins."""
-    traces: dict[ZBPolicy, list[tuple]] = {}  # the policy without caps -> its runs' traces
+    made: list[tuple[ZBPolicy, ZBResult]] = []
     for policy in _portfolio(placement, planning):
-        uncapped = replace(policy, caps=None, per_mb=False)
-        if any(_repeats(trace, policy) for trace in traces.get(uncapped, ())):
+        if any(_repeats(earlier, result, policy) for earlier, result in made):
             continue
         result = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy).run()
-        traces.setdefault(uncapped, []).append(result.cap_trace)
+        made.append((policy, result))
         yield result
 
 
-def _repeats(cap_trace: tuple[tuple, ...], policy: ZBPolicy) -> bool:
-    """Whether ``policy``'s caps answer every cap test of the traced run as it was answered
-    (the traced run's policy differs from ``policy`` at most in ``caps`` and ``per_mb``)."""
-    for rank, (passed, stopped, passed_mbs, stopped_mbs, stopped_inside) in enumerate(cap_trace):
+def _repeats(earlier: ZBPolicy, result: ZBResult, policy: ZBPolicy) -> bool:
+    """Whether ``policy``'s run repeats ``result``, the run of ``earlier`` (same times,
+    bytes and cap): the two differ at most in ``caps`` and ``per_mb``, and in one of
+    ``fwd_order`` and ``reserve`` where ``result`` says that made no difference, and
+    ``policy``'s caps answer every cap test of the run as it was answered."""
+    steady = ("alternate", "eager_w", "w_resets", "inp_order")
+    if any(getattr(earlier, name) != getattr(policy, name) for name in steady):
+        return False
+    other_order = earlier.fwd_order != policy.fwd_order
+    if other_order and not (result.oldest_too and policy.fwd_order == "oldest"):
+        return False
+    other_reserve = earlier.reserve != policy.reserve
+    if other_reserve and (other_order or not result.reserve_too):
+        return False
+    for rank, trace in enumerate(result.cap_trace):
+        passed, stopped, passed_mbs, stopped_mbs, stopped_inside = trace
         cap = math.inf if policy.caps is None else policy.caps[rank]
         if policy.per_mb and policy.caps is not None:
             if stopped_inside or not passed_mbs < cap <= stopped_mbs:
@@ -317,14 +331,12 @@ class ZBScheduler:
     are handled in or its idle ranks pick in (each rank's state changes only by its own
     events and picks; a rank picks after every event of the tick), so a run is
     deterministic. If every rank is blocked by its caps alone, the best waiting forward
-    runs anyway (the run never deadlocks; its peak then tells the caller). Actions are
-    indices into the cached graph's lists (a run makes and orders every action once:
-    hashing an :class:`Action`, or a method call per event, costs more than its work)."""
+    runs anyway (never a deadlock; its peak tells the caller). Actions are indices into
+    the cached graph's lists (hashing an :class:`Action` costs more than its work)."""
 
     def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy: ZBPolicy):
         self.placement, self.policy, self.cap = placement, policy, cap * (1 + 1e-9)
         self.times, self.tick = times.in_ticks()
-        self.mb_pipeline = mb_pipeline
         model = [placement.model_stage(s) for s in range(placement.num_stages)]
         self.stage_bytes = [act[k] for k in model]
         self.stage_keep = [keep[k] for k in model]
@@ -334,24 +346,20 @@ class ZBScheduler:
         ]
         graph = _graph(placement, tuple(mb_pipeline))
         self.actions, self.consumers, self.counts, self.enters, self.kinds = graph
-        # per action: its bytes, its duration in ticks, the bytes of all its micro-batch's
-        # stages on its rank (what ``reserve`` sets aside as the micro-batch enters)
-        chains = {}
-        for pipe, stages in enumerate(placement.pipelines):
-            for stage in stages:
-                key = placement.rank_of(stage), pipe
-                chains[key] = chains.get(key, 0.0) + self.stage_bytes[stage]
-        rank_of = placement.rank_of
-        self.size = [self.stage_bytes[a.stage] for a in self.actions]
-        self.duration = [
-            self.busy[k][a.stage] for k, a in zip(self.kinds, self.actions, strict=True)
-        ]
-        self.chain = [chains[rank_of(a.stage), mb_pipeline[a.mb]] for a in self.actions]
+        self.size, self.duration, self.chain = _action_facts(
+            placement, tuple(mb_pipeline), tuple(self.stage_bytes), tuple(map(tuple, self.busy))
+        )
         self.keys = _queue_keys(placement, tuple(mb_pipeline), policy.fwd_order, policy.inp_order)
         self.rank_of = placement.stage_to_rank
         self.ranks = [_Rank(([], [], [])) for _ in range(placement.ranks)]
         self.order: list[list[Action]] = [[] for _ in self.ranks]
         self.events: list = []
+        # fwd_order "deepest": whether "oldest" finds the same first forward at every look
+        # (the run's only use of the order), kept in a second heap per rank
+        self.watch = self.oldest_too = policy.fwd_order == "deepest"
+        self.reserve_too = not policy.reserve  # every memory test answers alike with it
+        self.oldest_keys = _queue_keys(placement, tuple(mb_pipeline), "oldest", "oldest")
+        self.oldest, self.started = [[] for _ in self.ranks], [False] * len(self.actions)
 
     def run(self) -> ZBResult:
         """The run; ``_finish`` and the arrivals are inlined (the loop runs once per action,
@@ -361,16 +369,14 @@ class ZBScheduler:
         stage_bytes, stage_keep, enters = self.stage_bytes, self.stage_keep, self.enters
         waiting, ready_at = list(self.counts), [0] * len(actions)
         push, pop = heapq.heappush, heapq.heappop
+        watch, oldest, oldest_keys = self.watch, self.oldest, self.oldest_keys
         for index, count in enumerate(waiting):
             if count == 0:
                 push(events, (0, -1 - index, rank_of[actions[index].stage]))
         done = now = 0
         while done < len(actions):
             if not events:  # every rank blocked by its caps alone
-                rank = min(
-                    (s.queues[_F][0], r) for r, s in enumerate(ranks) if s.queues[_F] and not s.busy
-                )[1]
-                self._start(rank, pop(ranks[rank].queues[_F])[1], now)
+                self._start_blocked(now)
                 continue
             now = events[0][0]
             touched = set()
@@ -380,6 +386,8 @@ class ZBScheduler:
                 if index < 0:  # ready now
                     index = -1 - index
                     push(ranks[rank].queues[kinds[index]], (keys[index], index))
+                    if watch and kinds[index] == _F:
+                        push(oldest[rank], (oldest_keys[index], index))
                     continue
                 done += 1
                 state = ranks[rank]
@@ -402,6 +410,8 @@ class ZBScheduler:
                     if waiting[nxt] == 0:
                         if ready_at[nxt] == now:  # ready at once: no event needed
                             push(ranks[nxt_rank].queues[kinds[nxt]], (keys[nxt], nxt))
+                            if watch and kinds[nxt] == _F:
+                                push(oldest[nxt_rank], (oldest_keys[nxt], nxt))
                             touched.add(nxt_rank)
                         else:
                             push(events, (ready_at[nxt], -1 - nxt, nxt_rank))
@@ -409,9 +419,19 @@ class ZBScheduler:
                 state = ranks[rank]
                 if not state.busy:
                     self._step(rank, now)
-        orders = tuple(tuple(acts) for acts in self.order)
-        peaks = tuple(s.peak for s in ranks)
-        return ZBResult(orders, now * self.tick, peaks, tuple(s.trace() for s in ranks))
+        orders, peaks = tuple(map(tuple, self.order)), tuple(s.peak for s in ranks)
+        traces = tuple(s.trace() for s in ranks)
+        return ZBResult(orders, now * self.tick, peaks, traces, self.oldest_too, self.reserve_too)
+
+    def _start_blocked(self, now: int) -> None:
+        """Every rank is blocked by its caps alone: start the best waiting forward (by the
+        queue keys, across ranks; "oldest" must pick the same rank)."""
+        idle = [r for r, s in enumerate(self.ranks) if s.queues[_F] and not s.busy]
+        rank = min((self.ranks[r].queues[_F][0], r) for r in idle)[1]
+        if self.oldest_too:
+            keys = self.oldest_keys
+            self.oldest_too = rank == min((keys[self._oldest_first(r)], r) for r in idle)[1]
+        self._start(rank, heapq.heappop(self.ranks[rank].queues[_F])[1], now)
 
     def _step(self, rank: int, now: int) -> None:
         """Start the idle ``rank``'s next action, if any, testing the caps only where the
@@ -441,11 +461,29 @@ class ZBScheduler:
         if not fwd:
             return False
         index = fwd[0][1]
+        fits = state.held + self._need(state, index) <= self.cap
+        if self.reserve_too:
+            chain = self.chain[index] if self.enters[index] else 0.0
+            self.reserve_too = fits == (state.held + state.reserved + chain <= self.cap)
+        if self.oldest_too:  # "oldest"'s first forward must fit alike and enter alike
+            other = self._oldest_first(rank)
+            self.oldest_too = other == index or (
+                fits == (state.held + self._need(state, other) <= self.cap)
+                and (not fits or self.enters[other] == self.enters[index])
+            )
+        return fits and self._admits(state, rank, index)
+
+    def _need(self, state: _Rank, index: int) -> float:
+        """Bytes the forward ``index`` needs free (``reserve``: with what is reserved)."""
         if self.policy.reserve:
-            need = state.reserved + (self.chain[index] if self.enters[index] else 0.0)
-        else:
-            need = self.size[index]
-        return state.held + need <= self.cap and self._admits(state, rank, index)
+            return state.reserved + (self.chain[index] if self.enters[index] else 0.0)
+        return self.size[index]
+
+    def _oldest_first(self, rank: int) -> int:
+        oldest = self.oldest[rank]
+        while self.started[oldest[0][1]]:
+            heapq.heappop(oldest)
+        return oldest[0][1]
 
     def _admits(self, state: _Rank, rank: int, index: int) -> bool:
         """The cap test for a forward the memory admits; noted in ``state``'s trace."""
@@ -455,15 +493,17 @@ class ZBScheduler:
         else:
             admits = (state.mbs_ahead if self.policy.per_mb else state.ahead) < caps[rank]
         if admits:
-            state.passed = max(state.passed, state.ahead)
-            if enters:
-                state.passed_mbs = max(state.passed_mbs, state.mbs_ahead)
+            if state.ahead > state.passed:
+                state.passed = state.ahead
+            if enters and state.mbs_ahead > state.passed_mbs:
+                state.passed_mbs = state.mbs_ahead
         else:
-            state.stopped = min(state.stopped, state.ahead)
-            if enters:
-                state.stopped_mbs = min(state.stopped_mbs, state.mbs_ahead)
-            else:
+            if state.ahead < state.stopped:
+                state.stopped = state.ahead
+            if not enters:
                 state.stopped_inside = True
+            elif state.mbs_ahead < state.stopped_mbs:
+                state.stopped_mbs = state.mbs_ahead
         return admits
 
     def _start(self, rank: int, index: int, now: int) -> None:
@@ -482,6 +522,9 @@ class ZBScheduler:
             if state.held > state.peak:
                 state.peak = state.held
             state.ahead += 1
+            if self.watch:  # "oldest" must start the same forward
+                self.oldest_too = self.oldest_too and self._oldest_first(rank) == index
+                self.started[index] = True
         self.order[rank].append(self.actions[index])
         heapq.heappush(self.events, (now + self.duration[index], index, rank))
 
@@ -514,6 +557,23 @@ def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
     enters = [a.stage == first[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
     kinds = [(Op.F, Op.I, Op.W).index(a.op) for a in actions]
     return actions, users, counts, enters, kinds
+
+
+@functools.lru_cache(maxsize=16)
+def _action_facts(placement, mb_pipeline, stage_bytes, busy):
+    """Per action of :func:`_graph`: its bytes, its duration in ticks (``busy[kind][stage]``)
+    and the bytes of all its micro-batch's stages on its rank (what ``reserve`` sets aside
+    as the micro-batch enters) (read-only)."""
+    chains: dict[tuple[int, int], float] = {}
+    for pipe, stages in enumerate(placement.pipelines):
+        for stage in stages:
+            key = placement.rank_of(stage), pipe
+            chains[key] = chains.get(key, 0.0) + stage_bytes[stage]
+    actions, _, _, _, kinds = _graph(placement, mb_pipeline)
+    size = [stage_bytes[a.stage] for a in actions]
+    duration = [busy[k][a.stage] for k, a in zip(kinds, actions, strict=True)]
+    chain = [chains[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
+    return size, duration, chain
 
 
 @functools.lru_cache(maxsize=64)

@@ -7,7 +7,7 @@ and replaying every policy of the portfolio."""
 
 import itertools
 import math
-from dataclasses import replace
+from collections import Counter
 
 import pytest
 
@@ -102,10 +102,10 @@ def test_the_plan_is_that_of_the_whole_portfolio(placement, m, costs, mem_cap):
 
 
 def test_a_run_its_trace_repeats_is_the_same_run():
-    """Every pair of portfolio policies equal but for their caps: where the earlier run's
-    trace says the later policy repeats it, the later run has the same orders and peaks;
-    and some pairs do repeat (the test is not empty)."""
-    repeats = 0
+    """Every pair of portfolio policies: where the earlier run says the later policy
+    repeats it, the later run has the same orders and peaks; and runs of each kind repeat
+    (caps only, fwd_order, reserve), so the test is not empty."""
+    repeats = Counter()
     for placement in sorted({case[0] for case in CASES}, key=repr):
         m = 2 * placement.ranks
         for costs in ("unit", "loss"):
@@ -116,12 +116,13 @@ def test_a_run_its_trace_repeats_is_the_same_run():
             runs = []
             for policy in _portfolio(placement, times):
                 run = ZBScheduler(placement, mb_pipeline, times, act, keep, cap, policy).run()
-                uncapped = replace(policy, caps=None, per_mb=False)
                 for earlier, before in runs:
-                    if replace(earlier, caps=None, per_mb=False) != uncapped:
-                        continue
-                    if _repeats(before.cap_trace, policy):
-                        repeats += 1
+                    if _repeats(earlier, before, policy):
+                        kind = (
+                            earlier.fwd_order != policy.fwd_order,
+                            earlier.reserve != policy.reserve,
+                        )
+                        repeats[kind] += 1
                         assert (run.orders, run.peak_bytes) == (before.orders, before.peak_bytes)
                 runs.append((policy, run))
-    assert repeats > 0
+    assert set(repeats) == {(False, False), (True, False), (False, True)}, repeats
