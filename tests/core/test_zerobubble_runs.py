@@ -1,9 +1,10 @@
 """The split-backward portfolio skips only runs it has already made.
 
-``zero_bubble`` runs a policy only when no earlier run of the same policy but for its caps
-answered every cap test as this policy would ([Note: runs that differ only in caps]), and
-replays each distinct order once. Both must leave the chosen plan exactly that of running
-and replaying every policy of the portfolio."""
+``zero_bubble`` skips a policy whose run would repeat an earlier one: a policy equal but
+for its caps (or for ``fwd_order`` or ``reserve``, where the earlier run shows they made no
+difference) whose caps answer every cap test of that run as it was answered ([Note: runs
+that differ only in caps]); and it replays each distinct order once. Both must leave the
+chosen plan exactly that of running and replaying every policy of the portfolio."""
 
 import itertools
 import math
@@ -17,6 +18,7 @@ from megatron_prt.core.plan import Plan, split_microbatches
 from megatron_prt.core.replay import replay
 from megatron_prt.core.timing import StageTimes
 from megatron_prt.core.zerobubble import (
+    WGRAD_KEEP_FRACTION,
     ZBScheduler,
     _planning_times,
     _portfolio,
@@ -56,7 +58,7 @@ def _arguments(placement, m, costs):
         return (
             StageTimes.uniform(placement.depth),
             (1 / placement.depth,) * placement.depth,
-            32 / 34,
+            WGRAD_KEEP_FRACTION,
         )
     cost = loss_cost(placement)
     return (
