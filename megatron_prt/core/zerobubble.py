@@ -16,6 +16,22 @@ filler; W also frees the memory a blocked forward waits for). A small portfolio 
 policies runs; the plan under the cap that replays fastest under the given times wins,
 ties going to the one holding less (a run's own clock is no judge: a rank its caps hold
 back idles there, while the replay starts the same order as early as it can).
+
+[Note: runs that differ only in caps]
+A run's caps act only through its cap tests (``ZBScheduler._admits``), each made with the
+rank's counts: ``ahead`` (forwards started, their I not finished) and ``mbs_ahead``
+(micro-batches entered, their last I there not finished), kept whatever the caps. By
+induction over the choices, a policy equal but for ``caps`` and ``per_mb`` whose tests
+would answer every test of a traced run as it was answered makes the same choices: the
+same orders and peaks. A trace keeps per rank the largest count a test admitted and the
+smallest it stopped (``mbs_ahead``: entering forwards only; ``per_mb`` admits the others,
+so a trace with one of those stopped repeats no ``per_mb`` policy); :func:`_repeats`
+compares the caps (None: infinity) with them. So a cap that never stopped a forward, its
+``+1``, uncapped and ``per_mb`` copies are one run. ``_step`` tests the caps only where
+the choice turns on them, so no test whose answer could not matter narrows a trace. The
+same induction covers ``fwd_order`` "oldest" against a "deepest" run where at every look
+at the first ready forward both orders find one that fits and enters alike and start the
+same one (``oldest_too``), and ``reserve`` where every memory test answers alike with it.
 """
 
 from __future__ import annotations
@@ -101,6 +117,9 @@ class ZBResult:
     orders: tuple[tuple[Action, ...], ...]
     makespan: float
     peak_bytes: tuple[float, ...]  # rank -> most activation bytes held at once
+    cap_trace: tuple[tuple, ...]  # rank -> what its cap tests saw (_Rank.trace)
+    oldest_too: bool  # fwd_order "deepest": "oldest" would have made the same run
+    reserve_too: bool  # not ``reserve``: ``reserve`` would have made the same run
 
 
 def zero_bubble(
@@ -139,13 +158,14 @@ def zero_bubble(
     name = "zb-h2" if mem_cap == "zb-h2" else "zb"
     bound = split_lower_bound(placement, mb_pipeline, times)
     best, best_key, lowest = None, (math.inf, math.inf), math.inf
+    replayed = set()  # orders already judged: the same orders replay the same
     for planning in _planning_times(placement, times):
-        for policy in _portfolio(placement, planning):
-            result = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy).run()
+        for result in _distinct_runs(placement, mb_pipeline, planning, act, keep, cap):
             peak = max(result.peak_bytes)
             lowest = min(lowest, peak)
-            if peak > cap * (1 + 1e-9):
+            if peak > cap * (1 + 1e-9) or result.orders in replayed:
                 continue
+            replayed.add(result.orders)
             plan = Plan(placement, num_microbatches, result.orders, name, mb_pipeline)
             key = (replay(plan, times).makespan, peak)
             if key < best_key:
@@ -159,6 +179,44 @@ def zero_bubble(
             "(e.g. 'zb-h2') or the number of micro-batches"
         )
     return best
+
+
+def _distinct_runs(placement, mb_pipeline, planning, act, keep, cap):
+    """The runs of the portfolio under ``planning``, in portfolio order, less those of
+    policies whose run would repeat one already made (see [Note: runs that differ only in
+    caps]): the same orders and peaks, so the same replay, and an equal key never wins."""
+    made: list[tuple[ZBPolicy, ZBResult]] = []
+    for policy in _portfolio(placement, planning):
+        if any(_repeats(earlier, result, policy) for earlier, result in made):
+            continue
+        result = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy).run()
+        made.append((policy, result))
+        yield result
+
+
+def _repeats(earlier: ZBPolicy, result: ZBResult, policy: ZBPolicy) -> bool:
+    """Whether ``policy``'s run repeats ``result``, the run of ``earlier`` (same times,
+    bytes and cap): the two differ at most in ``caps`` and ``per_mb``, and in one of
+    ``fwd_order`` and ``reserve`` where ``result`` says that made no difference, and
+    ``policy``'s caps answer every cap test of the run as it was answered."""
+    steady = ("alternate", "eager_w", "w_resets", "inp_order")
+    if any(getattr(earlier, name) != getattr(policy, name) for name in steady):
+        return False
+    other_order = earlier.fwd_order != policy.fwd_order
+    if other_order and not (result.oldest_too and policy.fwd_order == "oldest"):
+        return False
+    other_reserve = earlier.reserve != policy.reserve
+    if other_reserve and (other_order or not result.reserve_too):
+        return False
+    for rank, trace in enumerate(result.cap_trace):
+        passed, stopped, passed_mbs, stopped_mbs, stopped_inside = trace
+        cap = math.inf if policy.caps is None else policy.caps[rank]
+        if policy.per_mb and policy.caps is not None:
+            if stopped_inside or not passed_mbs < cap <= stopped_mbs:
+                return False
+        elif not passed < cap <= stopped:
+            return False
+    return True
 
 
 def _planning_times(placement: Placement, times: StageTimes) -> list[StageTimes]:
@@ -241,184 +299,234 @@ def _round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]
     return tuple(caps)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Rank:
-    arrivals: list  # heap of (ready tick, key, action)
-    fwd: list  # heap of (key, action)
-    inp: list  # ready I: heap of (key, action)
-    wgt: list  # ready W: heap of (key, action)
+    queues: tuple  # ready F, I and W: heaps of (key, action's index)
     held: float = 0.0  # activation bytes
     reserved: float = 0.0  # bytes of the later stages of micro-batches it has started
     peak: float = 0.0
     ahead: int = 0  # forwards started whose I has not finished
+    mbs_ahead: int = 0  # micro-batches entered whose last I here has not finished
     last_was_i: bool = False
     busy: bool = False
+    # the cap tests: most ``ahead`` / ``mbs_ahead`` (entering forwards only) a test admitted,
+    # least one stopped, and whether a forward inside a micro-batch was stopped
+    passed: float = -1
+    stopped: float = math.inf
+    passed_mbs: float = -1
+    stopped_mbs: float = math.inf
+    stopped_inside: bool = False
+
+    def trace(self) -> tuple:
+        return (self.passed, self.stopped, self.passed_mbs, self.stopped_mbs, self.stopped_inside)
+
+
+_F, _I, _W = range(3)  # an action's kind: the index of its ready queue
 
 
 class ZBScheduler:
     """One list-scheduling run of every F, I and W in integer ticks. Events are
-    ``(tick, seq, rank, finished action's index or -1 for a wake-up)``, ties in push order,
-    so a run is deterministic. If every rank is blocked by its caps alone, the best waiting
-    forward runs anyway (the run never deadlocks; its peak then tells the caller). Actions
-    are indices into the cached graph's list and per-stage facts are lists (a run makes
-    and orders every action once: hashing an :class:`Action` costs more than its work)."""
+    ``(tick, code, rank)``: ``code`` is a finished action's index, or ``-1 - index`` for an
+    action that becomes ready then. Nothing within a tick depends on the order its events
+    are handled in or its idle ranks pick in (each rank's state changes only by its own
+    events and picks; a rank picks after every event of the tick), so a run is
+    deterministic. If every rank is blocked by its caps alone, the best waiting forward
+    runs anyway (never a deadlock; its peak tells the caller). Actions are indices into
+    the cached graph's lists (hashing an :class:`Action` costs more than its work)."""
 
     def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy: ZBPolicy):
         self.placement, self.policy, self.cap = placement, policy, cap * (1 + 1e-9)
         self.times, self.tick = times.in_ticks()
-        self.mb_pipeline = mb_pipeline
-        self.group_width = placement.ranks * placement.num_pipelines  # grouped orders
-        self.groups = max(1, len(mb_pipeline) // self.group_width)
         model = [placement.model_stage(s) for s in range(placement.num_stages)]
         self.stage_bytes = [act[k] for k in model]
         self.stage_keep = [keep[k] for k in model]
-        self.busy = {
-            op: [self.times.busy(Action(s, op, 0), placement) for s in range(len(model))]
+        self.busy = [
+            [self.times.busy(Action(s, op, 0), placement) for s in range(len(model))]
             for op in (Op.F, Op.I, Op.W)
-        }
-        # (rank, pipeline) -> (the rank's first stage in it, bytes of all its stages in it)
-        self.entry = {}
-        for pipe, stages in enumerate(placement.pipelines):
-            for rank in range(placement.ranks):
-                mine = [s for s in stages if placement.rank_of(s) == rank]
-                self.entry[rank, pipe] = (mine[0], sum(self.stage_bytes[s] for s in mine))
-        self.actions, self.consumers, counts = _graph(placement, tuple(mb_pipeline))
-        self.waiting = list(counts)
-        self.ready_at = [0] * len(self.actions)
+        ]
+        graph = _graph(placement, tuple(mb_pipeline))
+        self.actions, self.consumers, self.counts, self.enters, self.kinds = graph
+        self.size, self.duration, self.chain = _action_facts(
+            placement, tuple(mb_pipeline), tuple(self.stage_bytes), tuple(map(tuple, self.busy))
+        )
+        self.keys = _queue_keys(placement, tuple(mb_pipeline), policy.fwd_order, policy.inp_order)
         self.rank_of = placement.stage_to_rank
-        self.ranks = [_Rank([], [], [], []) for _ in range(placement.ranks)]
+        self.ranks = [_Rank(([], [], [])) for _ in range(placement.ranks)]
         self.order: list[list[Action]] = [[] for _ in self.ranks]
         self.events: list = []
-        self.seq = 0
+        # fwd_order "deepest": whether "oldest" finds the same first forward at every look
+        # (the run's only use of the order), kept in a second heap per rank
+        self.watch = self.oldest_too = policy.fwd_order == "deepest"
+        self.reserve_too = not policy.reserve  # every memory test answers alike with it
+        self.oldest_keys = _queue_keys(placement, tuple(mb_pipeline), "oldest", "oldest")
+        self.oldest, self.started = [[] for _ in self.ranks], [False] * len(self.actions)
 
     def run(self) -> ZBResult:
-        for index, count in enumerate(self.waiting):
+        """The run; ``_finish`` and the arrivals are inlined (the loop runs once per action,
+        where a method call costs as much as the work), hence the length."""
+        actions, consumers, keys, kinds = self.actions, self.consumers, self.keys, self.kinds
+        rank_of, hop, ranks, events = self.rank_of, self.times.p2p, self.ranks, self.events
+        stage_bytes, stage_keep, enters = self.stage_bytes, self.stage_keep, self.enters
+        waiting, ready_at = list(self.counts), [0] * len(actions)
+        push, pop = heapq.heappush, heapq.heappop
+        watch, oldest, oldest_keys = self.watch, self.oldest, self.oldest_keys
+        for index, count in enumerate(waiting):
             if count == 0:
-                self._arrive(index)
+                push(events, (0, -1 - index, rank_of[actions[index].stage]))
         done = now = 0
-        events, ranks = self.events, self.ranks
-        while done < len(self.actions):
+        while done < len(actions):
             if not events:  # every rank blocked by its caps alone
-                rank = min((s.fwd[0], r) for r, s in enumerate(ranks) if s.fwd and not s.busy)[1]
-                self._start(rank, heapq.heappop(ranks[rank].fwd)[1], now)
+                self._start_blocked(now)
                 continue
             now = events[0][0]
             touched = set()
             while events and events[0][0] == now:
-                _, _, rank, index = heapq.heappop(events)
+                _, index, rank = pop(events)
                 touched.add(rank)
-                if index >= 0:
-                    done += 1
-                    self._finish(rank, index, now)
-            for rank in sorted(touched):
+                if index < 0:  # ready now
+                    index = -1 - index
+                    push(ranks[rank].queues[kinds[index]], (keys[index], index))
+                    if watch and kinds[index] == _F:
+                        push(oldest[rank], (oldest_keys[index], index))
+                    continue
+                done += 1
+                state = ranks[rank]
+                state.busy = False
+                kind, stage = kinds[index], actions[index].stage
+                if kind == _I:  # frees what only the input gradient needed
+                    state.held -= (1 - stage_keep[stage]) * stage_bytes[stage]
+                    if state.held > state.peak:  # keep > 1: I's output gradients
+                        state.peak = state.held
+                    state.ahead -= 1
+                    state.mbs_ahead -= enters[index]
+                elif kind == _W:
+                    state.held -= stage_keep[stage] * stage_bytes[stage]
+                for nxt, nxt_stage in consumers[index]:
+                    nxt_rank = rank_of[nxt_stage]
+                    at = now + hop if nxt_rank != rank else now
+                    if at > ready_at[nxt]:
+                        ready_at[nxt] = at
+                    waiting[nxt] -= 1
+                    if waiting[nxt] == 0:
+                        if ready_at[nxt] == now:  # ready at once: no event needed
+                            push(ranks[nxt_rank].queues[kinds[nxt]], (keys[nxt], nxt))
+                            if watch and kinds[nxt] == _F:
+                                push(oldest[nxt_rank], (oldest_keys[nxt], nxt))
+                            touched.add(nxt_rank)
+                        else:
+                            push(events, (ready_at[nxt], -1 - nxt, nxt_rank))
+            for rank in touched:
                 state = ranks[rank]
                 if not state.busy:
-                    self._admit(state, now)
-                    index = self._pick(state, rank)
-                    if index is not None:
-                        self._start(rank, index, now)
-        orders = tuple(tuple(acts) for acts in self.order)
-        return ZBResult(orders, now * self.tick, tuple(s.peak for s in ranks))
+                    self._step(rank, now)
+        orders, peaks = tuple(map(tuple, self.order)), tuple(s.peak for s in ranks)
+        traces = tuple(s.trace() for s in ranks)
+        return ZBResult(orders, now * self.tick, peaks, traces, self.oldest_too, self.reserve_too)
 
-    def _admit(self, state: _Rank, now: int) -> None:
-        arrivals = state.arrivals
-        while arrivals and arrivals[0][0] <= now:
-            index = heapq.heappop(arrivals)[2]
-            action = self.actions[index]
-            op = action.op
-            queue = state.fwd if op is Op.F else state.inp if op is Op.I else state.wgt
-            heapq.heappush(queue, (self._key(action), index))
+    def _start_blocked(self, now: int) -> None:
+        """Every rank is blocked by its caps alone: start the best waiting forward (by the
+        queue keys, across ranks; "oldest" must pick the same rank)."""
+        idle = [r for r, s in enumerate(self.ranks) if s.queues[_F] and not s.busy]
+        rank = min((self.ranks[r].queues[_F][0], r) for r in idle)[1]
+        if self.oldest_too:
+            keys = self.oldest_keys
+            self.oldest_too = rank == min((keys[self._oldest_first(r)], r) for r in idle)[1]
+        self._start(rank, heapq.heappop(self.ranks[rank].queues[_F])[1], now)
 
-    def _key(self, action: Action) -> tuple:
-        stage, op, mb = action
-        policy = self.policy
-        order = policy.fwd_order if op is Op.F else policy.inp_order if op is Op.I else None
-        if order == "deepest":
-            return (-stage, mb)
-        if order == "grouped":
-            chunk = (stage % self.placement.depth) // self.placement.ranks
-            group = min(mb // self.group_width, self.groups - 1)
-            return (group, chunk if op is Op.F else -chunk, mb)
-        return (mb, -stage if op is Op.F else stage)
+    def _step(self, rank: int, now: int) -> None:
+        """Start the idle ``rank``'s next action, if any, testing the caps only where the
+        choice turns on them (so a run's trace holds no test whose answer could not matter)."""
+        state, policy, pop = self.ranks[rank], self.policy, heapq.heappop
+        fwd, inp, wgt = state.queues
+        if inp and not (policy.alternate and state.last_was_i):
+            index = pop(inp)[1]
+        elif inp:  # alternating after an I: a forward the caps admit goes first
+            if not self._forward_ok(state, rank):
+                index = pop(inp)[1]
+            else:
+                index = pop(wgt if wgt and policy.eager_w else fwd)[1]
+        elif wgt and policy.eager_w:
+            index = pop(wgt)[1]
+        elif self._forward_ok(state, rank):
+            index = pop(fwd)[1]
+        elif wgt:
+            index = pop(wgt)[1]
+        else:
+            return
+        self._start(rank, index, now)
 
-    def _pick(self, state: _Rank, rank: int) -> int | None:
-        policy = self.policy
-        fwd_ok = False
-        if state.fwd:
-            forward = self.actions[state.fwd[0][1]]
-            fwd_ok = self._fits(state, rank, forward) and (
-                policy.caps is None
-                or state.ahead < policy.caps[rank]
-                or (policy.per_mb and not self._enters(rank, forward))
+    def _forward_ok(self, state: _Rank, rank: int) -> bool:
+        """Whether the rank's first ready forward fits under the memory cap and its caps."""
+        fwd = state.queues[_F]
+        if not fwd:
+            return False
+        index = fwd[0][1]
+        fits = state.held + self._need(state, index) <= self.cap
+        if self.reserve_too:
+            chain = self.chain[index] if self.enters[index] else 0.0
+            self.reserve_too = fits == (state.held + state.reserved + chain <= self.cap)
+        if self.oldest_too:  # "oldest"'s first forward must fit alike and enter alike
+            other = self._oldest_first(rank)
+            self.oldest_too = other == index or (
+                fits == (state.held + self._need(state, other) <= self.cap)
+                and (not fits or self.enters[other] == self.enters[index])
             )
-        if state.inp and not (fwd_ok and policy.alternate and state.last_was_i):
-            return heapq.heappop(state.inp)[1]
-        if state.wgt and policy.eager_w:
-            return heapq.heappop(state.wgt)[1]
-        if fwd_ok:
-            return heapq.heappop(state.fwd)[1]
-        if state.wgt:
-            return heapq.heappop(state.wgt)[1]
-        return None
+        return fits and self._admits(state, rank, index)
 
-    def _enters(self, rank: int, action: Action) -> bool:
-        """Whether ``action`` is on its micro-batch's first stage on ``rank``."""
-        return action.stage == self.entry[rank, self.mb_pipeline[action.mb]][0]
-
-    def _fits(self, state: _Rank, rank: int, forward: Action) -> bool:
-        need = self.stage_bytes[forward.stage]
+    def _need(self, state: _Rank, index: int) -> float:
+        """Bytes the forward ``index`` needs free (``reserve``: with what is reserved)."""
         if self.policy.reserve:
-            first, chain = self.entry[rank, self.mb_pipeline[forward.mb]]
-            need = chain if forward.stage == first else 0.0
-            need += state.reserved
-        return state.held + need <= self.cap
+            return state.reserved + (self.chain[index] if self.enters[index] else 0.0)
+        return self.size[index]
+
+    def _oldest_first(self, rank: int) -> int:
+        oldest = self.oldest[rank]
+        while self.started[oldest[0][1]]:
+            heapq.heappop(oldest)
+        return oldest[0][1]
+
+    def _admits(self, state: _Rank, rank: int, index: int) -> bool:
+        """The cap test for a forward the memory admits; noted in ``state``'s trace."""
+        caps, enters = self.policy.caps, self.enters[index]
+        if caps is None or (self.policy.per_mb and not enters):
+            admits = True
+        else:
+            admits = (state.mbs_ahead if self.policy.per_mb else state.ahead) < caps[rank]
+        if admits:
+            if state.ahead > state.passed:
+                state.passed = state.ahead
+            if enters and state.mbs_ahead > state.passed_mbs:
+                state.passed_mbs = state.mbs_ahead
+        else:
+            if state.ahead < state.stopped:
+                state.stopped = state.ahead
+            if not enters:
+                state.stopped_inside = True
+            elif state.mbs_ahead < state.stopped_mbs:
+                state.stopped_mbs = state.mbs_ahead
+        return admits
 
     def _start(self, rank: int, index: int, now: int) -> None:
         state = self.ranks[rank]
         state.busy = True
-        stage, op, mb = action = self.actions[index]
-        if op is not Op.W or self.policy.w_resets:  # W may sit inside F, I, F, I
-            state.last_was_i = op is Op.I
-        if op is Op.F:
-            first, chain = self.entry[rank, self.mb_pipeline[mb]]
-            size = self.stage_bytes[stage]
-            state.reserved += (chain if stage == first else 0.0) - size
+        kind = self.kinds[index]
+        if kind != _W or self.policy.w_resets:  # W may sit inside F, I, F, I
+            state.last_was_i = kind == _I
+        if kind == _F:
+            size = self.size[index]
+            if self.enters[index]:
+                state.reserved += self.chain[index]
+                state.mbs_ahead += 1
+            state.reserved -= size
             state.held += size
             if state.held > state.peak:
                 state.peak = state.held
-            state.ahead += not self.policy.per_mb or stage == first
-        self.order[rank].append(action)
-        self.seq += 1
-        heapq.heappush(self.events, (now + self.busy[op][stage], self.seq, rank, index))
-
-    def _finish(self, rank: int, index: int, now: int) -> None:
-        state = self.ranks[rank]
-        state.busy = False
-        stage, op, _ = action = self.actions[index]
-        keep = self.stage_keep[stage]
-        if op is Op.I:  # frees what only the input gradient needed
-            state.held -= (1 - keep) * self.stage_bytes[stage]
-            if state.held > state.peak:  # keep > 1: I's output gradients
-                state.peak = state.held
-            state.ahead -= not self.policy.per_mb or self._enters(rank, action)
-        elif op is Op.W:
-            state.held -= keep * self.stage_bytes[stage]
-        rank_of, ready_at, waiting, hop = self.rank_of, self.ready_at, self.waiting, self.times.p2p
-        for nxt, nxt_stage in self.consumers[index]:
-            at = now + hop if rank_of[nxt_stage] != rank else now
-            if at > ready_at[nxt]:
-                ready_at[nxt] = at
-            waiting[nxt] -= 1
-            if waiting[nxt] == 0:
-                self._arrive(nxt)
-
-    def _arrive(self, index: int) -> None:
-        stage, _, mb = self.actions[index]
-        rank = self.rank_of[stage]
-        at = self.ready_at[index]
-        heapq.heappush(self.ranks[rank].arrivals, (at, (mb, stage), index))
-        self.seq += 1
-        heapq.heappush(self.events, (at, self.seq, rank, -1))
+            state.ahead += 1
+            if self.watch:  # "oldest" must start the same forward
+                self.oldest_too = self.oldest_too and self._oldest_first(rank) == index
+                self.started[index] = True
+        self.order[rank].append(self.actions[index])
+        heapq.heappush(self.events, (now + self.duration[index], index, rank))
 
 
 def split_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
@@ -435,10 +543,56 @@ def split_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Acti
 @functools.lru_cache(maxsize=16)
 def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
     """The actions, per action the ``(index, stage)`` of its consumers, and how many
-    producers each waits for (read-only)."""
+    producers each waits for, whether each is on its micro-batch's first stage on its rank,
+    and each one's kind (``_F``, ``_I``, ``_W``) (read-only)."""
     actions = split_actions(placement, mb_pipeline)
     index = {a: i for i, a in enumerate(actions)}
     consumers = consumers_map(actions, placement, split=True)
     users = [tuple((index[c], c.stage) for c in consumers[a]) for a in actions]
     counts = [len(producers(a, placement, split=True)) for a in actions]
-    return actions, users, counts
+    first = {}  # (rank, pipeline) -> the rank's first stage in it
+    for pipe, stages in enumerate(placement.pipelines):
+        for stage in reversed(stages):
+            first[placement.rank_of(stage), pipe] = stage
+    enters = [a.stage == first[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
+    kinds = [(Op.F, Op.I, Op.W).index(a.op) for a in actions]
+    return actions, users, counts, enters, kinds
+
+
+@functools.lru_cache(maxsize=16)
+def _action_facts(placement, mb_pipeline, stage_bytes, busy):
+    """Per action of :func:`_graph`: its bytes, its duration in ticks (``busy[kind][stage]``)
+    and the bytes of all its micro-batch's stages on its rank (what ``reserve`` sets aside
+    as the micro-batch enters) (read-only)."""
+    chains: dict[tuple[int, int], float] = {}
+    for pipe, stages in enumerate(placement.pipelines):
+        for stage in stages:
+            key = placement.rank_of(stage), pipe
+            chains[key] = chains.get(key, 0.0) + stage_bytes[stage]
+    actions, _, _, _, kinds = _graph(placement, mb_pipeline)
+    size = [stage_bytes[a.stage] for a in actions]
+    duration = [busy[k][a.stage] for k, a in zip(kinds, actions, strict=True)]
+    chain = [chains[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
+    return size, duration, chain
+
+
+@functools.lru_cache(maxsize=64)
+def _queue_keys(
+    placement: Placement, mb_pipeline: tuple[int, ...], fwd_order: str, inp_order: str
+) -> list[tuple]:
+    """Per action of :func:`_graph`, its key in its rank's ready queue (smallest first) under
+    the policy's ``fwd_order`` and ``inp_order`` (read-only)."""
+    group_width = placement.ranks * placement.num_pipelines
+    groups = max(1, len(mb_pipeline) // group_width)
+    keys = []
+    for stage, op, mb in _graph(placement, mb_pipeline)[0]:
+        order = fwd_order if op is Op.F else inp_order if op is Op.I else None
+        if order == "deepest":
+            keys.append((-stage, mb))
+        elif order == "grouped":
+            chunk = (stage % placement.depth) // placement.ranks
+            group = min(mb // group_width, groups - 1)
+            keys.append((group, chunk if op is Op.F else -chunk, mb))
+        else:
+            keys.append((mb, -stage if op is Op.F else stage))
+    return keys
