@@ -17,6 +17,7 @@ from ..core.schedules import SCHEDULES, build_plan
 from ..core.timing import StageTimes
 from ..core.validate import validate
 from ..core.zerobubble import MEM_CAPS, zero_bubble
+from ..megatron.args import positive_int
 from ..sim.cost import CostModel
 from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
@@ -28,17 +29,6 @@ from .peers import peer_results
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def positive_float(text: str) -> float:

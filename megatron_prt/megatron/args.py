@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-reuse-auto-candidates",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_AUTO_CANDIDATES,
         metavar="K",
         help="With --pipeline-reuse auto: after tuning, run each of the K best predicted "
@@ -186,7 +186,8 @@ def _bytes(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error); the CLI's too."""
     try:
         value = int(text)
     except ValueError:
