@@ -288,7 +288,10 @@ def make_forward_backward_func(
     (None: at the end; :func:`megatron_prt.runtime.split_plan.split_backward_plan`).
     ``timeout_s`` bounds every wait on a peer before :class:`PipelineError`; ``transport``
     and ``measure_memory``: see :class:`megatron_prt.runtime.PipelineRuntime`; the returned
-    function's ``memory_stats()`` gives the last call's activation memory on this rank."""
+    function's ``memory_stats()`` gives the last call's activation memory on this rank.
+
+    Over 60 lines because the returned closure takes megatron's forward-backward keyword
+    signature as it is (14 parameters), and one call's steps read best in one place."""
     pipelines = _Pipelines(reuse, w_delay, timeout_s, transport, measure_memory)
     auto = AutoTuner(reuse) if reuse.auto_iterations else None
     traced = []  # the first training iteration is written to reuse.trace_path
