@@ -139,12 +139,15 @@ def apply_weight_grads(works: Iterable[WeightGradWork], in_place: bool = False) 
 
 def _without_hooks(work: WeightGradWork) -> bool:
     """Whether ``work``'s parameters may bypass their accumulators: leaves needing a gradient,
-    with no tensor hooks, dense and laid out as the GEMM writes (a ``.grad`` stored by
-    :func:`_accumulate_in_place` must be what the accumulator would have stored)."""
+    with no tensor hooks, of the GEMM's dtype, dense and laid out as the GEMM writes (a
+    ``.grad`` stored by :func:`_accumulate_in_place` must be what the accumulator, which
+    casts and re-lays out, would have stored)."""
     params = (work.weight,) if work.bias is None else (work.weight, work.bias)
-    return all(
+    dtype = work.grad_output.dtype
+    return work.input.dtype == dtype and all(
         p.requires_grad
         and p.is_leaf
+        and p.dtype == dtype
         and p.is_contiguous()
         and (p.grad is None or p.grad.is_contiguous())
         and p._post_accumulate_grad_hooks is None
@@ -157,8 +160,9 @@ def _without_hooks(work: WeightGradWork) -> bool:
 def _accumulate_in_place(work: WeightGradWork) -> None:
     """``.grad += grad_output^T @ input`` (and the bias sum); a parameter without a gradient
     yet (the first W of a step after ``zero_grad(set_to_none=True)``) gets the GEMM's result
-    itself: through the engine that first W cost about two Ws (its sum, then the
-    accumulator's copy of it, into fresh memory)."""
+    itself. Through the engine that first W cost about two Ws: the GEMM into fresh memory,
+    then the accumulator's copy of it (the caller still holds the result, so the
+    accumulator cannot take it)."""
     grad_out = work.grad_output.reshape(-1, work.grad_output.shape[-1])
     inp = work.input.reshape(-1, work.input.shape[-1])
     weight, bias = work.weight, work.bias
