@@ -108,10 +108,11 @@ def weight_gemms(work: WeightGradWork) -> tuple[torch.Tensor, torch.Tensor | Non
 def apply_weight_grads(works: Iterable[WeightGradWork], in_place: bool = False) -> None:
     """``W``: the weight GEMMs of ``works``, handed to the parameters' accumulators through
     the autograd engine (one call; a parameter used by several layers gets their sum), so
-    every accumulator hook fires. ``in_place``: a parameter whose ``.grad`` already holds a
-    gradient and that has no tensor hooks gets it as ``grad += grad_output^T @ input`` in
-    one GEMM instead (no temporary, no engine); only for parameters with no hook on their
-    accumulator node either (the plain runtime's stages: nothing there registers one)."""
+    every accumulator hook fires. ``in_place``: a parameter that has no tensor hooks gets
+    its gradient without the engine: as ``grad += grad_output^T @ input`` in one GEMM where
+    ``.grad`` already holds one, else by storing the GEMM's result as ``.grad`` (what the
+    accumulator would store); only for parameters with no hook on their accumulator node
+    either (the plain runtime's stages: nothing there registers one)."""
     grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -124,7 +125,7 @@ def apply_weight_grads(works: Iterable[WeightGradWork], in_place: bool = False) 
             add(work.weight, work.fused(work.input, work.grad_output))
             if work.bias is not None:
                 add(work.bias, weight_gemms(work._replace(fused=None))[1])
-        elif in_place and _accumulates_in_place(work):
+        elif in_place and _without_hooks(work):
             _accumulate_in_place(work)
         else:
             grad_weight, grad_bias = weight_gemms(work)
@@ -136,11 +137,19 @@ def apply_weight_grads(works: Iterable[WeightGradWork], in_place: bool = False) 
         torch.autograd.backward(params, values)
 
 
-def _accumulates_in_place(work: WeightGradWork) -> bool:
+def _without_hooks(work: WeightGradWork) -> bool:
+    """Whether ``work``'s parameters may bypass their accumulators: leaves needing a gradient,
+    with no tensor hooks, of the GEMM's dtype, dense and laid out as the GEMM writes (a
+    ``.grad`` stored by :func:`_accumulate_in_place` must be what the accumulator, which
+    casts and re-lays out, would have stored)."""
     params = (work.weight,) if work.bias is None else (work.weight, work.bias)
-    return all(
+    dtype = work.grad_output.dtype
+    return work.input.dtype == dtype and all(
         p.requires_grad
-        and p.grad is not None
+        and p.is_leaf
+        and p.dtype == dtype
+        and p.is_contiguous()
+        and (p.grad is None or p.grad.is_contiguous())
         and p._post_accumulate_grad_hooks is None
         and not p._backward_hooks
         for p in params
@@ -149,10 +158,23 @@ def _accumulates_in_place(work: WeightGradWork) -> bool:
 
 @torch.no_grad()
 def _accumulate_in_place(work: WeightGradWork) -> None:
+    """``.grad += grad_output^T @ input`` (and the bias sum); a parameter without a gradient
+    yet (the first W of a step after ``zero_grad(set_to_none=True)``) gets the GEMM's result
+    itself. Through the engine that first W cost about two Ws: the GEMM into fresh memory,
+    then the accumulator's copy of it (the caller still holds the result, so the
+    accumulator cannot take it)."""
     grad_out = work.grad_output.reshape(-1, work.grad_output.shape[-1])
-    work.weight.grad.addmm_(grad_out.t(), work.input.reshape(-1, work.input.shape[-1]))
-    if work.bias is not None:
-        work.bias.grad.add_(grad_out.sum(dim=0))
+    inp = work.input.reshape(-1, work.input.shape[-1])
+    weight, bias = work.weight, work.bias
+    if weight.grad is None:
+        weight.grad = grad_out.t().matmul(inp)
+    else:
+        weight.grad.addmm_(grad_out.t(), inp)
+    if bias is not None:
+        if bias.grad is None:
+            bias.grad = grad_out.sum(dim=0)
+        else:
+            bias.grad.add_(grad_out.sum(dim=0))
 
 
 def held_tensors(works: Iterable[WeightGradWork]) -> list[torch.Tensor]:

@@ -189,6 +189,39 @@ def test_split_layers_without_deferral_are_plain_linear_and_fire_hooks():
     assert len(fired) == 2 and torch.equal(fired[-1], first.grad)
 
 
+def test_in_place_weight_grads_skip_the_engine_and_equal_its_result(monkeypatch):
+    """W in place (the plain runtime's stages) stores the first gradient of a step itself and
+    adds later ones, bit for bit what the engine's accumulators give, without calling it;
+    a parameter with a hook still goes through the engine (so the hook fires)."""
+    engine, split = _mlp(), _mlp()
+    enable_split_backward(split)
+    x = torch.randn(4, 6, dtype=torch.float64)
+
+    def deferred(model):
+        with split_forward():
+            loss = model(x).pow(2).sum()
+        with deferring_weight_grads() as work:
+            loss.backward()
+        return work
+
+    for _ in range(2):  # a fresh step's first W (no .grad yet), then an accumulating one
+        apply_weight_grads(deferred(engine))
+        work = deferred(split)
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.autograd, "backward", _engine_called)
+            apply_weight_grads(work, in_place=True)
+        for got, want in zip(split.parameters(), engine.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad)
+    fired = []
+    split[0].weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    apply_weight_grads(deferred(split), in_place=True)
+    assert fired == [1]
+
+
+def _engine_called(*args, **kwargs):
+    raise AssertionError("in-place W called the autograd engine")
+
+
 def _memory_worker(rank, world, w_delay):
     plan = _split_plan(world, 2, "loop", "uni", 4, w_delay)
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
