@@ -428,3 +428,21 @@ def parallel_train(
         multiprocessing.current_process()._config["daemon"] = False
         save_checkpoint(ckpt["save"], model, optimizer, ckpt["steps"][1])
     return out
+
+
+def assert_tracks_reference(results: list[dict], want: dict, tol: dict) -> None:
+    """Training ``results`` (one dict per rank: ``losses``, ``norms``, ``params`` by global
+    name) against the unpipelined run ``want``: the last rank's losses, and every rank's
+    gradient norms (megatron all-reduces them over the pipeline) and parameters."""
+    torch.testing.assert_close(
+        torch.tensor(results[-1]["losses"]), torch.tensor(want["losses"]), **tol
+    )
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]), torch.tensor(want["norms"]), **tol
+        )
+        for name, values in result["params"].items():
+            for value in values:
+                torch.testing.assert_close(
+                    value, want["params"][name][0], **tol, msg=f"rank {rank}: {name}"
+                )

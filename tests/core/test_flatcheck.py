@@ -8,6 +8,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from plan_mutations import mutations, with_ranks
 
 from megatron_prt.core import Action, Op, Placement, Plan, StageTimes, build_plan
 from megatron_prt.core.flatcheck import passes
@@ -22,47 +23,6 @@ def _closely_valid(plan: Plan) -> bool:
     except (PlanError, ValueError):
         return False
     return True
-
-
-def _with_ranks(plan: Plan, changes: dict, **fields) -> Plan:
-    ranks = list(plan.ranks)
-    for rank, actions in changes.items():
-        ranks[rank] = tuple(actions)
-    return replace(plan, ranks=tuple(ranks), **fields)
-
-
-def _mutations(plan: Plan, rng: random.Random, count: int):
-    """Plans one edit away from ``plan``: an action dropped, doubled, moved, swapped with its
-    neighbour, moved to another rank, or its micro-batch changed; in a lowered plan also a
-    SEND/RECV of any kind added."""
-    busy = [r for r, acts in enumerate(plan.ranks) if acts]
-    for _ in range(count):
-        rank = rng.choice(busy)
-        acts = list(plan.ranks[rank])
-        step = rng.randrange(len(acts))
-        edit = rng.randrange(7 if plan.lowered else 6)
-        if edit == 0:
-            del acts[step]
-        elif edit == 1:
-            acts.insert(rng.randrange(len(acts) + 1), acts[step])
-        elif edit == 2:
-            acts.insert(rng.randrange(len(acts) + 1), acts.pop(step))
-        elif edit == 3 and step + 1 < len(acts):
-            acts[step], acts[step + 1] = acts[step + 1], acts[step]
-        elif edit == 4 and len(plan.ranks) > 1:
-            other = (rank + 1) % len(plan.ranks)
-            moved = acts.pop(step)
-            yield _with_ranks(plan, {rank: acts, other: (*plan.ranks[other], moved)})
-            continue
-        elif edit == 5:
-            stage, op, mb = acts[step]
-            acts[step] = Action(stage, op, (mb + 1) % plan.num_microbatches)
-        else:  # a SEND/RECV of any kind for a stage of this rank (lowered plans)
-            stage = rng.choice(plan.placement.rank_stages[rank])
-            op = rng.choice([Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B])
-            extra = Action(stage, op, rng.randrange(plan.num_microbatches))
-            acts.insert(rng.randrange(len(acts) + 1), extra)
-        yield _with_ranks(plan, {rank: acts})
 
 
 SMALL = [
@@ -98,7 +58,7 @@ def test_valid_plans_pass_the_flat_check(placement, m, schedule):
 def test_flat_yes_implies_close_yes_on_broken_plans(placement, m, schedule):
     rng = random.Random(f"{placement}{m}{schedule}")
     for plan in _plans(placement, m, schedule):
-        for bad in _mutations(plan, rng, 40):
+        for bad in mutations(plan, rng, 40):
             if passes(bad):
                 assert _closely_valid(bad), bad
 
@@ -111,8 +71,8 @@ def test_flat_yes_implies_close_yes_two_edits_away():
         for plan in _plans(placement, m, schedule):
             if not plan.lowered:
                 continue
-            for once in _mutations(plan, rng, 15):
-                for bad in _mutations(once, rng, 4):
+            for once in mutations(plan, rng, 15):
+                for bad in mutations(once, rng, 4):
                     if passes(bad):
                         flat_yes += 1
                         assert _closely_valid(bad), bad
@@ -127,7 +87,7 @@ def test_a_send_before_its_producer_is_refused_by_both_checks():
     send = Action(0, Op.SEND_F, 0)
     r0.remove(send)
     r0.insert(0, send)  # sent before 0F0 ran
-    odd = _with_ranks(plan, {0: r0})
+    odd = with_ranks(plan, {0: r0})
     assert not passes(odd)
     with pytest.raises(PlanError, match=r"rank 0, step 0: 0SEND_F0 .* sends the output of 0F0"):
         validate(odd)
@@ -158,7 +118,7 @@ def test_big_missing_action(big_plan):
     action = big_plan.ranks[7][step]
     acts = list(big_plan.ranks[7])
     del acts[step]
-    bad = _with_ranks(big_plan, {7: acts})
+    bad = with_ranks(big_plan, {7: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match=rf"rank 7: {action} \(stage {action.stage}, mb "):
         validate(bad)
@@ -168,7 +128,7 @@ def test_big_duplicate_action(big_plan):
     step = _middle(big_plan, 3, Op.F)
     acts = list(big_plan.ranks[3])
     acts.insert(step + 5, acts[step])
-    bad = _with_ranks(big_plan, {3: acts})
+    bad = with_ranks(big_plan, {3: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match="runs 2 times, expected once"):
         validate(bad)
@@ -179,7 +139,7 @@ def test_big_wrong_rank(big_plan):
     acts5, acts6 = list(big_plan.ranks[5]), list(big_plan.ranks[6])
     moved = acts5.pop(step)
     acts6.insert(step, moved)
-    bad = _with_ranks(big_plan, {5: acts5, 6: acts6})
+    bad = with_ranks(big_plan, {5: acts5, 6: acts6})
     assert not passes(bad)
     with pytest.raises(PlanError, match=f"stage {moved.stage} lives on rank 5"):
         validate(bad)
@@ -192,7 +152,7 @@ def test_big_dependency_violation_deadlocks(big_plan):
     backward = acts.pop(step)
     forward = acts.index(Action(backward.stage, Op.F, backward.mb))
     acts.insert(forward, backward)
-    bad = _with_ranks(big_plan, {9: acts})
+    bad = with_ranks(big_plan, {9: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match="plan deadlocks") as err:
         validate(bad)
@@ -209,7 +169,7 @@ def test_big_cross_rank_cycle(big_plan):
     forward = Action(backward.stage, Op.F, backward.mb + 4)
     acts.remove(forward)
     acts.insert(step + 1, forward)
-    bad = _with_ranks(big_plan, {4: acts})
+    bad = with_ranks(big_plan, {4: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match="deadlocks"):
         validate(bad)
@@ -221,7 +181,7 @@ def test_big_lowered_swap_deadlocks_under_blocking_p2p(big_plan):
     step = _middle(lowered, 8, Op.RECV_F)
     send = next(i for i in range(step + 1, len(acts)) if acts[i].op is Op.SEND_B)
     acts.insert(send, acts.pop(step))  # the RECV after a SEND the peer receives only later
-    bad = _with_ranks(lowered, {8: acts})
+    bad = with_ranks(lowered, {8: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match="deadlocks"):
         validate(bad)
@@ -250,7 +210,7 @@ def test_out_of_range_names_are_refused(stage, mb, why):
     plan = build_plan(Placement(2, 2), 3)
     acts = list(plan.ranks[0])
     acts[acts.index(Action(0, Op.F, 1))] = Action(stage, Op.F, mb)
-    bad = _with_ranks(plan, {0: acts})
+    bad = with_ranks(plan, {0: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match=why):
         validate(bad)
@@ -269,7 +229,7 @@ def test_benchmark_size_break_mid_steady_state(placement, direction):
     step = _middle(plan, 31, Op.B)
     backward = acts.pop(step)
     acts.insert(acts.index(Action(backward.stage, Op.F, backward.mb)), backward)
-    bad = _with_ranks(plan, {31: acts})
+    bad = with_ranks(plan, {31: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match=f"{backward} \\(stage {backward.stage}, mb "):
         validate(bad)
@@ -277,7 +237,7 @@ def test_benchmark_size_break_mid_steady_state(placement, direction):
     step = _middle(lowered, 32, Op.RECV_F)
     send = next(i for i in range(step + 1, len(acts)) if acts[i].op is Op.SEND_B)
     acts.insert(send, acts.pop(step))
-    bad = _with_ranks(lowered, {32: acts})
+    bad = with_ranks(lowered, {32: acts})
     assert not passes(bad)
     with pytest.raises(PlanError, match="deadlocks"):
         validate(bad)
@@ -338,7 +298,7 @@ def test_close_checks_refuse_a_send_before_its_producer():
     send = next(i for i, a in enumerate(acts) if a.op is Op.SEND_F)
     producer = max(i for i in range(send) if acts[i].op is Op.F)
     acts.insert(producer, acts.pop(send))  # the SEND moves just ahead of its producer
-    broken = _with_ranks(plan, {rank: acts})
+    broken = with_ranks(plan, {rank: acts})
     assert not passes(replace(broken))
     with pytest.raises(PlanError, match=r"sends the output of .*, which runs later, at step"):
         check_closely(replace(broken))
@@ -354,7 +314,7 @@ def test_two_edits_that_balance_the_message_count_are_refused():
     assert placement.rank_of(2) == placement.rank_of(3) == 2
     r0 = [a for a in plan.ranks[0] if a != Action(0, Op.RECV_B, 3)]
     assert len(r0) == len(plan.ranks[0]) - 1
-    bad = _with_ranks(plan, {0: r0, 2: [turn, *plan.ranks[2]]})
+    bad = with_ranks(plan, {0: r0, 2: [turn, *plan.ranks[2]]})
     assert not passes(replace(bad))
     with pytest.raises(PlanError):
         validate(replace(bad), full=True)
@@ -364,4 +324,4 @@ def test_an_op_given_as_its_string_is_refused_by_the_flat_check():
     plan = build_plan(Placement(2, 1), 2, "1f1b")
     r0 = list(plan.ranks[0])
     r0[0] = Action(r0[0].stage, "F", r0[0].mb)  # equal to Op.F, hashes alike
-    assert not passes(_with_ranks(plan, {0: r0}))
+    assert not passes(with_ranks(plan, {0: r0}))

@@ -20,6 +20,7 @@ from megatron_models import (
     LAYERS_TRAIN,
     MBS,
     SEQ,
+    assert_tracks_reference,
     batches,
     forward_step,
     model_chunks,
@@ -58,18 +59,7 @@ def _unpipelined(kind: str):
 def test_three_training_steps_track_the_reference(kind, reuse):
     state, want = _unpipelined(kind)
     results = all_ok(run_local(reuse.placement.ranks, train, kind, M, reuse, state))
-    got = results[-1]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TOL)
-    for rank, result in enumerate(results):
-        # megatron all-reduces the norm over the pipeline: every rank reports the same one
-        torch.testing.assert_close(
-            torch.tensor(result["norms"]), torch.tensor(want["norms"]), **TOL
-        )
-        for name, values in result["params"].items():
-            for value in values:
-                torch.testing.assert_close(
-                    value, want["params"][name][0], **TOL, msg=f"rank {rank}: {name}"
-                )
+    assert_tracks_reference(results, want, TOL)
     assert max(want["norms"]) > 1.0, "gradient clipping is not exercised"
     # checkpoint keys and global positions: PRT chunks together are the unpipelined model,
     # and each tensor has exactly one main copy (the one a checkpoint save writes)

@@ -18,6 +18,7 @@ from megatron_models import (
     LAYERS_TRAIN,
     MBS,
     SEQ,
+    assert_tracks_reference,
     batches,
     forward_step,
     grads_by_name,
@@ -143,16 +144,4 @@ def test_ddp_training_with_split_backward_tracks_the_reference(kind, placement, 
     reuse = ReuseConfig(Placement(2, 2, placement, direction), LAYERS_TRAIN, split_backward=True)
     state, want = _unpipelined(kind)
     results = all_ok(run_local(2, _train_split, kind, M, reuse, state, w_delay))
-    got = results[-1]
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TRAIN_TOL
-    )
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(
-            torch.tensor(result["norms"]), torch.tensor(want["norms"]), **TRAIN_TOL
-        )
-        for name, values in result["params"].items():
-            for value in values:
-                torch.testing.assert_close(
-                    value, want["params"][name][0], **TRAIN_TOL, msg=f"rank {rank}: {name}"
-                )
+    assert_tracks_reference(results, want, TRAIN_TOL)
