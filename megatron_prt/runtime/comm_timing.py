@@ -14,8 +14,10 @@ Two figures the simulator reads (:mod:`megatron_prt.sim.cost`), in seconds and b
   place ([Note: per-message CPU in place] in :mod:`megatron_prt.tune.measured`): a stand-in
   stack (:func:`stand_in_layer`) is traced with every layer its own stage (per-layer F/B
   costs), then a 1F1B step (few messages) and a step with every layer its own stage (many)
-  are timed, and the CPU per message that makes their simulated gap the measured one is it
-  (:func:`fit_message_cpu`; the bench's layer stacks call it with their own layers).
+  are timed, interleaved, and the CPU per message under which the simulator reproduces both,
+  with the per-layer times scaled to the few-message step, is it
+  (:func:`~megatron_prt.tune.measured.fit_in_place`; the bench's layer stacks call it with
+  their own layers and keep the scale too).
 
 :func:`measure_comm` runs these on two local gloo ranks (:func:`megatron_prt.runtime.local.
 run_local`) with the given transport and returns the cost keys.
@@ -37,7 +39,7 @@ from ..core.placement import Placement
 from ..core.plan import Plan
 from ..core.schedules import build_plan
 from ..sim.cost import CostModel, LayerCost
-from ..tune.measured import message_cpu_in_place
+from ..tune.measured import fit_in_place, interleaved_rounds
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
 from .measured_pick import RuntimeRunner, slowest_step_seconds
@@ -141,21 +143,30 @@ def few_and_many_messages(
 ) -> list[tuple[Plan, float]]:
     """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
     few messages) and of every layer its own stage (many), on the actual transport
-    (``kwargs`` go to the runtime); what :func:`~megatron_prt.tune.measured.
-    message_cpu_in_place` fits from. Collective."""
+    (``kwargs`` go to the runtime), ``steps`` each after one warm-up step each, the two
+    interleaved in shuffled rounds (:func:`~megatron_prt.tune.measured.interleaved_rounds`:
+    a machine that slows down mid-way slows both alike); what :func:`~megatron_prt.tune.
+    measured.fit_in_place` fits from. Collective."""
     if num_layers % world or num_layers // world < 2:
         raise ValueError(
             f"fitting the per-message CPU needs a multiple of the {world} ranks, at least "
             f"{2 * world} layers (every layer its own stage against R = 1), got {num_layers}"
         )
-    timed = []
+    runners = []
     for reuse, schedule in ((1, "1f1b"), (num_layers // world, "prt")):
         placement = Placement(world, reuse)
         plan = build_plan(placement, len(xs), schedule)
         stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
-        _, seconds = step_spans(plan, stages, loss_fn, xs, ys, steps, trace=False, **kwargs)
-        timed.append((plan, seconds))
-    return timed
+        runners.append(RuntimeRunner(plan, stages, loss_fn, xs, ys, **kwargs))
+    for runner in runners:
+        runner.step()  # warm-up: shapes exchanged, allocator primed (not timed)
+    seconds: list[list[float]] = [[], []]
+    for order in interleaved_rounds(2, steps):
+        for i in order:
+            seconds[i].append(slowest_step_seconds(runners[i]))
+    for runner in runners:
+        runner.close()
+    return [(r.runtime.plan, statistics.median(s)) for r, s in zip(runners, seconds, strict=True)]
 
 
 def stand_in_layer(width: int) -> Callable[[int], torch.nn.Module]:
@@ -228,7 +239,7 @@ def measure_comm(
             p2p_bandwidth=bandwidth,
             message_bytes=stand_in_bytes,
         )
-        keys["p2p_cpu"] = message_cpu_in_place(cost, timed)
+        keys["p2p_cpu"] = fit_in_place(cost, timed)[0].p2p_cpu
     return keys
 
 

@@ -176,6 +176,11 @@ class LayerCost:
             bwd = self.bwd + self.fwd if bwd is None else bwd
         return act, bwd
 
+    def times_scaled(self, factor: float) -> LayerCost:
+        """This entry with every time (``fwd``, ``bwd`` and the optional ones) times ``factor``."""
+        given = {k: getattr(self, k) for k in _LAYER_TIMES if getattr(self, k) is not None}
+        return replace(self, **{k: v * factor for k, v in given.items()})
+
     def to_dict(self) -> dict:
         data = asdict(self)
         for key in _LAYER_NUMBERS[4:]:
@@ -198,6 +203,7 @@ class LayerCost:
 
 
 _LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional
+_LAYER_TIMES = ("fwd", "bwd", "wgrad", "full_bwd", "selective_bwd")
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,16 @@ class CostModel:
             or not math.isinf(self.replica_bandwidth)
             or not math.isinf(self.replica_add_bandwidth)
         )
+
+    def compute_scaled(self, factor: float) -> CostModel:
+        """Every compute time (layers, embedding, head, whole-model totals) times ``factor``;
+        messages, the replica sum and bytes unchanged (a calibration: tune/measured.py)."""
+        embedding, head = (
+            part and part.times_scaled(factor) for part in (self.embedding, self.head)
+        )
+        layers = tuple(layer.times_scaled(factor) for layer in self.layers)
+        totals = {"fwd_time": self.fwd_time * factor, "bwd_time": self.bwd_time * factor}
+        return replace(self, layers=layers, embedding=embedding, head=head, **totals)
 
     def without_replica_sync(self) -> CostModel:
         """This cost model with a free replica-gradient sum."""

@@ -10,7 +10,8 @@
   interleaved repetitions, the fastest median wins (:func:`pick_fastest`, or
   :func:`fastest` over timings taken by a caller that drives the steps itself, as
   ``--pipeline-reuse auto`` times megatron's training iterations);
-* the per-message CPU fitted in place (:func:`message_cpu_in_place`).
+* the per-message CPU and the compute scale fitted in place (:func:`message_cpu_in_place`,
+  :func:`fit_in_place`).
 
 [Note: measured final pick] The tuner's best candidates are often predicted within 1-2%
 of each other, finer than the cost model resolves (its per-message and per-step terms are
@@ -227,3 +228,46 @@ def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -
         mid = (low + high) / 2
         low, high = (mid, high) if gap(mid) < many_s - few_s else (low, mid)
     return (low + high) / 2
+
+
+def fit_in_place(
+    cost: CostModel, timed: Sequence[tuple[Plan, float]], rounds: int = 50
+) -> tuple[CostModel, float]:
+    """``(cost fitted, compute scale)``: ``cost`` with every compute time times the scale
+    (:meth:`~megatron_prt.sim.cost.CostModel.compute_scaled`) and ``p2p_cpu`` refitted
+    (:func:`message_cpu_in_place`), so that the simulator reproduces both measured steps of
+    ``timed`` (fewest messages first), each plan priced as ``cost`` prices it.
+
+    [Note: compute fitted in place] Per-layer times traced in one launch (every layer its own
+    stage, a few steps) move between launches by more than the schedules differ: on the
+    2-core machine identical layers' backward spans ranged 0.39-0.78 ms, and whole
+    predictions 18% under to 38% over the measured steps, nearly alike for every plan of a
+    launch. The two timed steps the per-message fit already takes are steps of the same
+    layers: the one with few messages is mostly compute, so it sets the scale of the
+    per-layer times; their gap sets the per-message CPU. Alternately: scale so the few-message
+    step comes out as measured, refit the message CPU under that scale, until the scale moves
+    by less than a millionth (secant steps: the simulated step is nearly linear in the scale,
+    its messages' share fixed). The layers' relative times stay as traced."""
+    few, few_s = timed[0]
+    scale, last = 1.0, None  # last: (scale, simulated seconds) of the round before
+    for _ in range(rounds):
+        scaled = cost.compute_scaled(scale)
+        fitted = replace(scaled, p2p_cpu=message_cpu_in_place(scaled, timed))
+        predicted = simulate(few, fitted).makespan
+        if predicted <= 0:
+            raise ConfigError(
+                f"the few-message step simulates to {predicted} s: no compute to scale"
+            )
+        if abs(few_s / predicted - 1) <= 1e-6:
+            return fitted, scale
+        if last is None or last[1] == predicted:
+            step = scale * (few_s / predicted - 1)  # the step is all compute
+        else:  # secant: compute scales, the messages' share does not
+            step = (few_s - predicted) * (scale - last[0]) / (predicted - last[1])
+        last = (scale, predicted)
+        scale = scale + step if scale + step > 0 else scale / 2
+    raise ConfigError(
+        f"the compute scale did not settle in {rounds} rounds (few-message step measured "
+        f"{few_s:.6f} s, simulated {predicted:.6f} s at scale {scale:.4f}): the step with few "
+        "messages must be mostly compute; time one with fewer messages or more layers"
+    )

@@ -61,6 +61,7 @@ def _stack_result(pick_index: int) -> dict:
     pick = {"index": pick_index, "reps": 1, "selection_s": [], "selection_median_s": [1, 2, 3]}
     return {
         "cost": cost,
+        "compute_scale": 0.875,
         "entries": [_row(e) for e in entries],
         "tuned": _row(best[pick_index]),
         "predicted_best": _row(best[0]),
@@ -89,6 +90,7 @@ def test_report_prices_the_picked_plan_and_says_how_it_was_picked():
     # the held-out rematch: its own medians, not the grid's repetitions
     assert summary["rematch"]["tuned_vs_grid_best"] == pytest.approx(1.02 / 1.1 - 1)
     assert "1100.00 / 1020.00, -7.3%" in text
+    assert "traced per-layer times scaled by 0.875" in text
 
 
 def _row(entry) -> tuple:

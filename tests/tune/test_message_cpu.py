@@ -1,19 +1,28 @@
-"""The per-message CPU fitted in place ([Note: per-message CPU in place] in
-megatron_prt/tune/measured.py): from two step times of the same layers, one plan with few
-messages and one with many, the fit finds the CPU per message under which the simulator
-reproduces their gap; never below the isolated figure. Step times here come from the
-simulator itself at a known CPU, so the answer is known."""
+"""The per-message CPU and the compute scale fitted in place ([Note: per-message CPU in
+place], [Note: compute fitted in place] in megatron_prt/tune/measured.py): from two step
+times of the same layers, one plan with few messages and one with many, the fit finds the
+CPU per message under which the simulator reproduces their gap (never below the isolated
+figure) and, jointly, the factor on every compute time under which it reproduces both.
+Step times here come from the simulator itself at a known CPU and scale, so the answer is
+known."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
-from megatron_prt.tune.measured import message_cpu_in_place
+from megatron_prt.tune.measured import fit_in_place, message_cpu_in_place
 
 LAYERS = (LayerCost(1.0, 2.0),) * 8
+# unequal layers with every optional time given, an embedding and a head: all scale
+RICH = tuple(
+    LayerCost(1.0 + 0.1 * k, 2.0 + 0.2 * k, wgrad=0.9, full_bwd=3.0, selective_bwd=2.5)
+    for k in range(8)
+)
 FEW = build_plan(Placement(2, 1), 2, "1f1b")
 MANY = build_plan(Placement(2, 4), 2, "prt")
 
@@ -41,3 +50,45 @@ def test_cost_files_without_p2p_cpu_still_load():
     assert CostModel.from_dict(old).p2p_cpu == 0.0
     fitted = CostModel.from_dict({**old, "p2p_cpu": 0.02})
     assert fitted.p2p_cpu == 0.02 and CostModel.from_dict(fitted.to_dict()) == fitted
+
+
+@pytest.mark.parametrize("true_scale, true_cpu", [(0.8, 0.1), (1.3, 0.02), (0.5, 0.4)])
+def test_joint_fit_recovers_scale_and_cpu(true_scale, true_cpu):
+    ends = {"embedding": LayerCost(0.5, 0.7), "head": LayerCost(2.0, 3.0, wgrad=1.0)}
+    traced = CostModel(layers=RICH, p2p_latency=0.01, p2p_cpu=0.01, **ends)
+    truth = replace(traced.compute_scaled(true_scale), p2p_cpu=true_cpu)
+    fitted, scale = fit_in_place(traced, _timed(truth))
+    assert scale == pytest.approx(true_scale, rel=1e-4)
+    assert fitted.p2p_cpu == pytest.approx(true_cpu, rel=1e-3)
+    assert fitted.head.wgrad == pytest.approx(1.0 * true_scale, rel=1e-4)
+    for got, want in zip(fitted.layers, truth.layers, strict=True):
+        for name in ("fwd", "bwd", "wgrad", "full_bwd", "selective_bwd"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-4)
+    for plan, seconds in _timed(truth):  # both steps come out as measured
+        assert simulate(plan, fitted).makespan == pytest.approx(seconds, rel=1e-5)
+
+
+def test_the_cpu_fit_alone_misreads_a_compute_scale_as_message_cost():
+    # what the joint fit is for: with traced times 25% too high, fitting the message CPU
+    # alone cannot match the few-message step, and the CPU it finds is not the true one
+    traced = CostModel(layers=LAYERS, p2p_latency=0.01, p2p_cpu=0.01)
+    truth = replace(traced.compute_scaled(0.8), p2p_cpu=0.1)
+    alone = replace(traced, p2p_cpu=message_cpu_in_place(traced, _timed(truth)))
+    few, few_s = _timed(truth)[0]
+    assert simulate(few, alone).makespan > 1.2 * few_s
+    assert fit_in_place(traced, _timed(truth))[1] == pytest.approx(0.8, rel=1e-4)
+
+
+def test_scaling_leaves_bytes_and_messages_alone():
+    cost = CostModel(
+        layers=(LayerCost(1.0, 2.0, act=5.0, param=7.0, wact=3.0),) * 2,
+        p2p_latency=0.2,
+        p2p_cpu=0.1,
+        message_bytes=9.0,
+        replica_latency=0.3,
+    )
+    scaled = cost.compute_scaled(0.5)
+    assert scaled.layers[0] == LayerCost(0.5, 1.0, act=5.0, param=7.0, wact=3.0)
+    assert (scaled.p2p_latency, scaled.p2p_cpu, scaled.message_bytes) == (0.2, 0.1, 9.0)
+    assert scaled.replica_latency == 0.3 and scaled.embedding is None
+    assert (scaled.fwd_time, scaled.bwd_time) == (0.5, 1.0)

@@ -48,6 +48,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--wide", type=int, default=8192, help="the wide stack's channels")
     p.add_argument("--mb-size", type=int, default=32, help="rows per micro-batch")
     p.add_argument("--profile-steps", type=int, default=5, help="traced profiling steps")
+    p.add_argument(
+        "--fit-steps",
+        type=int,
+        default=15,
+        help="timed steps of each of the two plans the compute scale and message CPU are "
+        "fitted to (default 15)",
+    )
     p.add_argument("--burst", type=int, default=64, help="messages per CPU-cost burst")
     p.add_argument(
         "--top", type=int, default=6, help="tuner's best predicted candidates timed to pick one"
@@ -63,8 +70,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.smoke:
         args.hidden, args.wide, args.mb_size, args.reps, args.warmup = 32, 256, 2, 1, 1
         args.profile_steps, args.burst, args.top, args.pick_reps = 1, 4, 2, 1
-    if args.top < 1 or args.pick_reps < 1:
-        p.error(f"--top and --pick-reps must be >= 1, got {args.top} and {args.pick_reps}")
+        args.fit_steps = 1
+    if min(args.top, args.pick_reps, args.fit_steps) < 1:
+        p.error(
+            f"--top, --pick-reps and --fit-steps must be >= 1, got {args.top}, "
+            f"{args.pick_reps} and {args.fit_steps}"
+        )
     return args
 
 
@@ -91,6 +102,7 @@ def summarize(per_rank: list[dict]) -> dict:
         pick = res["tune"]["pick"]
         out[stack] = {
             "costs": cost.to_dict(),
+            "compute_scale": res["compute_scale"],
             "rows": sorted(grid, key=lambda r: r["measured_s"]),
             "grid_best": best,
             "predicted_best": min(grid, key=lambda r: r["predicted_s"]),
@@ -152,8 +164,9 @@ def markdown(summary: dict, info: dict) -> str:
             "",
             f"## {stack}: every grid row (fastest measured first)",
             "",
-            "Per-message CPU fitted in place ([Note: per-message CPU in place] in "
-            "`megatron_prt/tune/measured.py`): "
+            "Fitted in place ([Note: compute fitted in place] in "
+            "`megatron_prt/tune/measured.py`): traced per-layer times scaled by "
+            f"{s['compute_scale']:.3f}, per-message CPU "
             f"{1e3 * s['costs'].get('p2p_cpu', 0.0):.3f} ms; "
             f"latency {1e3 * s['costs'].get('p2p_latency', 0.0):.3f} ms.",
             "",

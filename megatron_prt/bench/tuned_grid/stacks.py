@@ -11,17 +11,17 @@ its own stage (R = layers // P, loop) under a traced 1F1B-order step and a trace
 split-backward step, F, B, I and W medians per layer (backward: the whole one, W its share
 of the split one); one message of the stack's width
 timed on the shared-memory transport; the bi replica-gradient sum calibrated on a bi
-runtime at the stack's width and at an eighth of it; the per-message CPU fitted in place
-on the stack's own layers, as ``megatron-prt profile`` fits it on its stand-in
-(:func:`megatron_prt.runtime.comm_timing.few_and_many_messages`, [Note: per-message CPU in
-place] in :mod:`megatron_prt.tune.measured`).
+runtime at the stack's width and at an eighth of it. Then the stack's own layers run a
+1F1B step (few messages) and a step with every layer its own stage (many), at the grid's
+micro-batch count, interleaved: the per-layer times are scaled so that the first comes out
+as measured and the per-message CPU is fitted to their gap
+(:func:`megatron_prt.tune.measured.fit_in_place`, [Note: compute fitted in place]).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from ...runtime import PipelineRuntime, build_stages
 from ...runtime.comm_timing import few_and_many_messages, step_spans
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
-from ...tune.measured import message_cpu_in_place
+from ...tune.measured import fit_in_place
 from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs
 
 STACKS = ("equal", "head", "wide")
@@ -151,8 +151,10 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
     return replica_cost_fields(fit)
 
 
-def profile_costs(rank: int, world: int, stack: str, args) -> CostModel:
-    """The stack's cost model (module docstring), the same on every rank."""
+def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float]:
+    """The stack's cost model (module docstring) and the compute scale fitted in place, the
+    same on every rank. The few- and many-message steps run at the grid's micro-batch count,
+    ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
     latency, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
     cost = CostModel(
@@ -161,7 +163,7 @@ def profile_costs(rank: int, world: int, stack: str, args) -> CostModel:
         p2p_cpu=cpu,
         **replica_fields(rank, world, stack, args),
     )
-    xs, ys = batch(stack, args, max(2, world))
+    xs, ys = batch(stack, args, args.microbatches)
     timed = few_and_many_messages(
         world,
         layer_maker(stack, args),
@@ -169,10 +171,9 @@ def profile_costs(rank: int, world: int, stack: str, args) -> CostModel:
         xs,
         ys,
         mse_loss,
-        args.profile_steps,
+        args.fit_steps,
         shm_capacity=shm_capacity(stack, args),
     )
-    cost = replace(cost, p2p_cpu=message_cpu_in_place(cost, timed))
-    shared = [cost]
+    shared = [fit_in_place(cost, timed)]
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank
     return shared[0]
