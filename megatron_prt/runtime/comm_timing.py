@@ -139,29 +139,38 @@ def layer_costs_in_place(
 
 
 def few_and_many_messages(
-    world: int, make_layer: Callable, num_layers: int, xs, ys, loss_fn, steps: int, **kwargs
+    world: int,
+    make_layer: Callable,
+    num_layers: int,
+    xs,
+    ys,
+    loss_fn,
+    steps: int,
+    bi: bool = False,
+    **kwargs,
 ) -> list[tuple[Plan, float]]:
     """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
-    few messages) and of every layer its own stage (many), on the actual transport
-    (``kwargs`` go to the runtime), ``steps`` each after one warm-up step each, the two
-    interleaved in shuffled rounds (:func:`~megatron_prt.tune.measured.interleaved_rounds`:
-    a machine that slows down mid-way slows both alike); what :func:`~megatron_prt.tune.
-    measured.fit_in_place` fits from. Collective."""
+    few messages), of every layer its own stage (many) and, with ``bi``, of R = 1 loop/bi
+    (its replica sum included), on the actual transport (``kwargs`` go to the runtime),
+    ``steps`` each after one warm-up step each, interleaved in shuffled rounds
+    (:func:`~megatron_prt.tune.measured.interleaved_rounds`: a machine that slows down
+    mid-way slows all alike); what :func:`~megatron_prt.tune.measured.fit_in_place` fits
+    from. Collective."""
     if num_layers % world or num_layers // world < 2:
         raise ValueError(
             f"fitting the per-message CPU needs a multiple of the {world} ranks, at least "
             f"{2 * world} layers (every layer its own stage against R = 1), got {num_layers}"
         )
     runners = []
-    for reuse, schedule in ((1, "1f1b"), (num_layers // world, "prt")):
-        placement = Placement(world, reuse)
+    layouts = [(Placement(world, 1), "1f1b"), (Placement(world, num_layers // world), "prt")]
+    for placement, schedule in layouts + ([(Placement(world, 1, "loop", "bi"), "prt")] * bi):
         plan = build_plan(placement, len(xs), schedule)
         stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
         runners.append(RuntimeRunner(plan, stages, loss_fn, xs, ys, **kwargs))
     for runner in runners:
         runner.step()  # warm-up: shapes exchanged, allocator primed (not timed)
-    seconds: list[list[float]] = [[], []]
-    for order in interleaved_rounds(2, steps):
+    seconds: list[list[float]] = [[] for _ in runners]
+    for order in interleaved_rounds(len(runners), steps):
         for i in order:
             seconds[i].append(slowest_step_seconds(runners[i]))
     for runner in runners:

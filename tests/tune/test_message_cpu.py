@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_prt.core import Placement, build_plan
+from megatron_prt.core.placement import ConfigError
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
 from megatron_prt.tune.measured import fit_in_place, message_cpu_in_place
@@ -92,3 +93,17 @@ def test_scaling_leaves_bytes_and_messages_alone():
     assert (scaled.p2p_latency, scaled.p2p_cpu, scaled.message_bytes) == (0.2, 0.1, 9.0)
     assert scaled.replica_latency == 0.3 and scaled.embedding is None
     assert (scaled.fwd_time, scaled.bwd_time) == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("true_latency", [0.0, 0.6, 2.5])
+def test_a_bi_step_sets_the_replica_latency(true_latency):
+    bi = build_plan(Placement(2, 1, "loop", "bi"), 2)
+    traced = CostModel(layers=RICH, p2p_latency=0.01, p2p_cpu=0.01, replica_latency=0.1)
+    truth = replace(traced.compute_scaled(0.9), p2p_cpu=0.05, replica_latency=true_latency)
+    timed = [*_timed(truth), (bi, simulate(bi, truth).makespan)]
+    fitted, scale = fit_in_place(traced, timed)
+    assert scale == pytest.approx(0.9, rel=1e-4)  # the uni steps alone set scale and CPU
+    # never below the figure timed alone (0.1): a bi step faster than that keeps it
+    assert fitted.replica_latency == pytest.approx(max(true_latency, 0.1), rel=1e-4)
+    with pytest.raises(ConfigError, match="must be of a bi plan"):
+        fit_in_place(traced, [*_timed(truth), _timed(truth)[1]])

@@ -168,7 +168,8 @@ def markdown(summary: dict, info: dict) -> str:
             "`megatron_prt/tune/measured.py`): traced per-layer times scaled by "
             f"{s['compute_scale']:.3f}, per-message CPU "
             f"{1e3 * s['costs'].get('p2p_cpu', 0.0):.3f} ms; "
-            f"latency {1e3 * s['costs'].get('p2p_latency', 0.0):.3f} ms.",
+            f"replica latency {1e3 * s['costs'].get('replica_latency', 0.0):.3f} ms; "
+            f"message latency {1e3 * s['costs'].get('p2p_latency', 0.0):.3f} ms.",
             "",
             "| configuration | measured ms | predicted ms | predicted vs measured |",
             "|---|---:|---:|---:|",

@@ -12,10 +12,12 @@ split-backward step, F, B, I and W medians per layer (backward: the whole one, W
 of the split one); one message of the stack's width
 timed on the shared-memory transport; the bi replica-gradient sum calibrated on a bi
 runtime at the stack's width and at an eighth of it. Then the stack's own layers run a
-1F1B step (few messages) and a step with every layer its own stage (many), at the grid's
-micro-batch count, interleaved: the per-layer times are scaled so that the first comes out
-as measured and the per-message CPU is fitted to their gap
-(:func:`megatron_prt.tune.measured.fit_in_place`, [Note: compute fitted in place]).
+1F1B step (few messages), a step with every layer its own stage (many) and an R = 1
+loop/bi step, at the grid's micro-batch count, interleaved: the per-layer times are scaled
+so that the first comes out as measured, the per-message CPU is fitted to the gap of the
+first two and the replica latency to the third
+(:func:`megatron_prt.tune.measured.fit_in_place`, [Note: compute fitted in place], [Note:
+the replica sum in place]).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
 
 def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float]:
     """The stack's cost model (module docstring) and the compute scale fitted in place, the
-    same on every rank. The few- and many-message steps run at the grid's micro-batch count,
+    same on every rank. The three fitted steps run at the grid's micro-batch count,
     ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
     latency, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
@@ -172,6 +174,7 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         ys,
         mse_loss,
         args.fit_steps,
+        bi=True,
         shm_capacity=shm_capacity(stack, args),
     )
     shared = [fit_in_place(cost, timed)]
