@@ -131,8 +131,9 @@ def _event_keys(
     depth = 1 if levels is None else max(levels[1], default=0) + 1
     unit = depth * 2 * ranks * steps  # one tick
     ends = list(map(add, map(mul, ticks.end, repeat(unit)), low))
-    begins = map(mul, map(sub, ticks.end, ticks.duration), repeat(unit))
-    starts = list(map(add, begins, map(add, low, repeat(ranks * steps))))
+    # start = end key - duration ticks + the start flag; durations take few values
+    back = {busy: busy * unit - ranks * steps for busy in set(ticks.duration)}
+    starts = list(map(sub, ends, map(back.__getitem__, ticks.duration)))
     if levels is not None:
         level_unit = repeat(2 * ranks * steps)
         starts = list(map(add, starts, map(mul, levels[0], level_unit)))
