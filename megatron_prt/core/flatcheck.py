@@ -73,8 +73,9 @@ comparison fails nothing is assumed: ``plan`` is checked on its own.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from itertools import accumulate, chain, compress, repeat
-from operator import add, is_, itemgetter, le, mod, sub
+from operator import add, getitem, is_, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -144,9 +145,9 @@ class _Flat:
     Kinds are numbered ``stage * len(ops) + slot``, slot the op's place among the ops the
     plan holds (``slot``), so ``where`` has one row per kind the plan could hold."""
 
-    def __init__(self, plan: Plan, keys: list[int], ops: list[Op]) -> None:
+    def __init__(self, plan: Plan, n: int, ops: list[Op]) -> None:
         self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
-        self.keys, self.n, self.ops = keys, len(keys), ops
+        self.n, self.ops = n, ops
         self.slot = {op: k for k, op in enumerate(ops)}
         self.starts = [0, *accumulate(map(len, plan.ranks))]
         self.split = Op.I in ops
@@ -187,7 +188,7 @@ class _Flat:
         if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
             return None
         mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
-        if not mbs or min(mbs) < 0 or max(mbs) >= m:
+        if not mbs or min(mbs) < 0:  # one past the last: an IndexError below
             return None
         op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
         if set(map(type, op_of)) != {Op}:  # "F" equals Op.F and hashes alike: not enough
@@ -196,29 +197,32 @@ class _Flat:
         ops = [op for op in Op if op in present]
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
-        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks; a
-        # rank's stage blocks are None but at its own stages, so a stage of another rank
-        # is a TypeError and one past the last an IndexError (a negative one would wrap).
-        # keys and where are plain lists: reading a list hands out the int it holds, where
-        # an array makes a new one per read (the rows are read and compared many times)
         if min(map(_STAGE, chain.from_iterable(plan.ranks))) < 0:
             return None
-        op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
+        # key = (stage * len(ops) + slot) * m + mb: a stage block (a rank's are None but at
+        # its own stages, so a stage of another rank is a TypeError and one past the last an
+        # IndexError; a negative one would wrap) plus slot * m + mb, read from a list per
+        # op (no int made per action but the key). keys and where are plain lists: reading
+        # a list hands out the int it holds, where an array makes a new one per read (the
+        # rows are read and compared many times)
+        slots = {op: list(range(k * m, (k + 1) * m)) for k, op in enumerate(ops)}
+        in_kind = map(getitem, map(slots.__getitem__, op_of), mbs)
         stage_of = chain.from_iterable(
             map(_stage_blocks(placement, rank, len(ops) * m).__getitem__, map(_STAGE, acts))
             for rank, acts in enumerate(plan.ranks)
         )
-        keys = map(add, map(add, stage_of, op_blocks), mbs)
-        flat = cls(plan, list(keys), ops)
-        return flat if flat._complete(op_of) and flat._pipelines_match() else None
+        flat = cls(plan, len(mbs), ops)
+        keys = map(add, stage_of, in_kind)
+        return flat if flat._complete(keys, op_of) and flat._pipelines_match() else None
 
-    def _complete(self, op_of: list[Op]) -> bool:
-        """Keys distinct; compute ops one of F | F, B | F, I, W; every needed action there."""
+    def _complete(self, keys: Iterable[int], op_of: list[Op]) -> bool:
+        """Keys distinct (one per action, in plan order); compute ops one of F | F, B |
+        F, I, W; every needed action there."""
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
         self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
-        deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
+        deque(map(where.__setitem__, keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
         if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
@@ -326,9 +330,11 @@ class _Flat:
             if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
                 return None
             # a message is all there or all absent (every compute action is there): else a
-            # lone SEND would be paired with index -1, the plan's last action
+            # lone SEND would be paired with index -1, the plan's last action. The SENDs
+            # are: there where the producer is (>= it), absent at the other pipelines'
+            # micro-batches (_pipelines_match), so only the RECVs need counting
             absent = consumers.count(-1)
-            if not sends.count(-1) == receives.count(-1) == absent:
+            if receives.count(-1) != absent:
                 return None
             messages += len(consumers) - absent
             deque(map(partner.__setitem__, sends, receives), maxlen=0)
