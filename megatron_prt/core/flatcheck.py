@@ -291,21 +291,25 @@ class _Flat:
 
     def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
         """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
-        that edge (:func:`message_ends`, asked once per kind the plan holds); None if one
-        carries no one tensor."""
+        that edge (:func:`message_ends`, asked once per kind); None if the plan holds one
+        that carries no one tensor across ranks."""
         carrier, rank_of = {}, self.placement.stage_to_rank
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
-                row = self.row(kind)
-                if row.count(-1) == len(row):  # the plan has no such action
-                    continue
                 try:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)
                 except ValueError:
-                    return None
-                if rank_of[ends[0].stage] == rank_of[ends[1].stage]:
-                    return None  # a same-rank hand-off needs no message: the close look
+                    ends = None
+                # a kind that carries no one tensor, or hands one over on its rank (no
+                # message needed: the close look), is refused when the plan holds it; a
+                # kind that would carry one is kept even when absent: its edge's check
+                # then finds no SEND or RECV there
+                if ends is None or rank_of[ends[0].stage] == rank_of[ends[1].stage]:
+                    row = self.row(kind)
+                    if row.count(-1) != len(row):
+                        return None
+                    continue
                 edge = tuple(self.kind(end.stage, end.op) for end in ends)
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
