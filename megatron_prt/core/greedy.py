@@ -534,26 +534,17 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    lanes = _lanes(graph)
+    lanes = plan.lanes  # evenly spaced: a graph kind's ids are a strided row
     if lanes is None:
         kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
     else:
-        kind_of = _by_rows(graph, where, lanes, lambda g, ids: repeat(by_graph_kind[g]), 0)
+        kind_of = Replayer.by_rows(where, graph.width, lanes, by_graph_kind, shifts=False)
 
     def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
-        steps = [
-            n + 1 if o < 0 else o - j
-            for pipe in graph._producer_offsets
-            for j, o in enumerate(pipe[2])
-        ]
-        if lanes is not None:  # a producer's row is its consumer's, shifted by the step
-
-            def shifted(g: int, ids: slice) -> list[int] | tuple:
-                if steps[g] > n:  # no producer on another rank: the row keeps -1
-                    return ()
-                return where[ids.start + steps[g] : ids.stop + steps[g] : ids.step]
-
-            return _by_rows(graph, where, lanes, shifted, -1)
+        offsets = graph._producer_offsets
+        steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
+        if lanes is not None:
+            return Replayer.by_rows(where, graph.width, lanes, steps, shifts=True)
         graph_kinds = graph.kinds_of(flat)
         return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
 
@@ -580,37 +571,6 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         ends = list(map(add, chain.from_iterable(result.begins), durations))
         tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
     return Replayer.from_tables(plan, tables)
-
-
-def _lanes(graph: Graph) -> list[tuple[int, int]] | None:
-    """Per pipeline (first micro-batch, step) when its micro-batches are evenly spaced to
-    the end (what :func:`~megatron_prt.core.plan.split_microbatches` makes), else None."""
-    m, lanes = len(graph.mb_pipeline), []
-    for pipe in range(graph.placement.num_pipelines):
-        own = [mb for mb, p in enumerate(graph.mb_pipeline) if p == pipe]
-        if not own:
-            lanes.append((m, 1))
-            continue
-        step = own[1] - own[0] if len(own) > 1 else m
-        if own != list(range(own[0], m, step)):
-            return None
-        lanes.append((own[0], step))
-    return lanes
-
-
-def _by_rows(graph: Graph, where: list[int], lanes: list, values, fill: int) -> list:
-    """Per action of the plan (index ``where[id]``), ``values(g, ids)`` of its graph kind
-    ``g``, written one row at a time: the ids of ``g = pipe * width + j`` are ``mb * width
-    + j`` over the pipeline's micro-batches, the strided slice ``ids``, so no id is looked
-    up one by one. ``fill`` where no row writes."""
-    n, width = graph.n, graph.width
-    out = [fill] * (n + 1)  # out[n]: where the ids the plan lacks land
-    for pipe, (first, step) in enumerate(lanes):
-        for j in range(width):
-            ids = slice(first * width + j, n, step * width)
-            deque(map(out.__setitem__, where[ids], values(pipe * width + j, ids)), maxlen=0)
-    del out[n:]
-    return out
 
 
 def _kind_ids(graph: Graph) -> list[int]:

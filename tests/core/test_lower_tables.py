@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from megatron_prt.core import Placement, StageTimes
-from megatron_prt.core.greedy import Policy, _lanes, compile_graph, compiled_schedule, schedule_ids
+from megatron_prt.core.greedy import Policy, compile_graph, compiled_schedule, schedule_ids
 from megatron_prt.core.plan import Plan, split_microbatches
 from megatron_prt.core.replay import Replayer
 
@@ -42,8 +42,13 @@ def test_kept_tables_are_the_plans_tables(placement, direction, split):
 
 
 def test_lanes_are_the_evenly_spaced_splits():
-    place = Placement(2, 1, "loop", "bi")
-    assert _lanes(compile_graph(place, (0, 1, 0, 1, 0))) == [(0, 2), (1, 2)]
-    assert _lanes(compile_graph(place, (0, 0, 1, 1))) is None
-    assert _lanes(compile_graph(place, (1, 0, 0, 0))) == [(1, 1), (0, 4)]
-    assert _lanes(compile_graph(place, (0, 0, 0, 1))) is None  # pipeline 0 stops early
+    def lanes(mb_pipeline):
+        return Plan(
+            Placement(2, 1, "loop", "bi"), len(mb_pipeline), ((), ()), "prt", mb_pipeline
+        ).lanes
+
+    assert lanes((0, 1, 0, 1, 0)) == [(0, 2), (1, 2)]
+    assert lanes((0, 0, 1, 1)) is None
+    assert lanes((1, 0, 0, 0)) == [(1, 1), (0, 4)]
+    assert lanes((0, 0, 0, 1)) is None  # pipeline 0 stops early
+    assert lanes((0, 0, 0)) == [(0, 1), (3, 1)]  # pipeline 1 has none
