@@ -534,7 +534,7 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    lanes = plan.lanes  # evenly spaced: a graph kind's ids are a strided row
+    lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
     if lanes is None:
         kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
     else:
