@@ -28,12 +28,27 @@ A lowered plan adds the SEND/RECV rows: every message (a consumer with a remote 
 has exactly one SEND, after its producer on the producer's rank, and one RECV, before its
 consumer on the consumer's rank, and there are no other SEND/RECV actions. Then a compute
 action never blocks under :mod:`megatron_prt.core.rendezvous`'s rule (its local producers
-and its RECV precede it on its rank), so only the SEND/RECV pairs can: a pair completes
-when both ranks stand at it, i.e. each waits for the action before its partner (-1 when the
-partner is first on its rank), and the same replay decides. It also proves the compute
-order (producer, SEND = RECV, consumer is a path in time). A SEND before its producer is
-refused by both (the close checks' blocking replay makes a SEND wait for its producer and
-names it; :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
+and its RECV precede it on its rank), so only the SEND/RECV pairs can, and the replay walks
+pairs (see [Note: pairs only]). It also proves the compute order (producer, SEND = RECV,
+consumer is a path in time). A SEND before its producer is refused by both (the close
+checks' blocking replay makes a SEND wait for its producer and names it;
+:func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
+
+[Note: pairs only]
+In a lowered plan that passed the row checks, ``partner`` pairs every SEND with its RECV
+(one to one: each message fills one slot of one SEND row and one of one RECV row, where
+holds distinct keys, and the SEND/RECV count is twice the message count) on another rank
+(``_carriers`` refuses a same-rank carrier), and compute actions never block. A pair
+completes when both ranks stand at it (:mod:`megatron_prt.core.rendezvous`: a SEND and
+its RECV complete together), so compute actions need no step of their own in the replay
+beyond being walked past. :func:`_pairs_complete` runs it
+with no parking: a rank walks until it reaches a SEND/RECV whose partner's rank is not
+standing at the partner, and stops there; the rank that reaches the other end later finds
+it standing, completes the pair, moves it past and hands it back to the loop. Every rank
+that stops stands at a SEND/RECV (a rank moved by a peer is in the loop again), so no pair
+whose two ranks both stand at it is ever left behind, and no pair completes unless both
+stood at it: the run completes exactly the pairs the rule can complete, in some order, and
+which order does not matter (a pair that can complete stays so until it does).
 
 [Note: a lowering's check covers its plan]
 :func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
@@ -58,12 +73,14 @@ comparison fails nothing is assumed: ``plan`` is checked on its own.
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate, chain, compress, pairwise, repeat
-from operator import add, is_, itemgetter, le, mod, sub
+from collections.abc import Iterable
+from itertools import accumulate, chain, compress, repeat
+from operator import add, getitem, is_, itemgetter, le, mod, sub
 
 from .actions import Action, Op
 from .deps import producers
 from .lower import message_ends
+from .placement import Placement
 from .plan import Plan
 
 _STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
@@ -111,12 +128,16 @@ def _passing(plan: Plan) -> _Flat | None:
     """The flat plan when ``plan`` passes (:func:`passes`), else None."""
     try:
         flat = _Flat.of(plan)
-    except (IndexError, KeyError, TypeError):  # a stage out of range, an op no Op, a str mb
+    except (IndexError, KeyError, TypeError):  # a stage out of range or on another rank
         return None
     if flat is None or not flat.local_order_holds():
         return None
-    need = flat.message_needs() if plan.lowered else flat.remote_needs()
-    return flat if need is not None and _replay_completes(need, flat.starts) else None
+    if plan.lowered:
+        partner = flat.message_partners()
+        done = partner is not None and _pairs_complete(partner, flat.starts)
+    else:
+        done = _replay_completes(flat.remote_needs(), flat.starts)
+    return flat if done else None
 
 
 class _Flat:
@@ -124,9 +145,9 @@ class _Flat:
     Kinds are numbered ``stage * len(ops) + slot``, slot the op's place among the ops the
     plan holds (``slot``), so ``where`` has one row per kind the plan could hold."""
 
-    def __init__(self, plan: Plan, keys: list[int], ops: list[Op]) -> None:
+    def __init__(self, plan: Plan, n: int, ops: list[Op]) -> None:
         self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
-        self.keys, self.n, self.ops = keys, len(keys), ops
+        self.n, self.ops = n, ops
         self.slot = {op: k for k, op in enumerate(ops)}
         self.starts = [0, *accumulate(map(len, plan.ranks))]
         self.split = Op.I in ops
@@ -166,14 +187,9 @@ class _Flat:
         placement, m = plan.placement, plan.num_microbatches
         if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
             return None
-        stages = list(map(_STAGE, chain.from_iterable(plan.ranks)))
         mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
-        if not stages or min(mbs) < 0 or max(mbs) >= m:
+        if not mbs or min(mbs) < 0:  # one past the last: an IndexError below
             return None
-        starts = [0, *accumulate(map(len, plan.ranks))]
-        for rank, (first, last) in enumerate(pairwise(starts)):  # also: stages in range
-            if not frozenset(placement.rank_stages[rank]).issuperset(stages[first:last]):
-                return None
         op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
         if set(map(type, op_of)) != {Op}:  # "F" equals Op.F and hashes alike: not enough
             return None
@@ -181,22 +197,32 @@ class _Flat:
         ops = [op for op in Op if op in present]
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
-        # key = (stage * len(ops) + slot) * m + mb, looked up as stage and slot blocks;
-        # keys and where are plain lists: reading a list hands out the int it holds, where an
-        # array makes a new one per read (the rows are read and compared many times)
-        op_blocks = map({op: k * m for k, op in enumerate(ops)}.__getitem__, op_of)
-        stage_blocks = list(range(0, placement.num_stages * len(ops) * m, len(ops) * m))
-        keys = map(add, map(add, map(stage_blocks.__getitem__, stages), op_blocks), mbs)
-        flat = cls(plan, list(keys), ops)
-        return flat if flat._complete(op_of) and flat._pipelines_match() else None
+        if min(map(_STAGE, chain.from_iterable(plan.ranks))) < 0:
+            return None
+        # key = (stage * len(ops) + slot) * m + mb: a stage block (a rank's are None but at
+        # its own stages, so a stage of another rank is a TypeError and one past the last an
+        # IndexError; a negative one would wrap) plus slot * m + mb, read from a list per
+        # op (no int made per action but the key). keys and where are plain lists: reading
+        # a list hands out the int it holds, where an array makes a new one per read (the
+        # rows are read and compared many times)
+        slots = {op: list(range(k * m, (k + 1) * m)) for k, op in enumerate(ops)}
+        in_kind = map(getitem, map(slots.__getitem__, op_of), mbs)
+        stage_of = chain.from_iterable(
+            map(_stage_blocks(placement, rank, len(ops) * m).__getitem__, map(_STAGE, acts))
+            for rank, acts in enumerate(plan.ranks)
+        )
+        flat = cls(plan, len(mbs), ops)
+        keys = map(add, stage_of, in_kind)
+        return flat if flat._complete(keys, op_of) and flat._pipelines_match() else None
 
-    def _complete(self, op_of: list[Op]) -> bool:
-        """Keys distinct; compute ops one of F | F, B | F, I, W; every needed action there."""
+    def _complete(self, keys: Iterable[int], op_of: list[Op]) -> bool:
+        """Keys distinct (one per action, in plan order); compute ops one of F | F, B |
+        F, I, W; every needed action there."""
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
         self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
-        deque(map(where.__setitem__, self.keys, range(n)), maxlen=0)
+        deque(map(where.__setitem__, keys, range(n)), maxlen=0)
         if len(where) - where.count(-1) != n:
             return False
         if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
@@ -265,35 +291,38 @@ class _Flat:
 
     def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
         """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
-        that edge (:func:`message_ends`, asked once per kind the plan holds); None if one
-        carries no one tensor."""
+        that edge (:func:`message_ends`, asked once per kind); None if the plan holds one
+        that carries no one tensor across ranks."""
         carrier, rank_of = {}, self.placement.stage_to_rank
         for stage in range(self.placement.num_stages):
             for op in (op for op in self.ops if op.is_comm):
                 kind = self.kind(stage, op)
-                row = self.row(kind)
-                if row.count(-1) == len(row):  # the plan has no such action
-                    continue
                 try:
                     ends = message_ends(Action(stage, op, 0), self.placement, self.split)
                 except ValueError:
-                    return None
-                if rank_of[ends[0].stage] == rank_of[ends[1].stage]:
-                    return None  # a same-rank hand-off needs no message: the close look
+                    ends = None
+                # a kind that carries no one tensor, or hands one over on its rank (no
+                # message needed: the close look), is refused when the plan holds it; a
+                # kind that would carry one is kept even when absent: its edge's check
+                # then finds no SEND or RECV there
+                if ends is None or rank_of[ends[0].stage] == rank_of[ends[1].stage]:
+                    row = self.row(kind)
+                    if row.count(-1) != len(row):
+                        return None
+                    continue
                 edge = tuple(self.kind(end.stage, end.op) for end in ends)
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
 
-    def message_needs(self) -> list[int] | None:
-        """Per action of a lowered plan: what it waits for under blocking send/recv, given
-        that every message has its SEND after the producer and its RECV before the consumer
-        and there are no other SEND/RECV actions (else None). A SEND or RECV waits for the
-        action before its partner (the partner's rank stands at the partner), -1 when the
-        partner is first on its rank; a compute action waits for nothing more."""
-        carrier, row, n = self._carriers(), self.row, self.n
+    def message_partners(self) -> list[int] | None:
+        """Per action of a lowered plan: the index of its SEND's RECV or its RECV's SEND (-1
+        for a compute action), given that every message has its SEND after the producer
+        and its RECV before the consumer and there are no other SEND/RECV actions (else
+        None): then the partners pair the plan's SEND/RECV actions one to one."""
+        carrier, row = self._carriers(), self.row
         if carrier is None:
             return None
-        need, partner_kind, messages = [-1] * (n + 1), {}, 0
+        partner, messages = [-1] * self.n, 0
         for producer, consumer, crosses in self.edges:
             if not crosses:
                 continue
@@ -305,21 +334,24 @@ class _Flat:
             if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
                 return None
             # a message is all there or all absent (every compute action is there): else a
-            # lone SEND's partner index -1 would read as "wait for the plan's last action"
+            # lone SEND would be paired with index -1, the plan's last action. The SENDs
+            # are: there where the producer is (>= it), absent at the other pipelines'
+            # micro-batches (_pipelines_match), so only the RECVs need counting
             absent = consumers.count(-1)
-            if not sends.count(-1) == receives.count(-1) == absent:
+            if receives.count(-1) != absent:
                 return None
             messages += len(consumers) - absent
-            deque(map(need.__setitem__, sends, map(add, receives, repeat(-1))), maxlen=0)
-            deque(map(need.__setitem__, receives, map(add, sends, repeat(-1))), maxlen=0)
-            partner_kind[sent], partner_kind[received] = received, sent
-        if 2 * messages != n - self.computes:
-            return None
-        for start in set(self.starts[1:-1]) - {n}:  # a partner first on its rank: no wait
-            kind, mb = divmod(self.keys[start], self.m)
-            if kind in partner_kind:
-                need[self.where[partner_kind[kind] * self.m + mb]] = -1
-        return need
+            deque(map(partner.__setitem__, sends, receives), maxlen=0)
+            deque(map(partner.__setitem__, receives, sends), maxlen=0)
+        return partner if 2 * messages == self.n - self.computes else None
+
+
+def _stage_blocks(placement: Placement, rank: int, block: int) -> list[int | None]:
+    """Per stage: ``stage * block`` for the stages of ``rank``, None for the others."""
+    blocks: list[int | None] = [None] * placement.num_stages
+    for stage in placement.rank_stages[rank]:
+        blocks[stage] = stage * block
+    return blocks
 
 
 def _replay_completes(need: list[int], starts: list[int]) -> bool:
@@ -357,3 +389,33 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
         if i < end:
             waiting[after[i]].append(rank)
     return pos[:-1] == ends
+
+
+def _pairs_complete(partner: list[int], starts: list[int]) -> bool:
+    """The blocking replay of a lowered plan whose SEND/RECV actions ``partner`` pairs one
+    to one across ranks, compute actions (-1) never blocking: a pair completes when both
+    ranks stand at it. True when every rank finishes (see [Note: pairs only]).
+
+    The second rank to reach a pair completes it: it moves its partner's rank past the
+    partner and hands that rank back to the loop; the first to arrive only stops there.
+    One step per action and one per time a rank is taken up, no parking lists."""
+    ranks = len(starts) - 1
+    lengths = map(sub, starts[1:], starts[:-1])
+    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))
+    pos, ends = starts[:-1], starts[1:]
+    todo = list(range(ranks))
+    next_rank, again = todo.pop, todo.append
+    while todo:
+        rank = next_rank()
+        i, end = pos[rank], ends[rank]
+        while i < end:
+            other = partner[i]
+            if other >= 0:  # a SEND/RECV: complete it if its partner's rank stands there
+                peer = owner[other]
+                if pos[peer] != other:
+                    break
+                pos[peer] = other + 1
+                again(peer)
+            i += 1
+        pos[rank] = i
+    return pos == ends

@@ -534,15 +534,18 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    graph_kinds = graph.kinds_of(flat)
-    kind_of = list(map(by_graph_kind.__getitem__, graph_kinds))
+    lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
+    if lanes is None:
+        kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
+    else:
+        kind_of = Replayer.by_rows(where, graph.width, lanes, by_graph_kind, shifts=False)
 
     def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
-        steps = [
-            n + 1 if o < 0 else o - j
-            for pipe in graph._producer_offsets
-            for j, o in enumerate(pipe[2])
-        ]
+        offsets = graph._producer_offsets
+        steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
+        if lanes is not None:
+            return Replayer.by_rows(where, graph.width, lanes, steps, shifts=True)
+        graph_kinds = graph.kinds_of(flat)
         return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
 
     def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]

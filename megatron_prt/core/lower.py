@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache, partial
-from itertools import accumulate, chain, compress, pairwise, repeat
+from itertools import accumulate, compress, pairwise, repeat
 from operator import add, itemgetter, mul, sub
 
 from .actions import Action, Op
@@ -94,9 +94,8 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
-    lengths = list(map(len, plan.ranks))
-    spans = list(pairwise([0, *accumulate(lengths)]))
-    starts, ends = _event_keys(plan.placement.ranks, lengths, ticks, _levels(replayer, ticks))
+    spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
+    starts, ends = _event_keys(ticks, _levels(replayer, ticks))
     tables = _CommTables(replayer)
     actions, kind_of = replayer.actions, replayer.kind_of
     mb_of = list(map(_MB, actions))
@@ -120,21 +119,20 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     return vouch(lowered) if vouched(plan) else lowered
 
 
-def _event_keys(
-    ranks: int, lengths: list[int], ticks: Ticks, levels: tuple[list, list] | None
-) -> tuple[list, list]:
-    """Per compute action the integer of its start event ``(((start levels + level) 2 + 1)
-    ranks + rank) steps + step`` and of its end (message) event ``(((end levels + level) 2)
-    ranks + rank) steps + step``; without ``levels`` every level is 0 and ``levels`` 1."""
-    steps = max(lengths, default=0) + 1
-    low = list(chain.from_iterable(range(r * steps, r * steps + n) for r, n in enumerate(lengths)))
+def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
+    """Per compute action ``i`` (its index in the plan, ranks concatenated: the order of
+    (rank, step)) the integer of its start event ``(((start levels + level) 2 + 1) n + i``
+    and of its end (message) event ``(((end levels + level) 2) n + i``, ``n`` actions;
+    without ``levels`` every level is 0 and ``levels`` 1."""
+    n = len(ticks.end)
     depth = 1 if levels is None else max(levels[1], default=0) + 1
-    unit = depth * 2 * ranks * steps  # one tick
-    ends = list(map(add, map(mul, ticks.end, repeat(unit)), low))
-    begins = map(mul, map(sub, ticks.end, ticks.duration), repeat(unit))
-    starts = list(map(add, begins, map(add, low, repeat(ranks * steps))))
+    unit = depth * 2 * n  # one tick
+    ends = list(map(add, map(mul, ticks.end, repeat(unit)), range(n)))
+    # start = end key - duration ticks + the start flag; durations take few values
+    back = {busy: busy * unit - n for busy in set(ticks.duration)}
+    starts = list(map(sub, ends, map(back.__getitem__, ticks.duration)))
     if levels is not None:
-        level_unit = repeat(2 * ranks * steps)
+        level_unit = repeat(2 * n)
         starts = list(map(add, starts, map(mul, levels[0], level_unit)))
         ends = list(map(add, ends, map(mul, levels[1], level_unit)))
     return starts, ends

@@ -77,6 +77,19 @@ class Plan:
         return [a for a in self.ranks[rank] if a.op.is_compute]
 
     @property
+    def lanes(self) -> list[tuple[int, int]] | None:
+        """Per pipeline ``(first micro-batch, step)`` when its micro-batches are evenly
+        spaced to the last (what :func:`split_microbatches` makes), else None."""
+        m, lanes = self.num_microbatches, []
+        for pipe in range(self.placement.num_pipelines):
+            own = [mb for mb, p in enumerate(self.mb_pipeline) if p == pipe]
+            step = own[1] - own[0] if len(own) > 1 else m
+            if own and own != list(range(own[0], m, step)):
+                return None
+            lanes.append((own[0], step) if own else (m, 1))
+        return lanes
+
+    @property
     def has_backward(self) -> bool:
         return any(a.op in (Op.B, Op.I, Op.W) for actions in self.ranks for a in actions)
 

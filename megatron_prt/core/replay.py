@@ -4,8 +4,10 @@ simulation. Dependencies come only from :func:`megatron_prt.core.deps.producers`
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from operator import itemgetter
 
 from .actions import Action, Op
@@ -96,6 +98,31 @@ class Replayer:
         replayer.kinds, replayer.kind_of = tables["kinds"], tables["kind_of"]
         replayer._lazy, replayer._known = tables, tables["known"]
         return replayer
+
+    @staticmethod
+    def by_rows(where: list[int], width: int, lanes: list, per_kind: list, shifts: bool) -> list:
+        """A per-action table of a plan whose actions are the ids of a scheduler's graph
+        (:func:`megatron_prt.core.greedy.compiled_schedule`; ``where[id]``: the action's
+        index, ``n`` for an id the plan lacks, ``-1`` past ``n``), written one row of ids
+        at a time: the ids of graph kind ``g = pipe * width + j`` are ``mb * width + j``
+        over the pipeline's micro-batches, a strided slice when they are evenly spaced
+        (``lanes``, :attr:`Plan.lanes`), so no id is looked up one by one. Per action:
+        ``per_kind[g]``, or with ``shifts`` the index of id ``+ per_kind[g]`` (-1 past
+        ``n``, where no row writes)."""
+        n = len(where) // 2 - 1
+        out = [-1 if shifts else 0] * (n + 1)  # out[n]: where the ids the plan lacks land
+        for pipe, (first, step) in enumerate(lanes):
+            for g in range(pipe * width, (pipe + 1) * width):
+                start, stride, value = first * width + g % width, step * width, per_kind[g]
+                if not shifts:
+                    values = repeat(value)
+                elif value > n:
+                    continue
+                else:
+                    values = where[start + value : n + value : stride]
+                deque(map(out.__setitem__, where[start:n:stride], values), maxlen=0)
+        del out[n:]
+        return out
 
     # made by __init__, or on first use from the tables of from_tables
     _dep = functools.cached_property(lambda self: self._lazy["dep"]())
