@@ -244,13 +244,18 @@ class Graph:
         return [Op.F, Op.B] * (self.n // 2)
 
     def busy_per_kind(self, ticks: StageTimes) -> list[int]:
-        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``."""
-        placement = self.placement
-        return [
-            ticks.busy(Action(stage, op, 0), placement)
-            for stage in range(placement.num_stages)
-            for op in (Op.F, Op.B)
-        ]
+        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``; read-only,
+        kept for the next policy of a portfolio (the last stage times asked only)."""
+        kept = self.__dict__.get("_busy")
+        if kept is None or kept[0] != ticks:
+            placement = self.placement
+            per_kind = [
+                ticks.busy(Action(stage, op, 0), placement)
+                for stage in range(placement.num_stages)
+                for op in (Op.F, Op.B)
+            ]
+            kept = self._busy = (ticks, per_kind)
+        return kept[1]
 
     def durations(self, ticks: StageTimes) -> list[int]:
         """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
@@ -376,7 +381,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
     left = graph.work_per_rank(ticks)
     # past any makespan: every action run one after another, each after a hop
-    unlimited = n * (max(duration, default=0) + hop) + max(tails, default=0) + 1
+    longest = max(graph.busy_per_kind(ticks), default=0)  # of every action's duration
+    unlimited = n * (longest + hop) + max(tails, default=0) + 1
     give_up = unlimited if limit is None else limit
     room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush
@@ -407,11 +413,12 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         else:
             now = heappop(instants)
             touched = due.pop(now)
-        # the ranks with an event now; ranks appended below are looked at too, harmlessly
-        # (an idle rank, or one whose action ends later, is passed over)
-        for rank in touched:
+        # the ranks with an event now: those finishing now, idle ranks (sources at time 0,
+        # a forced forward) and, with hops, ranks an arrival is due for (their action may end
+        # later); the ranks that an action readies now are added to ``touched``, to choose
+        for rank in tuple(touched):
             action = current[rank]
-            if action < 0 or end[rank] != now:
+            if action < 0 or (hop and end[rank] != now):
                 continue
             current[rank] = -1
             done += 1
@@ -456,7 +463,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     user = heappop(pend) % n
                     heappush(bh if user & 1 else fh, items[user])
             if flush:
-                heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
+                heap = fh if fwd_left[rank] else bh
+                if not heap:
+                    continue
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
             # runs only while fewer than caps[r] activations await their backward); the caps
             # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps).
@@ -467,9 +476,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 and (not bh or (alternate and last_bwd[rank]))
             ):
                 heap = fh
+            elif bh:
+                heap = bh
             else:
-                heap = bh if bh else None
-            if heap is None:
                 continue
             while now > room[rank]:
                 interruptions += 1
@@ -489,7 +498,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             else:
                 last_bwd[rank] = False
                 held[rank] = holding = held[rank] + 1
-                fwd_left[rank] -= 1
+                if flush:
+                    fwd_left[rank] -= 1
                 if holding > peak[rank]:
                     peak[rank] = holding
             end[rank] = finish = now + busy
