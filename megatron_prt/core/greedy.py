@@ -383,7 +383,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     # past any makespan: every action run one after another, each after a hop
     longest = max(graph.busy_per_kind(ticks), default=0)  # of every action's duration
     unlimited = n * (longest + hop) + max(tails, default=0) + 1
-    give_up = unlimited if limit is None else limit
+    give_up, bounded = (unlimited, False) if limit is None else (limit, True)
     room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
@@ -480,15 +480,17 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 heap = bh
             else:
                 continue
-            while now > room[rank]:
-                interruptions += 1
-                limit = yield GaveUp(now)
-                raised = (unlimited if limit is None else limit) - give_up
-                give_up += raised
-                room = [latest + raised for latest in room]
             action = heappop(heap) % n
             busy = duration[action]
-            room[rank] += busy
+            if bounded:  # without a limit no start can pass the bound: room is not kept
+                while now > room[rank]:  # (the action waits, popped, for the next limit)
+                    interruptions += 1
+                    limit = yield GaveUp(now)
+                    raised = (unlimited if limit is None else limit) - give_up
+                    give_up += raised
+                    room = [latest + raised for latest in room]
+                    bounded = limit is not None
+                room[rank] += busy
             current[rank] = action
             add_order[rank](action)
             add_started(action)
@@ -512,8 +514,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, room=room, waiting=waiting, items=items,
-                fheap=fheap, bheap=bheap, due=due, instants=instants,
+                held=held, last_bwd=last_bwd, room=room if bounded else None, items=items,
+                waiting=waiting, fheap=fheap, bheap=bheap, due=due, instants=instants,
             )  # fmt: skip
             skipped = watch.sample(now, interruptions, run)
             next_source = watch.next_source

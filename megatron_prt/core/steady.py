@@ -121,8 +121,10 @@ class SteadyWatch:
 
     def _room_bound(self, period: _Period, run: dict) -> int:
         """How many repeats keep every start within the give-up bound (no give-up in the
-        period: ``room`` then grew by the period's work alone)."""
+        period: ``room`` then grew by the period's work alone; none without a limit)."""
         times = self.n  # more than any run repeats
+        if run["room"] is None:
+            return times
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
             work = sum(map(self.duration.__getitem__, ids))
             if not ids or work >= period.ticks:
@@ -158,7 +160,8 @@ class _Period:
             run["begins"][rank] += chain.from_iterable(
                 map(add, begins, repeat(k * ticks)) for k in shifts
             )
-            run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
+            if run["room"] is not None:
+                run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
         run["started"] += chain.from_iterable(
             map(add, self.started, repeat(k * ids)) for k in shifts
         )
