@@ -29,12 +29,12 @@ graph's tables and the scheduler's own timeline rather than from its half a mill
 from __future__ import annotations
 
 import functools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import add, itemgetter, mod
+from operator import add, itemgetter, mod, sub
 from typing import NamedTuple
 
 from .actions import Action, Op
@@ -356,8 +356,9 @@ class Run:
 
 def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int], limit):
     """The list scheduler as a generator: yields :class:`GaveUp` when past ``limit`` and
-    takes the next limit (None: none); returns the :class:`IdResult`. ``room[rank]``: the
-    latest the rank may start its next action without its bound passing the limit.
+    takes the next limit (None: none); returns the :class:`IdResult`. ``slack[rank]``: how long
+    the rank may still stay idle, from ``end[rank]`` (when its last action ended; -1 before
+    its first), without its bound passing the limit: only a start after idle time checks.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
     policy, and local variables are what keeps it fast. An event is a rank in ``due[time]``
@@ -370,10 +371,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     n, ranks = graph.n, graph.placement.ranks
     placement, rank_of = graph.placement, graph.rank
     users_of, crossing_of = graph.consumer_steps
-    keys = (
-        policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
-        policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
-    )
+    oldest = oldest_first(placement.num_stages, len(graph.mb_pipeline))
+    keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
     items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
@@ -384,14 +383,15 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     longest = max(graph.busy_per_kind(ticks), default=0)  # of every action's duration
     unlimited = n * (longest + hop) + max(tails, default=0) + 1
     give_up, bounded = (unlimited, False) if limit is None else (limit, True)
-    room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
+    slack = [give_up - work - tail + 1 for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
-    fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
+    forwards = Counter(graph.rank[0::2]) if flush else {}  # rank -> its forwards (ids: F, B)
+    fwd_left = [forwards.get(rank, 0) for rank in range(ranks)]
     waiting, ready_at = list(graph.producer_counts), [0] * n
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
-    current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
+    current, end, order = [-1] * ranks, [-1] * ranks, [[] for _ in range(ranks)]
     started, begins = [], [[] for _ in range(ranks)]
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
@@ -413,9 +413,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         else:
             now = heappop(instants)
             touched = due.pop(now)
-        # the ranks with an event now: those finishing now, idle ranks (sources at time 0,
-        # a forced forward) and, with hops, ranks an arrival is due for (their action may end
-        # later); the ranks that an action readies now are added to ``touched``, to choose
+        # ranks with an event now: finishing, idle (sources at 0, a forced forward) or, with
+        # hops, due an arrival (their action may end later); ranks readied now join touched
         for rank in tuple(touched):
             action = current[rank]
             if action < 0 or (hop and end[rank] != now):
@@ -482,15 +481,15 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 continue
             action = heappop(heap) % n
             busy = duration[action]
-            if bounded:  # without a limit no start can pass the bound: room is not kept
-                while now > room[rank]:  # (the action waits, popped, for the next limit)
+            if bounded and now != end[rank]:  # idle since its last action (no limit: no
+                slack[rank] -= now - end[rank]  # start can pass the bound, none is kept)
+                while slack[rank] < 0:  # (the action waits, popped, for the next limit)
                     interruptions += 1
                     limit = yield GaveUp(now)
                     raised = (unlimited if limit is None else limit) - give_up
                     give_up += raised
-                    room = [latest + raised for latest in room]
+                    slack = [idle + raised for idle in slack]
                     bounded = limit is not None
-                room[rank] += busy
             current[rank] = action
             add_order[rank](action)
             add_started(action)
@@ -514,13 +513,16 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, room=room if bounded else None, items=items,
-                waiting=waiting, fheap=fheap, bheap=bheap, due=due, instants=instants,
+                held=held, last_bwd=last_bwd, waiting=waiting, items=items, fheap=fheap,
+                bheap=bheap, due=due, instants=instants,
+                room=list(map(add, slack, end)) if bounded else None,  # the latest starts
             )  # fmt: skip
             skipped = watch.sample(now, interruptions, run)
             next_source = watch.next_source
             if skipped is not None:
                 now, done = now + skipped[0], done + skipped[1]
+                if bounded:  # the watch moved the latest starts (room) and the ends on
+                    slack = list(map(sub, run["room"], end))
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
 
 
@@ -595,10 +597,3 @@ def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:
     if not waiting:
         raise RuntimeError("list scheduler stalled with no admissible action (bug)")
     return min(waiting)[1]
-
-
-def _forwards_per_rank(graph: Graph) -> list[int]:
-    counts = [0] * graph.placement.ranks
-    for rank in graph.rank[0::2]:
-        counts[rank] += 1
-    return counts

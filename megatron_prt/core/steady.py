@@ -29,9 +29,11 @@ with the micro-batch. Then:
   ``n``). A shifted heap lacks the images past the last micro-batch; its minimum is still
   the image of the original minimum while that image exists.
 * Each start checks ``now <= room[rank]`` (the give-up bound, :class:`~megatron_prt.core.
-  greedy.Run`); over a period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >=
-  W``, so the slack of each start shrinks by ``dt - W`` per period: ``K`` keeps every
-  repeated slack at or above 0. A period with a forced forward or a give-up is not repeated.
+  greedy.Run`; the scheduler keeps it as the idle time left past the end of the rank's
+  last action, and checks only starts after idle time, the others keeping it); over a
+  period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >= W``, so the slack of
+  each start shrinks by ``dt - W`` per period: ``K`` keeps every repeated slack at or
+  above 0. A period with a forced forward or a give-up is not repeated.
 """
 
 from __future__ import annotations
