@@ -103,26 +103,22 @@ class GaveUp:
     at: int
 
 
-def required_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
-    """Every (stage, mb) F and B of a plan, in flow order per micro-batch."""
-    out = []
-    for mb, pipe in enumerate(mb_pipeline):
-        for stage in placement.pipelines[pipe]:
-            out.append(Action(stage, Op.F, mb))
-        for stage in reversed(placement.pipelines[pipe]):
-            out.append(Action(stage, Op.B, mb))
-    return out
-
-
 class Graph:
     """The F/B actions of (placement, micro-batch split) as integers, with what every policy
     shares: id ``mb * 2D + 2 * position + (0 for F, 1 for B)`` (position: flow position in
     the micro-batch's pipeline); ``stage``/``mb``/``rank``/``kinds`` per id (kind:
     ``2 * stage + op bit``); ``producer_counts`` per id, from
-    :func:`megatron_prt.core.deps.producers`; ``consumers[pipe][offset]``: ``(offset of a
-    consumer, whether the edge crosses ranks)`` within one micro-batch of that pipeline (the
-    rule never crosses micro-batches). Every per-id list is one micro-batch's template
-    repeated. Read-only once built (what it keeps is derived and never changes)."""
+    :func:`megatron_prt.core.deps.producers` less the implied ones (below);
+    ``consumers[pipe][offset]``: ``(offset of a consumer, whether the edge crosses ranks)``
+    within one micro-batch of that pipeline (the rule never crosses micro-batches). Every
+    per-id list is one micro-batch's template repeated. Read-only once built.
+
+    [Note: implied producers]
+    A backward waits for its own forward and for the next stage's backward, which waits for
+    the next stage's forward, which waits for this forward: so the scheduler takes that
+    forward's finish before the next stage's forward starts, before that backward finishes,
+    and waits for the backward alone. Its readiness comes at the same instant, and with hops
+    at the same tick (the forward runs on the backward's rank: no hop, earlier finish)."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -148,8 +144,11 @@ class Graph:
         consumers: list[list[tuple[int, bool]]] = [[] for _ in range(self.width)]
         for offset in range(self.width):
             action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
-            for dep in producers(action, placement):
+            deps = producers(action, placement)
+            for dep in deps:
                 dep_offset = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
+                if dep.stage == action.stage and deps[-1].op is Op.B:
+                    continue  # a backward's own forward: see [Note: implied producers]
                 counts[offset] += 1
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
         return counts, [tuple(users) for users in consumers]
