@@ -402,9 +402,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     instants += due
     for heap in fheap:
         heapify(heap)
-    done = now = interruptions = 0  # interruptions: forced forwards and give-ups
+    now = interruptions = 0  # interruptions: forced forwards and give-ups
     forced = False
-    while done < n:
+    while instants or len(started) < n:  # no instant left: none running, none arriving
         forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
             touched, forced = [_forced_rank(fheap, current)], True
@@ -419,8 +419,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             if action < 0 or (hop and end[rank] != now):
                 continue
             current[rank] = -1
-            done += 1
-            held[rank] -= action & 1
+            if action & 1:
+                held[rank] -= 1
             if hop:
                 for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
                     user = action + step
@@ -519,7 +519,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             skipped = watch.sample(now, interruptions, run)
             next_source = watch.next_source
             if skipped is not None:
-                now, done = now + skipped[0], done + skipped[1]
+                now += skipped[0]
                 if bounded:  # the watch moved the latest starts (room) and the ends on
                     slack = list(map(sub, run["room"], end))
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
