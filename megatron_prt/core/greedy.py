@@ -118,7 +118,8 @@ class Graph:
     the next stage's forward, which waits for this forward: so the scheduler takes that
     forward's finish before the next stage's forward starts, before that backward finishes,
     and waits for the backward alone. Its readiness comes at the same instant, and with hops
-    at the same tick (the forward runs on the backward's rank: no hop, earlier finish)."""
+    at the same tick (the forward runs on the backward's rank: no hop, earlier finish). So
+    every action waits for one producer at most (checked): it is ready once that one is."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -151,6 +152,12 @@ class Graph:
                     continue  # a backward's own forward: see [Note: implied producers]
                 counts[offset] += 1
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
+            if counts[offset] > 1:
+                raise ValueError(
+                    f"{action} waits for {deps}, none implied by another: the list scheduler "
+                    "readies an action when its one producer finishes ([Note: implied "
+                    "producers] in megatron_prt/core/greedy.py); extend it for this rule"
+                )
         return counts, [tuple(users) for users in consumers]
 
     def kinds_of(self, ids: list[int]) -> list[int]:
@@ -387,7 +394,6 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     caps = policy.caps or (n,) * ranks
     forwards = Counter(graph.rank[0::2]) if flush else {}  # rank -> its forwards (ids: F, B)
     fwd_left = [forwards.get(rank, 0) for rank in range(ranks)]
-    waiting, ready_at = list(graph.producer_counts), [0] * n
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [-1] * ranks, [[] for _ in range(ranks)]
@@ -421,35 +427,26 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             current[rank] = -1
             if action & 1:
                 held[rank] -= 1
+            # its users wait for it alone ([Note: implied producers]): ready now, or a hop later
             if hop:
                 for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
                     user = action + step
-                    at = now + hop if crosses else now
-                    if at > ready_at[user]:
-                        ready_at[user] = at
-                    left_to_wait = waiting[user] - 1
-                    waiting[user] = left_to_wait
-                    if not left_to_wait:
-                        user_rank, at = rank_of[user], ready_at[user]
-                        if at <= now:
-                            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                            touched.append(user_rank)
-                        else:
-                            heappush(pending[user_rank], at * n + user)
-                            if at in due:
-                                due[at].append(user_rank)
-                            else:
-                                due[at] = [user_rank]
-                                heappush(instants, at)
+                    user_rank, at = rank_of[user], now + hop
+                    if not crosses:
+                        heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+                        touched.append(user_rank)
+                        continue
+                    heappush(pending[user_rank], at * n + user)
+                    if at in due:
+                        due[at].append(user_rank)
+                    else:
+                        due[at] = [user_rank]
+                        heappush(instants, at)
                 continue
-            for step in users_of[action]:  # free hops: ready the instant it is made
+            for step in users_of[action]:
                 user = action + step
-                left_to_wait = waiting[user] - 1
-                waiting[user] = left_to_wait
-                if not left_to_wait:
-                    user_rank = rank_of[user]
-                    heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                    touched.append(user_rank)
+                heappush((bheap if user & 1 else fheap)[rank_of[user]], items[user])
+                touched.append(rank_of[user])
         arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
@@ -512,7 +509,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, waiting=waiting, items=items, fheap=fheap,
+                held=held, last_bwd=last_bwd, items=items, fheap=fheap,
                 bheap=bheap, due=due, instants=instants,
                 room=list(map(add, slack, end)) if bounded else None,  # the latest starts
             )  # fmt: skip

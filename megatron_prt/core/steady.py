@@ -19,9 +19,9 @@ with the micro-batch. Then:
   while its ``mb + 1`` is, impossible on one rank running in order). So the state at the end
   of an instant is: per kind the count started; per rank the running action and its end,
   the activations held, whether it last ran a backward. Done = started less running (no
-  zero-time action is left to finish), ready = all producers done: the heaps and the
-  counts of producers waited for follow. That is the watched state, relative to the count
-  of pipeline 0's first stage.
+  zero-time action is left to finish), ready = its one producer done ([Note: implied
+  producers] in :mod:`megatron_prt.core.greedy`): the heaps follow. That is the watched
+  state, relative to the count of pipeline 0's first stage.
 * Shifted by ``d * kw`` ids, every comparison the heaps make gives the same answer when the
   keys' micro-batch parts move by a constant (checked over every micro-batch); so from a
   repeated state each choice is the period's choice shifted, as long as the shifted action
@@ -152,8 +152,7 @@ class _Period:
     def repeat(self, times: int, run: dict, watch: SteadyWatch) -> None:
         """Append ``times`` shifted copies of the period and move the state on as many."""
         ids, ticks = self.ids, self.ticks
-        self._move_waiting(times * ids, run, watch)  # these two read the state as it is
-        self._move_heaps(times * ids, run, watch.n)
+        self._move_heaps(times * ids, run, watch.n)  # reads the state as it is
         shifts = range(1, times + 1)
         for rank, (seg, begins) in enumerate(zip(self.order, self.begins, strict=True)):
             run["order"][rank] += chain.from_iterable(
@@ -179,21 +178,6 @@ class _Period:
                 due.setdefault(end[rank], []).append(rank)
         instants[:] = due
         heapify(instants)
-
-    def _move_waiting(self, shift: int, run: dict, watch: SteadyWatch) -> None:
-        """Producer counts waited for: the window of ids not done nor untouched, shifted."""
-        kw, n = watch.kw, watch.n
-        counts = [0] * kw  # per kind: how many started
-        for kind, count in Counter(map(mod, run["started"], repeat(kw))).items():
-            counts[kind] = count
-        not_started = min(c * kw + kind for kind, c in enumerate(counts))
-        first = min([not_started] + [c for c in run["current"] if c >= 0])
-        top = max((c - 1) * kw + kind for kind, c in enumerate(counts) if c)
-        last = (top // kw + 1) * kw
-        waiting = run["waiting"]
-        window = waiting[first:last]
-        high = min(n, last + shift)
-        waiting[first + shift : high] = window[: high - first - shift]
 
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:
