@@ -119,7 +119,8 @@ class Graph:
     forward's finish before the next stage's forward starts, before that backward finishes,
     and waits for the backward alone. Its readiness comes at the same instant, and with hops
     at the same tick (the forward runs on the backward's rank: no hop, earlier finish). So
-    every action waits for one producer at most (checked): it is ready once that one is."""
+    every action waits for one producer at most and readies one at most (checked): it is
+    ready once that one is, a micro-batch's actions one chain."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -152,12 +153,12 @@ class Graph:
                     continue  # a backward's own forward: see [Note: implied producers]
                 counts[offset] += 1
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
-            if counts[offset] > 1:
-                raise ValueError(
-                    f"{action} waits for {deps}, none implied by another: the list scheduler "
-                    "readies an action when its one producer finishes ([Note: implied "
-                    "producers] in megatron_prt/core/greedy.py); extend it for this rule"
-                )
+        if max(counts) > 1 or max(map(len, consumers)) > 1:
+            raise ValueError(
+                f"pipeline {pipe}: an action waits for two producers or readies two, none "
+                "implied by another: the list scheduler takes a micro-batch's actions as one "
+                "chain ([Note: implied producers] in megatron_prt/core/greedy.py); extend it"
+            )
         return counts, [tuple(users) for users in consumers]
 
     def kinds_of(self, ids: list[int]) -> list[int]:
@@ -182,15 +183,15 @@ class Graph:
         return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
-    def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
-        """Per id: how far ahead its consumers' ids lie, and whether each edge crosses
-        ranks (the scheduler's view of :attr:`consumers`: ``id + step`` is a consumer)."""
+    def consumer_steps(self) -> tuple[list[int], list[bool]]:
+        """Per id: how far ahead its one consumer's id lies (0: none), and whether that edge
+        crosses ranks (the scheduler's view of :attr:`consumers`: ``id + step``)."""
         steps_t, crossing_t = [], []
         for users in self.consumers:
-            steps_t.append([tuple(o - j for o, _ in edges) for j, edges in enumerate(users)])
-            crossing_t.append([tuple(c for _, c in edges) for edges in users])
-        steps: list[tuple[int, ...]] = []
-        crossing: list[tuple[bool, ...]] = []
+            steps_t.append([edges[0][0] - j if edges else 0 for j, edges in enumerate(users)])
+            crossing_t.append([bool(edges) and edges[0][1] for edges in users])
+        steps: list[int] = []
+        crossing: list[bool] = []
         for pipe in self.mb_pipeline:
             steps += steps_t[pipe]
             crossing += crossing_t[pipe]
@@ -427,26 +428,22 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             current[rank] = -1
             if action & 1:
                 held[rank] -= 1
-            # its users wait for it alone ([Note: implied producers]): ready now, or a hop later
-            if hop:
-                for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
-                    user = action + step
-                    user_rank, at = rank_of[user], now + hop
-                    if not crosses:
-                        heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                        touched.append(user_rank)
-                        continue
-                    heappush(pending[user_rank], at * n + user)
-                    if at in due:
-                        due[at].append(user_rank)
-                    else:
-                        due[at] = [user_rank]
-                        heappush(instants, at)
+            step = users_of[action]  # its one user waits for it alone: ready now, or a hop
+            if not step:  # later (see [Note: implied producers])
                 continue
-            for step in users_of[action]:
-                user = action + step
-                heappush((bheap if user & 1 else fheap)[rank_of[user]], items[user])
-                touched.append(rank_of[user])
+            user = action + step
+            user_rank = rank_of[user]
+            if hop and crossing_of[action]:
+                at = now + hop
+                heappush(pending[user_rank], at * n + user)
+                if at in due:
+                    due[at].append(user_rank)
+                else:
+                    due[at] = [user_rank]
+                    heappush(instants, at)
+                continue
+            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+            touched.append(user_rank)
         arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
