@@ -32,7 +32,15 @@ def _large_policies(place: Placement, m: int, times: StageTimes):
 @pytest.mark.parametrize("placement, direction", PLACEMENTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_large_plan_policies_schedule_as_the_reference(placement, direction, kind):
-    for p, r, m in ((2, 3, 9), (4, 2, 13), (5, 2, 8), (8, 2, 19)):
+    for p, r, m in (
+        (3, 1, 7),
+        (2, 3, 9),
+        (4, 2, 13),
+        (5, 2, 8),
+        (4, 4, 11),
+        (8, 2, 19),
+        (16, 2, 37),
+    ):
         place = Placement(p, r, placement, direction)
         times = _times(place, kind) or StageTimes.uniform(place.depth)
         mb_pipeline = split_microbatches(m, place.num_pipelines)
@@ -45,10 +53,11 @@ def test_large_plan_policies_schedule_as_the_reference(placement, direction, kin
 
 
 def test_wave_uni_deepest_schedules_as_the_reference():
-    """The policy that wins wave/uni at scale (unbounded warm-up, deepest first): its
-    schedule never repeats a state, so every action is list-scheduled."""
+    """The policy that wins wave/uni at scale (unbounded warm-up, deepest first): at P=64
+    R=8 m=512 its schedule never settles into a repeating state, so every action of it is
+    list-scheduled."""
     place = Placement(8, 4, "wave", "uni")
-    for m, times in itertools.product((16, 41), [None, _times(place, "unequal")]):
+    for m, times in itertools.product((16, 41, 96), [None, _times(place, "unequal")]):
         times = times or StageTimes.uniform(place.depth)
         mb_pipeline = split_microbatches(m, 1)
         [(_, fast, old)] = [
