@@ -29,12 +29,12 @@ graph's tables and the scheduler's own timeline rather than from its half a mill
 from __future__ import annotations
 
 import functools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import add, itemgetter, mod
+from operator import add, itemgetter, mod, sub
 from typing import NamedTuple
 
 from .actions import Action, Op
@@ -103,26 +103,24 @@ class GaveUp:
     at: int
 
 
-def required_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
-    """Every (stage, mb) F and B of a plan, in flow order per micro-batch."""
-    out = []
-    for mb, pipe in enumerate(mb_pipeline):
-        for stage in placement.pipelines[pipe]:
-            out.append(Action(stage, Op.F, mb))
-        for stage in reversed(placement.pipelines[pipe]):
-            out.append(Action(stage, Op.B, mb))
-    return out
-
-
 class Graph:
     """The F/B actions of (placement, micro-batch split) as integers, with what every policy
     shares: id ``mb * 2D + 2 * position + (0 for F, 1 for B)`` (position: flow position in
     the micro-batch's pipeline); ``stage``/``mb``/``rank``/``kinds`` per id (kind:
     ``2 * stage + op bit``); ``producer_counts`` per id, from
-    :func:`megatron_prt.core.deps.producers`; ``consumers[pipe][offset]``: ``(offset of a
-    consumer, whether the edge crosses ranks)`` within one micro-batch of that pipeline (the
-    rule never crosses micro-batches). Every per-id list is one micro-batch's template
-    repeated. Read-only once built (what it keeps is derived and never changes)."""
+    :func:`megatron_prt.core.deps.producers` less the implied ones (below);
+    ``consumers[pipe][offset]``: ``(offset of a consumer, whether the edge crosses ranks)``
+    within one micro-batch of that pipeline (the rule never crosses micro-batches). Every
+    per-id list is one micro-batch's template repeated. Read-only once built.
+
+    [Note: implied producers]
+    A backward waits for its own forward and for the next stage's backward, which waits for
+    the next stage's forward, which waits for this forward: so the scheduler takes that
+    forward's finish before the next stage's forward starts, before that backward finishes,
+    and waits for the backward alone. Its readiness comes at the same instant, and with hops
+    at the same tick (the forward runs on the backward's rank: no hop, earlier finish). So
+    every action waits for one producer at most and readies one at most (checked): it is
+    ready once that one is, a micro-batch's actions one chain."""
 
     def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
         self.placement, self.mb_pipeline = placement, mb_pipeline
@@ -148,10 +146,19 @@ class Graph:
         consumers: list[list[tuple[int, bool]]] = [[] for _ in range(self.width)]
         for offset in range(self.width):
             action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
-            for dep in producers(action, placement):
+            deps = producers(action, placement)
+            for dep in deps:
                 dep_offset = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
+                if dep.stage == action.stage and deps[-1].op is Op.B:
+                    continue  # a backward's own forward: see [Note: implied producers]
                 counts[offset] += 1
                 consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
+        if max(counts) > 1 or max(map(len, consumers)) > 1:
+            raise ValueError(
+                f"pipeline {pipe}: an action waits for two producers or readies two, none "
+                "implied by another: the list scheduler takes a micro-batch's actions as one "
+                "chain ([Note: implied producers] in megatron_prt/core/greedy.py); extend it"
+            )
         return counts, [tuple(users) for users in consumers]
 
     def kinds_of(self, ids: list[int]) -> list[int]:
@@ -176,15 +183,15 @@ class Graph:
         return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
-    def consumer_steps(self) -> tuple[list[tuple[int, ...]], list[tuple[bool, ...]]]:
-        """Per id: how far ahead its consumers' ids lie, and whether each edge crosses
-        ranks (the scheduler's view of :attr:`consumers`: ``id + step`` is a consumer)."""
+    def consumer_steps(self) -> tuple[list[int], list[bool]]:
+        """Per id: how far ahead its one consumer's id lies (0: none), and whether that edge
+        crosses ranks (the scheduler's view of :attr:`consumers`: ``id + step``)."""
         steps_t, crossing_t = [], []
         for users in self.consumers:
-            steps_t.append([tuple(o - j for o, _ in edges) for j, edges in enumerate(users)])
-            crossing_t.append([tuple(c for _, c in edges) for edges in users])
-        steps: list[tuple[int, ...]] = []
-        crossing: list[tuple[bool, ...]] = []
+            steps_t.append([edges[0][0] - j if edges else 0 for j, edges in enumerate(users)])
+            crossing_t.append([bool(edges) and edges[0][1] for edges in users])
+        steps: list[int] = []
+        crossing: list[bool] = []
         for pipe in self.mb_pipeline:
             steps += steps_t[pipe]
             crossing += crossing_t[pipe]
@@ -244,13 +251,18 @@ class Graph:
         return [Op.F, Op.B] * (self.n // 2)
 
     def busy_per_kind(self, ticks: StageTimes) -> list[int]:
-        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``."""
-        placement = self.placement
-        return [
-            ticks.busy(Action(stage, op, 0), placement)
-            for stage in range(placement.num_stages)
-            for op in (Op.F, Op.B)
-        ]
+        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``; read-only,
+        kept for the next policy of a portfolio (the last stage times asked only)."""
+        kept = self.__dict__.get("_busy")
+        if kept is None or kept[0] != ticks:
+            placement = self.placement
+            per_kind = [
+                ticks.busy(Action(stage, op, 0), placement)
+                for stage in range(placement.num_stages)
+                for op in (Op.F, Op.B)
+            ]
+            kept = self._busy = (ticks, per_kind)
+        return kept[1]
 
     def durations(self, ticks: StageTimes) -> list[int]:
         """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
@@ -351,8 +363,9 @@ class Run:
 
 def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int], limit):
     """The list scheduler as a generator: yields :class:`GaveUp` when past ``limit`` and
-    takes the next limit (None: none); returns the :class:`IdResult`. ``room[rank]``: the
-    latest the rank may start its next action without its bound passing the limit.
+    takes the next limit (None: none); returns the :class:`IdResult`. ``slack[rank]``: how long
+    the rank may still stay idle, from ``end[rank]`` (when its last action ended; -1 before
+    its first), without its bound passing the limit: only a start after idle time checks.
 
     The event loop is one function on purpose: it runs once per action of every portfolio
     policy, and local variables are what keeps it fast. An event is a rank in ``due[time]``
@@ -365,10 +378,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     n, ranks = graph.n, graph.placement.ranks
     placement, rank_of = graph.placement, graph.rank
     users_of, crossing_of = graph.consumer_steps
-    keys = (
-        policy.fwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
-        policy.bwd_key or oldest_first(placement.num_stages, len(graph.mb_pipeline)),
-    )
+    oldest = oldest_first(placement.num_stages, len(graph.mb_pipeline))
+    keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
     items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
@@ -376,16 +387,17 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
     left = graph.work_per_rank(ticks)
     # past any makespan: every action run one after another, each after a hop
-    unlimited = n * (max(duration, default=0) + hop) + max(tails, default=0) + 1
-    give_up = unlimited if limit is None else limit
-    room = [give_up - work - tail for work, tail in zip(left, tails, strict=True)]
+    longest = max(graph.busy_per_kind(ticks), default=0)  # of every action's duration
+    unlimited = n * (longest + hop) + max(tails, default=0) + 1
+    give_up, bounded = (unlimited, False) if limit is None else (limit, True)
+    slack = [give_up - work - tail + 1 for work, tail in zip(left, tails, strict=True)]
     alternate, flush = policy.alternate, policy.flush
     caps = policy.caps or (n,) * ranks
-    fwd_left = _forwards_per_rank(graph) if flush else [0] * ranks
-    waiting, ready_at = list(graph.producer_counts), [0] * n
+    forwards = Counter(graph.rank[0::2]) if flush else {}  # rank -> its forwards (ids: F, B)
+    fwd_left = [forwards.get(rank, 0) for rank in range(ranks)]
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
-    current, end, order = [-1] * ranks, [0] * ranks, [[] for _ in range(ranks)]
+    current, end, order = [-1] * ranks, [-1] * ranks, [[] for _ in range(ranks)]
     started, begins = [], [[] for _ in range(ranks)]
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
@@ -397,9 +409,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     instants += due
     for heap in fheap:
         heapify(heap)
-    done = now = interruptions = 0  # interruptions: forced forwards and give-ups
+    now = interruptions = 0  # interruptions: forced forwards and give-ups
     forced = False
-    while done < n:
+    while instants or len(started) < n:  # no instant left: none running, none arriving
         forcing = not instants  # every rank blocked by its cap alone:
         if forcing:  # the lowest-keyed waiting forward runs anyway
             touched, forced = [_forced_rank(fheap, current)], True
@@ -407,44 +419,31 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         else:
             now = heappop(instants)
             touched = due.pop(now)
-        # the ranks with an event now; ranks appended below are looked at too, harmlessly
-        # (an idle rank, or one whose action ends later, is passed over)
-        for rank in touched:
+        # ranks with an event now: finishing, idle (sources at 0, a forced forward) or, with
+        # hops, due an arrival (their action may end later); ranks readied now join touched
+        for rank in tuple(touched):
             action = current[rank]
-            if action < 0 or end[rank] != now:
+            if action < 0 or (hop and end[rank] != now):
                 continue
             current[rank] = -1
-            done += 1
-            held[rank] -= action & 1
-            if hop:
-                for step, crosses in zip(users_of[action], crossing_of[action], strict=True):
-                    user = action + step
-                    at = now + hop if crosses else now
-                    if at > ready_at[user]:
-                        ready_at[user] = at
-                    left_to_wait = waiting[user] - 1
-                    waiting[user] = left_to_wait
-                    if not left_to_wait:
-                        user_rank, at = rank_of[user], ready_at[user]
-                        if at <= now:
-                            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                            touched.append(user_rank)
-                        else:
-                            heappush(pending[user_rank], at * n + user)
-                            if at in due:
-                                due[at].append(user_rank)
-                            else:
-                                due[at] = [user_rank]
-                                heappush(instants, at)
+            if action & 1:
+                held[rank] -= 1
+            step = users_of[action]  # its one user waits for it alone: ready now, or a hop
+            if not step:  # later (see [Note: implied producers])
                 continue
-            for step in users_of[action]:  # free hops: ready the instant it is made
-                user = action + step
-                left_to_wait = waiting[user] - 1
-                waiting[user] = left_to_wait
-                if not left_to_wait:
-                    user_rank = rank_of[user]
-                    heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-                    touched.append(user_rank)
+            user = action + step
+            user_rank = rank_of[user]
+            if hop and crossing_of[action]:
+                at = now + hop
+                heappush(pending[user_rank], at * n + user)
+                if at in due:
+                    due[at].append(user_rank)
+                else:
+                    due[at] = [user_rank]
+                    heappush(instants, at)
+                continue
+            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
+            touched.append(user_rank)
         arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
@@ -456,7 +455,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     user = heappop(pend) % n
                     heappush(bh if user & 1 else fh, items[user])
             if flush:
-                heap = (fh if fh else None) if fwd_left[rank] else (bh if bh else None)
+                heap = fh if fwd_left[rank] else bh
+                if not heap:
+                    continue
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
             # runs only while fewer than caps[r] activations await their backward); the caps
             # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps).
@@ -467,19 +468,21 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 and (not bh or (alternate and last_bwd[rank]))
             ):
                 heap = fh
+            elif bh:
+                heap = bh
             else:
-                heap = bh if bh else None
-            if heap is None:
                 continue
-            while now > room[rank]:
-                interruptions += 1
-                limit = yield GaveUp(now)
-                raised = (unlimited if limit is None else limit) - give_up
-                give_up += raised
-                room = [latest + raised for latest in room]
             action = heappop(heap) % n
             busy = duration[action]
-            room[rank] += busy
+            if bounded and now != end[rank]:  # idle since its last action (no limit: no
+                slack[rank] -= now - end[rank]  # start can pass the bound, none is kept)
+                while slack[rank] < 0:  # (the action waits, popped, for the next limit)
+                    interruptions += 1
+                    limit = yield GaveUp(now)
+                    raised = (unlimited if limit is None else limit) - give_up
+                    give_up += raised
+                    slack = [idle + raised for idle in slack]
+                    bounded = limit is not None
             current[rank] = action
             add_order[rank](action)
             add_started(action)
@@ -489,7 +492,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             else:
                 last_bwd[rank] = False
                 held[rank] = holding = held[rank] + 1
-                fwd_left[rank] -= 1
+                if flush:
+                    fwd_left[rank] -= 1
                 if holding > peak[rank]:
                     peak[rank] = holding
             end[rank] = finish = now + busy
@@ -502,13 +506,16 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, room=room, waiting=waiting, items=items,
-                fheap=fheap, bheap=bheap, due=due, instants=instants,
+                held=held, last_bwd=last_bwd, items=items, fheap=fheap,
+                bheap=bheap, due=due, instants=instants,
+                room=list(map(add, slack, end)) if bounded else None,  # the latest starts
             )  # fmt: skip
             skipped = watch.sample(now, interruptions, run)
             next_source = watch.next_source
             if skipped is not None:
-                now, done = now + skipped[0], done + skipped[1]
+                now += skipped[0]
+                if bounded:  # the watch moved the latest starts (room) and the ends on
+                    slack = list(map(sub, run["room"], end))
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
 
 
@@ -586,10 +593,3 @@ def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:
     if not waiting:
         raise RuntimeError("list scheduler stalled with no admissible action (bug)")
     return min(waiting)[1]
-
-
-def _forwards_per_rank(graph: Graph) -> list[int]:
-    counts = [0] * graph.placement.ranks
-    for rank in graph.rank[0::2]:
-        counts[rank] += 1
-    return counts

@@ -45,13 +45,20 @@ Generator = Callable[[Placement, int, StageTimes], Plan]
 
 
 # -- warm-up depth (caps) ---------------------------------------------------------------------
-def _span(placement: Placement, rank: int) -> list[tuple[int, int]]:
-    """Per pipeline: (first, last) flow position of this rank's stages."""
-    out, rank_of = [], placement.stage_to_rank
+def _spans(placement: Placement) -> list[list[tuple[int, int]]]:
+    """Per rank, per pipeline: (first, last) flow position of the rank's stages."""
+    per_pipeline = []
     for stages in placement.pipelines:
-        pos = [i for i, s in enumerate(stages) if rank_of[s] == rank]
-        out.append((min(pos), max(pos)))
-    return out
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for position, stage in enumerate(stages):
+            rank = placement.stage_to_rank[stage]
+            first.setdefault(rank, position)
+            last[rank] = position
+        per_pipeline.append((first, last))
+    return [
+        [(firsts[r], lasts[r]) for firsts, lasts in per_pipeline] for r in range(placement.ranks)
+    ]
 
 
 def round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]:
@@ -67,14 +74,16 @@ def round_trip_caps(placement: Placement, times: StageTimes) -> tuple[int, ...]:
     # steady forward
     uniform = StageTimes.uniform(placement.depth)
     caps = []
-    for rank in range(placement.ranks):
-        cap = _round_trip(placement, times, rank) or _round_trip(placement, uniform, rank)
+    for rank, span in enumerate(_spans(placement)):
+        cap = _round_trip(placement, times, rank, span)
+        cap = cap or _round_trip(placement, uniform, rank, span)
         caps.append(max(1, math.ceil(cap - 1e-9)))
     return tuple(caps)
 
 
-def _round_trip(placement: Placement, times: StageTimes, rank: int) -> float:
-    """Round trip over period for ``rank`` (0 when its stages take no time)."""
+def _round_trip(placement: Placement, times: StageTimes, rank: int, span: list) -> float:
+    """Round trip over period for ``rank`` (0 when its stages take no time); ``span``: its
+    :func:`_spans`."""
 
     def both(k: int) -> float:
         return times.fwd[k] + times.bwd[k]
@@ -84,10 +93,7 @@ def _round_trip(placement: Placement, times: StageTimes, rank: int) -> float:
         return 0.0
     # the additions of both(k) for k from first to the last stage, in order, in C
     depth = placement.depth
-    trip = sum(
-        sum(map(add, times.fwd[first:depth], times.bwd[first:depth]))
-        for first, _ in _span(placement, rank)
-    )
+    trip = sum(sum(map(add, times.fwd[first:depth], times.bwd[first:depth])) for first, _ in span)
     return trip / period
 
 
@@ -100,8 +106,8 @@ def megatron_caps(placement: Placement) -> tuple[int, ...]:
     # interleaved warm-up plus the first steady forward; wave R=2 uni: 2P on every rank
     d = placement.depth
     return tuple(
-        sum(last - first + 2 * (d - 1 - last) + 1 for first, last in _span(placement, rank))
-        for rank in range(placement.ranks)
+        sum(last - first + 2 * (d - 1 - last) + 1 for first, last in span)
+        for span in _spans(placement)
     )
 
 

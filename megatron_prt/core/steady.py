@@ -19,9 +19,9 @@ with the micro-batch. Then:
   while its ``mb + 1`` is, impossible on one rank running in order). So the state at the end
   of an instant is: per kind the count started; per rank the running action and its end,
   the activations held, whether it last ran a backward. Done = started less running (no
-  zero-time action is left to finish), ready = all producers done: the heaps and the
-  counts of producers waited for follow. That is the watched state, relative to the count
-  of pipeline 0's first stage.
+  zero-time action is left to finish), ready = its one producer done ([Note: implied
+  producers] in :mod:`megatron_prt.core.greedy`): the heaps follow. That is the watched
+  state, relative to the count of pipeline 0's first stage.
 * Shifted by ``d * kw`` ids, every comparison the heaps make gives the same answer when the
   keys' micro-batch parts move by a constant (checked over every micro-batch); so from a
   repeated state each choice is the period's choice shifted, as long as the shifted action
@@ -29,9 +29,11 @@ with the micro-batch. Then:
   ``n``). A shifted heap lacks the images past the last micro-batch; its minimum is still
   the image of the original minimum while that image exists.
 * Each start checks ``now <= room[rank]`` (the give-up bound, :class:`~megatron_prt.core.
-  greedy.Run`); over a period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >=
-  W``, so the slack of each start shrinks by ``dt - W`` per period: ``K`` keeps every
-  repeated slack at or above 0. A period with a forced forward or a give-up is not repeated.
+  greedy.Run`; the scheduler keeps it as the idle time left past the end of the rank's
+  last action, and checks only starts after idle time, the others keeping it); over a
+  period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >= W``, so the slack of
+  each start shrinks by ``dt - W`` per period: ``K`` keeps every repeated slack at or
+  above 0. A period with a forced forward or a give-up is not repeated.
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ class SteadyWatch:
 
     def _room_bound(self, period: _Period, run: dict) -> int:
         """How many repeats keep every start within the give-up bound (no give-up in the
-        period: ``room`` then grew by the period's work alone)."""
+        period: ``room`` then grew by the period's work alone; none without a limit)."""
         times = self.n  # more than any run repeats
+        if run["room"] is None:
+            return times
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
             work = sum(map(self.duration.__getitem__, ids))
             if not ids or work >= period.ticks:
@@ -148,8 +152,7 @@ class _Period:
     def repeat(self, times: int, run: dict, watch: SteadyWatch) -> None:
         """Append ``times`` shifted copies of the period and move the state on as many."""
         ids, ticks = self.ids, self.ticks
-        self._move_waiting(times * ids, run, watch)  # these two read the state as it is
-        self._move_heaps(times * ids, run, watch.n)
+        self._move_heaps(times * ids, run, watch.n)  # reads the state as it is
         shifts = range(1, times + 1)
         for rank, (seg, begins) in enumerate(zip(self.order, self.begins, strict=True)):
             run["order"][rank] += chain.from_iterable(
@@ -158,7 +161,8 @@ class _Period:
             run["begins"][rank] += chain.from_iterable(
                 map(add, begins, repeat(k * ticks)) for k in shifts
             )
-            run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
+            if run["room"] is not None:
+                run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
         run["started"] += chain.from_iterable(
             map(add, self.started, repeat(k * ids)) for k in shifts
         )
@@ -174,21 +178,6 @@ class _Period:
                 due.setdefault(end[rank], []).append(rank)
         instants[:] = due
         heapify(instants)
-
-    def _move_waiting(self, shift: int, run: dict, watch: SteadyWatch) -> None:
-        """Producer counts waited for: the window of ids not done nor untouched, shifted."""
-        kw, n = watch.kw, watch.n
-        counts = [0] * kw  # per kind: how many started
-        for kind, count in Counter(map(mod, run["started"], repeat(kw))).items():
-            counts[kind] = count
-        not_started = min(c * kw + kind for kind, c in enumerate(counts))
-        first = min([not_started] + [c for c in run["current"] if c >= 0])
-        top = max((c - 1) * kw + kind for kind, c in enumerate(counts) if c)
-        last = (top // kw + 1) * kw
-        waiting = run["waiting"]
-        window = waiting[first:last]
-        high = min(n, last + shift)
-        waiting[first + shift : high] = window[: high - first - shift]
 
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:
