@@ -242,7 +242,7 @@ def fit_in_place(
     [Note: compute fitted in place] Per-layer times traced in one launch (every layer its own
     stage, a few steps) move between launches by more than the schedules differ: on the
     2-core machine identical layers' backward spans ranged 0.39-0.78 ms, and whole
-    predictions 18% under to 38% over the measured steps, nearly alike for every plan of a
+    predictions 24% under to 38% over the measured steps, nearly alike for every plan of a
     launch. The two timed steps the per-message fit already takes are steps of the same
     layers: the one with few messages is mostly compute, so it sets the scale of the
     per-layer times; their gap sets the per-message CPU. Alternately: scale so the few-message
