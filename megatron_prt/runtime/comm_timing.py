@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch.nn.functional import mse_loss
 
 from ..core.actions import Op
-from ..core.placement import Placement
+from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
 from ..core.schedules import build_plan
 from ..sim.cost import CostModel, LayerCost
-from ..tune.measured import fit_in_place, interleaved_rounds
+from ..tune.measured import fit_in_place, interleaved_rounds, message_cpu_in_place
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
 from .measured_pick import RuntimeRunner, slowest_step_seconds
@@ -248,8 +248,21 @@ def measure_comm(
             p2p_bandwidth=bandwidth,
             message_bytes=stand_in_bytes,
         )
-        keys["p2p_cpu"] = fit_in_place(cost, timed)[0].p2p_cpu
+        keys["p2p_cpu"] = _stand_in_cpu(cost, timed)
     return keys
+
+
+def _stand_in_cpu(cost: CostModel, timed: list) -> float:
+    """``p2p_cpu`` of the stand-in: the joint fit of compute scale and message CPU
+    (:func:`~megatron_prt.tune.measured.fit_in_place`); when no compute scale reproduces
+    the 1F1B step (a model message of a few KiB makes the stand-in's steps all message and
+    step overhead, so even free compute simulates slower than measured), the message CPU
+    alone fitted to the two steps' gap at the traced compute, as
+    :func:`~megatron_prt.tune.measured.message_cpu_in_place` fits it."""
+    try:
+        return fit_in_place(cost, timed)[0].p2p_cpu
+    except ConfigError:
+        return message_cpu_in_place(cost, timed)
 
 
 def hop_seconds(costs: dict) -> float:

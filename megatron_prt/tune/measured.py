@@ -230,6 +230,9 @@ def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -
     return (low + high) / 2
 
 
+MIN_COMPUTE_SCALE = 1e-3  # below it the traced compute is deemed not the step's (no fit)
+
+
 def fit_in_place(
     cost: CostModel, timed: Sequence[tuple[Plan, float]], rounds: int = 50
 ) -> tuple[CostModel, float]:
@@ -267,9 +270,11 @@ def fit_in_place(
             step = (few_s - predicted) * (scale - last[0]) / (predicted - last[1])
         last = (scale, predicted)
         scale = scale + step if scale + step > 0 else scale / 2
+        if scale < MIN_COMPUTE_SCALE:
+            break  # the messages alone outlast the step: no compute scale fits
     raise ConfigError(
-        f"the compute scale did not settle in {rounds} rounds (few-message step measured "
-        f"{few_s:.6f} s, simulated {predicted:.6f} s at scale {scale:.4f}): the step with few "
+        f"no compute scale fits (few-message step measured {few_s:.6f} s, simulated "
+        f"{predicted:.6f} s at scale {scale:.4g}, {rounds} rounds at most): the step with few "
         "messages must be mostly compute; time one with fewer messages or more layers"
     )
 

@@ -61,3 +61,19 @@ def test_profile_writes_measured_message_costs(tmp_path):
     assert costs.p2p_latency > 0 and costs.has_replica_cost
     assert "p2p_cpu" in json.loads(out.read_text())  # fitted in place by default
     assert json.loads(out.read_text())["p2p_latency"] == costs.p2p_latency
+
+
+def test_stand_in_falls_back_to_the_cpu_fit_when_no_scale_fits():
+    # a model message of a few KiB leaves the stand-in's steps all overhead: the joint fit
+    # finds no compute scale, and profile failed with it (before the fallback)
+    from megatron_prt.core import Placement, build_plan
+    from megatron_prt.runtime.comm_timing import _stand_in_cpu
+    from megatron_prt.sim.cost import LayerCost
+    from megatron_prt.sim.simulate import simulate
+    from megatron_prt.tune.measured import message_cpu_in_place
+
+    cost = CostModel(layers=(LayerCost(1.0, 2.0),) * 8, p2p_latency=0.5, p2p_cpu=0.5)
+    few, many = build_plan(Placement(2, 1), 2, "1f1b"), build_plan(Placement(2, 4), 2, "prt")
+    timed = [(few, 0.5 * simulate(few, cost.compute_scaled(0.0)).makespan)]
+    timed.append((many, simulate(many, cost).makespan))
+    assert _stand_in_cpu(cost, timed) == message_cpu_in_place(cost, timed) >= 0.5

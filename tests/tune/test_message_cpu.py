@@ -107,3 +107,13 @@ def test_a_bi_step_sets_the_replica_latency(true_latency):
     assert fitted.replica_latency == pytest.approx(max(true_latency, 0.1), rel=1e-4)
     with pytest.raises(ConfigError, match="must be of a bi plan"):
         fit_in_place(traced, [*_timed(truth), _timed(truth)[1]])
+
+
+def test_no_scale_fits_a_step_the_messages_alone_outlast():
+    # the old code looped 50 rounds to a scale of 0 and named no cause
+    traced = CostModel(layers=LAYERS, p2p_latency=0.5, p2p_cpu=0.5)
+    timed = _timed(traced)
+    few = timed[0][0]
+    too_fast = [(few, 0.5 * simulate(few, traced.compute_scaled(0.0)).makespan), timed[1]]
+    with pytest.raises(ConfigError, match=r"no compute scale fits .* mostly compute"):
+        fit_in_place(traced, too_fast)
