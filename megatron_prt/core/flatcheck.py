@@ -165,11 +165,11 @@ class _Flat:
 
     def row(self, kind: int | None) -> list[int]:
         """Global index of the action of ``kind`` per micro-batch of its stage's pipeline
-        (-1: none), in micro-batch order: a strided slice of the whole row when those
-        micro-batches are evenly spaced (bi's two pipelines take turns), the whole row
-        otherwise. The rest of the row is -1 (``_pipelines_match``), so every comparison of
-        rows and every count of -1 entries gives the verdict whole rows would, on half the
-        entries for bi."""
+        (-1: none), in micro-batch order: a strided slice of the whole row when every
+        pipeline's micro-batches are evenly spaced (:attr:`Plan.lanes`; bi's two pipelines
+        take turns), the whole row otherwise. The rest of the row is -1
+        (``_pipelines_match``), so every comparison of rows and every count of -1 entries
+        gives the verdict whole rows would, on half the entries for bi."""
         if kind is None:
             return [-1] * self.m
         start, step = self.lanes[kind // self.kinds_per_pipeline]
@@ -239,11 +239,8 @@ class _Flat:
         placement, per_stage = self.placement, len(self.ops)
         if placement.num_pipelines == 1:
             return True
+        self.lanes = self.plan.lanes or self.lanes  # else whole rows
         for pipeline, stages in enumerate(placement.pipelines):
-            own = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p == pipeline]
-            step = own[1] - own[0] if len(own) > 1 else 1
-            if own and own == list(range(own[0], self.m, step)):
-                self.lanes[pipeline] = (own[0], step)
             others = [mb for mb, p in enumerate(self.plan.mb_pipeline) if p != pipeline]
             if not others:
                 continue
