@@ -121,3 +121,68 @@ def test_rematch_times_the_grid_best_and_the_pick_again(monkeypatch):
     record = grid.rematch(runners, times, SimpleNamespace(reps=4), "x")["rematch"]
     assert ran == [(["b", TUNED], 4)]
     assert record["grid_best"] == "b" and record["times"] == {"b": [0.5] * 4, TUNED: [0.5] * 4}
+
+
+# -- the in-round fit ([Note: in-round fit]) ---------------------------------------------------
+def _truth(cost: CostModel) -> CostModel:
+    """The 'machine': compute 20% faster than traced, messages and the replica sum dearer."""
+    return replace(cost.compute_scaled(0.8), p2p_cpu=0.05, replica_latency=0.3)
+
+
+def _rows(cost: CostModel) -> list[tuple]:
+    return [_row(e) for e in grid_entries(cost, 2, 8)]
+
+
+def _measured(rows: list[tuple], machine: CostModel) -> dict[str, float]:
+    return {
+        label: simulate(plan, replace(machine, stage_layers=counts)).makespan
+        for label, plan, counts in rows
+    }
+
+
+def test_reference_rows_are_the_fit_steps_plans_on_even_splits():
+    from megatron_prt.bench.tuned_grid.in_round import reference_rows
+
+    found = reference_rows(_rows(_cost(8)), 8, 2)
+    assert [label for label, _, _ in found] == [
+        "R=1 loop/uni, even",
+        "R=4 loop/uni, even",
+        "R=1 loop/bi, even",
+    ]
+    assert [p.placement.reuse for _, p, _ in found] == [1, 4, 1]
+    # every layer its own stage needs R = layers / P in the grid: 10 layers on 2 ranks, R = 5
+    assert reference_rows(_rows(_cost(10)), 10, 2) is None
+
+
+def test_in_round_fit_predicts_the_other_rows_where_the_early_fit_drifted():
+    from megatron_prt.bench.tuned_grid.in_round import in_round_fit
+
+    profiled = _cost(8)
+    rows = _rows(profiled)
+    early = _measured(rows, _truth(profiled))  # the fit phase
+    late = {label: 1.2 * s for label, s in early.items()}  # the host 20% slower by the grid
+    fit = in_round_fit(profiled, rows, late, ranks=2)
+    assert fit.scale == pytest.approx(0.96, rel=1e-4)
+    for label, plan, counts in rows:
+        assert fit.predict(plan, counts) == pytest.approx(late[label], rel=0.02), label
+    assert fit.is_reference(*rows[0][1:]) and not fit.is_reference(*rows[-1][1:])
+    assert in_round_fit(None, rows, late, ranks=2) is None  # no profiled costs: no fit
+
+
+def test_report_gives_both_predictions_and_marks_a_reference_pick():
+    result = _stack_result(pick_index=1)
+    profiled = result["cost"]
+    result["profiled_cost"] = profiled
+    rows = result["entries"] + [(TUNED, *result["tuned"][1:]), (PREDICTED, *result["tuned"][1:])]
+    result["times"] = {label: [s] for label, s in _measured(rows, _truth(profiled)).items()}
+    summary = summarize([{"head": result}])["head"]
+    record = summary["in_round"]
+    assert record["tuned_vs_measured"] == pytest.approx(0.0, abs=0.02)
+    assert record["references"][1] == "R=4 loop/uni, even" and not record["pick_is_reference"]
+    assert all(r["in_round_s"] for r in summary["rows"])
+    machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
+    text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
+    assert "Fitted in the grid's rounds (to R=1 loop/uni, even" in text
+    assert "in-round vs measured" in text and "n/a" not in text
+    plain = markdown(summarize([{"head": _stack_result(0)}]), {**machine, "top": 3, "pick_reps": 1})
+    assert "| n/a |" in plain  # no profiled costs kept: no in-round column to fill

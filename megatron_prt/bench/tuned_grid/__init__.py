@@ -29,6 +29,7 @@ from ...runtime.local import all_ok, run_local
 from ...sim.simulate import simulate
 from ..report import launch
 from .grid import PREDICTED, TUNED, worker
+from .in_round import in_round_fit
 from .stacks import STACKS
 
 DEFAULT_OUT = "out/bench"
@@ -87,13 +88,16 @@ def summarize(per_rank: list[dict]) -> dict:
     for stack, res in per_rank[0].items():
         cost = res["cost"]
         picks = [(TUNED, *res["tuned"][1:]), (PREDICTED, *res["predicted_best"][1:])]
+        medians = {label: statistics.median(times) for label, times in res["times"].items()}
+        ranks = res["entries"][0][1].placement.ranks
+        fit = in_round_fit(res.get("profiled_cost"), res["entries"], medians, ranks)
         rows = []
         for label, plan, counts in [*res["entries"], *picks]:
             if label == PREDICTED and label not in res["times"]:
                 continue  # the predicted best is the pick: timed once, as the pick
             predicted = simulate(plan, replace(cost, stage_layers=counts)).makespan
-            measured = statistics.median(res["times"][label])
-            rows.append({"label": label, "measured_s": measured, "predicted_s": predicted})
+            rows.append({"label": label, "measured_s": medians[label], "predicted_s": predicted})
+            rows[-1]["in_round_s"] = fit.predict(plan, counts) if fit else None
         grid = [r for r in rows if r["label"] not in (TUNED, PREDICTED)]
         tuned = next(r for r in rows if r["label"] == TUNED)
         first = next((r for r in rows if r["label"] == PREDICTED), tuned)
@@ -111,6 +115,7 @@ def summarize(per_rank: list[dict]) -> dict:
             "tuned_vs_grid_best": tuned["measured_s"] / best["measured_s"] - 1,
             "tuner_first_vs_grid_best": first["measured_s"] / best["measured_s"] - 1,
             "tuned_predicted_vs_measured": tuned["predicted_s"] / tuned["measured_s"] - 1,
+            "in_round": _in_round_record(fit, res["tuned"], tuned),
             "rematch": _rematch(res["rematch"]),
         }
     return out
@@ -142,11 +147,20 @@ def markdown(summary: dict, info: dict) -> str:
         "repetitions that found it ([Note: held-out rematch] in "
         "`megatron_prt/bench/tuned_grid/grid.py`).",
         "",
+        "Two predictions: fitted before the grid (the profiled costs fitted in place to "
+        "three reference steps timed in a phase of their own, minutes earlier: what a user "
+        "gets before running) and fitted in the grid's rounds (the same fit to the same three "
+        "plans' medians as grid rows: 1F1B, every layer its own stage, R=1 loop/bi, even "
+        "splits; [Note: in-round fit] in `megatron_prt/bench/tuned_grid/in_round.py`): the "
+        "second predicts every other row at the time it was measured, so the host's drift "
+        "between phases drops out of it.",
+        "",
         "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
         "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
+        "fitted in the grid's rounds: predicted vs measured | "
         "tuner's first vs grid best | held-out rematch: grid best / tuned ms, tuned vs grid "
         "best | grid rows |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for stack, s in summary.items():
         b, t, r = s["grid_best"], s["tuned"], s["rematch"]
@@ -154,32 +168,85 @@ def markdown(summary: dict, info: dict) -> str:
             f"| {stack} | {b['label']}: {1e3 * b['measured_s']:.2f} ms | {t['label']} | "
             f"{1e3 * t['measured_s']:.2f} ms | {s['tuned_vs_grid_best']:+.1%} | "
             f"{1e3 * t['predicted_s']:.2f} ms | {s['tuned_predicted_vs_measured']:+.1%} | "
-            f"{s['tuner_first_vs_grid_best']:+.1%} | {1e3 * r['grid_best_s']:.2f} / "
+            f"{_in_round_cell(s['in_round'])} | {s['tuner_first_vs_grid_best']:+.1%} | "
+            f"{1e3 * r['grid_best_s']:.2f} / "
             f"{1e3 * r['tuned_s']:.2f}, {r['tuned_vs_grid_best']:+.1%} | {len(s['rows'])} |"
         )
     for stack, s in summary.items():
         lines += _selection(stack, s["tuned"])
     for stack, s in summary.items():
-        lines += [
-            "",
-            f"## {stack}: every grid row (fastest measured first)",
-            "",
-            "Fitted in place ([Note: compute fitted in place] in "
-            "`megatron_prt/tune/measured.py`): traced per-layer times scaled by "
-            f"{s['compute_scale']:.3f}, per-message CPU "
-            f"{1e3 * s['costs'].get('p2p_cpu', 0.0):.3f} ms; "
-            f"replica latency {1e3 * s['costs'].get('replica_latency', 0.0):.3f} ms; "
-            f"message latency {1e3 * s['costs'].get('p2p_latency', 0.0):.3f} ms.",
-            "",
-            "| configuration | measured ms | predicted ms | predicted vs measured |",
-            "|---|---:|---:|---:|",
-        ]
-        for r in s["rows"]:
-            lines.append(
-                f"| {r['label']} | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
-                f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} |"
-            )
+        lines += _grid_rows(stack, s)
     return "\n".join(lines) + "\n"
+
+
+def _grid_rows(stack: str, s: dict) -> list[str]:
+    """A stack's fitted values and every grid row, both predictions against the measured."""
+    fit = s["in_round"]
+    costs = s["costs"]
+    lines = [
+        "",
+        f"## {stack}: every grid row (fastest measured first)",
+        "",
+        "Fitted in place before the grid ([Note: compute fitted in place] in "
+        "`megatron_prt/tune/measured.py`): traced per-layer times scaled by "
+        f"{s['compute_scale']:.3f}, per-message CPU {1e3 * costs.get('p2p_cpu', 0.0):.3f} ms; "
+        f"replica latency {1e3 * costs.get('replica_latency', 0.0):.3f} ms; "
+        f"message latency {1e3 * costs.get('p2p_latency', 0.0):.3f} ms. "
+        + _rows_within(s["rows"], "predicted_s"),
+        "",
+    ]
+    if fit is not None:
+        lines += [
+            f"Fitted in the grid's rounds (to {', '.join(fit['references'])}): scale "
+            f"{fit['compute_scale']:.3f}, per-message CPU {1e3 * fit['p2p_cpu']:.3f} ms, "
+            f"replica latency {1e3 * fit['replica_latency']:.3f} ms. "
+            + _rows_within(s["rows"], "in_round_s"),
+            "",
+        ]
+    lines += [
+        "| configuration | measured ms | predicted ms | predicted vs measured | "
+        "in-round predicted ms | in-round vs measured |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in s["rows"]:
+        in_round = r.get("in_round_s")
+        cells = ("n/a", "n/a")
+        if in_round is not None:
+            cells = (f"{1e3 * in_round:.2f}", f"{in_round / r['measured_s'] - 1:+.1%}")
+        lines.append(
+            f"| {r['label']} | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
+            f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {cells[0]} | {cells[1]} |"
+        )
+    return lines
+
+
+def _rows_within(rows: list[dict], key: str) -> str:
+    """How many rows ``key`` predicts within 10% of their measured median."""
+    near = sum(abs(r[key] / r["measured_s"] - 1) <= 0.10 for r in rows if r.get(key))
+    return f"Rows predicted within 10%: {near} of {len(rows)}."
+
+
+def _in_round_record(fit, pick: tuple, tuned: dict) -> dict | None:
+    """The in-round fit ([Note: in-round fit] in :mod:`.in_round`): its fitted values, the
+    reference rows, whether the pick is one of them, the pick's in-round prediction error."""
+    if fit is None:
+        return None
+    _, plan, counts = pick
+    return {
+        "compute_scale": fit.scale,
+        "p2p_cpu": fit.cost.p2p_cpu,
+        "replica_latency": fit.cost.replica_latency,
+        "references": [label for label, _, _ in fit.references],
+        "pick_is_reference": fit.is_reference(plan, counts),
+        "tuned_vs_measured": tuned["in_round_s"] / tuned["measured_s"] - 1,
+    }
+
+
+def _in_round_cell(record: dict | None) -> str:
+    if record is None:
+        return "n/a"
+    mark = " (a reference row)" if record["pick_is_reference"] else ""
+    return f"{record['tuned_vs_measured']:+.1%}{mark}"
 
 
 def _rematch(record: dict) -> dict:

@@ -177,7 +177,7 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
     """Profile ``stack``, plan the grid and tune on rank 0, pick among the tuner's top
     candidates by the clock, time every entry and the pick."""
     say(f"tuned grid, {stack}: profiling costs")
-    cost, compute_scale = profile_costs(rank, world, stack, args)
+    cost, compute_scale, profiled = profile_costs(rank, world, stack, args)
     m = args.microbatches
     entries, best, info = planned(cost, world, m, args.top)
     say(f"tuned grid, {stack}: timing the tuner's top {len(best)} to pick one")
@@ -192,6 +192,7 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
     return {
         "cost": cost,
         "compute_scale": compute_scale,
+        "profiled_cost": profiled,
         "entries": [_row(e) for e in entries],
         "tuned": _row(best[record["index"]]),
         "predicted_best": _row(best[0]),

@@ -153,10 +153,11 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
     return replica_cost_fields(fit)
 
 
-def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float]:
-    """The stack's cost model (module docstring) and the compute scale fitted in place, the
-    same on every rank. The three fitted steps run at the grid's micro-batch count,
-    ``args.fit_steps`` each, interleaved."""
+def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float, CostModel]:
+    """The stack's cost model (module docstring), the compute scale fitted in place and the
+    profiled model before the fit (the in-round fit starts from it: [Note: in-round fit] in
+    :mod:`.in_round`), the same on every rank. The three fitted steps run at the grid's
+    micro-batch count, ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
     latency, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
     cost = CostModel(
@@ -177,6 +178,6 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         bi=True,
         shm_capacity=shm_capacity(stack, args),
     )
-    shared = [fit_in_place(cost, timed)]
+    shared = [(*fit_in_place(cost, timed), cost)]
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank
     return shared[0]
