@@ -180,9 +180,15 @@ def test_report_gives_both_predictions_and_marks_a_reference_pick():
     assert record["tuned_vs_measured"] == pytest.approx(0.0, abs=0.02)
     assert record["references"][1] == "R=4 loop/uni, even" and not record["pick_is_reference"]
     assert all(r["in_round_s"] for r in summary["rows"])
+    assert sum(r["reference"] for r in summary["rows"]) == 3
     machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
     text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
     assert "Fitted in the grid's rounds (to R=1 loop/uni, even" in text
     assert "in-round vs measured" in text and "n/a" not in text
+    others = len(summary["rows"]) - 3
+    assert (
+        f"other than the three it was fitted to predicted within 10%: {others} of {others}." in text
+    )
+    assert text.count("(fitted to it)") == 3
     plain = markdown(summarize([{"head": _stack_result(0)}]), {**machine, "top": 3, "pick_reps": 1})
     assert "| n/a |" in plain  # no profiled costs kept: no in-round column to fill

@@ -98,6 +98,7 @@ def summarize(per_rank: list[dict]) -> dict:
             predicted = simulate(plan, replace(cost, stage_layers=counts)).makespan
             rows.append({"label": label, "measured_s": medians[label], "predicted_s": predicted})
             rows[-1]["in_round_s"] = fit.predict(plan, counts) if fit else None
+            rows[-1]["reference"] = bool(fit and label != TUNED and fit.is_reference(plan, counts))
         grid = [r for r in rows if r["label"] not in (TUNED, PREDICTED)]
         tuned = next(r for r in rows if r["label"] == TUNED)
         first = next((r for r in rows if r["label"] == PREDICTED), tuned)
@@ -200,7 +201,11 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
             f"Fitted in the grid's rounds (to {', '.join(fit['references'])}): scale "
             f"{fit['compute_scale']:.3f}, per-message CPU {1e3 * fit['p2p_cpu']:.3f} ms, "
             f"replica latency {1e3 * fit['replica_latency']:.3f} ms. "
-            + _rows_within(s["rows"], "in_round_s"),
+            + _rows_within(
+                [r for r in s["rows"] if not r["reference"]],
+                "in_round_s",
+                "Rows other than the three it was fitted to",
+            ),
             "",
         ]
     lines += [
@@ -212,7 +217,8 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
         in_round = r.get("in_round_s")
         cells = ("n/a", "n/a")
         if in_round is not None:
-            cells = (f"{1e3 * in_round:.2f}", f"{in_round / r['measured_s'] - 1:+.1%}")
+            mark = " (fitted to it)" if r["reference"] else ""
+            cells = (f"{1e3 * in_round:.2f}", f"{in_round / r['measured_s'] - 1:+.1%}{mark}")
         lines.append(
             f"| {r['label']} | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
             f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {cells[0]} | {cells[1]} |"
@@ -220,10 +226,10 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
     return lines
 
 
-def _rows_within(rows: list[dict], key: str) -> str:
+def _rows_within(rows: list[dict], key: str, which: str = "Rows") -> str:
     """How many rows ``key`` predicts within 10% of their measured median."""
     near = sum(abs(r[key] / r["measured_s"] - 1) <= 0.10 for r in rows if r.get(key))
-    return f"Rows predicted within 10%: {near} of {len(rows)}."
+    return f"{which} predicted within 10%: {near} of {len(rows)}."
 
 
 def _in_round_record(fit, pick: tuple, tuned: dict) -> dict | None:
