@@ -20,7 +20,7 @@ with the micro-batch. Then:
   of an instant is: per kind the count started; per rank the running action and its end,
   the activations held, whether it last ran a backward. Done = started less running (no
   zero-time action is left to finish), ready = its one producer done ([Note: implied
-  producers] in :mod:`megatron_prt.core.greedy`): the heaps follow. That is the watched
+  producers] in :mod:`megatron_prt.core.graph`): the heaps follow. That is the watched
   state, relative to the count of pipeline 0's first stage.
 * Shifted by ``d * kw`` ids, every comparison the heaps make gives the same answer when the
   keys' micro-batch parts move by a constant (checked over every micro-batch); so from a
