@@ -182,6 +182,12 @@ class Graph:
         return tuple(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
     @functools.cached_property
+    def backward(self) -> list[bool]:
+        """id -> whether it is a backward (ids alternate F, B): a look-up, cheaper in the
+        scheduler's loop than ``id & 1``."""
+        return [False, True] * (self.n // 2)
+
+    @functools.cached_property
     def _ops(self) -> list[Op]:
         """id -> its op (ids alternate F, B)."""
         return [Op.F, Op.B] * (self.n // 2)

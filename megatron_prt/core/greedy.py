@@ -157,6 +157,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
     items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
+    hopping, backward = hop > 0, graph.backward  # bools: the loop's tests of them are cheap
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
     # the watch samples at the end of an instant in which watch_rank started next_source
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
@@ -176,8 +177,6 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     started, begins = [], [[] for _ in range(ranks)]
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
-    add_order, add_begin = [o.append for o in order], [b.append for b in begins]
-    add_started = started.append
     for i in graph.sources:  # sources arrive at time 0
         fheap[rank_of[i]].append(items[i])
         due.setdefault(0, []).append(rank_of[i])
@@ -198,17 +197,17 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         # hops, due an arrival (their action may end later); ranks readied now join touched
         for rank in tuple(touched):
             action = current[rank]
-            if action < 0 or (hop and end[rank] != now):
+            if action < 0 or (hopping and end[rank] != now):
                 continue
             current[rank] = -1
-            if action & 1:
+            if last_bwd[rank]:  # the last action a rank started is the one finishing
                 held[rank] -= 1
             step = users_of[action]  # its one user waits for it alone: ready now, or a hop
             if not step:  # later (see [Note: implied producers] in graph.py)
                 continue
             user = action + step
             user_rank = rank_of[user]
-            if hop and crossing_of[action]:
+            if hopping and crossing_of[action]:
                 at = now + hop
                 heappush(pending[user_rank], at * n + user)
                 if at in due:
@@ -217,22 +216,24 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     due[at] = [user_rank]
                     heappush(instants, at)
                 continue
-            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-            touched.append(user_rank)
+            heappush((bheap if backward[user] else fheap)[user_rank], items[user])
+            if current[user_rank] < 0:  # else running past now, or in touched already
+                touched.append(user_rank)
         arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
                 continue
             fh, bh = fheap[rank], bheap[rank]
-            if hop:  # free hops ready their users at once: nothing pending
+            if hopping:  # free hops ready their users at once: nothing pending
                 pend = pending[rank]
                 while pend and pend[0] < arrived:
                     user = heappop(pend) % n
-                    heappush(bh if user & 1 else fh, items[user])
+                    heappush(bh if backward[user] else fh, items[user])
             if flush:
                 heap = fh if fwd_left[rank] else bh
                 if not heap:
                     continue
+                forward = heap is fh
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
             # runs only while fewer than caps[r] activations await their backward); the caps
             # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps).
@@ -242,9 +243,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 and (held[rank] < caps[rank] or forcing)
                 and (not bh or (alternate and last_bwd[rank]))
             ):
-                heap = fh
+                heap, forward = fh, True
             elif bh:
-                heap = bh
+                heap, forward = bh, False
             else:
                 continue
             action = heappop(heap) % n
@@ -259,18 +260,18 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     slack = [idle + raised for idle in slack]
                     bounded = limit is not None
             current[rank] = action
-            add_order[rank](action)
-            add_started(action)
-            add_begin[rank](now)
-            if action & 1:
-                last_bwd[rank] = True
-            else:
+            order[rank].append(action)
+            started.append(action)
+            begins[rank].append(now)
+            if forward:
                 last_bwd[rank] = False
                 held[rank] = holding = held[rank] + 1
                 if flush:
                     fwd_left[rank] -= 1
                 if holding > peak[rank]:
                     peak[rank] = holding
+            else:
+                last_bwd[rank] = True
             end[rank] = finish = now + busy
             ending = due.get(finish)
             if ending is None:
