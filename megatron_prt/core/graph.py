@@ -65,13 +65,10 @@ class Graph:
         stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
         rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
         counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
-        kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
-        self.stage, self.rank, self.kinds, self.producer_counts = [], [], [], []
-        for pipe in mb_pipeline:
-            self.stage += stage_t[pipe]
-            self.rank += rank_t[pipe]
-            self.kinds += kinds_t[pipe]
-            self.producer_counts += counts_t[pipe]
+        self._kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
+        self.stage, self.rank = _tile(stage_t, mb_pipeline), _tile(rank_t, mb_pipeline)
+        self.kinds = _tile(self._kinds_t, mb_pipeline)
+        self.producer_counts = _tile(counts_t, mb_pipeline)
         self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
         self.n = len(self.stage)
 
@@ -126,12 +123,7 @@ class Graph:
         for users in self.consumers:
             steps_t.append([edges[0][0] - j if edges else 0 for j, edges in enumerate(users)])
             crossing_t.append([bool(edges) and edges[0][1] for edges in users])
-        steps: list[int] = []
-        crossing: list[bool] = []
-        for pipe in self.mb_pipeline:
-            steps += steps_t[pipe]
-            crossing += crossing_t[pipe]
-        return steps, crossing
+        return _tile(steps_t, self.mb_pipeline), _tile(crossing_t, self.mb_pipeline)
 
     @functools.cached_property
     def producer_ids(self) -> tuple[list[int], list[int]]:
@@ -212,7 +204,8 @@ class Graph:
         kept = self.__dict__.get("_durations")
         if kept is None or kept[0] != ticks:
             per_kind = self.busy_per_kind(ticks)
-            kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
+            templates = [list(map(per_kind.__getitem__, kinds)) for kinds in self._kinds_t]
+            kept = self._durations = (ticks, _tile(templates, self.mb_pipeline))
         return kept[1]
 
     def work_per_rank(self, ticks: StageTimes) -> list[int]:
@@ -242,6 +235,18 @@ class Graph:
             adds = [fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width]
             items += map(add, parts[pipe], adds * half)
         return items
+
+
+def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> list:
+    """Per id: the per-offset template of its micro-batch's pipeline, micro-batch after
+    micro-batch. When the micro-batches take the pipelines in turn (what
+    :func:`~megatron_prt.core.plan.split_microbatches` does) one round's templates are
+    repeated (a copy at memory speed, ten times faster than concatenating micro-batches)."""
+    pipes = len(templates)
+    rounds, extra = divmod(len(mb_pipeline), pipes)
+    if mb_pipeline != tuple(mb % pipes for mb in range(len(mb_pipeline))):
+        return list(chain.from_iterable(map(templates.__getitem__, mb_pipeline)))
+    return [*chain.from_iterable(templates)] * rounds + [*chain.from_iterable(templates[:extra])]
 
 
 @functools.lru_cache(maxsize=8)
