@@ -112,7 +112,7 @@ class SteadyWatch:
         kinds = Counter(map(mod, started[started0:], repeat(self.kw)))
         if len(kinds) != self.kw or set(kinds.values()) != {rounds}:
             return None
-        period = _Period(run, t0, started0, now - t0, rounds * self.kw)
+        period = _Period(run, t0, started0, now - t0, rounds * self.kw, self.duration)
         times = min(self._room_bound(period, run), self._id_bound(period, run))
         if times < 1:
             return None
@@ -145,7 +145,7 @@ class SteadyWatch:
         if run["room"] is None:
             return times
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
-            work = sum(map(self.duration.__getitem__, ids))
+            work = period.work[rank]
             if not ids or work >= period.ticks:
                 continue
             room0 = run["room"][rank] - work
@@ -177,7 +177,7 @@ class SteadyWatch:
         if run["room"] is None:
             return True
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
-            work = sum(map(self.duration.__getitem__, ids))
+            work = period.work[rank]
             cut = bisect_right(begins, sample[0])
             if not cut or work >= period.ticks:
                 continue
@@ -254,10 +254,11 @@ class _Period:
     """What the scheduler did between two equal states: per rank the ids started and their
     start ticks, every start in order; ``ticks`` and ``ids``: the shift of one period."""
 
-    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int):
+    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int, duration):
         lengths0 = [bisect_right(begins, t0) for begins in run["begins"]]
         self.order = [o[k:] for o, k in zip(run["order"], lengths0, strict=True)]
         self.begins = [b[k:] for b, k in zip(run["begins"], lengths0, strict=True)]
+        self.work = [sum(map(duration.__getitem__, ids)) for ids in self.order]  # per rank
         self.started, self.started0 = run["started"][started0:], started0
         self.ticks, self.ids = ticks, ids
 
@@ -274,7 +275,7 @@ class _Period:
                 map(add, begins, repeat(k * ticks)) for k in shifts
             )
             if run["room"] is not None:
-                run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
+                run["room"][rank] += times * self.work[rank]
         run["started"] += chain.from_iterable(
             map(add, self.started, repeat(k * ids)) for k in shifts
         )
