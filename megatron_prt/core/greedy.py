@@ -19,48 +19,29 @@ reports the makespan and each rank's peak held activations, which the portfolio 
 :mod:`megatron_prt.core.schedules` ranks policies by.
 
 Speed: a plan of P=64, R=8, m=512 has half a million actions and the portfolio schedules it
-several times, so the scheduler runs on a :class:`Graph` compiled once per (placement,
-micro-batch split): actions are integers, each heap entry is one integer (key, then action)
-and events are bucketed by instant. Actions become :class:`Action` values only for the plan
-that is kept, and that plan's compiled replay (:func:`compiled_schedule`) comes from the
-graph's tables and the scheduler's own timeline rather than from its half a million actions.
+several times, so the scheduler runs on a :class:`~megatron_prt.core.graph.Graph` compiled
+once per (placement, micro-batch split) and events are bucketed by instant. That plan's
+compiled replay (:func:`compiled_schedule`) comes from the graph's tables and the
+scheduler's own timeline rather than from its half a million actions.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import add, itemgetter, mod, sub
-from typing import NamedTuple
+from operator import add, sub
 
 from .actions import Action, Op
 from .deps import producers
+from .graph import Graph, SortKey, compile_graph, oldest_first
 from .placement import Placement
 from .plan import Plan
 from .replay import Replayer, Ticks
 from .steady import SteadyWatch
 from .timing import StageTimes
-
-
-class SortKey(NamedTuple):
-    """A preference among actions: ``by_stage[stage] + by_mb[mb]``, lower runs first. Two
-    tables rather than a function so that keying half a million actions is arithmetic.
-    Distinct (stage, mb) must get distinct keys (ties would fall to the action id)."""
-
-    by_stage: Sequence[int]
-    by_mb: Sequence[int]
-
-    def __call__(self, stage: int, mb: int) -> int:
-        return self.by_stage[stage] + self.by_mb[mb]
-
-
-def oldest_first(num_stages: int, num_microbatches: int) -> SortKey:
-    """(mb, stage): the oldest micro-batch first, then the lowest stage."""
-    return SortKey(range(num_stages), range(0, num_microbatches * num_stages, num_stages))
 
 
 @dataclass(frozen=True)
@@ -101,212 +82,6 @@ class GaveUp:
     """A schedule abandoned at tick ``at``: its makespan would exceed the limit given."""
 
     at: int
-
-
-class Graph:
-    """The F/B actions of (placement, micro-batch split) as integers, with what every policy
-    shares: id ``mb * 2D + 2 * position + (0 for F, 1 for B)`` (position: flow position in
-    the micro-batch's pipeline); ``stage``/``mb``/``rank``/``kinds`` per id (kind:
-    ``2 * stage + op bit``); ``producer_counts`` per id, from
-    :func:`megatron_prt.core.deps.producers` less the implied ones (below);
-    ``consumers[pipe][offset]``: ``(offset of a consumer, whether the edge crosses ranks)``
-    within one micro-batch of that pipeline (the rule never crosses micro-batches). Every
-    per-id list is one micro-batch's template repeated. Read-only once built.
-
-    [Note: implied producers]
-    A backward waits for its own forward and for the next stage's backward, which waits for
-    the next stage's forward, which waits for this forward: so the scheduler takes that
-    forward's finish before the next stage's forward starts, before that backward finishes,
-    and waits for the backward alone. Its readiness comes at the same instant, and with hops
-    at the same tick (the forward runs on the backward's rank: no hop, earlier finish). So
-    every action waits for one producer at most and readies one at most (checked): it is
-    ready once that one is, a micro-batch's actions one chain."""
-
-    def __init__(self, placement: Placement, mb_pipeline: tuple[int, ...]) -> None:
-        self.placement, self.mb_pipeline = placement, mb_pipeline
-        self.width = width = 2 * placement.depth
-        pipes = range(placement.num_pipelines)
-        stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
-        rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
-        counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
-        kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
-        self.stage, self.rank, self.kinds, self.producer_counts = [], [], [], []
-        for pipe in mb_pipeline:
-            self.stage += stage_t[pipe]
-            self.rank += rank_t[pipe]
-            self.kinds += kinds_t[pipe]
-            self.producer_counts += counts_t[pipe]
-        self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
-        self.n = len(self.stage)
-
-    def _edges(self, pipe: int, ranks: list[int]) -> tuple[list[int], list[tuple]]:
-        """One micro-batch of ``pipe``: producer count and consumers per offset."""
-        placement, depth = self.placement, self.placement.depth
-        counts = [0] * self.width
-        consumers: list[list[tuple[int, bool]]] = [[] for _ in range(self.width)]
-        for offset in range(self.width):
-            action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
-            deps = producers(action, placement)
-            for dep in deps:
-                dep_offset = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
-                if dep.stage == action.stage and deps[-1].op is Op.B:
-                    continue  # a backward's own forward: see [Note: implied producers]
-                counts[offset] += 1
-                consumers[dep_offset].append((offset, ranks[offset] != ranks[dep_offset]))
-        if max(counts) > 1 or max(map(len, consumers)) > 1:
-            raise ValueError(
-                f"pipeline {pipe}: an action waits for two producers or readies two, none "
-                "implied by another: the list scheduler takes a micro-batch's actions as one "
-                "chain ([Note: implied producers] in megatron_prt/core/greedy.py); extend it"
-            )
-        return counts, [tuple(users) for users in consumers]
-
-    def kinds_of(self, ids: list[int]) -> list[int]:
-        """:attr:`kinds` of ``ids``: ``id mod (width * pipelines)`` when micro-batches take
-        the pipelines in turn (what :func:`~megatron_prt.core.plan.split_microbatches`
-        does), arithmetic rather than a look-up in a half-million-long table."""
-        pipes = self.placement.num_pipelines
-        if self.mb_pipeline != tuple(mb % pipes for mb in range(len(self.mb_pipeline))):
-            return list(map(self.kinds.__getitem__, ids))
-        return list(map(mod, ids, repeat(self.width * pipes)))
-
-    @functools.cached_property
-    def sources(self) -> list[int]:
-        """The ids with no producer (a pipeline's first forward), from one micro-batch's
-        template per pipeline (the counts repeat per micro-batch)."""
-        counts, width = self.producer_counts, self.width
-        firsts = {}  # pipeline -> the offsets of its template with no producer
-        for mb, pipe in enumerate(self.mb_pipeline):
-            if pipe not in firsts:
-                base = mb * width
-                firsts[pipe] = [j for j in range(width) if not counts[base + j]]
-        return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
-
-    @functools.cached_property
-    def consumer_steps(self) -> tuple[list[int], list[bool]]:
-        """Per id: how far ahead its one consumer's id lies (0: none), and whether that edge
-        crosses ranks (the scheduler's view of :attr:`consumers`: ``id + step``)."""
-        steps_t, crossing_t = [], []
-        for users in self.consumers:
-            steps_t.append([edges[0][0] - j if edges else 0 for j, edges in enumerate(users)])
-            crossing_t.append([bool(edges) and edges[0][1] for edges in users])
-        steps: list[int] = []
-        crossing: list[bool] = []
-        for pipe in self.mb_pipeline:
-            steps += steps_t[pipe]
-            crossing += crossing_t[pipe]
-        return steps, crossing
-
-    @functools.cached_property
-    def producer_ids(self) -> tuple[list[int], list[int]]:
-        """Per id its producers' ids in :func:`megatron_prt.core.deps.producers`' order, as
-        two slots (``n`` where an action has fewer producers)."""
-        return self._per_id(0, self.n), self._per_id(1, self.n)
-
-    def _per_id(self, slot: int, none: int) -> list[int]:
-        """Slot 0 or 1 of the producers, or (2) the producer on another rank, as ids."""
-        templates = [offsets[slot] for offsets in self._producer_offsets]
-        out: list[int] = []
-        for mb, pipe in enumerate(self.mb_pipeline):
-            base = mb * self.width
-            out += [none if o < 0 else base + o for o in templates[pipe]]
-        return out
-
-    @functools.cached_property
-    def _producer_offsets(self) -> list[tuple[list[int], ...]]:
-        """Per pipeline, one micro-batch: per offset the offsets of its first and second
-        producer and of its producer on another rank (-1: none)."""
-        placement, depth, width = self.placement, self.placement.depth, self.width
-        rank, out = placement.stage_to_rank, []
-        for pipe in range(placement.num_pipelines):
-            slots: tuple[list[int], ...] = ([-1] * width, [-1] * width, [-1] * width)
-            for offset in range(width):
-                action = Action(pipe * depth + offset // 2, (Op.F, Op.B)[offset & 1], 0)
-                for slot, dep in enumerate(producers(action, placement)):
-                    slots[slot][offset] = 2 * (dep.stage - pipe * depth) + (dep.op is Op.B)
-                    if rank[dep.stage] != rank[action.stage]:
-                        slots[2][offset] = slots[slot][offset]
-            out.append(slots)
-        return out
-
-    @functools.cached_property
-    def actions(self) -> list[Action]:
-        """id -> :class:`Action` (built on first use: only kept plans need them)."""
-        rows = zip(self.stage, self._ops, self.mb, strict=True)
-        return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
-
-    def actions_of(self, ids: list[int]) -> tuple[Action, ...]:
-        """The :class:`Action` of each id, made now, in this order: a plan's actions made
-        rank after rank lie in memory in plan order, which the passes reading the plan
-        (validation, lowering) walk faster than actions made in id order and gathered."""
-        if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-            return tuple(Action(self.stage[i], self._ops[i], self.mb[i]) for i in ids)
-        pick = itemgetter(*ids)
-        rows = zip(pick(self.stage), pick(self._ops), pick(self.mb), strict=True)
-        return tuple(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
-
-    @functools.cached_property
-    def _ops(self) -> list[Op]:
-        """id -> its op (ids alternate F, B)."""
-        return [Op.F, Op.B] * (self.n // 2)
-
-    def busy_per_kind(self, ticks: StageTimes) -> list[int]:
-        """Per kind ``2 * stage + op bit``: its rank's busy time under ``ticks``; read-only,
-        kept for the next policy of a portfolio (the last stage times asked only)."""
-        kept = self.__dict__.get("_busy")
-        if kept is None or kept[0] != ticks:
-            placement = self.placement
-            per_kind = [
-                ticks.busy(Action(stage, op, 0), placement)
-                for stage in range(placement.num_stages)
-                for op in (Op.F, Op.B)
-            ]
-            kept = self._busy = (ticks, per_kind)
-        return kept[1]
-
-    def durations(self, ticks: StageTimes) -> list[int]:
-        """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
-        for the next policy of a portfolio (the last stage times asked only)."""
-        kept = self.__dict__.get("_durations")
-        if kept is None or kept[0] != ticks:
-            per_kind = self.busy_per_kind(ticks)
-            kept = self._durations = (ticks, list(map(per_kind.__getitem__, self.kinds)))
-        return kept[1]
-
-    def work_per_rank(self, ticks: StageTimes) -> list[int]:
-        """rank -> the busy time of all its actions under ``ticks``."""
-        placement, per_kind = self.placement, self.busy_per_kind(ticks)
-        mbs = [self.mb_pipeline.count(p) for p in range(placement.num_pipelines)]
-        work = [0] * placement.ranks
-        for stage, rank in enumerate(placement.stage_to_rank):
-            both = per_kind[2 * stage] + per_kind[2 * stage + 1]
-            work[rank] += mbs[placement.pipeline_of(stage)] * both
-        return work
-
-    def heap_items(self, fwd_key: SortKey, bwd_key: SortKey) -> list[int]:
-        """id -> its heap entry ``key * n + id``: one integer orders by key, then id."""
-        n, width = self.n, self.width
-        by_stage = (fwd_key.by_stage, bwd_key.by_stage)
-        template = [  # per offset: (by-stage part of the entry, op bit)
-            [(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(self.stage[:width])]
-        ]
-        if self.placement.num_pipelines == 2:
-            second = self.stage[width : 2 * width]
-            template.append([(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(second)])
-        parts = [[part for part, _ in offsets] for offsets in template]
-        half = width // 2  # offsets alternate F, B: one (F, B) pair of additions per stage
-        items: list[int] = []
-        for mb, pipe in enumerate(self.mb_pipeline):
-            adds = [fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width]
-            items += map(add, parts[pipe], adds * half)
-        return items
-
-
-@functools.lru_cache(maxsize=8)
-def compile_graph(placement: Placement, mb_pipeline: tuple[int, ...]) -> Graph:
-    """The shared :class:`Graph` of a configuration (cached: a portfolio and the callers
-    comparing plans ask for the same one)."""
-    return Graph(placement, mb_pipeline)
 
 
 def list_schedule(
@@ -382,6 +157,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
     items = graph.heap_items(*keys)
     duration, hop = graph.durations(ticks), ticks.p2p
+    hopping, backward = hop > 0, graph.backward  # bools: the loop's tests of them are cheap
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
     # the watch samples at the end of an instant in which watch_rank started next_source
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
@@ -401,8 +177,6 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     started, begins = [], [[] for _ in range(ranks)]
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
-    add_order, add_begin = [o.append for o in order], [b.append for b in begins]
-    add_started = started.append
     for i in graph.sources:  # sources arrive at time 0
         fheap[rank_of[i]].append(items[i])
         due.setdefault(0, []).append(rank_of[i])
@@ -423,17 +197,17 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
         # hops, due an arrival (their action may end later); ranks readied now join touched
         for rank in tuple(touched):
             action = current[rank]
-            if action < 0 or (hop and end[rank] != now):
+            if action < 0 or (hopping and end[rank] != now):
                 continue
             current[rank] = -1
-            if action & 1:
+            if last_bwd[rank]:  # the last action a rank started is the one finishing
                 held[rank] -= 1
             step = users_of[action]  # its one user waits for it alone: ready now, or a hop
-            if not step:  # later (see [Note: implied producers])
+            if not step:  # later (see [Note: implied producers] in graph.py)
                 continue
             user = action + step
             user_rank = rank_of[user]
-            if hop and crossing_of[action]:
+            if hopping and crossing_of[action]:
                 at = now + hop
                 heappush(pending[user_rank], at * n + user)
                 if at in due:
@@ -442,22 +216,24 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     due[at] = [user_rank]
                     heappush(instants, at)
                 continue
-            heappush((bheap if user & 1 else fheap)[user_rank], items[user])
-            touched.append(user_rank)
+            heappush((bheap if backward[user] else fheap)[user_rank], items[user])
+            if current[user_rank] < 0:  # else running past now, or in touched already
+                touched.append(user_rank)
         arrived = (now + 1) * n  # pending entries below this have arrived by now
         for rank in touched:  # ranks choose independently: any order
             if current[rank] >= 0:
                 continue
             fh, bh = fheap[rank], bheap[rank]
-            if hop:  # free hops ready their users at once: nothing pending
+            if hopping:  # free hops ready their users at once: nothing pending
                 pend = pending[rank]
                 while pend and pend[0] < arrived:
                     user = heappop(pend) % n
-                    heappush(bh if user & 1 else fh, items[user])
+                    heappush(bh if backward[user] else fh, items[user])
             if flush:
                 heap = fh if fwd_left[rank] else bh
                 if not heap:
                     continue
+                forward = heap is fh
             # warm-up: rank r admits caps[r] forwards before its first backward (a forward
             # runs only while fewer than caps[r] activations await their backward); the caps
             # come from :mod:`megatron_prt.core.schedules` (round_trip_caps, megatron_caps).
@@ -467,9 +243,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 and (held[rank] < caps[rank] or forcing)
                 and (not bh or (alternate and last_bwd[rank]))
             ):
-                heap = fh
+                heap, forward = fh, True
             elif bh:
-                heap = bh
+                heap, forward = bh, False
             else:
                 continue
             action = heappop(heap) % n
@@ -484,18 +260,18 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     slack = [idle + raised for idle in slack]
                     bounded = limit is not None
             current[rank] = action
-            add_order[rank](action)
-            add_started(action)
-            add_begin[rank](now)
-            if action & 1:
-                last_bwd[rank] = True
-            else:
+            order[rank].append(action)
+            started.append(action)
+            begins[rank].append(now)
+            if forward:
                 last_bwd[rank] = False
                 held[rank] = holding = held[rank] + 1
                 if flush:
                     fwd_left[rank] -= 1
                 if holding > peak[rank]:
                     peak[rank] = holding
+            else:
+                last_bwd[rank] = True
             end[rank] = finish = now + busy
             ending = due.get(finish)
             if ending is None:

@@ -20,7 +20,7 @@ with the micro-batch. Then:
   of an instant is: per kind the count started; per rank the running action and its end,
   the activations held, whether it last ran a backward. Done = started less running (no
   zero-time action is left to finish), ready = its one producer done ([Note: implied
-  producers] in :mod:`megatron_prt.core.greedy`): the heaps follow. That is the watched
+  producers] in :mod:`megatron_prt.core.graph`): the heaps follow. That is the watched
   state, relative to the count of pipeline 0's first stage.
 * Shifted by ``d * kw`` ids, every comparison the heaps make gives the same answer when the
   keys' micro-batch parts move by a constant (checked over every micro-batch); so from a
@@ -34,6 +34,11 @@ with the micro-batch. Then:
   period ``room`` grows by the rank's work ``W``, ``now`` by ``dt >= W``, so the slack of
   each start shrinks by ``dt - W`` per period: ``K`` keeps every repeated slack at or
   above 0. A period with a forced forward or a give-up is not repeated.
+* After the ``K`` repeats, the period's first part, up to a later sample within it, is
+  copied once more (shifted ``K + 1`` periods) when the same two bounds hold for its starts
+  and for the actions running at that sample; the state then is that sample's, shifted
+  ``K + 1`` periods, its heaps rebuilt from the counts as above. The whole periods alone
+  left up to a period less one sample to list-schedule before the cool-down.
 """
 
 from __future__ import annotations
@@ -70,6 +75,13 @@ class SteadyWatch:
         self.kw = graph.width * self.pipes  # ids per round of micro-batches (one per pipeline)
         self.rank, self.next_source = graph.rank[0], 0
         self.seen: dict[tuple, tuple] = {}
+        self.history: list[tuple] = []  # per sample: (now, base, started, state)
+        self.rank_of = graph.rank[: self.kw]  # per offset in a round (id mod kw)
+        steps = graph.consumer_steps[0][: self.kw]
+        self.producer_of = [-1] * self.kw  # per offset: its one producer's offset (-1: none)
+        for offset, step in enumerate(steps):
+            if step:
+                self.producer_of[offset + step] = offset
 
     def sample(self, now: int, interruptions: int, run: dict) -> tuple[int, int] | None:
         """Record the state; when it repeats, repeat the period in ``run`` (the scheduler's
@@ -89,22 +101,27 @@ class SteadyWatch:
             tuple(run["held"]),
         )
         earlier = self.seen.get(state)
-        self.seen[state] = (now, base, len(started), interruptions)
+        self.seen[state] = (now, base, len(started), interruptions, len(self.history))
+        self.history.append((now, base, len(started), state))
         if earlier is None:
             return None
-        t0, base0, started0, interruptions0 = earlier
+        t0, base0, started0, interruptions0, index0 = earlier
         rounds = base - base0
         if interruptions != interruptions0 or not self._keys_shift(rounds):
             return None  # not a clean period: watch on from this state
         kinds = Counter(map(mod, started[started0:], repeat(self.kw)))
         if len(kinds) != self.kw or set(kinds.values()) != {rounds}:
             return None
-        period = _Period(run, t0, started0, now - t0, rounds * self.kw)
+        period = _Period(run, t0, started0, now - t0, rounds * self.kw, self.duration)
         times = min(self._room_bound(period, run), self._id_bound(period, run))
         if times < 1:
             return None
         self.next_source = -2  # one repeat per run: what follows is the cool-down
+        prefix = self._prefix(period, times, run, self.history[index0 + 1 : -1])
+        count = len(started)
         period.repeat(times, run, self)
+        if prefix is not None:
+            return self._resume_at(prefix, period, times, run) - now, len(started) - count
         return times * period.ticks, times * len(period.started)
 
     def _keys_shift(self, rounds: int) -> bool:
@@ -128,7 +145,7 @@ class SteadyWatch:
         if run["room"] is None:
             return times
         for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
-            work = sum(map(self.duration.__getitem__, ids))
+            work = period.work[rank]
             if not ids or work >= period.ticks:
                 continue
             room0 = run["room"][rank] - work
@@ -137,16 +154,112 @@ class SteadyWatch:
             times = min(times, slack // (period.ticks - work))
         return times
 
+    def _prefix(self, period: _Period, times: int, run: dict, samples: list) -> tuple | None:
+        """The last of ``samples`` (those within the period) up to which the period, copied
+        once more after the ``times`` repeats, keeps every started and running id below
+        ``n`` and every start within the give-up bound; None if none does."""
+        limit = self.n - 1 - (times + 1) * period.ids  # the largest id that may be shifted
+        top, seen, fits = -1, 0, []
+        for sample in samples:
+            _, base, count, state = sample
+            top = max(top, max(period.started[seen : count - period.started0], default=-1))
+            seen = count - period.started0
+            if top > limit:
+                break
+            shift = base * self.kw
+            if max((c + shift for c in state[0] if c is not None), default=-1) <= limit:
+                fits.append(sample)
+        return next((s for s in reversed(fits) if self._prefix_room(period, times, run, s)), None)
+
+    def _prefix_room(self, period: _Period, times: int, run: dict, sample: tuple) -> bool:
+        """Whether the starts of the period up to ``sample``, copied ``times + 1`` periods
+        on, keep within the give-up bound (as :meth:`_room_bound`)."""
+        if run["room"] is None:
+            return True
+        for rank, (ids, begins) in enumerate(zip(period.order, period.begins, strict=True)):
+            work = period.work[rank]
+            cut = bisect_right(begins, sample[0])
+            if not cut or work >= period.ticks:
+                continue
+            room = accumulate(map(self.duration.__getitem__, ids[:cut]), initial=0)
+            slack = min(map(sub, room, begins[:cut])) + run["room"][rank] - work
+            if slack < (times + 1) * (period.ticks - work):
+                return False
+        return True
+
+    def _resume_at(self, sample: tuple, period: _Period, times: int, run: dict) -> int:
+        """After the ``times`` repeats, append the period's starts up to ``sample`` once more
+        and move the state to ``sample``'s, shifted ``times + 1`` periods; returns the
+        instant the scheduler resumes at."""
+        sample_now, base, count, (current, ends, last_bwd, held) = sample
+        ids, ticks = (times + 1) * period.ids, (times + 1) * period.ticks
+        for rank, (seg, begins) in enumerate(zip(period.order, period.begins, strict=True)):
+            cut = bisect_right(begins, sample_now)
+            run["order"][rank] += map(add, seg[:cut], repeat(ids))
+            run["begins"][rank] += map(add, begins[:cut], repeat(ticks))
+            if run["room"] is not None:
+                run["room"][rank] += sum(map(self.duration.__getitem__, seg[:cut]))
+        run["started"] += map(add, period.started[: count - period.started0], repeat(ids))
+        now = sample_now + ticks
+        shift = base * self.kw + ids
+        run["current"][:] = [-1 if c is None else c + shift for c in current]
+        run["end"][:] = [end + now for end in ends]
+        run["last_bwd"][:], run["held"][:] = last_bwd, held
+        self._refill_heaps(period, times, run, count - period.started0)
+        _set_events(run)
+        return now
+
+    def _refill_heaps(self, period: _Period, times: int, run: dict, prefix: int) -> None:
+        """The heaps of the state :meth:`_resume_at` moved to, from its counts: per offset
+        (id mod kw) the rounds started (every kind starts its micro-batches in order) and
+        the rounds done (started less running); an id is waiting when it has not started
+        and its one producer is done (or it has none)."""
+        kw, n, items, ids = self.kw, self.n, run["items"], period.ids
+        last = dict(zip(map(mod, period.started, repeat(kw)), period.started, strict=True))
+        first = period.started[:prefix]  # copied times + 1 periods on, the others times
+        last = {o: i + times * ids for o, i in last.items()}
+        moved = map(add, first, repeat((times + 1) * ids))
+        last.update(zip(map(mod, first, repeat(kw)), moved, strict=True))
+        started = [last[o] // kw + 1 for o in range(kw)]  # rounds
+        done = started[:]
+        for action in run["current"]:
+            if action >= 0:
+                done[action % kw] -= 1
+        rounds = -(-n // kw)
+        for heaps in (run["fheap"], run["bheap"]):
+            for heap in heaps:
+                heap.clear()
+        for o in range(kw):
+            producer = self.producer_of[o]
+            upto = rounds if producer < 0 else done[producer]
+            heap = (run["bheap"] if o & 1 else run["fheap"])[self.rank_of[o]]
+            heap += items[started[o] * kw + o : min(upto * kw + o, n) : kw]
+        for heaps in (run["fheap"], run["bheap"]):
+            for heap in heaps:
+                heapify(heap)
+
+
+def _set_events(run: dict) -> None:
+    """The scheduler's events from the running actions: each rank's end."""
+    due, instants, end = run["due"], run["instants"], run["end"]
+    due.clear()
+    for rank, action in enumerate(run["current"]):
+        if action >= 0:
+            due.setdefault(end[rank], []).append(rank)
+    instants[:] = due
+    heapify(instants)
+
 
 class _Period:
     """What the scheduler did between two equal states: per rank the ids started and their
     start ticks, every start in order; ``ticks`` and ``ids``: the shift of one period."""
 
-    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int):
+    def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int, duration):
         lengths0 = [bisect_right(begins, t0) for begins in run["begins"]]
         self.order = [o[k:] for o, k in zip(run["order"], lengths0, strict=True)]
         self.begins = [b[k:] for b, k in zip(run["begins"], lengths0, strict=True)]
-        self.started = run["started"][started0:]
+        self.work = [sum(map(duration.__getitem__, ids)) for ids in self.order]  # per rank
+        self.started, self.started0 = run["started"][started0:], started0
         self.ticks, self.ids = ticks, ids
 
     def repeat(self, times: int, run: dict, watch: SteadyWatch) -> None:
@@ -162,7 +275,7 @@ class _Period:
                 map(add, begins, repeat(k * ticks)) for k in shifts
             )
             if run["room"] is not None:
-                run["room"][rank] += times * sum(map(watch.duration.__getitem__, seg))
+                run["room"][rank] += times * self.work[rank]
         run["started"] += chain.from_iterable(
             map(add, self.started, repeat(k * ids)) for k in shifts
         )
@@ -171,13 +284,7 @@ class _Period:
             end[rank] += times * ticks
             if action >= 0:
                 current[rank] = action + times * ids
-        due, instants = run["due"], run["instants"]
-        due.clear()
-        for rank, action in enumerate(current):
-            if action >= 0:
-                due.setdefault(end[rank], []).append(rank)
-        instants[:] = due
-        heapify(instants)
+        _set_events(run)
 
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:

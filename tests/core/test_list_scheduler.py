@@ -12,6 +12,7 @@ import reference_planner as ref
 from test_planner_equivalence import _times
 
 from megatron_prt.core import Placement, StageTimes, greedy
+from megatron_prt.core import graph as graph_module
 from megatron_prt.core.greedy import GaveUp, IdResult, Policy, Run, compile_graph, list_schedule
 from megatron_prt.core.plan import split_microbatches
 from megatron_prt.core.schedules import _keys, _portfolio, _rank_bounds
@@ -120,7 +121,7 @@ def test_a_run_gives_up_at_the_first_start_past_its_limit(placement, direction, 
 def test_a_rule_with_two_unimplied_producers_is_refused(monkeypatch):
     """The scheduler readies an action when its one producer finishes; a dependency rule
     giving an action two producers, neither implied by the other, is refused by name."""
-    producers = greedy.producers
+    producers = graph_module.producers
 
     def with_an_extra(action, placement):
         deps = producers(action, placement)
@@ -128,6 +129,6 @@ def test_a_rule_with_two_unimplied_producers_is_refused(monkeypatch):
             return (*deps, greedy.Action(placement.pipelines[0][0], greedy.Op.F, action.mb))
         return deps
 
-    monkeypatch.setattr(greedy, "producers", with_an_extra)
+    monkeypatch.setattr(graph_module, "producers", with_an_extra)
     with pytest.raises(ValueError, match="implied producers"):
-        greedy.Graph(Placement(2, 2, "loop", "uni"), (0, 0, 0))
+        graph_module.Graph(Placement(2, 2, "loop", "uni"), (0, 0, 0))

@@ -56,10 +56,28 @@ def repeats(monkeypatch) -> list[bool]:
     return seen
 
 
+@pytest.fixture
+def prefixes(monkeypatch) -> list[int]:
+    """Per run that copied part of a period once more after its repeats: the actions copied."""
+    copied = []
+    resume_at = SteadyWatch._resume_at
+
+    def counting(self, sample, period, times, run):
+        count = len(run["started"])
+        now = resume_at(self, sample, period, times, run)
+        copied.append(len(run["started"]) - count)
+        return now
+
+    monkeypatch.setattr(SteadyWatch, "_resume_at", counting)
+    return copied
+
+
 @pytest.mark.parametrize(
     "placement, direction", list(itertools.product(["loop", "wave"], ["uni", "bi"]))
 )
-def test_repeating_the_steady_state_changes_no_schedule(placement, direction, repeats, monkeypatch):
+def test_repeating_the_steady_state_changes_no_schedule(
+    placement, direction, repeats, prefixes, monkeypatch
+):
     # the portfolio of large plans on a grid, and the whole portfolio at P=8 R=4 m=128
     # (below that size bi plans seldom reach a steady state)
     configs = [
@@ -84,6 +102,7 @@ def test_repeating_the_steady_state_changes_no_schedule(placement, direction, re
                     place, m, times, key,
                 )  # fmt: skip
     assert any(repeats)  # the grid does repeat steady states
+    assert any(prefixes)  # and copies part of a period once more after the repeats
 
 
 @pytest.mark.parametrize(
