@@ -85,7 +85,7 @@ class Replayer:
     @classmethod
     def from_tables(cls, plan: Plan, tables: dict) -> Replayer:
         """A Replayer of ``plan`` from tables its producer already holds (the list scheduler:
-        :func:`megatron_prt.core.greedy.compiled_schedule`), skipping the derivation and the
+        :func:`megatron_prt.core.compiled.compiled_schedule`), skipping the derivation and the
         dependency walk. ``tables``: ``actions``, ``rank_of``, ``kinds``, ``kind_of`` as
         :meth:`__init__` would make them for a plan that passes it; ``dep`` and ``crosses``
         (two slots each), ``order`` (a dependency order; the producer vouches for it) and
@@ -102,7 +102,7 @@ class Replayer:
     @staticmethod
     def by_rows(where: list[int], width: int, lanes: list, per_kind: list, shifts: bool) -> list:
         """A per-action table of a plan whose actions are the ids of a scheduler's graph
-        (:func:`megatron_prt.core.greedy.compiled_schedule`; ``where[id]``: the action's
+        (:func:`megatron_prt.core.compiled.compiled_schedule`; ``where[id]``: the action's
         index, ``n`` for an id the plan lacks, ``-1`` past ``n``), written one row of ids
         at a time: the ids of graph kind ``g = pipe * width + j`` are ``mb * width + j``
         over the pipeline's micro-batches, a strided slice when they are evenly spaced

@@ -1,4 +1,4 @@
-"""The replay tables a scheduled plan keeps (megatron_prt.core.greedy.compiled_schedule),
+"""The replay tables a scheduled plan keeps (megatron_prt.core.compiled.compiled_schedule),
 written one row of ids at a time when each pipeline's micro-batches are evenly spaced and
 looked up id by id when not, are the tables the plan's actions give (Replayer(plan)):
 per action its kind and its producer on another rank, for any split of the micro-batches."""
@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from megatron_prt.core import Placement, StageTimes
-from megatron_prt.core.greedy import Policy, compile_graph, compiled_schedule, schedule_ids
+from megatron_prt.core.compiled import compiled_schedule
+from megatron_prt.core.greedy import Policy, compile_graph, schedule_ids
 from megatron_prt.core.plan import Plan, split_microbatches
 from megatron_prt.core.replay import Replayer
 
