@@ -9,6 +9,7 @@ scheduler's timeline instead of from those actions (:meth:`Replayer.from_tables`
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from itertools import chain, repeat
 from operator import add
@@ -32,9 +33,6 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
     its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
     n, placement = graph.n, graph.placement
     flat = list(chain.from_iterable(result.orders))
-    # graph id -> index in the plan's flat order; n: "no producer"; past n + 1: -1
-    where = [n] * (n + 1) + [-1] * (n + 1)
-    deque(map(where.__setitem__, flat, range(n)), maxlen=0)
     kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
     by_graph_kind = [0] * (2 * placement.num_stages)
     crosses: tuple[list[bool], list[bool]] = ([], [])
@@ -46,33 +44,36 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
+    kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
     lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
-    if lanes is None:
-        kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
-    else:
-        kind_of = Replayer.by_rows(where, graph.width, lanes, by_graph_kind, shifts=False)
+
+    @functools.cache
+    def where() -> list[int]:  # graph id -> index in the plan's flat order; n: "no producer";
+        out = [n] * (n + 1) + [-1] * (n + 1)  # past n + 1: -1 (a scatter: made when asked)
+        deque(map(out.__setitem__, flat, range(n)), maxlen=0)
+        return out
 
     def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
         offsets = graph._producer_offsets
         steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
         if lanes is not None:
-            return Replayer.by_rows(where, graph.width, lanes, steps, shifts=True)
+            return Replayer.by_rows(where(), graph.width, lanes, steps)
         graph_kinds = graph.kinds_of(flat)
-        return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
+        return list(map(where().__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
 
     def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
-        return list(map(where.__getitem__, map(ids.__getitem__, flat)))
+        return list(map(where().__getitem__, map(ids.__getitem__, flat)))
 
     tables = {
-        "actions": list(chain.from_iterable(plan.ranks)),
-        "rank_of": list(
+        "actions": lambda: list(chain.from_iterable(plan.ranks)),
+        "rank_of": lambda: list(
             chain.from_iterable(repeat(r, len(ids)) for r, ids in enumerate(result.orders))
         ),
         "kinds": kinds,
         "kind_of": kind_of,
         "dep": lambda: [gather(ids) for ids in graph.producer_ids],
         "crosses": lambda: [list(map(flags.__getitem__, kind_of)) for flags in crosses],
-        "order": lambda: list(map(where.__getitem__, result.started)),
+        "order": lambda: list(map(where().__getitem__, result.started)),
         "remote": remote,
         "known": {},
     }
