@@ -11,6 +11,7 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import lru_cache, partial
 from itertools import accumulate, compress, pairwise, repeat
@@ -24,7 +25,7 @@ from .plan import Plan, vouch, vouched
 from .replay import Replayer, Ticks, compiled, keep_compiled
 from .timing import StageTimes
 
-_MB = itemgetter(2)
+_STAGE, _MB = itemgetter(0), itemgetter(2)
 
 
 def message_key(producer: Action, consumer: Action) -> tuple:
@@ -84,32 +85,32 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     Events: each compute at its start; each cross-rank edge at its producer's end, a SEND on
     the producer's rank and a RECV on the consumer's. One order of all events, ``(time,
     level, message before compute, producer's rank, producer's step)``, written as one
-    integer per event, gives every rank's stream; each rank sorts only its own events. The
-    level (:func:`_levels`) is 0 unless actions take no time: it puts a zero-time producer
-    before its message and the message before its consumer when all three share an instant.
-    The lowered plan keeps the compiled replay of ``plan`` (same compute actions), and is
-    vouched for when ``plan`` is (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV
-    pair is adjacent in that one order, so it completes under blocking send/recv)."""
+    number per event (:func:`_event_keys`), gives every rank's stream; each rank sorts only
+    its own events. The level (:func:`_levels`) is 0 unless actions take no time: it puts a
+    zero-time producer before its message and the message before its consumer when all
+    three share an instant. The lowered plan keeps the compiled replay of ``plan`` (same
+    compute actions), and is vouched for when ``plan`` is
+    (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV pair is adjacent in that one
+    order, so it completes under blocking send/recv)."""
     if plan.lowered:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
-    spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
+    spans = pairwise([0, *accumulate(map(len, plan.ranks))])
     starts, ends = _event_keys(ticks, _levels(replayer, ticks))
-    tables = _CommTables(replayer)
-    actions, kind_of = replayer.actions, replayer.kind_of
-    mb_of = list(map(_MB, actions))
+    sent_by_kind, received_by_kind = _comm_ops(replayer)
+    remote, kind_of = replayer.remote_producers(), replayer.kind_of
     streams = []
-    for first, last in spans:
-        kinds, mbs = kind_of[first:last], mb_of[first:last]
-        sending = list(map(tables.sends.__getitem__, kinds))
-        receiving = list(map(tables.receives.__getitem__, kinds))
+    for (first, last), computes in zip(spans, plan.ranks, strict=True):
+        kinds = kind_of[first:last]
+        sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
+        received = list(map(received_by_kind.__getitem__, kinds))  # its RECV's op, or None
         keys = starts[first:last]
-        keys += compress(ends[first:last], sending)
-        keys += map(ends.__getitem__, compress(tables.remote[first:last], receiving))
-        items = actions[first:last]
-        items += tables.make(tables.send_stage, tables.send_op, kinds, mbs, sending)
-        items += tables.make(tables.recv_stage, tables.recv_op, kinds, mbs, receiving)
+        keys += compress(ends[first:last], sent)
+        keys += map(ends.__getitem__, compress(remote[first:last], received))
+        items = list(computes)
+        items += _comm_actions(computes, sent)
+        items += _comm_actions(computes, received)
         # sort the items by their keys in place: list.sort asks the key of each item once,
         # in list order, so the next key is the item's (no index permutation to gather by)
         items.sort(key=partial(next, iter(keys)))
@@ -121,12 +122,16 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
 
 def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
     """Per compute action ``i`` (its index in the plan, ranks concatenated: the order of
-    (rank, step)) the integer of its start event ``(((start levels + level) 2 + 1) n + i``
+    (rank, step)) the number of its start event ``(((start levels + level) 2 + 1) n + i``
     and of its end (message) event ``(((end levels + level) 2) n + i``, ``n`` actions;
-    without ``levels`` every level is 0 and ``levels`` 1."""
+    without ``levels`` every level is 0 and ``levels`` 1. Floats when every key is below
+    2**53, so exact integers (they compare faster in a sort than integers past 2**30),
+    integers otherwise."""
     n = len(ticks.end)
     depth = 1 if levels is None else max(levels[1], default=0) + 1
     unit = depth * 2 * n  # one tick
+    if (max(ticks.end, default=0) + 1) * unit < 2**53:
+        unit = float(unit)
     ends = list(map(add, map(mul, ticks.end, repeat(unit)), range(n)))
     # start = end key - duration ticks + the start flag; durations take few values
     back = {busy: busy * unit - n for busy in set(ticks.duration)}
@@ -163,37 +168,26 @@ def _levels(replayer: Replayer, ticks: Ticks) -> tuple[list[int], list[int]] | N
     return start_level, message_level
 
 
-class _CommTables:
-    """Per kind of compute action (:attr:`Replayer.kinds`): whether it sends a tensor to
-    another rank and the SEND's (stage, op); whether it receives one and the RECV's (stage,
-    op); per action the index of its producer on another rank (-1: none). An action sends
-    at most one tensor to another rank and receives at most one (the dependency rule)."""
+def _comm_ops(replayer: Replayer) -> tuple[list, list]:
+    """Per kind of compute action (:attr:`Replayer.kinds`): the op of the SEND it makes
+    and of the RECV it takes (None: it sends / receives no tensor to / from another rank).
+    Both are named by the action's own stage. An action sends at most one tensor to another
+    rank and receives at most one (the dependency rule), asked once per kind."""
+    kinds = replayer.kinds
+    sent: list[Op | None] = [None] * len(kinds)
+    received: list[Op | None] = [None] * len(kinds)
+    kind_index = {kind: k for k, kind in enumerate(kinds)}
+    split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
+    for kind, (stage, op) in enumerate(kinds):
+        for dep in producers(Action(stage, op, 0), replayer.placement, split):
+            if rank_of[dep.stage] != rank_of[stage] and (dep.stage, dep.op) in kind_index:
+                sent[kind_index[dep.stage, dep.op]], received[kind] = comm_ops(dep)
+    return sent, received
 
-    def __init__(self, replayer: Replayer) -> None:
-        kinds = replayer.kinds
-        self.remote = replayer.remote_producers()
-        self.sends, self.receives = [False] * len(kinds), [False] * len(kinds)
-        self.send_stage, self.recv_stage = [s for s, _ in kinds], [s for s, _ in kinds]
-        self.send_op, self.recv_op = [None] * len(kinds), [None] * len(kinds)
-        kind_index = {kind: k for k, kind in enumerate(kinds)}
-        split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
-        for kind, (stage, op) in enumerate(kinds):  # the rule, asked once per kind
-            for dep in producers(Action(stage, op, 0), replayer.placement, split):
-                if rank_of[dep.stage] == rank_of[stage] or (dep.stage, dep.op) not in kind_index:
-                    continue
-                send_op, recv_op = comm_ops(dep)
-                self.receives[kind], self.recv_op[kind] = True, recv_op
-                dep_kind = kind_index[dep.stage, dep.op]
-                self.sends[dep_kind], self.send_op[dep_kind] = True, send_op
 
-    @staticmethod
-    def make(stage_of: list, op_of: list, kinds: list, mbs: list, mask: list) -> list[Action]:
-        """The comm actions ``(stage_of[kind], op_of[kind], mb)`` of the masked actions."""
-        chosen = list(compress(kinds, mask))
-        rows = zip(
-            map(stage_of.__getitem__, chosen),
-            map(op_of.__getitem__, chosen),
-            compress(mbs, mask),
-            strict=True,
-        )
-        return list(map(tuple.__new__, repeat(Action), rows))
+def _comm_actions(computes: tuple[Action, ...], ops: list) -> Iterator[Action]:
+    """``Action(stage, ops[i], mb)`` of every compute action ``computes[i]`` whose op is
+    not None, in order."""
+    chosen = list(compress(computes, ops))
+    rows = zip(map(_STAGE, chosen), compress(ops, ops), map(_MB, chosen), strict=True)
+    return map(tuple.__new__, repeat(Action), rows)  # Action._make, without a call per row
