@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from functools import lru_cache, partial
 from itertools import accumulate, compress, pairwise, repeat
-from operator import add, itemgetter, mul, sub
+from operator import add, mul, sub
 
 from .actions import Action, Op
 from .deps import carries_tensor, comm_ops, producers
@@ -24,8 +24,6 @@ from .placement import Placement
 from .plan import Plan, vouch, vouched
 from .replay import Replayer, Ticks, compiled, keep_compiled
 from .timing import StageTimes
-
-_STAGE, _MB = itemgetter(0), itemgetter(2)
 
 
 def message_key(producer: Action, consumer: Action) -> tuple:
@@ -109,8 +107,9 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
         keys += compress(ends[first:last], sent)
         keys += map(ends.__getitem__, compress(remote[first:last], received))
         items = list(computes)
-        items += _comm_actions(computes, sent)
-        items += _comm_actions(computes, received)
+        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
+        items += _comm_actions(stages, mbs, sent)
+        items += _comm_actions(stages, mbs, received)
         # sort the items by their keys in place: list.sort asks the key of each item once,
         # in list order, so the next key is the item's (no index permutation to gather by)
         items.sort(key=partial(next, iter(keys)))
@@ -185,9 +184,8 @@ def _comm_ops(replayer: Replayer) -> tuple[list, list]:
     return sent, received
 
 
-def _comm_actions(computes: tuple[Action, ...], ops: list) -> Iterator[Action]:
-    """``Action(stage, ops[i], mb)`` of every compute action ``computes[i]`` whose op is
-    not None, in order."""
-    chosen = list(compress(computes, ops))
-    rows = zip(map(_STAGE, chosen), compress(ops, ops), map(_MB, chosen), strict=True)
+def _comm_actions(stages: tuple, mbs: tuple, ops: list) -> Iterator[Action]:
+    """``Action(stages[i], ops[i], mbs[i])`` of every ``i`` whose op is not None, in order
+    (the rows left out are never copied: zip reuses its tuple)."""
+    rows = compress(zip(stages, ops, mbs, strict=True), ops)
     return map(tuple.__new__, repeat(Action), rows)  # Action._make, without a call per row
