@@ -94,29 +94,78 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
-    spans = pairwise([0, *accumulate(map(len, plan.ranks))])
-    starts, ends = _event_keys(ticks, _levels(replayer, ticks))
-    sent_by_kind, received_by_kind = _comm_ops(replayer)
+    spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
+    keys = _event_keys(ticks, _levels(replayer, ticks))
+    messages = _Messages(replayer)
+    streams = _from_producers(plan, spans, keys, messages, replayer.kind_of)
+    if streams is None:
+        streams = _from_consumers(plan, spans, keys, messages, replayer)
+    lowered = replace(plan, ranks=tuple(streams), lowered=True)
+    keep_compiled(lowered, replayer)
+    return vouch(lowered) if vouched(plan) else lowered
+
+
+def _from_producers(plan: Plan, spans: list, keys: tuple, messages: _Messages, kind_of: list):
+    """Every rank's stream, each message made on its producer's rank: a SEND there, and a
+    RECV (its consumer's stage and op, the same micro-batch, the same key) handed to the
+    consumer's rank, so no action looks its producer up. The same streams as
+    :func:`_from_consumers` when every RECV it makes has its consumer in the plan; None
+    when a rank gets more or fewer RECVs than it has actions that receive (a plan with a
+    missing or repeated action) or a producer sends to two ranks."""
+    if messages.to_ranks is None:
+        return None
+    starts, ends = keys
+    sent_by_kind, receives = messages.sent, messages.receives
+    ranks = range(len(plan.ranks))
+    streams, incoming = [], [([], []) for _ in ranks]  # per rank: (keys, RECVs) it gets
+    for rank, (first, last), computes in zip(ranks, spans, plan.ranks, strict=True):
+        kinds, here = kind_of[first:last], ends[first:last]
+        sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
+        order = starts[first:last]
+        order += compress(here, sent)
+        items = list(computes)
+        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
+        items += _comm_actions(stages, mbs, sent)
+        if messages.to_ranks[rank]:
+            consumer_stages = list(map(messages.consumer_stage.__getitem__, kinds))
+        for dest, recv_ops in messages.to_ranks[rank]:
+            ops = list(map(recv_ops.__getitem__, kinds))  # the consumer's RECV op, or None
+            incoming[dest][0].extend(compress(here, ops))
+            incoming[dest][1].extend(_comm_actions(consumer_stages, mbs, ops))
+        streams.append((order, items, sum(map(receives.__getitem__, kinds))))
+    out = []
+    for (order, items, receiving), (more_keys, recvs) in zip(streams, incoming, strict=True):
+        if len(recvs) != receiving:
+            return None
+        order += more_keys
+        items += recvs
+        items.sort(key=partial(next, iter(order)))  # see _from_consumers
+        out.append(tuple(items))
+    return out
+
+
+def _from_consumers(plan: Plan, spans: list, keys: tuple, messages: _Messages, replayer):
+    """Every rank's stream, each RECV made on its consumer's rank with the key of its
+    producer's message event (:meth:`Replayer.remote_producers`)."""
+    starts, ends = keys
     remote, kind_of = replayer.remote_producers(), replayer.kind_of
     streams = []
     for (first, last), computes in zip(spans, plan.ranks, strict=True):
         kinds = kind_of[first:last]
-        sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
-        received = list(map(received_by_kind.__getitem__, kinds))  # its RECV's op, or None
-        keys = starts[first:last]
-        keys += compress(ends[first:last], sent)
-        keys += map(ends.__getitem__, compress(remote[first:last], received))
+        sent = list(map(messages.sent.__getitem__, kinds))  # its SEND's op, or None
+        received = list(map(messages.received.__getitem__, kinds))  # its RECV's op, or None
+        order = starts[first:last]
+        order += compress(ends[first:last], sent)
+        order += map(ends.__getitem__, compress(remote[first:last], received))
         items = list(computes)
         stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
         items += _comm_actions(stages, mbs, sent)
         items += _comm_actions(stages, mbs, received)
         # sort the items by their keys in place: list.sort asks the key of each item once,
         # in list order, so the next key is the item's (no index permutation to gather by)
-        items.sort(key=partial(next, iter(keys)))
+        items.sort(key=partial(next, iter(order)))
         streams.append(tuple(items))
-    lowered = replace(plan, ranks=tuple(streams), lowered=True)
-    keep_compiled(lowered, replayer)
-    return vouch(lowered) if vouched(plan) else lowered
+    return streams
 
 
 def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
@@ -167,21 +216,43 @@ def _levels(replayer: Replayer, ticks: Ticks) -> tuple[list[int], list[int]] | N
     return start_level, message_level
 
 
-def _comm_ops(replayer: Replayer) -> tuple[list, list]:
-    """Per kind of compute action (:attr:`Replayer.kinds`): the op of the SEND it makes
-    and of the RECV it takes (None: it sends / receives no tensor to / from another rank).
-    Both are named by the action's own stage. An action sends at most one tensor to another
-    rank and receives at most one (the dependency rule), asked once per kind."""
-    kinds = replayer.kinds
-    sent: list[Op | None] = [None] * len(kinds)
-    received: list[Op | None] = [None] * len(kinds)
-    kind_index = {kind: k for k, kind in enumerate(kinds)}
-    split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
-    for kind, (stage, op) in enumerate(kinds):
-        for dep in producers(Action(stage, op, 0), replayer.placement, split):
-            if rank_of[dep.stage] != rank_of[stage] and (dep.stage, dep.op) in kind_index:
-                sent[kind_index[dep.stage, dep.op]], received[kind] = comm_ops(dep)
-    return sent, received
+class _Messages:
+    """Per kind of compute action (:attr:`Replayer.kinds`): ``sent``, the op of the SEND
+    it makes, and ``received``, of the RECV it takes (None: it sends / receives no tensor
+    to / from another rank; both named by the action's own stage); ``receives``: 1 if it
+    takes one, else 0; ``consumer_stage``: the stage of the action on another rank it
+    sends to. ``to_ranks[rank]``: per rank its producers send to, ``(that rank, per kind
+    the consumer's RECV op there or None)``; None if a kind sends to two kinds. The
+    dependency rule is asked once per kind: an action receives at most one tensor from
+    another rank."""
+
+    def __init__(self, replayer: Replayer) -> None:
+        kinds, placement = replayer.kinds, replayer.placement
+        self.sent: list[Op | None] = [None] * len(kinds)
+        self.received: list[Op | None] = [None] * len(kinds)
+        self.consumer_stage = [-1] * len(kinds)
+        kind_index = {kind: k for k, kind in enumerate(kinds)}
+        split, rank_of = any(op is Op.I for _, op in kinds), placement.stage_to_rank
+        to_ranks: dict[int, dict[int, list]] = {}  # producer's rank -> consumer's rank -> ops
+        for kind, (stage, op) in enumerate(kinds):
+            for dep in producers(Action(stage, op, 0), placement, split):
+                dep_kind = kind_index.get((dep.stage, dep.op))
+                if rank_of[dep.stage] == rank_of[stage] or dep_kind is None:
+                    continue
+                if self.sent[dep_kind] is not None:  # two consumers: none of the fast path
+                    to_ranks = None
+                self.sent[dep_kind], self.received[kind] = comm_ops(dep)
+                self.consumer_stage[dep_kind] = stage
+                if to_ranks is not None:
+                    by_consumer = to_ranks.setdefault(rank_of[dep.stage], {})
+                    ops = by_consumer.setdefault(rank_of[stage], [None] * len(kinds))
+                    ops[dep_kind] = self.received[kind]
+        self.receives = [int(op is not None) for op in self.received]
+        self.to_ranks = (
+            None
+            if to_ranks is None
+            else [list(to_ranks.get(rank, {}).items()) for rank in range(placement.ranks)]
+        )
 
 
 def _comm_actions(stages: tuple, mbs: tuple, ops: list) -> Iterator[Action]:
