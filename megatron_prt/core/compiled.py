@@ -30,7 +30,10 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
     under ``times``, materialised) from the graph's tables. The scheduler started every
     action after its producers, so ``result.started`` is a dependency order; and unless a
     forward was forced past its cap every action started as soon as its rank was free and
-    its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
+    its inputs had arrived, so the scheduler's timeline is the replay's under ``times``.
+    Made at once: the kinds and that timeline, each a pass in plan order (what lowering
+    and a trusted validation read); the graph id -> plan index table (a scatter) and what
+    needs it (producers, dependency order, remote producers) only on first use."""
     n, placement = graph.n, graph.placement
     flat = list(chain.from_iterable(result.orders))
     kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})

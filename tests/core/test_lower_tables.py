@@ -1,7 +1,8 @@
-"""The replay tables a scheduled plan keeps (megatron_prt.core.compiled.compiled_schedule),
-written one row of ids at a time when each pipeline's micro-batches are evenly spaced and
-looked up id by id when not, are the tables the plan's actions give (Replayer(plan)):
-per action its kind and its producer on another rank, for any split of the micro-batches."""
+"""The replay tables a scheduled plan keeps (megatron_prt.core.compiled.compiled_schedule)
+are the tables the plan's actions give (Replayer(plan)), for any split of the
+micro-batches: per action its kind (from the graph's kinds) and its producer on another
+rank (written one row of ids at a time when each pipeline's micro-batches are evenly
+spaced, looked up id by id when not)."""
 
 import itertools
 
