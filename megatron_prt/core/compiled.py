@@ -47,7 +47,8 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
+    per_id = list(map(by_graph_kind.__getitem__, graph.kinds))  # in id order: one sweep
+    kind_of = list(map(per_id.__getitem__, flat))
     lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
 
     @functools.cache
