@@ -21,25 +21,23 @@ reports the makespan and each rank's peak held activations, which the portfolio 
 Speed: a plan of P=64, R=8, m=512 has half a million actions and the portfolio schedules it
 several times, so the scheduler runs on a :class:`~megatron_prt.core.graph.Graph` compiled
 once per (placement, micro-batch split) and events are bucketed by instant. That plan's
-compiled replay (:func:`compiled_schedule`) comes from the graph's tables and the
+compiled replay (:func:`~megatron_prt.core.compiled.compiled_schedule`) comes from the graph's
+tables and the
 scheduler's own timeline rather than from its half a million actions.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import chain, repeat
 from operator import add, sub
 
-from .actions import Action, Op
-from .deps import producers
+from .actions import Action
+from .compiled import compiled_schedule as compiled_schedule  # re-exported: its old home
 from .graph import Graph, SortKey, compile_graph, oldest_first
 from .placement import Placement
-from .plan import Plan
-from .replay import Replayer, Ticks
 from .steady import SteadyWatch
 from .timing import StageTimes
 
@@ -293,74 +291,6 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 if bounded:  # the watch moved the latest starts (room) and the ends on
                     slack = list(map(sub, run["room"], end))
     return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
-
-
-def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: Plan) -> Replayer:
-    """The :class:`~megatron_prt.core.replay.Replayer` of ``plan`` (``result``, scheduled
-    under ``times``, materialised) from the graph's tables. The scheduler started every
-    action after its producers, so ``result.started`` is a dependency order; and unless a
-    forward was forced past its cap every action started as soon as its rank was free and
-    its inputs had arrived, so the scheduler's timeline is the replay's under ``times``."""
-    n, placement = graph.n, graph.placement
-    flat = list(chain.from_iterable(result.orders))
-    # graph id -> index in the plan's flat order; n: "no producer"; past n + 1: -1
-    where = [n] * (n + 1) + [-1] * (n + 1)
-    deque(map(where.__setitem__, flat, range(n)), maxlen=0)
-    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
-    by_graph_kind = [0] * (2 * placement.num_stages)
-    crosses: tuple[list[bool], list[bool]] = ([], [])
-    for k, (stage, op) in enumerate(kinds):
-        by_graph_kind[2 * stage + (op is Op.B)] = k
-        deps = producers(Action(stage, op, 0), placement)
-        for slot in (0, 1):
-            crosses[slot].append(
-                slot < len(deps)
-                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
-            )
-    lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
-    if lanes is None:
-        kind_of = list(map(by_graph_kind.__getitem__, graph.kinds_of(flat)))
-    else:
-        kind_of = Replayer.by_rows(where, graph.width, lanes, by_graph_kind, shifts=False)
-
-    def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
-        offsets = graph._producer_offsets
-        steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
-        if lanes is not None:
-            return Replayer.by_rows(where, graph.width, lanes, steps, shifts=True)
-        graph_kinds = graph.kinds_of(flat)
-        return list(map(where.__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
-
-    def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
-        return list(map(where.__getitem__, map(ids.__getitem__, flat)))
-
-    tables = {
-        "actions": list(chain.from_iterable(plan.ranks)),
-        "rank_of": list(
-            chain.from_iterable(repeat(r, len(ids)) for r, ids in enumerate(result.orders))
-        ),
-        "kinds": kinds,
-        "kind_of": kind_of,
-        "dep": lambda: [gather(ids) for ids in graph.producer_ids],
-        "crosses": lambda: [list(map(flags.__getitem__, kind_of)) for flags in crosses],
-        "order": lambda: list(map(where.__getitem__, result.started)),
-        "remote": remote,
-        "known": {},
-    }
-    if not result.forced:
-        ticks, tick = times.in_ticks()
-        busy = [ticks.busy(Action(stage, op, 0), placement) for stage, op in kinds]
-        durations = list(map(busy.__getitem__, kind_of))
-        ends = list(map(add, chain.from_iterable(result.begins), durations))
-        tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
-    return Replayer.from_tables(plan, tables)
-
-
-def _kind_ids(graph: Graph) -> list[int]:
-    """One id of every kind (stage, op) the graph holds: the first micro-batch of each
-    pipeline it uses."""
-    firsts = {pipe: mb for mb, pipe in reversed(list(enumerate(graph.mb_pipeline)))}
-    return [mb * graph.width + j for mb in firsts.values() for j in range(graph.width)]
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:

@@ -11,10 +11,11 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import lru_cache, partial
 from itertools import accumulate, compress, pairwise, repeat
-from operator import add, itemgetter, mul, sub
+from operator import add, mul, sub
 
 from .actions import Action, Op
 from .deps import carries_tensor, comm_ops, producers
@@ -23,8 +24,6 @@ from .placement import Placement
 from .plan import Plan, vouch, vouched
 from .replay import Replayer, Ticks, compiled, keep_compiled
 from .timing import StageTimes
-
-_MB = itemgetter(2)
 
 
 def message_key(producer: Action, consumer: Action) -> tuple:
@@ -84,49 +83,103 @@ def lower(plan: Plan, times: StageTimes | None = None) -> Plan:
     Events: each compute at its start; each cross-rank edge at its producer's end, a SEND on
     the producer's rank and a RECV on the consumer's. One order of all events, ``(time,
     level, message before compute, producer's rank, producer's step)``, written as one
-    integer per event, gives every rank's stream; each rank sorts only its own events. The
-    level (:func:`_levels`) is 0 unless actions take no time: it puts a zero-time producer
-    before its message and the message before its consumer when all three share an instant.
-    The lowered plan keeps the compiled replay of ``plan`` (same compute actions), and is
-    vouched for when ``plan`` is (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV
-    pair is adjacent in that one order, so it completes under blocking send/recv)."""
+    number per event (:func:`_event_keys`), gives every rank's stream; each rank sorts only
+    its own events. The level (:func:`_levels`) is 0 unless actions take no time: it puts a
+    zero-time producer before its message and the message before its consumer when all
+    three share an instant. The lowered plan keeps the compiled replay of ``plan`` (same
+    compute actions), and is vouched for when ``plan`` is
+    (:func:`~megatron_prt.core.plan.vouch`: every SEND/RECV pair is adjacent in that one
+    order, so it completes under blocking send/recv)."""
     if plan.lowered:
         return plan
     replayer = compiled(plan)
     ticks = replayer.run_ticks(times)
     spans = list(pairwise([0, *accumulate(map(len, plan.ranks))]))
-    starts, ends = _event_keys(ticks, _levels(replayer, ticks))
-    tables = _CommTables(replayer)
-    actions, kind_of = replayer.actions, replayer.kind_of
-    mb_of = list(map(_MB, actions))
-    streams = []
-    for first, last in spans:
-        kinds, mbs = kind_of[first:last], mb_of[first:last]
-        sending = list(map(tables.sends.__getitem__, kinds))
-        receiving = list(map(tables.receives.__getitem__, kinds))
-        keys = starts[first:last]
-        keys += compress(ends[first:last], sending)
-        keys += map(ends.__getitem__, compress(tables.remote[first:last], receiving))
-        items = actions[first:last]
-        items += tables.make(tables.send_stage, tables.send_op, kinds, mbs, sending)
-        items += tables.make(tables.recv_stage, tables.recv_op, kinds, mbs, receiving)
-        # sort the items by their keys in place: list.sort asks the key of each item once,
-        # in list order, so the next key is the item's (no index permutation to gather by)
-        items.sort(key=partial(next, iter(keys)))
-        streams.append(tuple(items))
+    keys = _event_keys(ticks, _levels(replayer, ticks))
+    messages = _Messages(replayer)
+    streams = _from_producers(plan, spans, keys, messages, replayer.kind_of)
+    if streams is None:
+        streams = _from_consumers(plan, spans, keys, messages, replayer)
     lowered = replace(plan, ranks=tuple(streams), lowered=True)
     keep_compiled(lowered, replayer)
     return vouch(lowered) if vouched(plan) else lowered
 
 
+def _from_producers(plan: Plan, spans: list, keys: tuple, messages: _Messages, kind_of: list):
+    """Every rank's stream, each message made on its producer's rank: a SEND there, and a
+    RECV (its consumer's stage and op, the same micro-batch, the same key) handed to the
+    consumer's rank, so no action looks its producer up. The same streams as
+    :func:`_from_consumers` when every RECV it makes has its consumer in the plan; None
+    when a rank gets more or fewer RECVs than it has actions that receive (a plan with a
+    missing or repeated action) or a producer sends to two ranks."""
+    if messages.to_ranks is None:
+        return None
+    starts, ends = keys
+    sent_by_kind, receives = messages.sent, messages.receives
+    ranks = range(len(plan.ranks))
+    streams, incoming = [], [([], []) for _ in ranks]  # per rank: (keys, RECVs) it gets
+    for rank, (first, last), computes in zip(ranks, spans, plan.ranks, strict=True):
+        kinds, here = kind_of[first:last], ends[first:last]
+        sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
+        order = starts[first:last]
+        order += compress(here, sent)
+        items = list(computes)
+        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
+        items += _comm_actions(stages, mbs, sent)
+        if messages.to_ranks[rank]:
+            consumer_stages = list(map(messages.consumer_stage.__getitem__, kinds))
+        for dest, recv_ops in messages.to_ranks[rank]:
+            ops = list(map(recv_ops.__getitem__, kinds))  # the consumer's RECV op, or None
+            incoming[dest][0].extend(compress(here, ops))
+            incoming[dest][1].extend(_comm_actions(consumer_stages, mbs, ops))
+        streams.append((order, items, sum(map(receives.__getitem__, kinds))))
+    out = []
+    for (order, items, receiving), (more_keys, recvs) in zip(streams, incoming, strict=True):
+        if len(recvs) != receiving:
+            return None
+        order += more_keys
+        items += recvs
+        items.sort(key=partial(next, iter(order)))  # see _from_consumers
+        out.append(tuple(items))
+    return out
+
+
+def _from_consumers(plan: Plan, spans: list, keys: tuple, messages: _Messages, replayer):
+    """Every rank's stream, each RECV made on its consumer's rank with the key of its
+    producer's message event (:meth:`Replayer.remote_producers`)."""
+    starts, ends = keys
+    remote, kind_of = replayer.remote_producers(), replayer.kind_of
+    streams = []
+    for (first, last), computes in zip(spans, plan.ranks, strict=True):
+        kinds = kind_of[first:last]
+        sent = list(map(messages.sent.__getitem__, kinds))  # its SEND's op, or None
+        received = list(map(messages.received.__getitem__, kinds))  # its RECV's op, or None
+        order = starts[first:last]
+        order += compress(ends[first:last], sent)
+        order += map(ends.__getitem__, compress(remote[first:last], received))
+        items = list(computes)
+        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
+        items += _comm_actions(stages, mbs, sent)
+        items += _comm_actions(stages, mbs, received)
+        # sort the items by their keys in place: list.sort asks the key of each item once,
+        # in list order, so the next key is the item's (no index permutation to gather by)
+        items.sort(key=partial(next, iter(order)))
+        streams.append(tuple(items))
+    return streams
+
+
 def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
     """Per compute action ``i`` (its index in the plan, ranks concatenated: the order of
-    (rank, step)) the integer of its start event ``(((start levels + level) 2 + 1) n + i``
+    (rank, step)) the number of its start event ``(((start levels + level) 2 + 1) n + i``
     and of its end (message) event ``(((end levels + level) 2) n + i``, ``n`` actions;
-    without ``levels`` every level is 0 and ``levels`` 1."""
+    without ``levels`` every level is 0 and ``levels`` 1. Floats when every key is below
+    2**53, so exact integers (they compare faster in a sort than integers past 2**30),
+    integers otherwise."""
     n = len(ticks.end)
     depth = 1 if levels is None else max(levels[1], default=0) + 1
     unit = depth * 2 * n  # one tick
+    if (max(ticks.end, default=0) + 1) * unit < 2**53:
+        unit = float(unit)
     ends = list(map(add, map(mul, ticks.end, repeat(unit)), range(n)))
     # start = end key - duration ticks + the start flag; durations take few values
     back = {busy: busy * unit - n for busy in set(ticks.duration)}
@@ -163,37 +216,47 @@ def _levels(replayer: Replayer, ticks: Ticks) -> tuple[list[int], list[int]] | N
     return start_level, message_level
 
 
-class _CommTables:
-    """Per kind of compute action (:attr:`Replayer.kinds`): whether it sends a tensor to
-    another rank and the SEND's (stage, op); whether it receives one and the RECV's (stage,
-    op); per action the index of its producer on another rank (-1: none). An action sends
-    at most one tensor to another rank and receives at most one (the dependency rule)."""
+class _Messages:
+    """Per kind of compute action (:attr:`Replayer.kinds`): ``sent``, the op of the SEND
+    it makes, and ``received``, of the RECV it takes (None: it sends / receives no tensor
+    to / from another rank; both named by the action's own stage); ``receives``: 1 if it
+    takes one, else 0; ``consumer_stage``: the stage of the action on another rank it
+    sends to. ``to_ranks[rank]``: per rank its producers send to, ``(that rank, per kind
+    the consumer's RECV op there or None)``; None if a kind sends to two kinds. The
+    dependency rule is asked once per kind: an action receives at most one tensor from
+    another rank."""
 
     def __init__(self, replayer: Replayer) -> None:
-        kinds = replayer.kinds
-        self.remote = replayer.remote_producers()
-        self.sends, self.receives = [False] * len(kinds), [False] * len(kinds)
-        self.send_stage, self.recv_stage = [s for s, _ in kinds], [s for s, _ in kinds]
-        self.send_op, self.recv_op = [None] * len(kinds), [None] * len(kinds)
+        kinds, placement = replayer.kinds, replayer.placement
+        self.sent: list[Op | None] = [None] * len(kinds)
+        self.received: list[Op | None] = [None] * len(kinds)
+        self.consumer_stage = [-1] * len(kinds)
         kind_index = {kind: k for k, kind in enumerate(kinds)}
-        split, rank_of = any(op is Op.I for _, op in kinds), replayer.placement.stage_to_rank
-        for kind, (stage, op) in enumerate(kinds):  # the rule, asked once per kind
-            for dep in producers(Action(stage, op, 0), replayer.placement, split):
-                if rank_of[dep.stage] == rank_of[stage] or (dep.stage, dep.op) not in kind_index:
+        split, rank_of = any(op is Op.I for _, op in kinds), placement.stage_to_rank
+        to_ranks: dict[int, dict[int, list]] = {}  # producer's rank -> consumer's rank -> ops
+        for kind, (stage, op) in enumerate(kinds):
+            for dep in producers(Action(stage, op, 0), placement, split):
+                dep_kind = kind_index.get((dep.stage, dep.op))
+                if rank_of[dep.stage] == rank_of[stage] or dep_kind is None:
                     continue
-                send_op, recv_op = comm_ops(dep)
-                self.receives[kind], self.recv_op[kind] = True, recv_op
-                dep_kind = kind_index[dep.stage, dep.op]
-                self.sends[dep_kind], self.send_op[dep_kind] = True, send_op
-
-    @staticmethod
-    def make(stage_of: list, op_of: list, kinds: list, mbs: list, mask: list) -> list[Action]:
-        """The comm actions ``(stage_of[kind], op_of[kind], mb)`` of the masked actions."""
-        chosen = list(compress(kinds, mask))
-        rows = zip(
-            map(stage_of.__getitem__, chosen),
-            map(op_of.__getitem__, chosen),
-            compress(mbs, mask),
-            strict=True,
+                if self.sent[dep_kind] is not None:  # two consumers: none of the fast path
+                    to_ranks = None
+                self.sent[dep_kind], self.received[kind] = comm_ops(dep)
+                self.consumer_stage[dep_kind] = stage
+                if to_ranks is not None:
+                    by_consumer = to_ranks.setdefault(rank_of[dep.stage], {})
+                    ops = by_consumer.setdefault(rank_of[stage], [None] * len(kinds))
+                    ops[dep_kind] = self.received[kind]
+        self.receives = [int(op is not None) for op in self.received]
+        self.to_ranks = (
+            None
+            if to_ranks is None
+            else [list(to_ranks.get(rank, {}).items()) for rank in range(placement.ranks)]
         )
-        return list(map(tuple.__new__, repeat(Action), rows))
+
+
+def _comm_actions(stages: tuple, mbs: tuple, ops: list) -> Iterator[Action]:
+    """``Action(stages[i], ops[i], mbs[i])`` of every ``i`` whose op is not None, in order
+    (the rows left out are never copied: zip reuses its tuple)."""
+    rows = compress(zip(stages, ops, mbs, strict=True), ops)
+    return map(tuple.__new__, repeat(Action), rows)  # Action._make, without a call per row

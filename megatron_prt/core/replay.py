@@ -7,7 +7,6 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
 from operator import itemgetter
 
 from .actions import Action, Op
@@ -85,46 +84,42 @@ class Replayer:
     @classmethod
     def from_tables(cls, plan: Plan, tables: dict) -> Replayer:
         """A Replayer of ``plan`` from tables its producer already holds (the list scheduler:
-        :func:`megatron_prt.core.greedy.compiled_schedule`), skipping the derivation and the
-        dependency walk. ``tables``: ``actions``, ``rank_of``, ``kinds``, ``kind_of`` as
-        :meth:`__init__` would make them for a plan that passes it; ``dep`` and ``crosses``
+        :func:`megatron_prt.core.compiled.compiled_schedule`), skipping the derivation and the
+        dependency walk. ``tables``: ``kinds``, ``kind_of`` as :meth:`__init__` would make
+        them for a plan that passes it; ``actions``, ``rank_of``, ``dep`` and ``crosses``
         (two slots each), ``order`` (a dependency order; the producer vouches for it) and
         ``remote`` (:meth:`remote_producers`) as functions of no argument, called on first
         use; ``known``: ``{(stage times in ticks, tick): Ticks}`` that :meth:`run_ticks`
         returns without replaying (the producer's own timeline)."""
         replayer = cls.__new__(cls)
         replayer.placement, replayer._num_microbatches = plan.placement, plan.num_microbatches
-        replayer.actions, replayer.rank_of = tables["actions"], tables["rank_of"]
         replayer.kinds, replayer.kind_of = tables["kinds"], tables["kind_of"]
         replayer._lazy, replayer._known = tables, tables["known"]
         return replayer
 
     @staticmethod
-    def by_rows(where: list[int], width: int, lanes: list, per_kind: list, shifts: bool) -> list:
+    def by_rows(where: list[int], width: int, lanes: list, shifts: list) -> list[int]:
         """A per-action table of a plan whose actions are the ids of a scheduler's graph
-        (:func:`megatron_prt.core.greedy.compiled_schedule`; ``where[id]``: the action's
+        (:func:`megatron_prt.core.compiled.compiled_schedule`; ``where[id]``: the action's
         index, ``n`` for an id the plan lacks, ``-1`` past ``n``), written one row of ids
         at a time: the ids of graph kind ``g = pipe * width + j`` are ``mb * width + j``
         over the pipeline's micro-batches, a strided slice when they are evenly spaced
-        (``lanes``, :attr:`Plan.lanes`), so no id is looked up one by one. Per action:
-        ``per_kind[g]``, or with ``shifts`` the index of id ``+ per_kind[g]`` (-1 past
-        ``n``, where no row writes)."""
+        (``lanes``, :attr:`Plan.lanes`), so no id is looked up one by one. Per action: the
+        index of its id ``+ shifts[g]`` (-1 past ``n``, where no row writes)."""
         n = len(where) // 2 - 1
-        out = [-1 if shifts else 0] * (n + 1)  # out[n]: where the ids the plan lacks land
+        out = [-1] * (n + 1)  # out[n]: where the ids the plan lacks land
         for pipe, (first, step) in enumerate(lanes):
             for g in range(pipe * width, (pipe + 1) * width):
-                start, stride, value = first * width + g % width, step * width, per_kind[g]
-                if not shifts:
-                    values = repeat(value)
-                elif value > n:
-                    continue
-                else:
-                    values = where[start + value : n + value : stride]
-                deque(map(out.__setitem__, where[start:n:stride], values), maxlen=0)
+                start, stride, shift = first * width + g % width, step * width, shifts[g]
+                if shift <= n:
+                    values = where[start + shift : n + shift : stride]
+                    deque(map(out.__setitem__, where[start:n:stride], values), maxlen=0)
         del out[n:]
         return out
 
     # made by __init__, or on first use from the tables of from_tables
+    actions = functools.cached_property(lambda self: self._lazy["actions"]())
+    rank_of = functools.cached_property(lambda self: self._lazy["rank_of"]())
     _dep = functools.cached_property(lambda self: self._lazy["dep"]())
     _crosses = functools.cached_property(lambda self: self._lazy["crosses"]())
     order = functools.cached_property(lambda self: self._lazy["order"]())

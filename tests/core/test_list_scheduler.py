@@ -11,8 +11,9 @@ import pytest
 import reference_planner as ref
 from test_planner_equivalence import _times
 
-from megatron_prt.core import Placement, StageTimes, greedy
+from megatron_prt.core import Placement, StageTimes
 from megatron_prt.core import graph as graph_module
+from megatron_prt.core.actions import Action, Op
 from megatron_prt.core.greedy import GaveUp, IdResult, Policy, Run, compile_graph, list_schedule
 from megatron_prt.core.plan import split_microbatches
 from megatron_prt.core.schedules import _keys, _portfolio, _rank_bounds
@@ -125,8 +126,8 @@ def test_a_rule_with_two_unimplied_producers_is_refused(monkeypatch):
 
     def with_an_extra(action, placement):
         deps = producers(action, placement)
-        if action.op is greedy.Op.F and deps:  # a forward also waits for the source
-            return (*deps, greedy.Action(placement.pipelines[0][0], greedy.Op.F, action.mb))
+        if action.op is Op.F and deps:  # a forward also waits for the source
+            return (*deps, Action(placement.pipelines[0][0], Op.F, action.mb))
         return deps
 
     monkeypatch.setattr(graph_module, "producers", with_an_extra)

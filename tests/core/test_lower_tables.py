@@ -1,14 +1,16 @@
-"""The replay tables a scheduled plan keeps (megatron_prt.core.greedy.compiled_schedule),
-written one row of ids at a time when each pipeline's micro-batches are evenly spaced and
-looked up id by id when not, are the tables the plan's actions give (Replayer(plan)):
-per action its kind and its producer on another rank, for any split of the micro-batches."""
+"""The replay tables a scheduled plan keeps (megatron_prt.core.compiled.compiled_schedule)
+are the tables the plan's actions give (Replayer(plan)), for any split of the
+micro-batches: per action its kind (from the graph's kinds) and its producer on another
+rank (written one row of ids at a time when each pipeline's micro-batches are evenly
+spaced, looked up id by id when not)."""
 
 import itertools
 
 import pytest
 
 from megatron_prt.core import Placement, StageTimes
-from megatron_prt.core.greedy import Policy, compile_graph, compiled_schedule, schedule_ids
+from megatron_prt.core.compiled import compiled_schedule
+from megatron_prt.core.greedy import Policy, compile_graph, schedule_ids
 from megatron_prt.core.plan import Plan, split_microbatches
 from megatron_prt.core.replay import Replayer
 
