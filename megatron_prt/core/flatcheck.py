@@ -35,20 +35,21 @@ checks' blocking replay makes a SEND wait for its producer and names it;
 :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
 
 [Note: pairs only]
-In a lowered plan that passed the row checks, ``partner`` pairs every SEND with its RECV
-(one to one: each message fills one slot of one SEND row and one of one RECV row, where
-holds distinct keys, and the SEND/RECV count is twice the message count) on another rank
-(``_carriers`` refuses a same-rank carrier), and compute actions never block. A pair
-completes when both ranks stand at it (:mod:`megatron_prt.core.rendezvous`: a SEND and
-its RECV complete together), so compute actions need no step of their own in the replay
-beyond being walked past. :func:`_pairs_complete` runs it
-with no parking: a rank walks until it reaches a SEND/RECV whose partner's rank is not
-standing at the partner, and stops there; the rank that reaches the other end later finds
-it standing, completes the pair, moves it past and hands it back to the loop. Every rank
-that stops stands at a SEND/RECV (a rank moved by a peer is in the loop again), so no pair
-whose two ranks both stand at it is ever left behind, and no pair completes unless both
-stood at it: the run completes exactly the pairs the rule can complete, in some order, and
-which order does not matter (a pair that can complete stays so until it does).
+In a lowered plan that passed the row checks, ``pair`` gives every SEND and its RECV one
+number of their own (one to one: each message fills one slot of one SEND row and one of one
+RECV row, where holds distinct keys, and the SEND/RECV count is twice the message count),
+the two on different ranks (``_carriers`` refuses a same-rank carrier), and compute actions
+never block. A pair completes when both ranks stand at it
+(:mod:`megatron_prt.core.rendezvous`: a SEND and its RECV complete together), so compute
+actions need no step of their own in the replay: each rank walks its SEND/RECV numbers
+only. :func:`_pairs_complete` runs it with no parking: the first rank to reach a pair
+stands there and stops; the rank that reaches the other end later finds it standing,
+completes the pair, hands the first back to the loop (its walk goes on past the pair) and
+walks on. Every rank that stops stands at a SEND/RECV (a rank handed back is in the loop
+again), so no pair whose two ranks both stand at it is ever left behind, and no pair
+completes unless both stood at it: the run completes exactly the pairs the rule can
+complete, in some order, and which order does not matter (a pair that can complete stays
+so until it does).
 
 [Note: a lowering's check covers its plan]
 :func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
@@ -74,8 +75,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from itertools import accumulate, chain, compress, repeat
-from operator import add, getitem, is_, itemgetter, le, mod, sub
+from itertools import accumulate, chain, compress, pairwise, repeat
+from operator import add, getitem, is_, itemgetter, le, mod, setitem, sub
 
 from .actions import Action, Op
 from .deps import producers
@@ -133,8 +134,8 @@ def _passing(plan: Plan) -> _Flat | None:
     if flat is None or not flat.local_order_holds():
         return None
     if plan.lowered:
-        partner = flat.message_partners()
-        done = partner is not None and _pairs_complete(partner, flat.starts)
+        pairs = flat.message_pairs()
+        done = pairs is not None and _pairs_complete(*pairs, flat.starts)
     else:
         done = _replay_completes(flat.remote_needs(), flat.starts)
     return flat if done else None
@@ -222,7 +223,7 @@ class _Flat:
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
         self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
-        deque(map(where.__setitem__, keys, range(n)), maxlen=0)
+        _scatter(where, keys, range(n))
         if len(where) - where.count(-1) != n:
             return False
         if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
@@ -283,7 +284,7 @@ class _Flat:
         need = [-1] * (self.n + 1)  # need[-1]: where the absent (-1) entries of a row land
         for producer, consumer, crosses in self.edges:
             if crosses:
-                deque(map(need.__setitem__, self.row(consumer), self.row(producer)), maxlen=0)
+                _scatter(need, self.row(consumer), self.row(producer))
         return need
 
     def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
@@ -311,15 +312,17 @@ class _Flat:
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
 
-    def message_partners(self) -> list[int] | None:
-        """Per action of a lowered plan: the index of its SEND's RECV or its RECV's SEND (-1
-        for a compute action), given that every message has its SEND after the producer
-        and its RECV before the consumer and there are no other SEND/RECV actions (else
-        None): then the partners pair the plan's SEND/RECV actions one to one."""
+    def message_pairs(self) -> tuple[list[int], int] | None:
+        """Per action of a lowered plan (plus one spare entry last, where the absent -1
+        entries of a row land): the number of its message for a SEND or RECV, the same
+        for both, 0 for a compute action; and one past the last number. Given that every
+        message has its SEND after the producer and its RECV before the consumer and there
+        are no other SEND/RECV actions (else None): then the numbers pair the plan's
+        SEND/RECV actions one to one."""
         carrier, row = self._carriers(), self.row
         if carrier is None:
             return None
-        partner, messages = [-1] * self.n, 0
+        pair, messages, numbered = [0] * (self.n + 1), 0, 1
         for producer, consumer, crosses in self.edges:
             if not crosses:
                 continue
@@ -331,16 +334,24 @@ class _Flat:
             if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
                 return None
             # a message is all there or all absent (every compute action is there): else a
-            # lone SEND would be paired with index -1, the plan's last action. The SENDs
-            # are: there where the producer is (>= it), absent at the other pipelines'
-            # micro-batches (_pipelines_match), so only the RECVs need counting
+            # lone SEND would share its number with the spare entry. The SENDs are: there
+            # where the producer is (>= it), absent at the other pipelines' micro-batches
+            # (_pipelines_match), so only the RECVs need counting
             absent = consumers.count(-1)
             if receives.count(-1) != absent:
                 return None
             messages += len(consumers) - absent
-            deque(map(partner.__setitem__, sends, receives), maxlen=0)
-            deque(map(partner.__setitem__, receives, sends), maxlen=0)
-        return partner if 2 * messages == self.n - self.computes else None
+            numbers = range(numbered, numbered + len(sends))
+            numbered += len(sends)
+            _scatter(pair, sends, numbers)
+            _scatter(pair, receives, numbers)
+        return (pair, numbered) if 2 * messages == self.n - self.computes else None
+
+
+def _scatter(target: list[int], indices: Iterable[int], values: Iterable[int]) -> None:
+    """``target[i] = v`` for each pair, at C speed (``operator.setitem`` takes its arguments
+    as they are; a bound ``list.__setitem__`` packs a tuple per call)."""
+    deque(map(setitem, repeat(target), indices, values), maxlen=0)
 
 
 def _stage_blocks(placement: Placement, rank: int, block: int) -> list[int | None]:
@@ -388,31 +399,28 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
     return pos[:-1] == ends
 
 
-def _pairs_complete(partner: list[int], starts: list[int]) -> bool:
-    """The blocking replay of a lowered plan whose SEND/RECV actions ``partner`` pairs one
-    to one across ranks, compute actions (-1) never blocking: a pair completes when both
-    ranks stand at it. True when every rank finishes (see [Note: pairs only]).
+def _pairs_complete(pair: list[int], numbered: int, starts: list[int]) -> bool:
+    """The blocking replay of a lowered plan whose SEND/RECV actions ``pair`` numbers in
+    pairs (numbers below ``numbered``) across ranks, compute actions (0) never blocking: a
+    pair completes when both ranks stand at it. True when every rank finishes (see [Note:
+    pairs only]).
 
-    The second rank to reach a pair completes it: it moves its partner's rank past the
-    partner and hands that rank back to the loop; the first to arrive only stops there.
-    One step per action and one per time a rank is taken up, no parking lists."""
-    ranks = len(starts) - 1
-    lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))
-    pos, ends = starts[:-1], starts[1:]
-    todo = list(range(ranks))
-    next_rank, again = todo.pop, todo.append
-    while todo:
-        rank = next_rank()
-        i, end = pos[rank], ends[rank]
-        while i < end:
-            other = partner[i]
-            if other >= 0:  # a SEND/RECV: complete it if its partner's rank stands there
-                peer = owner[other]
-                if pos[peer] != other:
-                    break
-                pos[peer] = other + 1
-                again(peer)
-            i += 1
-        pos[rank] = i
-    return pos == ends
+    Each rank walks its SEND/RECV numbers only (compute actions filtered out in C). The
+    first rank to reach a pair stands there (``standing``) and stops; the second completes
+    it, hands the first back to the loop and walks on. A rank's walk is an iterator, so a
+    rank handed back goes on past the pair it stood at. One step per SEND/RECV and one per
+    time a rank is taken up, no positions, no parking lists."""
+    walks = [filter(None, pair[start:end]) for start, end in pairwise(starts)]
+    standing = [-1] * numbered  # the rank standing at a pair, if one is
+    todo = list(range(len(walks)))
+    again, finished = todo.append, 0
+    for rank in todo:  # grows while it is walked: each time a rank is handed back
+        for number in walks[rank]:
+            peer = standing[number]
+            if peer < 0:
+                standing[number] = rank
+                break
+            again(peer)
+        else:
+            finished += 1
+    return finished == len(walks)
