@@ -113,7 +113,7 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
         return passes(plan)
     if len(plan.ranks) != len(lowered.ranks) or sum(map(len, plan.ranks)) != flat.computes:
         return passes(plan)
-    made = compress(chain.from_iterable(lowered.ranks), flat.computes_at)
+    made = compress(chain.from_iterable(lowered.ranks), map(_COMPUTE_SET.__contains__, flat.op_of))
     if not all(map(is_, made, chain.from_iterable(plan.ranks))):
         return passes(plan)
     # the same sequence, rank after rank; lowered's runs rank 0's stages first, then rank
@@ -226,9 +226,9 @@ class _Flat:
         _scatter(where, keys, range(n))
         if len(where) - where.count(-1) != n:
             return False
-        if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
-            self.computes_at = list(map(_COMPUTE_SET.__contains__, op_of))
-            self.computes = self.computes_at.count(True)
+        if self.plan.lowered:  # every op is an Op (of) and the compute ones of compute_ops
+            self.computes = sum(map(op_of.count, compute_ops))
+            self.op_of = op_of  # lowering_passes picks the compute actions by it
         else:  # a plan not lowered holds compute actions only (of), all of compute_ops
             self.computes = n
         return self.computes == m * self.placement.depth * len(compute_ops)
