@@ -8,16 +8,19 @@ to find and name the fault. See [Note: flat check].
 
 [Note: flat check]
 Every action becomes the integer ``key = (stage * len(ops) + slot) * m + mb`` (``ops``: the
-ops the plan holds, ``slot``: the op's place among them) and its global index ``g`` (ranks
-concatenated); ``where[key] = g`` is one table, so the actions of one kind (stage, op) form
-a *row* ``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent). The
-dependency rule never crosses micro-batches, so an edge "producer kind -> consumer kind" is
-a pair of rows compared element by element:
+ops the plan holds, ``slot``: the op's place among them) and its position ``i`` on its rank;
+``where[key] = i`` is one table, so the actions of one kind (stage, op) form a *row*
+``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent), all on the
+kind's stage's rank. The dependency rule never crosses micro-batches, so an edge "producer
+kind -> consumer kind" is a pair of rows compared element by element, and rows are only
+ever compared on one rank (a SEND names its producer's stage, a RECV its consumer's). The
+positions are one int object per position, shared by all ranks: few enough to stay in
+cache while rows are read and compared. The checks:
 
 * exactly once, right rank, right pipeline: whole-list comparisons and one count of the
   filled entries of ``where`` (keys distinct and as many as the plan needs);
-* a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier global
-  index on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
+* a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier position
+  on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
 * a producer on another rank: the replay. Each rank runs its actions in order while their
   remote producers are done; a rank that waits parks on the rank it waits for and is woken
   when that rank moves. Local producers need no check there (they precede on the rank).
@@ -75,8 +78,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from itertools import accumulate, chain, compress, pairwise, repeat
-from operator import add, getitem, is_, itemgetter, le, mod, setitem, sub
+from itertools import chain, compress, islice, repeat
+from operator import add, getitem, is_, itemgetter, le, setitem
 
 from .actions import Action, Op
 from .deps import producers
@@ -135,9 +138,9 @@ def _passing(plan: Plan) -> _Flat | None:
         return None
     if plan.lowered:
         pairs = flat.message_pairs()
-        done = pairs is not None and _pairs_complete(*pairs, flat.starts)
+        done = pairs is not None and _pairs_complete(*pairs)
     else:
-        done = _replay_completes(flat.remote_needs(), flat.starts)
+        done = _replay_completes(*flat.remote_needs())
     return flat if done else None
 
 
@@ -150,7 +153,7 @@ class _Flat:
         self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
         self.n, self.ops = n, ops
         self.slot = {op: k for k, op in enumerate(ops)}
-        self.starts = [0, *accumulate(map(len, plan.ranks))]
+        self.lengths = list(map(len, plan.ranks))
         self.split = Op.I in ops
         self.kinds_per_pipeline = self.placement.depth * len(ops)
         self.lanes = [(0, 1)] * self.placement.num_pipelines  # see row
@@ -165,7 +168,7 @@ class _Flat:
         return None if slot is None else stage * len(self.ops) + slot
 
     def row(self, kind: int | None) -> list[int]:
-        """Global index of the action of ``kind`` per micro-batch of its stage's pipeline
+        """Position on its rank of the action of ``kind`` per micro-batch of its stage's pipeline
         (-1: none), in micro-batch order: a strided slice of the whole row when every
         pipeline's micro-batches are evenly spaced (:attr:`Plan.lanes`; bi's two pipelines
         take turns), the whole row otherwise. The rest of the row is -1
@@ -223,7 +226,10 @@ class _Flat:
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
         self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
-        _scatter(where, keys, range(n))
+        # positions on the rank, one int object each for all ranks (see [Note: flat check])
+        positions = list(range(max(self.lengths)))
+        per_rank = map(getitem, repeat(positions), map(slice, self.lengths))
+        _scatter(where, keys, chain.from_iterable(per_rank))
         if len(where) - where.count(-1) != n:
             return False
         if self.plan.lowered:  # every op is an Op (of) and the compute ones of compute_ops
@@ -279,13 +285,20 @@ class _Flat:
         row = self.row
         return all(all(map(le, row(p), row(c))) for p, c, crosses in self.edges if not crosses)
 
-    def remote_needs(self) -> list[int]:
-        """Per action: the index of its producer on another rank (-1: none)."""
-        need = [-1] * (self.n + 1)  # need[-1]: where the absent (-1) entries of a row land
+    def remote_needs(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Per rank, per action: the position of its producer on another rank (-1: none)
+        and that rank (its stage's rank, as ``of`` checked; the rank count: none), each
+        with one spare entry last, where the absent (-1) entries of a row land; and the
+        rank lengths."""
+        rank_of, per_stage, ranks = self.placement.stage_to_rank, len(self.ops), len(self.lengths)
+        needs = [[-1] * (length + 1) for length in self.lengths]
+        afters = [[ranks] * (length + 1) for length in self.lengths]
         for producer, consumer, crosses in self.edges:
             if crosses:
-                _scatter(need, self.row(consumer), self.row(producer))
-        return need
+                consumers, rank = self.row(consumer), rank_of[consumer // per_stage]
+                _scatter(needs[rank], consumers, self.row(producer))
+                _scatter(afters[rank], consumers, repeat(rank_of[producer // per_stage]))
+        return needs, afters, self.lengths
 
     def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
         """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
@@ -312,17 +325,19 @@ class _Flat:
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
 
-    def message_pairs(self) -> tuple[list[int], int] | None:
-        """Per action of a lowered plan (plus one spare entry last, where the absent -1
-        entries of a row land): the number of its message for a SEND or RECV, the same
-        for both, 0 for a compute action; and one past the last number. Given that every
+    def message_pairs(self) -> tuple[list[list[int]], int] | None:
+        """Per rank, per action of a lowered plan (plus one spare entry last, where the
+        absent -1 entries of a row land): the number of its message for a SEND or RECV, the
+        same for both, 0 for a compute action; and one past the last number. Given that every
         message has its SEND after the producer and its RECV before the consumer and there
         are no other SEND/RECV actions (else None): then the numbers pair the plan's
         SEND/RECV actions one to one."""
         carrier, row = self._carriers(), self.row
         if carrier is None:
             return None
-        pair, messages, numbered = [0] * (self.n + 1), 0, 1
+        rank_of, per_stage = self.placement.stage_to_rank, len(self.ops)
+        pairs = [[0] * (length + 1) for length in self.lengths]
+        messages, numbered = 0, 1
         for producer, consumer, crosses in self.edges:
             if not crosses:
                 continue
@@ -343,9 +358,9 @@ class _Flat:
             messages += len(consumers) - absent
             numbers = range(numbered, numbered + len(sends))
             numbered += len(sends)
-            _scatter(pair, sends, numbers)
-            _scatter(pair, receives, numbers)
-        return (pair, numbered) if 2 * messages == self.n - self.computes else None
+            _scatter(pairs[rank_of[sent // per_stage]], sends, numbers)
+            _scatter(pairs[rank_of[received // per_stage]], receives, numbers)
+        return (pairs, numbered) if 2 * messages == self.n - self.computes else None
 
 
 def _scatter(target: list[int], indices: Iterable[int], values: Iterable[int]) -> None:
@@ -362,30 +377,25 @@ def _stage_blocks(placement: Placement, rank: int, block: int) -> list[int | Non
     return blocks
 
 
-def _replay_completes(need: list[int], starts: list[int]) -> bool:
-    """Each rank runs its actions in order while ``need[i]`` is done (index -1 always is);
-    a rank that waits parks on the rank it waits for, woken when that one moves. True when
-    every rank finishes. One loop whose cost is the number of times a rank waits.
+def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: list[int]) -> bool:
+    """Each rank runs its actions in order while ``needs[rank][i]``, a position on rank
+    ``afters[rank][i]``, is done (-1 always is); a rank that waits parks on the rank it
+    waits for, woken when that one moves. True when every rank finishes. One loop whose
+    cost is the number of times a rank waits.
 
-    Action ``j`` is done when its rank stands past it (``pos[owner[j]] > j``): no per-action
-    mark to write as ranks move, and ``owner[need[i]]`` is gathered once at C speed. Index
-    -1 belongs to a rank that is always past it; other negative indices count from the end,
-    as list indexing reads them."""
-    size, ranks = len(need), len(starts) - 1
-    if min(need) < -1:
-        need = list(map(mod, need, repeat(size)))
-    lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))  # rank
-    owner += repeat(ranks, size - len(owner))  # need -1 (and need[-1]): the always-done rank
-    after = list(map(owner.__getitem__, need))  # the rank of what each action waits for
-    pos, ends = [*starts[:-1], size], starts[1:]
+    Position ``j`` of rank ``r`` is done when ``r`` stands past it (``pos[r] > j``): no
+    per-action mark to write as ranks move. ``afters`` names the rank count where there is
+    no need: a rank that is always past every position."""
+    ranks = len(lengths)
+    pos = [0] * ranks + [max(lengths) + 1]
     waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
     todo = list(range(ranks))
     next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
     while todo:
         rank = next_rank()
+        need, after = needs[rank], afters[rank]
         first = i = pos[rank]
-        end = ends[rank]
+        end = lengths[rank]
         while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
@@ -396,21 +406,21 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
                 woken.clear()
         if i < end:
             waiting[after[i]].append(rank)
-    return pos[:-1] == ends
+    return pos[:-1] == lengths
 
 
-def _pairs_complete(pair: list[int], numbered: int, starts: list[int]) -> bool:
-    """The blocking replay of a lowered plan whose SEND/RECV actions ``pair`` numbers in
-    pairs (numbers below ``numbered``) across ranks, compute actions (0) never blocking: a
-    pair completes when both ranks stand at it. True when every rank finishes (see [Note:
-    pairs only]).
+def _pairs_complete(pairs: list[list[int]], numbered: int) -> bool:
+    """The blocking replay of a lowered plan whose SEND/RECV actions ``pairs`` numbers
+    (per rank, per action, one spare entry last; numbers below ``numbered``) in pairs
+    across ranks, compute actions (0) never blocking: a pair completes when both ranks stand
+    at it. True when every rank finishes (see [Note: pairs only]).
 
     Each rank walks its SEND/RECV numbers only (compute actions filtered out in C). The
     first rank to reach a pair stands there (``standing``) and stops; the second completes
     it, hands the first back to the loop and walks on. A rank's walk is an iterator, so a
     rank handed back goes on past the pair it stood at. One step per SEND/RECV and one per
     time a rank is taken up, no positions, no parking lists."""
-    walks = [filter(None, pair[start:end]) for start, end in pairwise(starts)]
+    walks = [filter(None, islice(pair, len(pair) - 1)) for pair in pairs]
     standing = [-1] * numbered  # the rank standing at a pair, if one is
     todo = list(range(len(walks)))
     again, finished = todo.append, 0
