@@ -7,18 +7,18 @@ mark a producer left on the plan; only when it says no do the action-by-action c
 to find and name the fault. See [Note: flat check].
 
 [Note: flat check]
-Every action becomes the integer ``key = (stage * len(ops) + slot) * m + mb`` (``ops``: the
-ops the plan holds, ``slot``: the op's place among them) and its position ``i`` on its rank;
-``where[key] = i`` is one table, so the actions of one kind (stage, op) form a *row*
-``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent), all on the
-kind's stage's rank. The dependency rule never crosses micro-batches, so an edge "producer
-kind -> consumer kind" is a pair of rows compared element by element, and rows are only
-ever compared on one rank (a SEND names its producer's stage, a RECV its consumer's). The
-positions are one int object per position, shared by all ranks: few enough to stay in
-cache while rows are read and compared. The checks:
+Every action of kind ``(stage, op)``, numbered ``kind = stage * len(ops) + slot`` (``ops``:
+the ops the plan holds, ``slot``: the op's place among them), sets the entry of its
+micro-batch in its kind's *row* ``where[kind]`` (-1 where absent) to its position ``i`` on
+its rank; every row's actions are on the kind's stage's rank. The dependency rule never
+crosses micro-batches, so an edge "producer kind -> consumer kind" is a pair of rows
+compared element by element, and rows are only ever compared on one rank (a SEND names its
+producer's stage, a RECV its consumer's). The positions are one int object per position,
+shared by all ranks: few enough to stay in cache while rows are read and compared. The
+checks:
 
 * exactly once, right rank, right pipeline: whole-list comparisons and one count of the
-  filled entries of ``where`` (keys distinct and as many as the plan needs);
+  filled entries of ``where`` (as many as the plan has actions: no two share an entry);
 * a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier position
   on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
 * a producer on another rank: the replay. Each rank runs its actions in order while their
@@ -38,11 +38,11 @@ checks' blocking replay makes a SEND wait for its producer and names it;
 :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
 
 [Note: pairs only]
-In a lowered plan that passed the row checks, ``pair`` gives every SEND and its RECV one
+In a lowered plan that passed the row checks, ``pairs`` gives every SEND and its RECV one
 number of their own (one to one: each message fills one slot of one SEND row and one of one
-RECV row, where holds distinct keys, and the SEND/RECV count is twice the message count),
-the two on different ranks (``_carriers`` refuses a same-rank carrier), and compute actions
-never block. A pair completes when both ranks stand at it
+RECV row, no two actions share an entry of ``where``, and the SEND/RECV count is twice the
+message count), the two on different ranks (``_carriers`` refuses a same-rank carrier), and
+compute actions never block. A pair completes when both ranks stand at it
 (:mod:`megatron_prt.core.rendezvous`: a SEND and its RECV complete together), so compute
 actions need no step of their own in the replay: each rank walks its SEND/RECV numbers
 only. :func:`_pairs_complete` runs it with no parking: the first rank to reach a pair
@@ -79,7 +79,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from itertools import chain, compress, islice, repeat
-from operator import add, getitem, is_, itemgetter, le, setitem
+from operator import getitem, is_, itemgetter, le, setitem
 
 from .actions import Action, Op
 from .deps import producers
@@ -145,9 +145,10 @@ def _passing(plan: Plan) -> _Flat | None:
 
 
 class _Flat:
-    """A plan as integer lists over its actions, rank after rank (see [Note: flat check]).
-    Kinds are numbered ``stage * len(ops) + slot``, slot the op's place among the ops the
-    plan holds (``slot``), so ``where`` has one row per kind the plan could hold."""
+    """A plan as integer rows, one per kind of action, holding positions on the rank (see
+    [Note: flat check]). Kinds are numbered ``stage * len(ops) + slot``, slot the op's place
+    among the ops the plan holds (``slot``), so ``where`` has one row per kind the plan
+    could hold."""
 
     def __init__(self, plan: Plan, n: int, ops: list[Op]) -> None:
         self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
@@ -177,10 +178,8 @@ class _Flat:
         if kind is None:
             return [-1] * self.m
         start, step = self.lanes[kind // self.kinds_per_pipeline]
-        return self.where[kind * self.m + start : (kind + 1) * self.m : step]
-
-    def _whole_row(self, kind: int) -> list[int]:
-        return self.where[kind * self.m : (kind + 1) * self.m]
+        row = self.where[kind]
+        return row if (start, step) == (0, 1) else row[start::step]  # read, never written
 
     @classmethod
     def of(cls, plan: Plan) -> _Flat | None:
@@ -203,34 +202,34 @@ class _Flat:
             return None  # an op that is no Op, or communication in a plan not lowered
         if min(map(_STAGE, chain.from_iterable(plan.ranks))) < 0:
             return None
-        # key = (stage * len(ops) + slot) * m + mb: a stage block (a rank's are None but at
-        # its own stages, so a stage of another rank is a TypeError and one past the last an
-        # IndexError; a negative one would wrap) plus slot * m + mb, read from a list per
-        # op (no int made per action but the key). keys and where are plain lists: reading
-        # a list hands out the int it holds, where an array makes a new one per read (the
-        # rows are read and compared many times)
-        slots = {op: list(range(k * m, (k + 1) * m)) for k, op in enumerate(ops)}
-        in_kind = map(getitem, map(slots.__getitem__, op_of), mbs)
-        stage_of = chain.from_iterable(
-            map(_stage_blocks(placement, rank, len(ops) * m).__getitem__, map(_STAGE, acts))
-            for rank, acts in enumerate(plan.ranks)
-        )
+        # each action's row: its stage's table (a rank's are None but at its own stages, so
+        # a stage of another rank is a TypeError and one past the last an IndexError; a
+        # negative one would wrap), then its op's row there; its micro-batch's entry there
+        # is set below (one past the last: an IndexError). Rows are plain lists: reading a
+        # list hands out the int it holds, where an array makes a new one per read
         flat = cls(plan, len(mbs), ops)
-        keys = map(add, stage_of, in_kind)
-        return flat if flat._complete(keys, op_of) and flat._pipelines_match() else None
+        where = flat.where = [[-1] * m for _ in range(placement.num_stages * len(ops))]
+        rows = map(
+            getitem,
+            chain.from_iterable(
+                map(_stage_tables(placement, rank, ops, where).__getitem__, map(_STAGE, acts))
+                for rank, acts in enumerate(plan.ranks)
+            ),
+            op_of,
+        )
+        return flat if flat._complete(rows, mbs, op_of) and flat._pipelines_match() else None
 
-    def _complete(self, keys: Iterable[int], op_of: list[Op]) -> bool:
-        """Keys distinct (one per action, in plan order); compute ops one of F | F, B |
-        F, I, W; every needed action there."""
+    def _complete(self, rows: Iterable[list[int]], mbs: list[int], op_of: list[Op]) -> bool:
+        """Every action's entry (its row, at its micro-batch) set to its position, no entry
+        twice; compute ops one of F | F, B | F, I, W; every needed action there."""
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
-        self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
         # positions on the rank, one int object each for all ranks (see [Note: flat check])
         positions = list(range(max(self.lengths)))
         per_rank = map(getitem, repeat(positions), map(slice, self.lengths))
-        _scatter(where, keys, chain.from_iterable(per_rank))
-        if len(where) - where.count(-1) != n:
+        deque(map(setitem, rows, mbs, chain.from_iterable(per_rank)), maxlen=0)
+        if len(self.where) * m - sum(map(list.count, self.where, repeat(-1))) != n:
             return False
         if self.plan.lowered:  # every op is an Op (of) and the compute ones of compute_ops
             self.computes = sum(map(op_of.count, compute_ops))
@@ -258,7 +257,7 @@ class _Flat:
                 pick = itemgetter(*others, others[0])  # always a tuple
             absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
-                if pick(self._whole_row(kind)) != absent:
+                if pick(self.where[kind]) != absent:
                     return False
         return True
 
@@ -369,12 +368,15 @@ def _scatter(target: list[int], indices: Iterable[int], values: Iterable[int]) -
     deque(map(setitem, repeat(target), indices, values), maxlen=0)
 
 
-def _stage_blocks(placement: Placement, rank: int, block: int) -> list[int | None]:
-    """Per stage: ``stage * block`` for the stages of ``rank``, None for the others."""
-    blocks: list[int | None] = [None] * placement.num_stages
+def _stage_tables(
+    placement: Placement, rank: int, ops: list[Op], rows: list[list[int]]
+) -> list[dict[Op, list[int]] | None]:
+    """Per stage: op -> its row (``rows[stage * len(ops) + slot]``) for the stages of
+    ``rank``, None for the others."""
+    tables: list[dict[Op, list[int]] | None] = [None] * placement.num_stages
     for stage in placement.rank_stages[rank]:
-        blocks[stage] = stage * block
-    return blocks
+        tables[stage] = dict(zip(ops, rows[stage * len(ops) : (stage + 1) * len(ops)], strict=True))
+    return tables
 
 
 def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: list[int]) -> bool:
