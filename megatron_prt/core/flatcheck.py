@@ -7,17 +7,20 @@ mark a producer left on the plan; only when it says no do the action-by-action c
 to find and name the fault. See [Note: flat check].
 
 [Note: flat check]
-Every action becomes the integer ``key = (stage * len(ops) + slot) * m + mb`` (``ops``: the
-ops the plan holds, ``slot``: the op's place among them) and its global index ``g`` (ranks
-concatenated); ``where[key] = g`` is one table, so the actions of one kind (stage, op) form
-a *row* ``where[kind * m : (kind + 1) * m]`` indexed by micro-batch (-1 where absent). The
-dependency rule never crosses micro-batches, so an edge "producer kind -> consumer kind" is
-a pair of rows compared element by element:
+Every action of kind ``(stage, op)``, numbered ``kind = stage * len(ops) + slot`` (``ops``:
+the ops the plan holds, ``slot``: the op's place among them), sets the entry of its
+micro-batch in its kind's *row* ``where[kind]`` (-1 where absent) to its position ``i`` on
+its rank; every row's actions are on the kind's stage's rank. The dependency rule never
+crosses micro-batches, so an edge "producer kind -> consumer kind" is a pair of rows
+compared element by element, and rows are only ever compared on one rank (a SEND names its
+producer's stage, a RECV its consumer's). The positions are one int object per position,
+shared by all ranks: few enough to stay in cache while rows are read and compared. The
+checks:
 
 * exactly once, right rank, right pipeline: whole-list comparisons and one count of the
-  filled entries of ``where`` (keys distinct and as many as the plan needs);
-* a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier global
-  index on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
+  filled entries of ``where`` (as many as the plan has actions: no two share an entry);
+* a producer on the consumer's rank: ``producer row <= consumer row`` (an earlier position
+  on one rank is an earlier step; -1 <= -1 where a micro-batch skips the stage);
 * a producer on another rank: the replay. Each rank runs its actions in order while their
   remote producers are done; a rank that waits parks on the rank it waits for and is woken
   when that rank moves. Local producers need no check there (they precede on the rank).
@@ -35,20 +38,21 @@ checks' blocking replay makes a SEND wait for its producer and names it;
 :func:`megatron_prt.core.lower.lower` never writes one, zero-time stages included).
 
 [Note: pairs only]
-In a lowered plan that passed the row checks, ``partner`` pairs every SEND with its RECV
-(one to one: each message fills one slot of one SEND row and one of one RECV row, where
-holds distinct keys, and the SEND/RECV count is twice the message count) on another rank
-(``_carriers`` refuses a same-rank carrier), and compute actions never block. A pair
-completes when both ranks stand at it (:mod:`megatron_prt.core.rendezvous`: a SEND and
-its RECV complete together), so compute actions need no step of their own in the replay
-beyond being walked past. :func:`_pairs_complete` runs it
-with no parking: a rank walks until it reaches a SEND/RECV whose partner's rank is not
-standing at the partner, and stops there; the rank that reaches the other end later finds
-it standing, completes the pair, moves it past and hands it back to the loop. Every rank
-that stops stands at a SEND/RECV (a rank moved by a peer is in the loop again), so no pair
-whose two ranks both stand at it is ever left behind, and no pair completes unless both
-stood at it: the run completes exactly the pairs the rule can complete, in some order, and
-which order does not matter (a pair that can complete stays so until it does).
+In a lowered plan that passed the row checks, ``pairs`` gives every SEND and its RECV one
+number of their own (one to one: each message fills one slot of one SEND row and one of one
+RECV row, no two actions share an entry of ``where``, and the SEND/RECV count is twice the
+message count), the two on different ranks (``_carriers`` refuses a same-rank carrier), and
+compute actions never block. A pair completes when both ranks stand at it
+(:mod:`megatron_prt.core.rendezvous`: a SEND and its RECV complete together), so compute
+actions need no step of their own in the replay: each rank walks its SEND/RECV numbers
+only. :func:`_pairs_complete` runs it with no parking: the first rank to reach a pair
+stands there and stops; the rank that reaches the other end later finds it standing,
+completes the pair, hands the first back to the loop (its walk goes on past the pair) and
+walks on. Every rank that stops stands at a SEND/RECV (a rank handed back is in the loop
+again), so no pair whose two ranks both stand at it is ever left behind, and no pair
+completes unless both stood at it: the run completes exactly the pairs the rule can
+complete, in some order, and which order does not matter (a pair that can complete stays
+so until it does).
 
 [Note: a lowering's check covers its plan]
 :func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
@@ -74,8 +78,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from itertools import accumulate, chain, compress, repeat
-from operator import add, getitem, is_, itemgetter, le, mod, sub
+from itertools import chain, compress, islice, repeat
+from operator import getitem, is_, itemgetter, le, setitem
 
 from .actions import Action, Op
 from .deps import producers
@@ -112,7 +116,7 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
         return passes(plan)
     if len(plan.ranks) != len(lowered.ranks) or sum(map(len, plan.ranks)) != flat.computes:
         return passes(plan)
-    made = compress(chain.from_iterable(lowered.ranks), flat.computes_at)
+    made = compress(chain.from_iterable(lowered.ranks), map(_COMPUTE_SET.__contains__, flat.op_of))
     if not all(map(is_, made, chain.from_iterable(plan.ranks))):
         return passes(plan)
     # the same sequence, rank after rank; lowered's runs rank 0's stages first, then rank
@@ -133,23 +137,24 @@ def _passing(plan: Plan) -> _Flat | None:
     if flat is None or not flat.local_order_holds():
         return None
     if plan.lowered:
-        partner = flat.message_partners()
-        done = partner is not None and _pairs_complete(partner, flat.starts)
+        pairs = flat.message_pairs()
+        done = pairs is not None and _pairs_complete(*pairs)
     else:
-        done = _replay_completes(flat.remote_needs(), flat.starts)
+        done = _replay_completes(*flat.remote_needs())
     return flat if done else None
 
 
 class _Flat:
-    """A plan as integer lists over its actions, rank after rank (see [Note: flat check]).
-    Kinds are numbered ``stage * len(ops) + slot``, slot the op's place among the ops the
-    plan holds (``slot``), so ``where`` has one row per kind the plan could hold."""
+    """A plan as integer rows, one per kind of action, holding positions on the rank (see
+    [Note: flat check]). Kinds are numbered ``stage * len(ops) + slot``, slot the op's place
+    among the ops the plan holds (``slot``), so ``where`` has one row per kind the plan
+    could hold."""
 
     def __init__(self, plan: Plan, n: int, ops: list[Op]) -> None:
         self.plan, self.placement, self.m = plan, plan.placement, plan.num_microbatches
         self.n, self.ops = n, ops
         self.slot = {op: k for k, op in enumerate(ops)}
-        self.starts = [0, *accumulate(map(len, plan.ranks))]
+        self.lengths = list(map(len, plan.ranks))
         self.split = Op.I in ops
         self.kinds_per_pipeline = self.placement.depth * len(ops)
         self.lanes = [(0, 1)] * self.placement.num_pipelines  # see row
@@ -164,7 +169,7 @@ class _Flat:
         return None if slot is None else stage * len(self.ops) + slot
 
     def row(self, kind: int | None) -> list[int]:
-        """Global index of the action of ``kind`` per micro-batch of its stage's pipeline
+        """Position on its rank of the action of ``kind`` per micro-batch of its stage's pipeline
         (-1: none), in micro-batch order: a strided slice of the whole row when every
         pipeline's micro-batches are evenly spaced (:attr:`Plan.lanes`; bi's two pipelines
         take turns), the whole row otherwise. The rest of the row is -1
@@ -173,10 +178,8 @@ class _Flat:
         if kind is None:
             return [-1] * self.m
         start, step = self.lanes[kind // self.kinds_per_pipeline]
-        return self.where[kind * self.m + start : (kind + 1) * self.m : step]
-
-    def _whole_row(self, kind: int) -> list[int]:
-        return self.where[kind * self.m : (kind + 1) * self.m]
+        row = self.where[kind]
+        return row if (start, step) == (0, 1) else row[start::step]  # read, never written
 
     @classmethod
     def of(cls, plan: Plan) -> _Flat | None:
@@ -199,35 +202,38 @@ class _Flat:
             return None  # an op that is no Op, or communication in a plan not lowered
         if min(map(_STAGE, chain.from_iterable(plan.ranks))) < 0:
             return None
-        # key = (stage * len(ops) + slot) * m + mb: a stage block (a rank's are None but at
-        # its own stages, so a stage of another rank is a TypeError and one past the last an
-        # IndexError; a negative one would wrap) plus slot * m + mb, read from a list per
-        # op (no int made per action but the key). keys and where are plain lists: reading
-        # a list hands out the int it holds, where an array makes a new one per read (the
-        # rows are read and compared many times)
-        slots = {op: list(range(k * m, (k + 1) * m)) for k, op in enumerate(ops)}
-        in_kind = map(getitem, map(slots.__getitem__, op_of), mbs)
-        stage_of = chain.from_iterable(
-            map(_stage_blocks(placement, rank, len(ops) * m).__getitem__, map(_STAGE, acts))
-            for rank, acts in enumerate(plan.ranks)
-        )
+        # each action's row: its stage's table (a rank's are None but at its own stages, so
+        # a stage of another rank is a TypeError and one past the last an IndexError; a
+        # negative one would wrap), then its op's row there; its micro-batch's entry there
+        # is set below (one past the last: an IndexError). Rows are plain lists: reading a
+        # list hands out the int it holds, where an array makes a new one per read
         flat = cls(plan, len(mbs), ops)
-        keys = map(add, stage_of, in_kind)
-        return flat if flat._complete(keys, op_of) and flat._pipelines_match() else None
+        where = flat.where = [[-1] * m for _ in range(placement.num_stages * len(ops))]
+        rows = map(
+            getitem,
+            chain.from_iterable(
+                map(_stage_tables(placement, rank, ops, where).__getitem__, map(_STAGE, acts))
+                for rank, acts in enumerate(plan.ranks)
+            ),
+            op_of,
+        )
+        return flat if flat._complete(rows, mbs, op_of) and flat._pipelines_match() else None
 
-    def _complete(self, keys: Iterable[int], op_of: list[Op]) -> bool:
-        """Keys distinct (one per action, in plan order); compute ops one of F | F, B |
-        F, I, W; every needed action there."""
+    def _complete(self, rows: Iterable[list[int]], mbs: list[int], op_of: list[Op]) -> bool:
+        """Every action's entry (its row, at its micro-batch) set to its position, no entry
+        twice; compute ops one of F | F, B | F, I, W; every needed action there."""
         m, n, compute_ops = self.m, self.n, self.compute_ops
         if not set(self.ops) & set(_COMPUTE) <= set(compute_ops):
             return False
-        self.where = where = [-1] * (self.placement.num_stages * len(self.ops) * m)
-        deque(map(where.__setitem__, keys, range(n)), maxlen=0)
-        if len(where) - where.count(-1) != n:
+        # positions on the rank, one int object each for all ranks (see [Note: flat check])
+        positions = list(range(max(self.lengths)))
+        per_rank = map(getitem, repeat(positions), map(slice, self.lengths))
+        deque(map(setitem, rows, mbs, chain.from_iterable(per_rank)), maxlen=0)
+        if len(self.where) * m - sum(map(list.count, self.where, repeat(-1))) != n:
             return False
-        if self.plan.lowered:  # which actions compute: counted here, read by lowering_passes
-            self.computes_at = list(map(_COMPUTE_SET.__contains__, op_of))
-            self.computes = self.computes_at.count(True)
+        if self.plan.lowered:  # every op is an Op (of) and the compute ones of compute_ops
+            self.computes = sum(map(op_of.count, compute_ops))
+            self.op_of = op_of  # lowering_passes picks the compute actions by it
         else:  # a plan not lowered holds compute actions only (of), all of compute_ops
             self.computes = n
         return self.computes == m * self.placement.depth * len(compute_ops)
@@ -251,7 +257,7 @@ class _Flat:
                 pick = itemgetter(*others, others[0])  # always a tuple
             absent = pick([-1] * self.m)
             for kind in range(stages[0] * per_stage, (stages[-1] + 1) * per_stage):
-                if pick(self._whole_row(kind)) != absent:
+                if pick(self.where[kind]) != absent:
                     return False
         return True
 
@@ -278,13 +284,20 @@ class _Flat:
         row = self.row
         return all(all(map(le, row(p), row(c))) for p, c, crosses in self.edges if not crosses)
 
-    def remote_needs(self) -> list[int]:
-        """Per action: the index of its producer on another rank (-1: none)."""
-        need = [-1] * (self.n + 1)  # need[-1]: where the absent (-1) entries of a row land
+    def remote_needs(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Per rank, per action: the position of its producer on another rank (-1: none)
+        and that rank (its stage's rank, as ``of`` checked; the rank count: none), each
+        with one spare entry last, where the absent (-1) entries of a row land; and the
+        rank lengths."""
+        rank_of, per_stage, ranks = self.placement.stage_to_rank, len(self.ops), len(self.lengths)
+        needs = [[-1] * (length + 1) for length in self.lengths]
+        afters = [[ranks] * (length + 1) for length in self.lengths]
         for producer, consumer, crosses in self.edges:
             if crosses:
-                deque(map(need.__setitem__, self.row(consumer), self.row(producer)), maxlen=0)
-        return need
+                consumers, rank = self.row(consumer), rank_of[consumer // per_stage]
+                _scatter(needs[rank], consumers, self.row(producer))
+                _scatter(afters[rank], consumers, repeat(rank_of[producer // per_stage]))
+        return needs, afters, self.lengths
 
     def _carriers(self) -> dict[tuple[int, int, bool], int] | None:
         """(producer kind, consumer kind, sends) -> the SEND (sends) or RECV kind carrying
@@ -311,15 +324,19 @@ class _Flat:
                 carrier[(*edge, op in _SENDS)] = kind
         return carrier
 
-    def message_partners(self) -> list[int] | None:
-        """Per action of a lowered plan: the index of its SEND's RECV or its RECV's SEND (-1
-        for a compute action), given that every message has its SEND after the producer
-        and its RECV before the consumer and there are no other SEND/RECV actions (else
-        None): then the partners pair the plan's SEND/RECV actions one to one."""
+    def message_pairs(self) -> tuple[list[list[int]], int] | None:
+        """Per rank, per action of a lowered plan (plus one spare entry last, where the
+        absent -1 entries of a row land): the number of its message for a SEND or RECV, the
+        same for both, 0 for a compute action; and one past the last number. Given that every
+        message has its SEND after the producer and its RECV before the consumer and there
+        are no other SEND/RECV actions (else None): then the numbers pair the plan's
+        SEND/RECV actions one to one."""
         carrier, row = self._carriers(), self.row
         if carrier is None:
             return None
-        partner, messages = [-1] * self.n, 0
+        rank_of, per_stage = self.placement.stage_to_rank, len(self.ops)
+        pairs = [[0] * (length + 1) for length in self.lengths]
+        messages, numbered = 0, 1
         for producer, consumer, crosses in self.edges:
             if not crosses:
                 continue
@@ -331,50 +348,56 @@ class _Flat:
             if not (all(map(le, row(producer), sends)) and all(map(le, receives, consumers))):
                 return None
             # a message is all there or all absent (every compute action is there): else a
-            # lone SEND would be paired with index -1, the plan's last action. The SENDs
-            # are: there where the producer is (>= it), absent at the other pipelines'
-            # micro-batches (_pipelines_match), so only the RECVs need counting
+            # lone SEND would share its number with the spare entry. The SENDs are: there
+            # where the producer is (>= it), absent at the other pipelines' micro-batches
+            # (_pipelines_match), so only the RECVs need counting
             absent = consumers.count(-1)
             if receives.count(-1) != absent:
                 return None
             messages += len(consumers) - absent
-            deque(map(partner.__setitem__, sends, receives), maxlen=0)
-            deque(map(partner.__setitem__, receives, sends), maxlen=0)
-        return partner if 2 * messages == self.n - self.computes else None
+            numbers = range(numbered, numbered + len(sends))
+            numbered += len(sends)
+            _scatter(pairs[rank_of[sent // per_stage]], sends, numbers)
+            _scatter(pairs[rank_of[received // per_stage]], receives, numbers)
+        return (pairs, numbered) if 2 * messages == self.n - self.computes else None
 
 
-def _stage_blocks(placement: Placement, rank: int, block: int) -> list[int | None]:
-    """Per stage: ``stage * block`` for the stages of ``rank``, None for the others."""
-    blocks: list[int | None] = [None] * placement.num_stages
+def _scatter(target: list[int], indices: Iterable[int], values: Iterable[int]) -> None:
+    """``target[i] = v`` for each pair, at C speed (``operator.setitem`` takes its arguments
+    as they are; a bound ``list.__setitem__`` packs a tuple per call)."""
+    deque(map(setitem, repeat(target), indices, values), maxlen=0)
+
+
+def _stage_tables(
+    placement: Placement, rank: int, ops: list[Op], rows: list[list[int]]
+) -> list[dict[Op, list[int]] | None]:
+    """Per stage: op -> its row (``rows[stage * len(ops) + slot]``) for the stages of
+    ``rank``, None for the others."""
+    tables: list[dict[Op, list[int]] | None] = [None] * placement.num_stages
     for stage in placement.rank_stages[rank]:
-        blocks[stage] = stage * block
-    return blocks
+        tables[stage] = dict(zip(ops, rows[stage * len(ops) : (stage + 1) * len(ops)], strict=True))
+    return tables
 
 
-def _replay_completes(need: list[int], starts: list[int]) -> bool:
-    """Each rank runs its actions in order while ``need[i]`` is done (index -1 always is);
-    a rank that waits parks on the rank it waits for, woken when that one moves. True when
-    every rank finishes. One loop whose cost is the number of times a rank waits.
+def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: list[int]) -> bool:
+    """Each rank runs its actions in order while ``needs[rank][i]``, a position on rank
+    ``afters[rank][i]``, is done (-1 always is); a rank that waits parks on the rank it
+    waits for, woken when that one moves. True when every rank finishes. One loop whose
+    cost is the number of times a rank waits.
 
-    Action ``j`` is done when its rank stands past it (``pos[owner[j]] > j``): no per-action
-    mark to write as ranks move, and ``owner[need[i]]`` is gathered once at C speed. Index
-    -1 belongs to a rank that is always past it; other negative indices count from the end,
-    as list indexing reads them."""
-    size, ranks = len(need), len(starts) - 1
-    if min(need) < -1:
-        need = list(map(mod, need, repeat(size)))
-    lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))  # rank
-    owner += repeat(ranks, size - len(owner))  # need -1 (and need[-1]): the always-done rank
-    after = list(map(owner.__getitem__, need))  # the rank of what each action waits for
-    pos, ends = [*starts[:-1], size], starts[1:]
+    Position ``j`` of rank ``r`` is done when ``r`` stands past it (``pos[r] > j``): no
+    per-action mark to write as ranks move. ``afters`` names the rank count where there is
+    no need: a rank that is always past every position."""
+    ranks = len(lengths)
+    pos = [0] * ranks + [max(lengths) + 1]
     waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
     todo = list(range(ranks))
     next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
     while todo:
         rank = next_rank()
+        need, after = needs[rank], afters[rank]
         first = i = pos[rank]
-        end = ends[rank]
+        end = lengths[rank]
         while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
@@ -385,34 +408,31 @@ def _replay_completes(need: list[int], starts: list[int]) -> bool:
                 woken.clear()
         if i < end:
             waiting[after[i]].append(rank)
-    return pos[:-1] == ends
+    return pos[:-1] == lengths
 
 
-def _pairs_complete(partner: list[int], starts: list[int]) -> bool:
-    """The blocking replay of a lowered plan whose SEND/RECV actions ``partner`` pairs one
-    to one across ranks, compute actions (-1) never blocking: a pair completes when both
-    ranks stand at it. True when every rank finishes (see [Note: pairs only]).
+def _pairs_complete(pairs: list[list[int]], numbered: int) -> bool:
+    """The blocking replay of a lowered plan whose SEND/RECV actions ``pairs`` numbers
+    (per rank, per action, one spare entry last; numbers below ``numbered``) in pairs
+    across ranks, compute actions (0) never blocking: a pair completes when both ranks stand
+    at it. True when every rank finishes (see [Note: pairs only]).
 
-    The second rank to reach a pair completes it: it moves its partner's rank past the
-    partner and hands that rank back to the loop; the first to arrive only stops there.
-    One step per action and one per time a rank is taken up, no parking lists."""
-    ranks = len(starts) - 1
-    lengths = map(sub, starts[1:], starts[:-1])
-    owner = list(chain.from_iterable(map(repeat, range(ranks), lengths)))
-    pos, ends = starts[:-1], starts[1:]
-    todo = list(range(ranks))
-    next_rank, again = todo.pop, todo.append
-    while todo:
-        rank = next_rank()
-        i, end = pos[rank], ends[rank]
-        while i < end:
-            other = partner[i]
-            if other >= 0:  # a SEND/RECV: complete it if its partner's rank stands there
-                peer = owner[other]
-                if pos[peer] != other:
-                    break
-                pos[peer] = other + 1
-                again(peer)
-            i += 1
-        pos[rank] = i
-    return pos == ends
+    Each rank walks its SEND/RECV numbers only (compute actions filtered out in C). The
+    first rank to reach a pair stands there (``standing``) and stops; the second completes
+    it, hands the first back to the loop and walks on. A rank's walk is an iterator, so a
+    rank handed back goes on past the pair it stood at. One step per SEND/RECV and one per
+    time a rank is taken up, no positions, no parking lists."""
+    walks = [filter(None, islice(pair, len(pair) - 1)) for pair in pairs]
+    standing = [-1] * numbered  # the rank standing at a pair, if one is
+    todo = list(range(len(walks)))
+    again, finished = todo.append, 0
+    for rank in todo:  # grows while it is walked: each time a rank is handed back
+        for number in walks[rank]:
+            peer = standing[number]
+            if peer < 0:
+                standing[number] = rank
+                break
+            again(peer)
+        else:
+            finished += 1
+    return finished == len(walks)

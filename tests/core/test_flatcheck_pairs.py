@@ -25,8 +25,8 @@ def _pairs_verdict(plan):
         return None
     if flat is None or not flat.local_order_holds():
         return None
-    partner = flat.message_partners()
-    return None if partner is None else _pairs_complete(partner, flat.starts)
+    pairs = flat.message_pairs()
+    return None if pairs is None else _pairs_complete(*pairs)
 
 
 CASES = [
@@ -57,16 +57,10 @@ def test_pair_replay_agrees_with_the_blocking_replay(placement, m, schedule):
 
 def _replay(streams):
     """Ranks of SEND/RECV names ('s3' sends message 3, 'r3' receives it; '.' computes)."""
-    where = {}
-    flat = [name for stream in streams for name in stream]
-    for i, name in enumerate(flat):
-        where.setdefault(name[1:], []).append(i)
-    partner = [-1] * len(flat)
-    for i, name in enumerate(flat):
-        if name != ".":
-            partner[i] = next(j for j in where[name[1:]] if j != i)
-    starts = list(itertools.accumulate(map(len, streams), initial=0))
-    return _pairs_complete(partner, starts)
+    pairs = [[0 if name == "." else 1 + int(name[1:]) for name in stream] for stream in streams]
+    for rank, pair in enumerate(pairs):  # a spare entry last, never walked: a lone number
+        pair.append(100 + rank)
+    return _pairs_complete(pairs, 100 + len(pairs))
 
 
 def test_pairs_complete_when_one_side_waits():
