@@ -192,3 +192,44 @@ def test_report_gives_both_predictions_and_marks_a_reference_pick():
     assert text.count("(fitted to it)") == 3
     plain = markdown(summarize([{"head": _stack_result(0)}]), {**machine, "top": 3, "pick_reps": 1})
     assert "| n/a |" in plain  # no profiled costs kept: no in-round column to fill
+
+
+# -- grid twins ([Note: grid twins]) -----------------------------------------------------------
+def test_a_pick_running_a_grid_rows_plan_on_its_split_is_that_rows_twin():
+    from megatron_prt.bench.tuned_grid.grid import grid_twins
+
+    entries = grid_entries(_cost(8), 2, 8)
+    row = next(e for e in entries if e.label == "R=1 loop/uni, even")
+    same = replace(row, label="tuner's name for it")
+    other_split = replace(row, label="moved", stage_layers=(3, 5))
+    assert grid_twins(entries, {TUNED: same, PREDICTED: other_split}) == {TUNED: row.label}
+    assert grid_twins(entries, {TUNED: other_split}) == {}
+
+
+def test_rematch_times_a_twin_pick_with_its_rows_runtime(monkeypatch):
+    from megatron_prt.bench.tuned_grid import grid
+
+    runners = {"a": "runner a", "b": "runner b"}
+    times = {"a": [2.0], "b": [1.0]}  # b is the grid's best
+    ran = []
+
+    def fake_times(pair, reps, label):
+        ran.append(dict(pair))
+        return {key: [0.5 + i] * reps for i, key in enumerate(pair)}
+
+    monkeypatch.setattr(grid, "interleaved_times", fake_times)
+    args = SimpleNamespace(reps=2)
+    record = grid.rematch(runners, times, args, "x", {TUNED: "b"})["rematch"]
+    assert ran[-1] == {"b": "runner b"}  # the pick is the best row: timed once
+    assert record["times"][TUNED] == record["times"]["b"]
+    record = grid.rematch(runners, times, args, "x", {TUNED: "a"})["rematch"]
+    assert ran[-1] == {"b": "runner b", TUNED: "runner a"}  # the row's own runtime
+
+
+def test_report_names_the_grid_row_a_twin_pick_is():
+    result = _stack_result(pick_index=0)
+    result["twins"] = {TUNED: result["entries"][0][0]}
+    summary = summarize([{"head": result}])
+    machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
+    text = markdown(summary, {**machine, "top": 3, "pick_reps": 1})
+    assert f"(= grid row {result['entries'][0][0]}: same plan and split, timed once)" in text

@@ -118,6 +118,7 @@ def summarize(per_rank: list[dict]) -> dict:
             "tuned_predicted_vs_measured": tuned["predicted_s"] / tuned["measured_s"] - 1,
             "in_round": _in_round_record(fit, res["tuned"], tuned),
             "rematch": _rematch(res["rematch"]),
+            "twins": res.get("twins", {}),
         }
     return out
 
@@ -156,6 +157,10 @@ def markdown(summary: dict, info: dict) -> str:
         "second predicts every other row at the time it was measured, so the host's drift "
         "between phases drops out of it.",
         "",
+        "A pick that is a grid configuration itself (the same plan on the same split) is timed "
+        "once, as that grid row: two runtimes of one plan measured up to 19% apart in the same "
+        "rounds ([Note: grid twins] in `megatron_prt/bench/tuned_grid/grid.py`).",
+        "",
         "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
         "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
         "fitted in the grid's rounds: predicted vs measured | "
@@ -166,7 +171,7 @@ def markdown(summary: dict, info: dict) -> str:
     for stack, s in summary.items():
         b, t, r = s["grid_best"], s["tuned"], s["rematch"]
         lines.append(
-            f"| {stack} | {b['label']}: {1e3 * b['measured_s']:.2f} ms | {t['label']} | "
+            f"| {stack} | {b['label']}: {1e3 * b['measured_s']:.2f} ms | {_pick_cell(s)} | "
             f"{1e3 * t['measured_s']:.2f} ms | {s['tuned_vs_grid_best']:+.1%} | "
             f"{1e3 * t['predicted_s']:.2f} ms | {s['tuned_predicted_vs_measured']:+.1%} | "
             f"{_in_round_cell(s['in_round'])} | {s['tuner_first_vs_grid_best']:+.1%} | "
@@ -246,6 +251,13 @@ def _in_round_record(fit, pick: tuple, tuned: dict) -> dict | None:
         "pick_is_reference": fit.is_reference(plan, counts),
         "tuned_vs_measured": tuned["in_round_s"] / tuned["measured_s"] - 1,
     }
+
+
+def _pick_cell(s: dict) -> str:
+    """The tuned pick's label; a grid row's twin ([Note: grid twins]) says which row."""
+    row = s["twins"].get(TUNED)
+    twin = f" (= grid row {row}: same plan and split, timed once)" if row else ""
+    return s["tuned"]["label"] + twin
 
 
 def _in_round_cell(record: dict | None) -> str:
