@@ -12,7 +12,9 @@ selection phase of ``--pick-reps`` interleaved steps each: :mod:`.grid`), then t
 grid configuration and the pick as interleaved repetitions (medians), apart from the ones
 that chose it. The report gives, per stack, the grid's best measured time against the tuned
 pick's (target: within 5%) and the tuned pick's predicted against measured time (target:
-within 10%), the selection, and every grid row.
+within 10%) beside the prediction of a model fitted in the grid's own rounds (:mod:`.in_round`),
+the selection, and every grid row. A pick that is a grid row's plan on its split is timed
+once, as that row ([Note: grid twins] in :mod:`.grid`).
 """
 
 from __future__ import annotations
