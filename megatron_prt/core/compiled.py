@@ -59,7 +59,7 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         return out
 
     def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
-        offsets = graph._producer_offsets
+        offsets = graph.producer_offsets
         steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
         if lanes is not None:
             return Replayer.by_rows(where(), graph.width, lanes, steps)

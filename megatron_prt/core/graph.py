@@ -133,7 +133,7 @@ class Graph:
 
     def _per_id(self, slot: int, none: int) -> list[int]:
         """Slot 0 or 1 of the producers, or (2) the producer on another rank, as ids."""
-        templates = [offsets[slot] for offsets in self._producer_offsets]
+        templates = [offsets[slot] for offsets in self.producer_offsets]
         out: list[int] = []
         for mb, pipe in enumerate(self.mb_pipeline):
             base = mb * self.width
@@ -141,7 +141,7 @@ class Graph:
         return out
 
     @functools.cached_property
-    def _producer_offsets(self) -> list[tuple[list[int], ...]]:
+    def producer_offsets(self) -> list[tuple[list[int], ...]]:
         """Per pipeline, one micro-batch: per offset the offsets of its first and second
         producer and of its producer on another rank (-1: none)."""
         placement, depth, width = self.placement, self.placement.depth, self.width
