@@ -57,10 +57,11 @@ so until it does).
 [Note: a lowering's check covers its plan]
 :func:`lowering_passes` decides "``plan`` and ``lowered`` both pass" from ``lowered``'s flat
 check plus one comparison: ``plan`` is a compute plan of the same placement, micro-batch count
-and split, and each of its ranks holds, in order, the very objects that are the compute
-actions of that rank of ``lowered`` (``is``: equal values of the same types, so an op given
-as its string or a ``True`` micro-batch cannot slip through as equal; checked as one
-sequence, rank after rank, plus the first and last action of each rank of ``plan`` being of
+and split, and each of its ranks holds, in order, the compute actions of that rank of
+``lowered``: equal stages, ops and micro-batches, ``plan``'s of exact types (an op given as
+its string or a ``True`` micro-batch would compare equal; :func:`_exact_types`). Compared
+column by column (:mod:`megatron_prt.core.columns`) as one sequence, rank after rank, plus
+the first and last action of each rank of ``plan`` being of
 that rank's stages: ``lowered``'s compute actions are on their stages' ranks, so the
 sequence is rank 0's block, then rank 1's, and a rank of ``plan`` that starts and ends
 inside its own block is that block). Every check of
@@ -79,9 +80,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from itertools import chain, compress, islice, repeat
-from operator import getitem, is_, itemgetter, le, setitem
+from operator import getitem, itemgetter, le, ne, setitem
 
 from .actions import Action, Op
+from .columns import columns, join
 from .deps import producers
 from .lower import message_ends
 from .placement import Placement
@@ -116,16 +118,27 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
         return passes(plan)
     if len(plan.ranks) != len(lowered.ranks) or sum(map(len, plan.ranks)) != flat.computes:
         return passes(plan)
-    made = compress(chain.from_iterable(lowered.ranks), map(_COMPUTE_SET.__contains__, flat.op_of))
-    if not all(map(is_, made, chain.from_iterable(plan.ranks))):
+    per_rank = list(map(columns, plan.ranks))
+    mine = join(per_rank)
+    if not _exact_types(*mine):
+        return passes(plan)
+    computes = list(map(_COMPUTE_SET.__contains__, flat.op_of))
+    made = (list(compress(column, computes)) for column in flat.columns)
+    if any(map(ne, made, mine)):
         return passes(plan)
     # the same sequence, rank after rank; lowered's runs rank 0's stages first, then rank
     # 1's...: a plan rank whose first and last action are of its own stages is that block
     rank_of = plan.placement.stage_to_rank
-    ends = ((rank, acts[0][0], acts[-1][0]) for rank, acts in enumerate(plan.ranks) if acts)
+    ends = ((rank, own[0][0], own[0][-1]) for rank, own in enumerate(per_rank) if own[0])
     if all(rank_of[first] == rank == rank_of[last] for rank, first, last in ends):
         return True
     return passes(plan)
+
+
+def _exact_types(stages: list, ops: list, mbs: list) -> bool:
+    """Every stage and micro-batch an ``int`` and every op an :class:`Op`, not merely equal
+    to one: an op given as its string equals its Op, a ``True`` micro-batch equals 1."""
+    return set(map(type, ops)) == {Op} and set(map(type, stages)) | set(map(type, mbs)) == {int}
 
 
 def _passing(plan: Plan) -> _Flat | None:
@@ -190,17 +203,17 @@ class _Flat:
         placement, m = plan.placement, plan.num_microbatches
         if len(plan.ranks) != placement.ranks or len(plan.mb_pipeline) != m:
             return None
-        mbs = list(map(_MB, chain.from_iterable(plan.ranks)))
+        per_rank = list(map(columns, plan.ranks))  # see [Note: columnar ranks]
+        stages, op_of, mbs = flat_columns = join(per_rank)
         if not mbs or min(mbs) < 0:  # one past the last: an IndexError below
             return None
-        op_of = list(map(_OP, chain.from_iterable(plan.ranks)))
         if set(map(type, op_of)) != {Op}:  # "F" equals Op.F and hashes alike: not enough
             return None
         present = set(op_of)  # Op hashes as its str value: fast
         ops = [op for op in Op if op in present]
         if len(ops) != len(present) or (not plan.lowered and not present <= set(_COMPUTE)):
             return None  # an op that is no Op, or communication in a plan not lowered
-        if min(map(_STAGE, chain.from_iterable(plan.ranks))) < 0:
+        if min(stages) < 0:
             return None
         # each action's row: its stage's table (a rank's are None but at its own stages, so
         # a stage of another rank is a TypeError and one past the last an IndexError; a
@@ -208,12 +221,13 @@ class _Flat:
         # is set below (one past the last: an IndexError). Rows are plain lists: reading a
         # list hands out the int it holds, where an array makes a new one per read
         flat = cls(plan, len(mbs), ops)
+        flat.columns = flat_columns
         where = flat.where = [[-1] * m for _ in range(placement.num_stages * len(ops))]
         rows = map(
             getitem,
             chain.from_iterable(
-                map(_stage_tables(placement, rank, ops, where).__getitem__, map(_STAGE, acts))
-                for rank, acts in enumerate(plan.ranks)
+                map(_stage_tables(placement, rank, ops, where).__getitem__, own[0])
+                for rank, own in enumerate(per_rank)
             ),
             op_of,
         )

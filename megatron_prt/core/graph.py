@@ -17,6 +17,7 @@ from operator import add, itemgetter, mod
 from typing import NamedTuple
 
 from .actions import Action, Op
+from .columns import RankActions
 from .deps import producers
 from .placement import Placement
 from .timing import StageTimes
@@ -163,15 +164,17 @@ class Graph:
         rows = zip(self.stage, self._ops, self.mb, strict=True)
         return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
-    def actions_of(self, ids: list[int]) -> tuple[Action, ...]:
-        """The :class:`Action` of each id, made now, in this order: a plan's actions made
-        rank after rank lie in memory in plan order, which the passes reading the plan
-        (validation, lowering) walk faster than actions made in id order and gathered."""
+    def rank_actions(self, ids: list[int]) -> RankActions:
+        """The actions of ``ids``, in this order, as columns (see [Note: columnar ranks]
+        in :mod:`megatron_prt.core.columns`): no :class:`Action` is made until asked for."""
         if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-            return tuple(Action(self.stage[i], self._ops[i], self.mb[i]) for i in ids)
+            return RankActions(*([table[i] for i in ids] for table in self._columns))
         pick = itemgetter(*ids)
-        rows = zip(pick(self.stage), pick(self._ops), pick(self.mb), strict=True)
-        return tuple(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
+        return RankActions(*map(pick, self._columns))
+
+    @property
+    def _columns(self) -> tuple[list[int], list[Op], list[int]]:
+        return self.stage, self._ops, self.mb
 
     @functools.cached_property
     def backward(self) -> list[bool]:

@@ -53,7 +53,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class ListResult:
-    orders: tuple[tuple[Action, ...], ...]  # rank -> compute actions in execution order
+    orders: tuple[Sequence[Action], ...]  # rank -> compute actions in execution order
     makespan: float
     peak_held: tuple[int, ...]  # rank -> most activations held at once
 
@@ -71,7 +71,7 @@ class IdResult:
     forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
-        orders = tuple(map(graph.actions_of, self.orders))
+        orders = tuple(map(graph.rank_actions, self.orders))
         return ListResult(orders, self.makespan, self.peak_held)
 
 

@@ -11,13 +11,14 @@ rank, F->B of a stage) get no communication: the runtime passes those tensors di
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import lru_cache
 from itertools import accumulate, compress, pairwise, repeat
 from operator import add, mul, sub
 
 from .actions import Action, Op
+from .columns import RankActions, columns
 from .deps import carries_tensor, comm_ops, producers
 from .gcpause import without_gc
 from .placement import Placement
@@ -116,32 +117,23 @@ def _from_producers(plan: Plan, spans: list, keys: tuple, messages: _Messages, k
         return None
     starts, ends = keys
     sent_by_kind, receives = messages.sent, messages.receives
-    ranks = range(len(plan.ranks))
-    streams, incoming = [], [([], []) for _ in ranks]  # per rank: (keys, RECVs) it gets
-    for rank, (first, last), computes in zip(ranks, spans, plan.ranks, strict=True):
+    streams = [_Stream() for _ in plan.ranks]
+    expected, received = [], [0] * len(plan.ranks)  # per rank: RECVs it needs, RECVs made
+    for rank, (first, last), computes in zip(range(len(streams)), spans, plan.ranks, strict=True):
         kinds, here = kind_of[first:last], ends[first:last]
+        stages, ops, mbs = columns(computes)
+        streams[rank].add(starts[first:last], stages, ops, mbs)
         sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
-        order = starts[first:last]
-        order += compress(here, sent)
-        items = list(computes)
-        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
-        items += _comm_actions(stages, mbs, sent)
+        streams[rank].add(compress(here, sent), stages, sent, mbs)
         if messages.to_ranks[rank]:
             consumer_stages = list(map(messages.consumer_stage.__getitem__, kinds))
         for dest, recv_ops in messages.to_ranks[rank]:
             ops = list(map(recv_ops.__getitem__, kinds))  # the consumer's RECV op, or None
-            incoming[dest][0].extend(compress(here, ops))
-            incoming[dest][1].extend(_comm_actions(consumer_stages, mbs, ops))
-        streams.append((order, items, sum(map(receives.__getitem__, kinds))))
-    out = []
-    for (order, items, receiving), (more_keys, recvs) in zip(streams, incoming, strict=True):
-        if len(recvs) != receiving:
-            return None
-        order += more_keys
-        items += recvs
-        items.sort(key=partial(next, iter(order)))  # see _from_consumers
-        out.append(tuple(items))
-    return out
+            received[dest] += streams[dest].add(compress(here, ops), consumer_stages, ops, mbs)
+        expected.append(sum(map(receives.__getitem__, kinds)))
+    if received != expected:
+        return None
+    return [stream.sorted() for stream in streams]
 
 
 def _from_consumers(plan: Plan, spans: list, keys: tuple, messages: _Messages, replayer):
@@ -152,20 +144,43 @@ def _from_consumers(plan: Plan, spans: list, keys: tuple, messages: _Messages, r
     streams = []
     for (first, last), computes in zip(spans, plan.ranks, strict=True):
         kinds = kind_of[first:last]
+        stages, ops, mbs = columns(computes)
+        stream = _Stream()
+        stream.add(starts[first:last], stages, ops, mbs)
         sent = list(map(messages.sent.__getitem__, kinds))  # its SEND's op, or None
+        stream.add(compress(ends[first:last], sent), stages, sent, mbs)
         received = list(map(messages.received.__getitem__, kinds))  # its RECV's op, or None
-        order = starts[first:last]
-        order += compress(ends[first:last], sent)
-        order += map(ends.__getitem__, compress(remote[first:last], received))
-        items = list(computes)
-        stages, _, mbs = zip(*computes, strict=True) if computes else ((), (), ())
-        items += _comm_actions(stages, mbs, sent)
-        items += _comm_actions(stages, mbs, received)
-        # sort the items by their keys in place: list.sort asks the key of each item once,
-        # in list order, so the next key is the item's (no index permutation to gather by)
-        items.sort(key=partial(next, iter(order)))
-        streams.append(tuple(items))
+        at = map(ends.__getitem__, compress(remote[first:last], received))
+        stream.add(at, stages, received, mbs)
+        streams.append(stream.sorted())
     return streams
+
+
+class _Stream:
+    """One rank's lowered actions as they are gathered: the event key of each and its
+    stage, op and micro-batch (see [Note: columnar ranks] in :mod:`megatron_prt.core.
+    columns`); :meth:`sorted` orders them by key."""
+
+    def __init__(self) -> None:
+        self.keys: list = []
+        self.columns: tuple[list, list, list] = ([], [], [])
+
+    def add(self, keys: Iterable, stages: Sequence, ops: Sequence, mbs: Sequence) -> int:
+        """Add the rows whose op is not None (``stages``, ``ops``, ``mbs`` as long; ``keys``
+        those rows' keys only); return how many."""
+        before = len(self.keys)
+        self.keys += keys
+        into_stages, into_ops, into_mbs = self.columns
+        into_stages += compress(stages, ops)
+        into_ops += filter(None, ops)  # an Op is a non-empty str: true
+        into_mbs += compress(mbs, ops)
+        return len(self.keys) - before
+
+    def sorted(self) -> RankActions:
+        """The rank's actions in key order (keys are distinct: a total order)."""
+        keys = self.keys
+        by_key = sorted(range(len(keys)), key=keys.__getitem__)
+        return RankActions(*(list(map(column.__getitem__, by_key)) for column in self.columns))
 
 
 def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
@@ -253,10 +268,3 @@ class _Messages:
             if to_ranks is None
             else [list(to_ranks.get(rank, {}).items()) for rank in range(placement.ranks)]
         )
-
-
-def _comm_actions(stages: tuple, mbs: tuple, ops: list) -> Iterator[Action]:
-    """``Action(stages[i], ops[i], mbs[i])`` of every ``i`` whose op is not None, in order
-    (the rows left out are never copied: zip reuses its tuple)."""
-    rows = compress(zip(stages, ops, mbs, strict=True), ops)
-    return map(tuple.__new__, repeat(Action), rows)  # Action._make, without a call per row

@@ -11,13 +11,18 @@ import csv
 import hashlib
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from itertools import repeat
+from operator import is_
 
 from .actions import Action, Op, parse
+from .columns import columns
 from .placement import ConfigError, Placement
 
 FORMAT_VERSION = 1
 _VALID = "_valid_by_construction"  # where vouch() marks a plan (see vouched)
+_BACKWARD = frozenset((Op.B, Op.I, Op.W))
 
 
 def split_microbatches(num_microbatches: int, num_pipelines: int) -> tuple[int, ...]:
@@ -44,7 +49,7 @@ class Plan:
 
     placement: Placement
     num_microbatches: int
-    ranks: tuple[tuple[Action, ...], ...]
+    ranks: tuple[Sequence[Action], ...]  # tuples, or RankActions (core/columns.py)
     schedule: str = "prt"
     mb_pipeline: tuple[int, ...] = field(default=())
     lowered: bool = False
@@ -68,7 +73,7 @@ class Plan:
 
     @property
     def split_backward(self) -> bool:
-        return any(a.op is Op.I for actions in self.ranks for a in actions)
+        return any(any(map(is_, columns(acts)[1], repeat(Op.I))) for acts in self.ranks)
 
     def stages_of_mb(self, mb: int) -> tuple[int, ...]:
         return self.placement.pipelines[self.mb_pipeline[mb]]
@@ -91,7 +96,7 @@ class Plan:
 
     @property
     def has_backward(self) -> bool:
-        return any(a.op in (Op.B, Op.I, Op.W) for actions in self.ranks for a in actions)
+        return any(not _BACKWARD.isdisjoint(columns(acts)[1]) for acts in self.ranks)
 
     def forward_only(self) -> Plan:
         """The compute plan without backward (evaluation); lower it again before running."""
