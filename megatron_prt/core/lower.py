@@ -122,14 +122,14 @@ def _from_producers(plan: Plan, spans: list, keys: tuple, messages: _Messages, k
     for rank, (first, last), computes in zip(range(len(streams)), spans, plan.ranks, strict=True):
         kinds, here = kind_of[first:last], ends[first:last]
         stages, ops, mbs = columns(computes)
-        streams[rank].add(starts[first:last], stages, ops, mbs)
+        streams[rank].add_all(starts[first:last], stages, ops, mbs)
         sent = list(map(sent_by_kind.__getitem__, kinds))  # its SEND's op, or None
         streams[rank].add(compress(here, sent), stages, sent, mbs)
         if messages.to_ranks[rank]:
             consumer_stages = list(map(messages.consumer_stage.__getitem__, kinds))
         for dest, recv_ops in messages.to_ranks[rank]:
-            ops = list(map(recv_ops.__getitem__, kinds))  # the consumer's RECV op, or None
-            received[dest] += streams[dest].add(compress(here, ops), consumer_stages, ops, mbs)
+            recvs = list(map(recv_ops.__getitem__, kinds))  # the consumer's RECV op, or None
+            received[dest] += streams[dest].add(compress(here, recvs), consumer_stages, recvs, mbs)
         expected.append(sum(map(receives.__getitem__, kinds)))
     if received != expected:
         return None
@@ -146,7 +146,7 @@ def _from_consumers(plan: Plan, spans: list, keys: tuple, messages: _Messages, r
         kinds = kind_of[first:last]
         stages, ops, mbs = columns(computes)
         stream = _Stream()
-        stream.add(starts[first:last], stages, ops, mbs)
+        stream.add_all(starts[first:last], stages, ops, mbs)
         sent = list(map(messages.sent.__getitem__, kinds))  # its SEND's op, or None
         stream.add(compress(ends[first:last], sent), stages, sent, mbs)
         received = list(map(messages.received.__getitem__, kinds))  # its RECV's op, or None
@@ -175,6 +175,12 @@ class _Stream:
         into_ops += filter(None, ops)  # an Op is a non-empty str: true
         into_mbs += compress(mbs, ops)
         return len(self.keys) - before
+
+    def add_all(self, keys: list, stages: Sequence, ops: Sequence, mbs: Sequence) -> None:
+        """Add every row (all four as long)."""
+        self.keys += keys
+        for column, rows in zip(self.columns, (stages, ops, mbs), strict=True):
+            column += rows
 
     def sorted(self) -> RankActions:
         """The rank's actions in key order (keys are distinct: a total order)."""
