@@ -8,10 +8,15 @@ plan (the flat check, lowering) takes each one apart again into its stage, op an
 micro-batch. The planner's own producers (the list scheduler, :func:`~megatron_prt.core.
 lower.lower`) therefore hand a rank over as :class:`RankActions`: the three columns, with the
 ``Action`` values made only when something asks for them, once, and kept. To everything
-else it is the rank's tuple of actions (indexing, iteration, ``len``, equality and hash
-with that tuple, pickling); the passes that know it read :func:`columns` instead, which
+else it reads as the rank's tuple of actions: indexing and slicing (slices are tuples),
+iteration, ``len``, ``in``, ``index``, ``count``, ``+`` with a tuple, equality and hash with
+that tuple, copying and pickling. It is not a ``tuple`` (``isinstance``), and does not
+repeat (``*``), order (``<``, ``sorted`` of ranks) or go into ``json.dumps`` as one:
+``tuple(rank)`` does all of that. The passes that know it read :func:`columns` instead, which
 takes the columns of any rank, a plain tuple included, so a plan read from a file is
-checked the same way. The columns are read-only by contract, like the tuple they stand for.
+checked the same way. The columns are read-only, like the tuple they stand for: the
+planner's are tuples, and a :class:`RankActions` keeps the sequences it is given, so a caller
+that hands it lists must not change them.
 """
 
 from __future__ import annotations

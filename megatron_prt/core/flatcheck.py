@@ -59,12 +59,12 @@ so until it does).
 check plus one comparison: ``plan`` is a compute plan of the same placement, micro-batch count
 and split, and each of its ranks holds, in order, the compute actions of that rank of
 ``lowered``: equal stages, ops and micro-batches, ``plan``'s of exact types (an op given as
-its string or a ``True`` micro-batch would compare equal; :func:`_exact_types`). Compared
-column by column (:mod:`megatron_prt.core.columns`) as one sequence, rank after rank, plus
-the first and last action of each rank of ``plan`` being of
-that rank's stages: ``lowered``'s compute actions are on their stages' ranks, so the
-sequence is rank 0's block, then rank 1's, and a rank of ``plan`` that starts and ends
-inside its own block is that block). Every check of
+its string, or a micro-batch as the float ``1.0``, would compare equal; :func:`_exact_types`).
+Compared column by column (:mod:`megatron_prt.core.columns`) as one sequence, rank after rank
+(plus the first and last action of each rank of ``plan`` being of that rank's stages:
+``lowered``'s compute actions are on their stages' ranks, so the sequence is rank 0's block,
+then rank 1's, and a rank of ``plan`` that starts and ends inside its own block is that
+block). Every check of
 ``plan`` then holds because ``lowered`` passed it: the shape checks and exactly-once read
 the same compute actions (comm actions are extra rows, never counted as compute); a
 producer on the consumer's rank precedes it on both; and a producer on another rank comes
@@ -89,7 +89,6 @@ from .lower import message_ends
 from .placement import Placement
 from .plan import Plan
 
-_STAGE, _OP, _MB = itemgetter(0), itemgetter(1), itemgetter(2)
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
 _COMPUTE_SET = frozenset(_COMPUTE)
 _SENDS = (Op.SEND_F, Op.SEND_B)
@@ -137,7 +136,9 @@ def lowering_passes(plan: Plan, lowered: Plan) -> bool:
 
 def _exact_types(stages: list, ops: list, mbs: list) -> bool:
     """Every stage and micro-batch an ``int`` and every op an :class:`Op`, not merely equal
-    to one: an op given as its string equals its Op, a ``True`` micro-batch equals 1."""
+    to one: an op given as its string equals its Op (the flat check refuses it, the close
+    checks decide), a micro-batch ``1.0`` equals 1 (refused); a ``bool`` the flat check
+    passes as the int it equals, and so does this."""
     return set(map(type, ops)) == {Op} and set(map(type, stages)) | set(map(type, mbs)) == {int}
 
 

@@ -168,7 +168,7 @@ class Graph:
         """The actions of ``ids``, in this order, as columns (see [Note: columnar ranks]
         in :mod:`megatron_prt.core.columns`): no :class:`Action` is made until asked for."""
         if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-            return RankActions(*([table[i] for i in ids] for table in self._columns))
+            return RankActions(*(tuple(table[i] for i in ids) for table in self._columns))
         pick = itemgetter(*ids)
         return RankActions(*map(pick, self._columns))
 

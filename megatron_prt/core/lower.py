@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from itertools import accumulate, compress, pairwise, repeat
-from operator import add, mul, sub
+from operator import add, itemgetter, mul, sub
 
 from .actions import Action, Op
 from .columns import RankActions, columns
@@ -185,8 +185,10 @@ class _Stream:
     def sorted(self) -> RankActions:
         """The rank's actions in key order (keys are distinct: a total order)."""
         keys = self.keys
-        by_key = sorted(range(len(keys)), key=keys.__getitem__)
-        return RankActions(*(list(map(column.__getitem__, by_key)) for column in self.columns))
+        if len(keys) < 2:  # itemgetter of one index returns the value, not a tuple
+            return RankActions(*self.columns)
+        by_key = itemgetter(*sorted(range(len(keys)), key=keys.__getitem__))
+        return RankActions(*map(by_key, self.columns))
 
 
 def _event_keys(ticks: Ticks, levels: tuple[list, list] | None) -> tuple[list, list]:
