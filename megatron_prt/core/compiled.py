@@ -48,7 +48,7 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
                 slot < len(deps)
                 and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
             )
-    per_id = list(map(by_graph_kind.__getitem__, graph.kinds))  # in id order: one sweep
+    per_id = graph.tiled([list(map(by_graph_kind.__getitem__, t)) for t in graph.kind_templates])
     kind_of = list(map(per_id.__getitem__, flat))
     lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
 

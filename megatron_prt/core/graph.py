@@ -65,11 +65,12 @@ class Graph:
         pipes = range(placement.num_pipelines)
         stage_t = [[p * placement.depth + j // 2 for j in range(width)] for p in pipes]
         rank_t = [[placement.stage_to_rank[s] for s in stages] for stages in stage_t]
-        counts_t, self.consumers = zip(*(self._edges(p, rank_t[p]) for p in pipes), strict=True)
-        self._kinds_t = [[2 * s + (j & 1) for j, s in enumerate(stages)] for stages in stage_t]
+        self._counts_t, self.consumers = zip(
+            *(self._edges(p, rank_t[p]) for p in pipes), strict=True
+        )
+        # per pipeline, per offset: the kind (2 * stage + op bit); ``kinds`` tiles it
+        self.kind_templates = [[2 * s + (j & 1) for j, s in enumerate(st)] for st in stage_t]
         self.stage, self.rank = _tile(stage_t, mb_pipeline), _tile(rank_t, mb_pipeline)
-        self.kinds = _tile(self._kinds_t, mb_pipeline)
-        self.producer_counts = _tile(counts_t, mb_pipeline)
         self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
         self.n = len(self.stage)
 
@@ -105,15 +106,27 @@ class Graph:
         return list(map(mod, ids, repeat(self.width * pipes)))
 
     @functools.cached_property
+    def kinds(self) -> list[int]:
+        """id -> its kind ``2 * stage + op bit`` (made when asked: the scheduler reads the
+        per-kind templates)."""
+        return self.tiled(self.kind_templates)
+
+    @functools.cached_property
+    def producer_counts(self) -> list[int]:
+        """id -> how many producers it waits for (made when asked, see :attr:`sources`)."""
+        return self.tiled(self._counts_t)
+
+    def tiled(self, templates: Sequence[list]) -> list:
+        """Per id the entry of its offset in its pipeline's template (one list per pipeline,
+        ``width`` long): a per-micro-batch table tiled over every micro-batch."""
+        return _tile(templates, self.mb_pipeline)
+
+    @functools.cached_property
     def sources(self) -> list[int]:
         """The ids with no producer (a pipeline's first forward), from one micro-batch's
         template per pipeline (the counts repeat per micro-batch)."""
-        counts, width = self.producer_counts, self.width
-        firsts = {}  # pipeline -> the offsets of its template with no producer
-        for mb, pipe in enumerate(self.mb_pipeline):
-            if pipe not in firsts:
-                base = mb * width
-                firsts[pipe] = [j for j in range(width) if not counts[base + j]]
+        width = self.width
+        firsts = [[j for j in range(width) if not counts[j]] for counts in self._counts_t]
         return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
@@ -207,7 +220,7 @@ class Graph:
         kept = self.__dict__.get("_durations")
         if kept is None or kept[0] != ticks:
             per_kind = self.busy_per_kind(ticks)
-            templates = [list(map(per_kind.__getitem__, kinds)) for kinds in self._kinds_t]
+            templates = [list(map(per_kind.__getitem__, kinds)) for kinds in self.kind_templates]
             kept = self._durations = (ticks, _tile(templates, self.mb_pipeline))
         return kept[1]
 
