@@ -43,7 +43,7 @@ from .tuned_grid.stacks import STACKS, shm_capacity
 NAME = "instance_spread"
 DEFAULT_OUT = "out/bench"
 DEFAULT_PLANS = "R=1 loop/uni, even;R=2 loop/uni, even"
-REMEDIES = ("none", "reclone", "shared-batch", "torch")
+REMEDIES = ("none", "reclone", "shared-batch", "torch", "keep-grads")
 TRANSPORTS = ("grid", "auto", "torch", "shm")
 
 
@@ -64,6 +64,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--flush-denormal", action="store_true", help="(a) torch.set_flush_denormal")
     p.add_argument("--reclone", action="store_true", help="(b) re-clone all tensors after build")
+    p.add_argument(
+        "--reclone-between",
+        action="store_true",
+        help="(b) re-clone every instance's tensors between the phases (do ranks reshuffle?)",
+    )
     p.add_argument("--transport", choices=TRANSPORTS, default="grid", help="(c) the wire")
     p.add_argument("--gc-freeze", action="store_true", help="(e) gc.freeze + disable after build")
     p.add_argument("--keep-freed-memory", action="store_true", help="(e) glibc keeps freed memory")
@@ -96,13 +101,18 @@ class Metered:
     """A runner (:class:`GridRunner`) whose steps also record this rank's main-thread CPU
     seconds and minor page faults (``cpu_s``, ``faults``)."""
 
-    def __init__(self, runner: GridRunner) -> None:
+    def __init__(self, runner: GridRunner, keep_grads: bool = False) -> None:
         self.runner = runner
+        self.keep_grads = keep_grads  # zeroed in place, not freed and reallocated each step
         self.cpu_s: list[float] = []
         self.faults: list[int] = []
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
+
+    def zero_grad(self) -> None:
+        for module in self.runner.modules.values():
+            module.zero_grad(set_to_none=not self.keep_grads)
 
     def step(self) -> None:
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -130,7 +140,7 @@ def build(entry: Entry, rank: int, args, instance: int, remedy: str, shared: dic
         )
     if remedy == "shared-batch":
         runner.xs, runner.ys = shared.setdefault(entry.label, (runner.xs, runner.ys))
-    return Metered(runner)
+    return Metered(runner, keep_grads=remedy == "keep-grads")
 
 
 def reclone(runner: Metered) -> None:
@@ -209,9 +219,15 @@ def worker(rank: int, world: int, args) -> dict:
         gc.disable()
     label = f"instance spread ({args.stack}):"
     marks: dict[str, int] = {}
+    where_after: dict[str, dict] = {}
 
     def second_phase(runners: dict, times: dict) -> dict:
         marks.update({name: len(r.cpu_s) for name, r in runners.items()})
+        if args.reclone_between:
+            for name, runner in runners.items():
+                reclone(runner)
+                runner.step()  # untimed: the new pages touched
+                where_after[name] = placement(runner)
         say(f"{label} second phase")
         return {"phase2": interleaved_times(runners, args.reps, label)}
 
@@ -220,6 +236,7 @@ def worker(rank: int, world: int, args) -> dict:
     reps = args.reps
     return {
         "placement": where,
+        "placement_after_reclone": where_after,
         "wire": measured["wire"],
         "phases": [measured["times"], measured["phase2"]],
         "cpu_s": {n: _split(r.cpu_s, marks[n], reps) for n, r in built.items()},
@@ -228,8 +245,9 @@ def worker(rank: int, world: int, args) -> dict:
 
 
 def _split(samples: list, mark: int, reps: int) -> list[list]:
-    """A runner's per-step samples as (first phase, second phase); warm-up steps dropped."""
-    return [samples[mark - reps : mark], samples[mark : mark + reps]]
+    """A runner's per-step samples as (first phase, second phase): the ``reps`` before
+    ``mark`` (the end of the first phase) and the last ``reps``; untimed steps dropped."""
+    return [samples[mark - reps : mark], samples[-reps:]]
 
 
 # -- the report -----------------------------------------------------------------------------
