@@ -309,9 +309,11 @@ def _instance_row(name: str, per_rank: list[dict]) -> dict:
     return {
         "instance": int(name.rsplit("#", 1)[1]),
         "median_s": [statistics.median(phase[name]) for phase in res["phases"]],
+        "samples_s": [phase[name] for phase in res["phases"]],
         "cpu_s": [[statistics.median(r["cpu_s"][name][k]) for r in per_rank] for k in (0, 1)],
         "faults": [[statistics.median(r["faults"][name][k]) for r in per_rank] for k in (0, 1)],
         "placement": [r["placement"][name] for r in per_rank],
+        "placement_after_reclone": [r["placement_after_reclone"].get(name) for r in per_rank],
     }
 
 
