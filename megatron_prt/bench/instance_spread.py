@@ -69,6 +69,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="(b) re-clone every instance's tensors between the phases (do ranks reshuffle?)",
     )
+    p.add_argument(
+        "--rebuild-between",
+        action="store_true",
+        help="(c) a new runtime (new rings) for every instance between the phases",
+    )
     p.add_argument("--transport", choices=TRANSPORTS, default="grid", help="(c) the wire")
     p.add_argument("--gc-freeze", action="store_true", help="(e) gc.freeze + disable after build")
     p.add_argument("--keep-freed-memory", action="store_true", help="(e) glibc keeps freed memory")
@@ -153,6 +158,17 @@ def reclone(runner: Metered) -> None:
     runner.runner.ys = [y.clone() for y in runner.ys]
 
 
+def rebuild(runner: Metered, args) -> None:
+    """A new runtime of the same plan on the same modules, with the transport it had."""
+    old = runner.runner.runtime
+    transport = "torch" if type(old.transport).__name__ == "TorchTransport" else "auto"
+    old.close()
+    capacity = None if transport == "torch" else shm_capacity(args.stack, args)
+    runner.runner.runtime = PipelineRuntime(
+        runner.plan, runner.modules, mse_loss, transport=transport, shm_capacity=capacity
+    )
+
+
 def heap_range() -> tuple[int, int]:
     """This process's brk heap (``[heap]`` in /proc/self/maps), or (0, 0)."""
     with open("/proc/self/maps") as maps:
@@ -223,11 +239,14 @@ def worker(rank: int, world: int, args) -> dict:
 
     def second_phase(runners: dict, times: dict) -> dict:
         marks.update({name: len(r.cpu_s) for name, r in runners.items()})
-        if args.reclone_between:
-            for name, runner in runners.items():
+        for name, runner in runners.items():  # the same order on every rank (collective)
+            if args.rebuild_between:
+                rebuild(runner, args)
+            if args.reclone_between:
                 reclone(runner)
-                runner.step()  # untimed: the new pages touched
                 where_after[name] = placement(runner)
+            if args.rebuild_between or args.reclone_between:
+                runner.step()  # untimed: the new pages touched
         say(f"{label} second phase")
         return {"phase2": interleaved_times(runners, args.reps, label)}
 
