@@ -42,7 +42,7 @@ from .tuned_grid.stacks import STACKS, shm_capacity
 
 NAME = "instance_spread"
 DEFAULT_OUT = "out/bench"
-DEFAULT_PLANS = "R=1 loop/uni, even;R=2 loop/uni, even"
+DEFAULT_PLANS = "R=1 loop/uni, even;R=2 wave/uni split, even"
 REMEDIES = ("none", "reclone", "shared-batch", "torch", "keep-grads")
 TRANSPORTS = ("grid", "auto", "torch", "shm")
 

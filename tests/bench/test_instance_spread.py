@@ -16,7 +16,7 @@ def test_smoke_reports_every_instance_and_a_spread(tmp_path, capsys):
     assert main(["--smoke", "--remedy", "reclone", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "instance_spread.json").read_text())
     groups = {(g["plan"], g["group"]): g for g in report["groups"]}
-    plans = ("R=1 loop/uni, even", "R=2 loop/uni, even")
+    plans = ("R=1 loop/uni, even", "R=2 wave/uni split, even")
     assert set(groups) == {(plan, group) for plan in plans for group in ("none", "reclone")}
     for g in groups.values():
         assert [r["instance"] for r in g["instances"]] == [0, 1, 2]
