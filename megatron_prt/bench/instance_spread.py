@@ -45,6 +45,7 @@ DEFAULT_OUT = "out/bench"
 DEFAULT_PLANS = "R=1 loop/uni, even;R=2 wave/uni split, even"
 REMEDIES = ("none", "reclone", "shared-batch", "torch", "keep-grads")
 TRANSPORTS = ("grid", "auto", "torch", "shm")
+CONTEXT = "context"  # the group of --context's other grid rows
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -78,6 +79,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gc-freeze", action="store_true", help="(e) gc.freeze + disable after build")
     p.add_argument("--keep-freed-memory", action="store_true", help="(e) glibc keeps freed memory")
     p.add_argument("--remedy", choices=REMEDIES, default="none", help="a second group, changed")
+    p.add_argument(
+        "--context",
+        action="store_true",
+        help="also build every other grid row of the stack and time it in the same rounds "
+        "(the grid's memory footprint and neighbours; not reported)",
+    )
+    p.add_argument(
+        "--heap-first",
+        action="store_true",
+        help="(b) free a 4 MiB block before building, so glibc serves the parameters from "
+        "its heap (as after the grid's profiling) instead of mmap",
+    )
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--smoke", action="store_true", help="tiny stack, 3 rounds: checks it runs")
     args = p.parse_args(argv)
@@ -91,15 +104,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # -- the instances --------------------------------------------------------------------------
-def chosen_entries(args) -> list[Entry]:
-    """The grid's entries named by ``args.plans``, planned for uniform layer costs (the grid
-    plans the equal stack from its profiled ones, which differ only by noise)."""
+def chosen_entries(args) -> tuple[list[Entry], list[Entry]]:
+    """The grid's entries named by ``args.plans`` and (``--context``) every other one,
+    planned for uniform layer costs (the grid plans the equal stack from its profiled ones,
+    which differ only by noise)."""
     cost = CostModel(layers=(LayerCost(1.0, 2.0, wgrad=1.0),) * args.layers)
     entries = {e.label: e for e in grid_entries(cost, 2, args.microbatches)}
     missing = [label for label in args.plans if label not in entries]
     if missing:
         raise ValueError(f"--plans: {missing} are no grid labels; choose from {sorted(entries)}")
-    return [entries[label] for label in args.plans]
+    others = [e for label, e in entries.items() if label not in args.plans]
+    return [entries[label] for label in args.plans], others if args.context else []
 
 
 class Metered:
@@ -199,14 +214,18 @@ def placement(runner: Metered) -> dict:
 def instances(rank: int, args) -> dict[str, Metered]:
     """Every instance, built plan after plan within each index (build order = key order);
     ``--remedy`` adds a second group of the same."""
-    entries = chosen_entries(args)
+    entries, others = chosen_entries(args)
     groups = ["none"] + ([args.remedy] if args.remedy != "none" else [])
     built: dict[str, Metered] = {}
     shared: dict = {}
+    if args.heap_first:  # glibc raises its mmap threshold to a freed mmap'd block's size
+        torch.empty(1 << 20).fill_(0)  # 4 MiB, mmap'd, freed at once
     for i in range(args.instances):
         for group in groups:
             for entry in entries:
                 built[key(entry.label, group, i)] = build(entry, rank, args, i, group, shared)
+    for i, entry in enumerate(others):  # built after the first instances, as grid rows are
+        built[key(entry.label, CONTEXT, i)] = build(entry, rank, args, i, "none", shared)
     if args.reclone or args.remedy == "reclone":
         for name, runner in reversed(built.items()):
             if args.reclone or group_of(name) == "reclone":
@@ -299,6 +318,8 @@ def summarize(per_rank: list[dict]) -> dict:
         groups.setdefault((label, group), []).append(name)
     out = []
     for (label, group), names in groups.items():
+        if group == CONTEXT:
+            continue
         rows = [_instance_row(name, per_rank) for name in names]
         first = [r["median_s"][0] for r in rows]
         second = [r["median_s"][1] for r in rows]
