@@ -78,6 +78,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--transport", choices=TRANSPORTS, default="grid", help="(c) the wire")
     p.add_argument("--gc-freeze", action="store_true", help="(e) gc.freeze + disable after build")
     p.add_argument("--keep-freed-memory", action="store_true", help="(e) glibc keeps freed memory")
+    p.add_argument(
+        "--keep-freed-memory-between",
+        action="store_true",
+        help="(e) phase 1 as glibc comes, phase 2 with freed memory kept (one launch)",
+    )
     p.add_argument("--remedy", choices=REMEDIES, default="none", help="a second group, changed")
     p.add_argument(
         "--context",
@@ -258,13 +263,15 @@ def worker(rank: int, world: int, args) -> dict:
 
     def second_phase(runners: dict, times: dict) -> dict:
         marks.update({name: len(r.cpu_s) for name, r in runners.items()})
+        if args.keep_freed_memory_between:
+            keep_freed_memory()
         for name, runner in runners.items():  # the same order on every rank (collective)
             if args.rebuild_between:
                 rebuild(runner, args)
             if args.reclone_between:
                 reclone(runner)
                 where_after[name] = placement(runner)
-            if args.rebuild_between or args.reclone_between:
+            if args.rebuild_between or args.reclone_between or args.keep_freed_memory_between:
                 runner.step()  # untimed: the new pages touched
         say(f"{label} second phase")
         return {"phase2": interleaved_times(runners, args.reps, label)}
@@ -332,6 +339,10 @@ def summarize(per_rank: list[dict]) -> dict:
                 "spread": [max(first) / min(first) - 1, max(second) / min(second) - 1],
                 "spearman_phases": spearman(first, second),
                 "spearman_build_order": spearman(list(range(len(first))), first),
+                "spearman_faults": [
+                    spearman([sum(r["faults"][k]) for r in rows], [r["median_s"][k] for r in rows])
+                    for k in (0, 1)
+                ],
                 "cpu_spread": _spread([max(r["cpu_s"][0]) for r in rows]),
             }
         )
@@ -376,12 +387,22 @@ def markdown(summary: dict, info: dict, args) -> str:
             f"Spread (max/min - 1): phase 1 {g['spread'][0]:+.1%}, phase 2 "
             f"{g['spread'][1]:+.1%}; Spearman phase 1 vs 2: {g['spearman_phases']:+.2f}; "
             f"build order vs phase 1: {g['spearman_build_order']:+.2f}; spread of the busier "
-            f"rank's CPU, phase 1: {g['cpu_spread']:+.1%}.",
+            f"rank's CPU, phase 1: {g['cpu_spread']:+.1%}; Spearman page faults (both ranks) "
+            f"vs time, phase 1 / 2: {g['spearman_faults'][0]:+.2f} / "
+            f"{g['spearman_faults'][1]:+.2f}.",
             "",
         ]
         rows = [_md_row(r) for r in g["instances"]]
-        header = ["#", "phase 1 ms", "phase 2 ms", "CPU ms r0/r1", "faults r0/r1", "placement"]
-        lines += md_table(header, "rrrrrl", rows)
+        header = [
+            "#",
+            "phase 1 ms",
+            "phase 2 ms",
+            "CPU ms r0/r1",
+            "faults r0/r1 phase 1",
+            "phase 2",
+            "placement",
+        ]
+        lines += md_table(header, "rrrrrrl", rows)
     return "\n".join(lines) + "\n"
 
 
@@ -398,6 +419,7 @@ def _md_row(r: dict) -> list[str]:
         f"{1e3 * r['median_s'][1]:.2f}",
         "/".join(f"{1e3 * c:.2f}" for c in r["cpu_s"][0]),
         "/".join(f"{f:g}" for f in r["faults"][0]),
+        "/".join(f"{f:g}" for f in r["faults"][1]),
         "; ".join(place(p) for p in r["placement"]),
     ]
 
