@@ -135,6 +135,11 @@ class Metered:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
+    @property
+    def wire(self) -> str:
+        """The transport the runtime uses now (``--transport``, ``--remedy torch``)."""
+        return type(self.runner.runtime.transport).__name__
+
     def zero_grad(self) -> None:
         for module in self.runner.modules.values():
             module.zero_grad(set_to_none=not self.keep_grads)
