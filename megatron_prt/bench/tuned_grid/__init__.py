@@ -63,6 +63,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--top", type=int, default=6, help="tuner's best predicted candidates timed to pick one"
     )
     p.add_argument("--pick-reps", type=int, default=15, help="timed steps per candidate to pick")
+    p.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="leave glibc's trimming on (page faults each step: [Note: freed memory kept])",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default {DEFAULT_OUT})")
     p.add_argument("--smoke", action="store_true", help="tiny stacks, 1 repetition: checks it runs")
     args = p.parse_args(argv)

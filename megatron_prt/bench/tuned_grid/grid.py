@@ -25,6 +25,7 @@ from ...core.layers import even_layers
 from ...core.placement import ConfigError
 from ...core.plan import Plan
 from ...runtime import PipelineRuntime, build_stages, sync_replicas
+from ...runtime.cpu import keep_freed_memory
 from ...runtime.measured_pick import measured_pick
 from ...sim.cost import CostModel
 from ...tune.measured import top_candidates
@@ -217,8 +218,9 @@ def grid_twins(entries: list[Entry], picks: dict[str, Entry]) -> dict[str, str]:
     [Note: grid twins] The tuner's pick is often a grid configuration itself (the same
     plan, the same split). Timed as two runtimes in the same interleaved rounds, such twins
     measured up to 19% apart on the 2-core machine (medians of 21 steps each; 12% apart
-    again in the held-out rematch): a runtime instance keeps its own speed (where its
-    buffers and tensors landed), which says nothing about the plan. A twin is therefore
+    again in the held-out rematch), which says nothing about the plan; on a quiet host
+    twins measured 1-7% apart and none kept its rank from one phase of rounds to the next
+    (benchmarks/instance_spread.py, docs/instance_spread.md). A twin is therefore
     timed once, as its grid row, and the report says so; a pick that is no grid row gets
     its own runtime, as before."""
     twins = {}
@@ -255,7 +257,15 @@ def _row(entry: Entry) -> tuple:
 
 
 def worker(rank: int, world: int, args) -> dict:
-    """One rank: every stack of ``args.stacks`` in turn."""
+    """One rank: every stack of ``args.stacks`` in turn, glibc keeping freed memory
+    (:func:`~megatron_prt.runtime.cpu.keep_freed_memory`) unless ``--no-keep-freed-memory``.
+
+    [Note: freed memory kept] Without it, a step's minor page faults depended on the state
+    of the heap the other rows' steps left: 0 to ~4000 a step for one and the same plan of
+    the wide stack, different from phase to phase, some 7% of its step time
+    (benchmarks/instance_spread.py, docs/instance_spread.md); kept, they are 0."""
+    if args.keep_freed_memory:
+        keep_freed_memory()
     return {stack: measure_stack(rank, world, stack, args) for stack in args.stacks}
 
 
