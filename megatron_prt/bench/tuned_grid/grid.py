@@ -219,7 +219,7 @@ def grid_twins(entries: list[Entry], picks: dict[str, Entry]) -> dict[str, str]:
     plan, the same split). Timed as two runtimes in the same interleaved rounds, such twins
     measured up to 19% apart on the 2-core machine (medians of 21 steps each; 12% apart
     again in the held-out rematch), which says nothing about the plan; on a quiet host
-    twins measured 1-7% apart and none kept its rank from one phase of rounds to the next
+    twins measured 1-8% apart and none kept its rank from one phase of rounds to the next
     (benchmarks/instance_spread.py, docs/instance_spread.md). A twin is therefore
     timed once, as its grid row, and the report says so; a pick that is no grid row gets
     its own runtime, as before."""
