@@ -37,7 +37,7 @@ from ..runtime.local import all_ok, run_local
 from ..sim.cost import CostModel, LayerCost
 from .common import interleaved_times, measure_runners, say
 from .report import launch, md_table
-from .tuned_grid.grid import Entry, GridRunner, grid_entries
+from .tuned_grid.grid import PREDICTED, TUNED, Entry, GridRunner, grid_entries, pick
 from .tuned_grid.stacks import STACKS, shm_capacity
 
 NAME = "instance_spread"
@@ -96,6 +96,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="(b) free a 4 MiB block before building, so glibc serves the parameters from "
         "its heap (as after the grid's profiling) instead of mmap",
     )
+    p.add_argument(
+        "--picked",
+        action="store_true",
+        help="instance 0 of the first plan goes through the grid's selection phase first, "
+        "as the tuned pick does",
+    )
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--smoke", action="store_true", help="tiny stack, 3 rounds: checks it runs")
     args = p.parse_args(argv)
@@ -119,7 +125,7 @@ def chosen_entries(args) -> tuple[list[Entry], list[Entry]]:
     if missing:
         raise ValueError(f"--plans: {missing} are no grid labels; choose from {sorted(entries)}")
     others = [e for label, e in entries.items() if label not in args.plans]
-    return [entries[label] for label in args.plans], others if args.context else []
+    return [entries[label] for label in args.plans], others
 
 
 class Metered:
@@ -225,6 +231,7 @@ def instances(rank: int, args) -> dict[str, Metered]:
     """Every instance, built plan after plan within each index (build order = key order);
     ``--remedy`` adds a second group of the same."""
     entries, others = chosen_entries(args)
+    picked = picked_first(entries[0], others, rank, args) if args.picked else None
     groups = ["none"] + ([args.remedy] if args.remedy != "none" else [])
     built: dict[str, Metered] = {}
     shared: dict = {}
@@ -233,14 +240,34 @@ def instances(rank: int, args) -> dict[str, Metered]:
     for i in range(args.instances):
         for group in groups:
             for entry in entries:
-                built[key(entry.label, group, i)] = build(entry, rank, args, i, group, shared)
-    for i, entry in enumerate(others):  # built after the first instances, as grid rows are
+                name = key(entry.label, group, i)
+                if picked is not None and (i, group, entry) == (0, "none", entries[0]):
+                    built[name] = picked
+                    continue
+                built[name] = build(entry, rank, args, i, group, shared)
+    for i, entry in enumerate(
+        others if args.context else []
+    ):  # built after the first instances, as grid rows are
         built[key(entry.label, CONTEXT, i)] = build(entry, rank, args, i, "none", shared)
     if args.reclone or args.remedy == "reclone":
         for name, runner in reversed(built.items()):
             if args.reclone or group_of(name) == "reclone":
                 reclone(runner)
     return built
+
+
+def picked_first(entry: Entry, others: list[Entry], rank: int, args) -> Metered:
+    """``entry``'s runner as the tuned pick's comes to the grid: built among 5 other grid
+    rows, all timed in the grid's selection phase (:func:`~.tuned_grid.grid.pick`), the
+    others closed."""
+    best = [entry, *others[:5]]
+    pick_args = argparse.Namespace(**{**vars(args), "pick_reps": 15})
+    kept, record = pick(best, args.stack, rank, pick_args, args.microbatches)
+    mine = kept[TUNED] if record["index"] == 0 else kept[PREDICTED]
+    for runner in kept.values():
+        if runner is not mine:
+            runner.close()
+    return Metered(mine)
 
 
 def key(label: str, group: str, instance: int) -> str:
