@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import statistics
@@ -36,7 +35,7 @@ from ..runtime.cpu import keep_freed_memory
 from ..runtime.local import all_ok, run_local
 from ..sim.cost import CostModel, LayerCost
 from .common import interleaved_times, measure_runners, say
-from .report import launch, md_table
+from .report import launch, md_table, write_report
 from .tuned_grid.grid import PREDICTED, TUNED, Entry, GridRunner, grid_entries, pick
 from .tuned_grid.stacks import STACKS, shm_capacity
 
@@ -463,10 +462,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=900)))
     summary = summarize(per_rank)
     text = markdown(summary, info, args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{NAME}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, f"{NAME}.json"), "w") as f:
-        json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1)
+    write_report(args, NAME, text, summary, info)
     print(text)
     return 0

@@ -45,16 +45,24 @@ def launch(command: str, measure: Callable[[], T]) -> tuple[T, dict]:
 
 
 def write_report(
-    args, name: str, markdown: str, summary: dict, info: dict, plot: Callable[[str, dict], None]
+    args,
+    name: str,
+    markdown: str,
+    summary: dict,
+    info: dict,
+    plot: Callable[[str, dict], None] | None = None,
 ) -> list[str]:
-    """``name``.md (``markdown``), .png (``plot(path, summary["rows"])``) and .json (the
-    machine, the flags and ``summary``) under ``args.out``; returns their paths."""
+    """``name``.md (``markdown``), .png (``plot(path, summary["rows"])``, none without
+    ``plot``) and .json (the machine, the flags and ``summary``) under ``args.out``; returns
+    their paths."""
     os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, f"{name}.{ext}") for ext in ("md", "png", "json")]
+    exts = ("md", "png", "json") if plot is not None else ("md", "json")
+    paths = [os.path.join(args.out, f"{name}.{ext}") for ext in exts]
     with open(paths[0], "w") as f:
         f.write(markdown)
-    plot(paths[1], summary["rows"])
-    with open(paths[2], "w") as f:
+    if plot is not None:
+        plot(paths[1], summary["rows"])
+    with open(paths[-1], "w") as f:
         json.dump({"machine": info, "args": vars(args), **summary}, f, indent=1, default=str)
     return paths
 
