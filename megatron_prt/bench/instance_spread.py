@@ -199,27 +199,16 @@ def rebuild(runner: Metered, args) -> None:
     )
 
 
-def heap_range() -> tuple[int, int]:
-    """This process's brk heap (``[heap]`` in /proc/self/maps), or (0, 0)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if line.rstrip().endswith("[heap]"):
-                lo, hi = line.split()[0].split("-")
-                return int(lo, 16), int(hi, 16)
-    return 0, 0
-
-
 def placement(runner: Metered) -> dict:
-    """Where the instance's tensors lie on this rank: parameter and batch addresses modulo
-    4096 and 64, and how many parameters sit in the brk heap (the rest are mmap'd)."""
+    """Where the instance's tensors lie on this rank: its weight matrices' and first batch
+    tensor's addresses modulo 4096 and 64 (a weight served from glibc's heap lies at any
+    offset; an mmap'd one at 64 past a page)."""
     params = [p for module in runner.modules.values() for p in module.parameters()]
-    lo, hi = heap_range()
     big = [p.data_ptr() for p in params if p.dim() > 1]
     batch = [x.data_ptr() for x in runner.xs]
     return {
         "param_mod4096": sorted({ptr % 4096 for ptr in big}),
         "param_mod64": sorted({ptr % 64 for ptr in big}),
-        "params_in_heap": sum(lo <= ptr < hi for ptr in big),
         "params": len(big),
         "batch_mod4096": batch[0] % 4096 if batch else None,
     }
@@ -367,7 +356,7 @@ def summarize(per_rank: list[dict]) -> dict:
                 "group": group,
                 "wire": res["wire"][names[0]],
                 "instances": rows,
-                "spread": [max(first) / min(first) - 1, max(second) / min(second) - 1],
+                "spread": [_spread(first), _spread(second)],
                 "spearman_phases": spearman(first, second),
                 "spearman_build_order": spearman(list(range(len(first))), first),
                 "spearman_faults": [
@@ -439,10 +428,7 @@ def markdown(summary: dict, info: dict, args) -> str:
 
 def _md_row(r: dict) -> list[str]:
     def place(p: dict) -> str:
-        return (
-            f"heap {p['params_in_heap']}/{p['params']} mod4096 {p['param_mod4096']} "
-            f"batch {p['batch_mod4096']}"
-        )
+        return f"{p['params']} weights mod4096 {p['param_mod4096']} batch {p['batch_mod4096']}"
 
     return [
         str(r["instance"]),

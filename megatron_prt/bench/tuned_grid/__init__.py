@@ -167,7 +167,8 @@ def markdown(summary: dict, info: dict) -> str:
         "",
         "A pick that is a grid configuration itself (the same plan on the same split) is timed "
         "once, as that grid row: two runtimes of one plan measured up to 19% apart in the same "
-        "rounds ([Note: grid twins] in `megatron_prt/bench/tuned_grid/grid.py`).",
+        "rounds of one launch, 1-8% on a quiet host, which says nothing about the plan "
+        "([Note: grid twins] in `megatron_prt/bench/tuned_grid/grid.py`).",
         "",
         "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
         "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
