@@ -99,6 +99,13 @@ def columns(actions: Sequence[Action]) -> Columns:
     )
 
 
+def ops_of(actions: Sequence[Action]) -> Sequence[Op]:
+    """The ops of one rank's actions (a :class:`RankActions`' own column, shared)."""
+    if isinstance(actions, RankActions):
+        return actions.ops
+    return list(map(_OP, actions))
+
+
 def join(per_rank: Iterable[Columns]) -> tuple[list[int], list[Op], list[int]]:
     """The columns of every rank (:func:`columns` of each), rank after rank: three lists as
     long as the plan."""

@@ -17,7 +17,7 @@ from itertools import repeat
 from operator import is_
 
 from .actions import Action, Op, parse
-from .columns import columns
+from .columns import ops_of
 from .placement import ConfigError, Placement
 
 FORMAT_VERSION = 1
@@ -73,7 +73,7 @@ class Plan:
 
     @property
     def split_backward(self) -> bool:
-        return any(any(map(is_, columns(acts)[1], repeat(Op.I))) for acts in self.ranks)
+        return any(any(map(is_, ops_of(acts), repeat(Op.I))) for acts in self.ranks)
 
     def stages_of_mb(self, mb: int) -> tuple[int, ...]:
         return self.placement.pipelines[self.mb_pipeline[mb]]
@@ -96,7 +96,7 @@ class Plan:
 
     @property
     def has_backward(self) -> bool:
-        return any(not _BACKWARD.isdisjoint(columns(acts)[1]) for acts in self.ranks)
+        return any(not _BACKWARD.isdisjoint(ops_of(acts)) for acts in self.ranks)
 
     def forward_only(self) -> Plan:
         """The compute plan without backward (evaluation); lower it again before running."""
