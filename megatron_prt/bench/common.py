@@ -32,23 +32,28 @@ def say(message: str) -> None:
 
 
 # -- measuring -----------------------------------------------------------------------------
-def timed_step(runner) -> float:
+def timed_step(runner, warm_steps: int = 0) -> float:
     """One step's wall time: it ends when the slowest rank is done (gradients zeroed before
-    the clock starts; :func:`~megatron_prt.runtime.measured_pick.slowest_step_seconds`)."""
-    return slowest_step_seconds(runner)
+    the clock starts; ``warm_steps`` untimed steps of ``runner`` first;
+    :func:`~megatron_prt.runtime.measured_pick.slowest_step_seconds`)."""
+    return slowest_step_seconds(runner, warm_steps=warm_steps)
 
 
-def interleaved_times(runners: dict, reps: int, label: str = "") -> dict[str, list[float]]:
+def interleaved_times(
+    runners: dict, reps: int, label: str = "", warm_steps: int = 0
+) -> dict[str, list[float]]:
     """``reps`` rounds over all runners, each in its own seeded shuffled order
     (:func:`~megatron_prt.tune.measured.interleaved_rounds`: the same on every rank), so no
-    configuration always runs right after the same other one. A progress line every few
-    rounds (``label`` names the section and m)."""
+    configuration always runs right after the same other one; each timed step after
+    ``warm_steps`` untimed ones of its runner ([Note: warm timed steps] in
+    :mod:`megatron_prt.runtime.measured_pick`). A progress line every few rounds (``label``
+    names the section and m)."""
     keys = list(runners)
     times: dict[str, list[float]] = {key: [] for key in keys}
     every = max(1, reps // 4)
     for rep, order in enumerate(interleaved_rounds(len(keys), reps)):
         for i in order:
-            times[keys[i]].append(timed_step(runners[keys[i]]))
+            times[keys[i]].append(timed_step(runners[keys[i]], warm_steps))
         if (rep + 1) % every == 0 or rep + 1 == reps:
             say(f"{label} repetition {rep + 1}/{reps}")
     return times
@@ -75,10 +80,15 @@ def time_summary(samples: list[float]) -> dict:
 
 
 def measure_runners(
-    built: dict, args, label: str, check: Callable[[dict, dict], dict] | None = None
+    built: dict,
+    args,
+    label: str,
+    check: Callable[[dict, dict], dict] | None = None,
+    warm_steps: int = 0,
 ) -> dict:
     """Every runner of ``built`` (key -> runner, or the reason it cannot run): ``args.warmup``
-    warm-up steps, one metered step, ``args.reps`` interleaved timed repetitions, then
+    warm-up steps, one metered step, ``args.reps`` interleaved timed repetitions (each after
+    ``warm_steps`` untimed steps of its runner: :func:`interleaved_times`), then
     ``check(runners, times)`` (more fields of the result) before they close. Per key: ``refused``
     (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and ``replica_sum_s`` (bi:
     median of the timed steps' sums). A runner has ``step``, ``zero_grad``, ``peak_bytes``,
@@ -88,7 +98,7 @@ def measure_runners(
         for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
             runner.step()
     peaks = {key: runner.peak_bytes() for key, runner in runners.items()}
-    times = interleaved_times(runners, args.reps, label)
+    times = interleaved_times(runners, args.reps, label, warm_steps)
     checked = check(runners, times) if check else {}
     for runner in runners.values():
         runner.close()

@@ -147,6 +147,7 @@ def few_and_many_messages(
     loss_fn,
     steps: int,
     bi: bool = False,
+    warm_steps: int = 0,
     **kwargs,
 ) -> list[tuple[Plan, float]]:
     """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
@@ -154,8 +155,9 @@ def few_and_many_messages(
     (its replica sum included), on the actual transport (``kwargs`` go to the runtime),
     ``steps`` each after one warm-up step each, interleaved in shuffled rounds
     (:func:`~megatron_prt.tune.measured.interleaved_rounds`: a machine that slows down
-    mid-way slows all alike); what :func:`~megatron_prt.tune.measured.fit_in_place` fits
-    from. Collective."""
+    mid-way slows all alike), each timed step after ``warm_steps`` untimed ones of the same
+    plan ([Note: warm timed steps] in :mod:`megatron_prt.runtime.measured_pick`); what
+    :func:`~megatron_prt.tune.measured.fit_in_place` fits from. Collective."""
     if num_layers % world or num_layers // world < 2:
         raise ValueError(
             f"fitting the per-message CPU needs a multiple of the {world} ranks, at least "
@@ -172,7 +174,7 @@ def few_and_many_messages(
     seconds: list[list[float]] = [[] for _ in runners]
     for order in interleaved_rounds(len(runners), steps):
         for i in order:
-            seconds[i].append(slowest_step_seconds(runners[i]))
+            seconds[i].append(slowest_step_seconds(runners[i], warm_steps=warm_steps))
     for runner in runners:
         runner.close()
     return [(r.runtime.plan, statistics.median(s)) for r, s in zip(runners, seconds, strict=True)]

@@ -55,6 +55,7 @@ def measured_pick(
     step_seconds: Callable[[int], float] | None = None,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
+    warm_steps: int = 0,
 ) -> MeasuredPick[T]:
     """Time ``reps`` steps of each ``runners[i]`` (candidate ``i``) after ``warmup``
     untimed ones, interleaved, and pick the smallest median (collective over ``group``).
@@ -64,8 +65,10 @@ def measured_pick(
     they differ, every rank raises. ``step_seconds(i)``, when given, replaces the clock:
     this rank's seconds for one step of candidate ``i`` (tests). ``device``: where the
     runners compute (a CUDA step is synchronized before the clock stops; the group's
-    collectives get tensors where its backend takes them). The runners stay open (the
-    caller owns them); gradients they leave are the last timed step's."""
+    collectives get tensors where its backend takes them). ``warm_steps``: untimed steps of
+    a runner right before each of its timed ones ([Note: warm timed steps] at
+    :func:`slowest_step_seconds`). The runners stay open (the caller owns them); gradients
+    they leave are the last timed step's."""
     if len(candidates) != len(runners):  # every rank gets the same lists: all raise
         raise ConfigError(f"{len(candidates)} candidates but {len(runners)} runners")
     device = torch.device(device)
@@ -74,7 +77,7 @@ def measured_pick(
         for runner in runners:
             runner.zero_grad()
             runner.step()
-    local = step_seconds or (lambda i: _step_seconds(runners[i], group, device))
+    local = step_seconds or (lambda i: _step_seconds(runners[i], group, device, warm_steps))
     picked = pick_fastest(candidates, lambda i: _slowest(local(i), group, wire), reps)
     check_same_pick(picked.index, group)
     return picked
@@ -102,19 +105,34 @@ def slowest_step_seconds(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
     local_seconds: Callable[[], float] | None = None,
+    warm_steps: int = 0,
 ) -> float:
     """One timed step of ``runner`` (gradients zeroed off the clock, a barrier, the step):
     the slowest rank's seconds, the same on every rank of ``group`` (collective).
+    ``warm_steps`` untimed steps of the same runner go first ([Note: warm timed steps]).
     ``local_seconds``, when given, replaces the clock: this rank's seconds for the step,
-    which still runs (tests)."""
+    which still runs (tests).
+
+    [Note: warm timed steps] In interleaved rounds over many runners a step is timed right
+    after the other runners' steps have pushed this one's weights, activations and message
+    rings out of the caches, while a training run steps one runtime over and over. An
+    untimed step of the same runner right before the timed one times the warm regime while
+    the rounds still spread the host's drift over every runner; it doubles the steps run.
+    The tuned grid takes it as ``--warm-steps`` (docs/tune.md has launches with and
+    without)."""
     device = torch.device(device)
-    seconds = _step_seconds(runner, group, device)
+    seconds = _step_seconds(runner, group, device, warm_steps)
     if local_seconds is not None:
         seconds = local_seconds()
     return _slowest(seconds, group, wire_device(group, device))
 
 
-def _step_seconds(runner: Runner, group, device: torch.device) -> float:
+def _step_seconds(runner: Runner, group, device: torch.device, warm_steps: int = 0) -> float:
+    for _ in range(warm_steps):
+        runner.zero_grad()
+        runner.step()
+    if warm_steps and device.type == "cuda":  # the warm steps' kernels off the clock
+        torch.cuda.synchronize(device)
     runner.zero_grad()
     dist.barrier(group=group)
     start = time.perf_counter()

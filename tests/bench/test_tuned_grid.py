@@ -113,13 +113,13 @@ def test_rematch_times_the_grid_best_and_the_pick_again(monkeypatch):
     times = {"a": [2.0, 2.0], "b": [1.0, 3.0, 1.0], TUNED: [5.0]}  # b has the smaller median
     ran = []
 
-    def fake_times(pair, reps, label):
-        ran.append((list(pair), reps))
+    def fake_times(pair, reps, label, warm_steps):
+        ran.append((list(pair), reps, warm_steps))
         return {key: [0.5] * reps for key in pair}
 
     monkeypatch.setattr(grid, "interleaved_times", fake_times)
-    record = grid.rematch(runners, times, SimpleNamespace(reps=4), "x")["rematch"]
-    assert ran == [(["b", TUNED], 4)]
+    record = grid.rematch(runners, times, SimpleNamespace(reps=4, warm_steps=1), "x")["rematch"]
+    assert ran == [(["b", TUNED], 4, 1)]  # timed warm, as the grid was
     assert record["grid_best"] == "b" and record["times"] == {"b": [0.5] * 4, TUNED: [0.5] * 4}
 
 
@@ -213,12 +213,12 @@ def test_rematch_times_a_twin_pick_with_its_rows_runtime(monkeypatch):
     times = {"a": [2.0], "b": [1.0]}  # b is the grid's best
     ran = []
 
-    def fake_times(pair, reps, label):
+    def fake_times(pair, reps, label, warm_steps):
         ran.append(dict(pair))
         return {key: [0.5 + i] * reps for i, key in enumerate(pair)}
 
     monkeypatch.setattr(grid, "interleaved_times", fake_times)
-    args = SimpleNamespace(reps=2)
+    args = SimpleNamespace(reps=2, warm_steps=0)
     record = grid.rematch(runners, times, args, "x", {TUNED: "b"})["rematch"]
     assert ran[-1] == {"b": "runner b"}  # the pick is the best row: timed once
     assert record["times"][TUNED] == record["times"]["b"]
@@ -233,3 +233,18 @@ def test_report_names_the_grid_row_a_twin_pick_is():
     machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
     text = markdown(summary, {**machine, "top": 3, "pick_reps": 1})
     assert f"(= grid row {result['entries'][0][0]}: same plan and split, timed once)" in text
+
+
+# -- warm timed steps ([Note: warm timed steps]) ----------------------------------------------
+def test_the_report_says_how_warm_a_timed_step_is_and_the_flag_is_checked():
+    from megatron_prt.bench.tuned_grid import parse_args
+
+    summary = summarize([{"head": _stack_result(0)}])
+    machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0, "top": 3}
+    cold = markdown(summary, {**machine, "pick_reps": 1})
+    warm = markdown(summary, {**machine, "pick_reps": 1, "warm_steps": 2})
+    assert "right after the round's other rows (`--warm-steps 0`)" in cold
+    assert "right after 2 untimed step(s) of the same row" in warm
+    assert parse_args([]).warm_steps == 0 and parse_args(["--warm-steps", "1"]).warm_steps == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--warm-steps", "-1"])

@@ -169,3 +169,38 @@ def test_top_candidates_per_configuration_are_different_configurations():
     # each is its configuration's best predicted fitting candidate
     for c in diverse:
         assert c is next(x for x in result.fitting() if config(x) == config(c))
+
+
+class _Counting:
+    """Records ``zero_grad`` / ``step`` calls; the timed one is the step the clock sees."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def step(self) -> None:
+        self.calls.append("step")
+
+    def zero_grad(self) -> None:
+        self.calls.append("zero")
+
+
+def _warm_steps(rank, world):
+    from megatron_prt.runtime import measured_pick as module
+
+    seen = []  # what the runner had done each time the clock was read (this process only)
+    module.time.perf_counter = lambda: seen.append(list(runner.calls)) or 0.0
+    runner = _Counting()
+    module.slowest_step_seconds(runner, warm_steps=2)
+    picked = _Counting(), _Counting()
+    measured_pick(["a", "b"], list(picked), reps=2, warmup=0, warm_steps=1)
+    return runner.calls, seen[:2], [p.calls for p in picked]
+
+
+def test_warm_steps_run_untimed_right_before_each_timed_step():
+    """[Note: warm timed steps]: ``warm_steps`` untimed steps of the same runner, then the
+    timed one (the clock starts after the warm steps, once its gradients are zeroed)."""
+    runner_calls, clock_saw, picked_calls = all_ok(run_local(2, _warm_steps, deadline_s=120))[0]
+    assert runner_calls == ["zero", "step", "zero", "step", "zero", "step"]
+    assert clock_saw == [["zero", "step", "zero", "step", "zero"], runner_calls]
+    one_round = ["zero", "step", "zero", "step"]  # warm step, then the timed step
+    assert picked_calls == [one_round * 2, one_round * 2]

@@ -38,6 +38,20 @@ DEFAULT_OUT = "out/bench"
 NAME = "tuned_grid"
 
 
+def _warmth(warm_steps: int) -> str:
+    """The report's line on how warm a timed step is ([Note: warm timed steps])."""
+    if not warm_steps:
+        return (
+            "Every timed step runs right after the round's other rows (`--warm-steps 0`): "
+            "its weights, activations and rings come cold from memory."
+        )
+    return (
+        f"Every timed step (fit, selection, grid, rematch) runs right after {warm_steps} "
+        "untimed step(s) of the same row (`--warm-steps`), as in a training run that steps "
+        "one runtime ([Note: warm timed steps] in `megatron_prt/runtime/measured_pick.py`)."
+    )
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -46,6 +60,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("-m", "--microbatches", type=int, default=8, help="micro-batches (default 8)")
     p.add_argument("--reps", type=int, default=21, help="timed repetitions per row (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    p.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="untimed steps of a row right before each of its timed ones, in the fit, the "
+        "selection and the grid (default 0: each step timed right after the round's other "
+        "rows; [Note: warm timed steps])",
+    )
     p.add_argument("--layers", type=int, default=8, help="layers per stack (default 8)")
     p.add_argument("--hidden", type=int, default=512, help="equal and head stacks' width")
     p.add_argument("--wide", type=int, default=8192, help="the wide stack's channels")
@@ -80,6 +102,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.hidden, args.wide, args.mb_size, args.reps, args.warmup = 32, 256, 2, 1, 1
         args.profile_steps, args.burst, args.top, args.pick_reps = 1, 4, 2, 1
         args.fit_steps = 1
+    if args.warm_steps < 0:
+        p.error(f"--warm-steps must be >= 0, got {args.warm_steps}")
     if min(args.top, args.pick_reps, args.fit_steps) < 1:
         p.error(
             f"--top, --pick-reps and --fit-steps must be >= 1, got {args.top}, "
@@ -169,6 +193,8 @@ def markdown(summary: dict, info: dict) -> str:
         "once, as that grid row: two runtimes of one plan measured up to 19% apart in the same "
         "rounds of one launch, 1-8% on a quiet host, which says nothing about the plan "
         "([Note: grid twins] in `megatron_prt/bench/tuned_grid/grid.py`).",
+        "",
+        _warmth(info.get("warm_steps", 0)),
         "",
         "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
         "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
@@ -314,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = " ".join(["python benchmarks/tuned_grid.py", *argv])
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=1800)))
     summary = summarize(per_rank)
-    info.update(top=args.top, pick_reps=args.pick_reps)
+    info.update(top=args.top, pick_reps=args.pick_reps, warm_steps=args.warm_steps)
     os.makedirs(args.out, exist_ok=True)
     md = os.path.join(args.out, f"{NAME}.md")
     with open(md, "w") as f:

@@ -158,7 +158,9 @@ def pick(best: list[Entry], stack: str, rank: int, args, m: int) -> tuple[dict, 
     """The measured pick among ``best`` (module docstring): the runners to time again in the
     grid (:data:`TUNED`, and :data:`PREDICTED` when it lost) and the selection's record."""
     runners = [GridRunner(e, stack, rank, args, m) for e in best]
-    picked = measured_pick(best, runners, reps=args.pick_reps, warmup=args.warmup)
+    picked = measured_pick(
+        best, runners, reps=args.pick_reps, warmup=args.warmup, warm_steps=args.warm_steps
+    )
     kept = {TUNED: runners[picked.index]}
     if picked.index != 0:
         kept[PREDICTED] = runners[0]
@@ -193,7 +195,11 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
             built[key] = runner
     label = f"tuned grid, {stack}:"
     measured = measure_runners(
-        built, args, label, lambda runners, times: rematch(runners, times, args, label, twins)
+        built,
+        args,
+        label,
+        lambda runners, times: rematch(runners, times, args, label, twins),
+        warm_steps=args.warm_steps,
     )
     for key, row in twins.items():
         measured["times"][key] = measured["times"][row]
@@ -247,7 +253,7 @@ def rematch(runners: dict, times: dict, args, label: str, twins: dict | None = N
     best = min(grid, key=lambda key: statistics.median(times[key]))
     tuned = (twins or {}).get(TUNED, TUNED)
     pair = {best: runners[best], **({TUNED: runners[tuned]} if tuned != best else {})}
-    timed = interleaved_times(pair, args.reps, label)
+    timed = interleaved_times(pair, args.reps, label, warm_steps=args.warm_steps)
     timed.setdefault(TUNED, timed[best])
     return {"rematch": {"grid_best": best, "times": timed}}
 

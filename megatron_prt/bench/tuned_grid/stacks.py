@@ -176,6 +176,7 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         mse_loss,
         args.fit_steps,
         bi=True,
+        warm_steps=args.warm_steps,
         shm_capacity=shm_capacity(stack, args),
     )
     shared = [(*fit_in_place(cost, timed), cost)]
