@@ -153,7 +153,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     users_of, crossing_of = graph.consumer_steps
     oldest = oldest_first(placement.num_stages, len(graph.mb_pipeline))
     keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
-    items = graph.heap_items(*keys)
+    entries = graph.heap_entries(*keys)  # see [Note: heap entries made when needed]
+    items, fill_through = entries.items, entries.fill_through
     duration, hop = graph.durations(ticks), ticks.p2p
     hopping, backward = hop > 0, graph.backward  # bools: the loop's tests of them are cheap
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
@@ -176,8 +177,9 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
     for i in graph.sources:  # sources arrive at time 0
-        fheap[rank_of[i]].append(items[i])
+        fheap[rank_of[i]].append(entries.entry(i))
         due.setdefault(0, []).append(rank_of[i])
+    source_ranks = sorted(set(due[0]))  # ranks that start micro-batches
     instants += due
     for heap in fheap:
         heapify(heap)
@@ -277,10 +279,13 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 heappush(instants, finish)
             else:
                 ending.append(rank)
+        for rank in source_ranks:  # a micro-batch started: its entries are read from now on
+            if current[rank] >= len(items):
+                fill_through(current[rank])
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
                 started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, items=items, fheap=fheap,
+                held=held, last_bwd=last_bwd, entries=entries, fheap=fheap,
                 bheap=bheap, due=due, instants=instants,
                 room=list(map(add, slack, end)) if bounded else None,  # the latest starts
             )  # fmt: skip

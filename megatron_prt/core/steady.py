@@ -119,6 +119,7 @@ class SteadyWatch:
         self.next_source = -2  # one repeat per run: what follows is the cool-down
         prefix = self._prefix(period, times, run, self.history[index0 + 1 : -1])
         count = len(started)
+        run["entries"].fill()  # the shifted heaps read entries past any started micro-batch
         period.repeat(times, run, self)
         if prefix is not None:
             return self._resume_at(prefix, period, times, run) - now, len(started) - count
@@ -214,7 +215,7 @@ class SteadyWatch:
         (id mod kw) the rounds started (every kind starts its micro-batches in order) and
         the rounds done (started less running); an id is waiting when it has not started
         and its one producer is done (or it has none)."""
-        kw, n, items, ids = self.kw, self.n, run["items"], period.ids
+        kw, n, items, ids = self.kw, self.n, run["entries"].items, period.ids
         last = dict(zip(map(mod, period.started, repeat(kw)), period.started, strict=True))
         first = period.started[:prefix]  # copied times + 1 periods on, the others times
         last = {o: i + times * ids for o, i in last.items()}
@@ -289,7 +290,7 @@ class _Period:
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:
         """Each heap entry shifted, those past the last id left out."""
-        items = run["items"]
+        items = run["entries"].items
         for heaps in (run["fheap"], run["bheap"]):
             for rank, heap in enumerate(heaps):
                 moved = [items[i % n + shift] for i in heap if i % n + shift < n]
