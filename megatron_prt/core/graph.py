@@ -294,7 +294,9 @@ def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> list:
     rounds, extra = divmod(len(mb_pipeline), pipes)
     if mb_pipeline != tuple(mb % pipes for mb in range(len(mb_pipeline))):
         return list(chain.from_iterable(map(templates.__getitem__, mb_pipeline)))
-    return [*chain.from_iterable(templates)] * rounds + [*chain.from_iterable(templates[:extra])]
+    tiled = [*chain.from_iterable(templates)] * rounds
+    tiled += chain.from_iterable(templates[:extra])  # in place: no copy of the whole
+    return tiled
 
 
 @functools.lru_cache(maxsize=8)
