@@ -36,17 +36,7 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
     and a trusted validation read); the graph id -> plan index table (a scatter) and what
     needs it (producers, dependency order, remote producers) only on first use."""
     n, placement = graph.n, graph.placement
-    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
-    by_graph_kind = [0] * (2 * placement.num_stages)
-    crosses: tuple[list[bool], list[bool]] = ([], [])
-    for k, (stage, op) in enumerate(kinds):
-        by_graph_kind[2 * stage + (op is Op.B)] = k
-        deps = producers(Action(stage, op, 0), placement)
-        for slot in (0, 1):
-            crosses[slot].append(
-                slot < len(deps)
-                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
-            )
+    kinds, by_graph_kind, crosses = _kinds(graph)
     per_id = graph.tiled([list(map(by_graph_kind.__getitem__, t)) for t in graph.kind_templates])
     kind_of = _gather(per_id, result.orders)
     lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
@@ -93,6 +83,25 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         ends = list(chain.from_iterable(result.ends))
         tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
     return Replayer.from_tables(plan, tables)
+
+
+def _kinds(graph: Graph) -> tuple[list[tuple], list[int], tuple[list[bool], list[bool]]]:
+    """The graph's kinds ``(stage, op)`` in :class:`Replayer`'s order; per graph kind
+    (``2 * stage + op bit``) its index there; per kind and producer slot whether that edge
+    crosses ranks."""
+    placement = graph.placement
+    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
+    by_graph_kind = [0] * (2 * placement.num_stages)
+    crosses: tuple[list[bool], list[bool]] = ([], [])
+    for k, (stage, op) in enumerate(kinds):
+        by_graph_kind[2 * stage + (op is Op.B)] = k
+        deps = producers(Action(stage, op, 0), placement)
+        for slot in (0, 1):
+            crosses[slot].append(
+                slot < len(deps)
+                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
+            )
+    return kinds, by_graph_kind, crosses
 
 
 def _gather(table: list, orders: tuple[list[int], ...]) -> list:
