@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from itertools import chain, repeat
-from operator import add
+from operator import add, itemgetter
 from typing import TYPE_CHECKING
 
 from .actions import Action, Op
@@ -36,26 +36,19 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
     and a trusted validation read); the graph id -> plan index table (a scatter) and what
     needs it (producers, dependency order, remote producers) only on first use."""
     n, placement = graph.n, graph.placement
-    flat = list(chain.from_iterable(result.orders))
-    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
-    by_graph_kind = [0] * (2 * placement.num_stages)
-    crosses: tuple[list[bool], list[bool]] = ([], [])
-    for k, (stage, op) in enumerate(kinds):
-        by_graph_kind[2 * stage + (op is Op.B)] = k
-        deps = producers(Action(stage, op, 0), placement)
-        for slot in (0, 1):
-            crosses[slot].append(
-                slot < len(deps)
-                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
-            )
+    kinds, by_graph_kind, crosses = _kinds(graph)
     per_id = graph.tiled([list(map(by_graph_kind.__getitem__, t)) for t in graph.kind_templates])
-    kind_of = list(map(per_id.__getitem__, flat))
+    kind_of = _gather(per_id, result.orders)
     lanes = plan.lanes if plan.mb_pipeline == graph.mb_pipeline else None  # Replayer.by_rows
+
+    @functools.cache
+    def flat() -> list[int]:  # the plan's ids, ranks concatenated (made when asked)
+        return list(chain.from_iterable(result.orders))
 
     @functools.cache
     def where() -> list[int]:  # graph id -> index in the plan's flat order; n: "no producer";
         out = [n] * (n + 1) + [-1] * (n + 1)  # past n + 1: -1 (a scatter: made when asked)
-        deque(map(out.__setitem__, flat, range(n)), maxlen=0)
+        deque(map(out.__setitem__, flat(), range(n)), maxlen=0)
         return out
 
     def remote() -> list[int]:  # the remote producer's id is id + a step per graph kind
@@ -63,11 +56,12 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         steps = [n + 1 if o < 0 else o - j for pipe in offsets for j, o in enumerate(pipe[2])]
         if lanes is not None:
             return Replayer.by_rows(where(), graph.width, lanes, steps)
-        graph_kinds = graph.kinds_of(flat)
-        return list(map(where().__getitem__, map(add, flat, map(steps.__getitem__, graph_kinds))))
+        graph_kinds = graph.kinds_of(flat())
+        moved = map(add, flat(), map(steps.__getitem__, graph_kinds))
+        return list(map(where().__getitem__, moved))
 
     def gather(ids: list[int]) -> list[int]:  # per action of the plan: where[ids[its id]]
-        return list(map(where().__getitem__, map(ids.__getitem__, flat)))
+        return list(map(where().__getitem__, map(ids.__getitem__, flat())))
 
     tables = {
         "actions": lambda: list(chain.from_iterable(plan.ranks)),
@@ -86,9 +80,39 @@ def compiled_schedule(graph: Graph, times: StageTimes, result: IdResult, plan: P
         ticks, tick = times.in_ticks()
         busy = [ticks.busy(Action(stage, op, 0), placement) for stage, op in kinds]
         durations = list(map(busy.__getitem__, kind_of))
-        ends = list(map(add, chain.from_iterable(result.begins), durations))
+        ends = list(chain.from_iterable(result.ends))
         tables["known"][ticks, tick] = Ticks(ends, durations, ticks.p2p, tick)
     return Replayer.from_tables(plan, tables)
+
+
+def _kinds(graph: Graph) -> tuple[list[tuple], list[int], tuple[list[bool], list[bool]]]:
+    """The graph's kinds ``(stage, op)`` in :class:`Replayer`'s order; per graph kind
+    (``2 * stage + op bit``) its index there; per kind and producer slot whether that edge
+    crosses ranks."""
+    placement = graph.placement
+    kinds = sorted({(graph.stage[i], (Op.F, Op.B)[i & 1]) for i in _kind_ids(graph)})
+    by_graph_kind = [0] * (2 * placement.num_stages)
+    crosses: tuple[list[bool], list[bool]] = ([], [])
+    for k, (stage, op) in enumerate(kinds):
+        by_graph_kind[2 * stage + (op is Op.B)] = k
+        deps = producers(Action(stage, op, 0), placement)
+        for slot in (0, 1):
+            crosses[slot].append(
+                slot < len(deps)
+                and placement.stage_to_rank[deps[slot].stage] != placement.stage_to_rank[stage]
+            )
+    return kinds, by_graph_kind, crosses
+
+
+def _gather(table: list, orders: tuple[list[int], ...]) -> list:
+    """``table[id]`` of every id of ``orders``, rank after rank (one C-level pick a rank)."""
+    out: list = []
+    for ids in orders:
+        if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
+            out += [table[i] for i in ids]
+        else:
+            out += itemgetter(*ids)(table)
+    return out
 
 
 def _kind_ids(graph: Graph) -> list[int]:

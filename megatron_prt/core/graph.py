@@ -234,23 +234,55 @@ class Graph:
             work[rank] += mbs[placement.pipeline_of(stage)] * both
         return work
 
-    def heap_items(self, fwd_key: SortKey, bwd_key: SortKey) -> list[int]:
-        """id -> its heap entry ``key * n + id``: one integer orders by key, then id."""
-        n, width = self.n, self.width
-        by_stage = (fwd_key.by_stage, bwd_key.by_stage)
-        template = [  # per offset: (by-stage part of the entry, op bit)
-            [(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(self.stage[:width])]
+    def heap_entries(self, fwd_key: SortKey, bwd_key: SortKey) -> HeapEntries:
+        """The heap entries of every id under these keys, made as the scheduler needs them
+        (see [Note: heap entries made when needed])."""
+        return HeapEntries(self, fwd_key, bwd_key)
+
+
+class HeapEntries:
+    """id -> its heap entry ``key * n + id``: one integer orders by key, then id.
+
+    [Note: heap entries made when needed]
+    Half a million entries are half a million integers to make, and a portfolio policy
+    that gives up early (:class:`~megatron_prt.core.greedy.Run`) reads few of them. A
+    micro-batch's actions are one chain from its source ([Note: implied producers]): the
+    scheduler reads an action's entry when its producer finishes, so no entry of a
+    micro-batch but its source's is read before that source has started. ``items`` holds
+    the entries of the first micro-batches, in id order; :meth:`fill_through` extends it
+    (the scheduler calls it when a rank starts an action past it), :meth:`entry` makes the
+    sources' entries, :meth:`fill` all of them (what repeating a steady state reads)."""
+
+    def __init__(self, graph: Graph, fwd_key: SortKey, bwd_key: SortKey) -> None:
+        self.n, self.width, self.mb_pipeline = graph.n, graph.width, graph.mb_pipeline
+        self._by_stage = (fwd_key.by_stage, bwd_key.by_stage)
+        self._by_mb = (fwd_key.by_mb, bwd_key.by_mb)
+        n, by_stage = self.n, self._by_stage
+        # per pipeline, per offset: the by-stage part of the entry (kinds: 2 * stage + op bit)
+        self._parts = [
+            [by_stage[kind & 1][kind >> 1] * n + j for j, kind in enumerate(kinds)]
+            for kinds in graph.kind_templates
         ]
-        if self.placement.num_pipelines == 2:
-            second = self.stage[width : 2 * width]
-            template.append([(by_stage[j & 1][s] * n + j, j & 1) for j, s in enumerate(second)])
-        parts = [[part for part, _ in offsets] for offsets in template]
+        self._stage_of = graph.stage
+        self.items: list[int] = []
+
+    def entry(self, action: int) -> int:
+        """One id's entry, whether or not ``items`` holds it yet."""
+        op, mb = action & 1, action // self.width
+        key = self._by_stage[op][self._stage_of[action]] + self._by_mb[op][mb]
+        return key * self.n + action
+
+    def fill_through(self, action: int) -> None:
+        """Extend ``items`` to the end of ``action``'s micro-batch."""
+        n, width, items, by_mb = self.n, self.width, self.items, self._by_mb
         half = width // 2  # offsets alternate F, B: one (F, B) pair of additions per stage
-        items: list[int] = []
-        for mb, pipe in enumerate(self.mb_pipeline):
-            adds = [fwd_key.by_mb[mb] * n + mb * width, bwd_key.by_mb[mb] * n + mb * width]
-            items += map(add, parts[pipe], adds * half)
-        return items
+        for mb in range(len(items) // width, action // width + 1):
+            adds = [by_mb[0][mb] * n + mb * width, by_mb[1][mb] * n + mb * width]
+            items += map(add, self._parts[self.mb_pipeline[mb]], adds * half)
+
+    def fill(self) -> None:
+        """Make every entry."""
+        self.fill_through(self.n - 1)
 
 
 def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> list:
@@ -262,7 +294,9 @@ def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> list:
     rounds, extra = divmod(len(mb_pipeline), pipes)
     if mb_pipeline != tuple(mb % pipes for mb in range(len(mb_pipeline))):
         return list(chain.from_iterable(map(templates.__getitem__, mb_pipeline)))
-    return [*chain.from_iterable(templates)] * rounds + [*chain.from_iterable(templates[:extra])]
+    tiled = [*chain.from_iterable(templates)] * rounds
+    tiled += chain.from_iterable(templates[:extra])  # in place: no copy of the whole
+    return tiled
 
 
 @functools.lru_cache(maxsize=8)

@@ -67,7 +67,7 @@ class IdResult:
     makespan: float
     peak_held: tuple[int, ...]
     started: list[int]  # every id in the order the ranks started them (a dependency order)
-    begins: tuple[list[int], ...]  # rank -> start tick of each of its actions
+    ends: tuple[list[int], ...]  # rank -> end tick of each of its actions
     forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
@@ -153,7 +153,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     users_of, crossing_of = graph.consumer_steps
     oldest = oldest_first(placement.num_stages, len(graph.mb_pipeline))
     keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
-    items = graph.heap_items(*keys)
+    entries = graph.heap_entries(*keys)  # see [Note: heap entries made when needed]
+    items, fill_through = entries.items, entries.fill_through
     duration, hop = graph.durations(ticks), ticks.p2p
     hopping, backward = hop > 0, graph.backward  # bools: the loop's tests of them are cheap
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
@@ -172,12 +173,13 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     fheap, bheap, pending = ([[] for _ in range(ranks)] for _ in range(3))
     held, peak, last_bwd = [0] * ranks, [0] * ranks, [False] * ranks
     current, end, order = [-1] * ranks, [-1] * ranks, [[] for _ in range(ranks)]
-    started, begins = [], [[] for _ in range(ranks)]
+    started, ends = [], [[] for _ in range(ranks)]  # ends: per rank, each action's end tick
     due: dict[int, list[int]] = {}  # instant -> ranks with an event then (a finish, an arrival)
     instants: list[int] = []  # heap of the instants in due
     for i in graph.sources:  # sources arrive at time 0
-        fheap[rank_of[i]].append(items[i])
+        fheap[rank_of[i]].append(entries.entry(i))
         due.setdefault(0, []).append(rank_of[i])
+    source_ranks = sorted(set(due[0]))  # ranks that start micro-batches
     instants += due
     for heap in fheap:
         heapify(heap)
@@ -260,7 +262,6 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             current[rank] = action
             order[rank].append(action)
             started.append(action)
-            begins[rank].append(now)
             if forward:
                 last_bwd[rank] = False
                 held[rank] = holding = held[rank] + 1
@@ -271,16 +272,20 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             else:
                 last_bwd[rank] = True
             end[rank] = finish = now + busy
+            ends[rank].append(finish)
             ending = due.get(finish)
             if ending is None:
                 due[finish] = [rank]
                 heappush(instants, finish)
             else:
                 ending.append(rank)
+        for rank in source_ranks:  # a micro-batch started: its entries are read from now on
+            if current[rank] >= len(items):
+                fill_through(current[rank])
         if current[watch_rank] == next_source:  # see [Note: repeating the steady state]
             run = dict(
-                started=started, order=order, begins=begins, current=current, end=end,
-                held=held, last_bwd=last_bwd, items=items, fheap=fheap,
+                started=started, order=order, ends=ends, current=current, end=end,
+                held=held, last_bwd=last_bwd, entries=entries, fheap=fheap,
                 bheap=bheap, due=due, instants=instants,
                 room=list(map(add, slack, end)) if bounded else None,  # the latest starts
             )  # fmt: skip
@@ -290,7 +295,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 now += skipped[0]
                 if bounded:  # the watch moved the latest starts (room) and the ends on
                     slack = list(map(sub, run["room"], end))
-    return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(begins), forced)
+    return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(ends), forced)
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:

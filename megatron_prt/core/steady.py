@@ -119,6 +119,7 @@ class SteadyWatch:
         self.next_source = -2  # one repeat per run: what follows is the cool-down
         prefix = self._prefix(period, times, run, self.history[index0 + 1 : -1])
         count = len(started)
+        run["entries"].fill()  # the shifted heaps read entries past any started micro-batch
         period.repeat(times, run, self)
         if prefix is not None:
             return self._resume_at(prefix, period, times, run) - now, len(started) - count
@@ -196,7 +197,7 @@ class SteadyWatch:
         for rank, (seg, begins) in enumerate(zip(period.order, period.begins, strict=True)):
             cut = bisect_right(begins, sample_now)
             run["order"][rank] += map(add, seg[:cut], repeat(ids))
-            run["begins"][rank] += map(add, begins[:cut], repeat(ticks))
+            run["ends"][rank] += map(add, period.ends[rank][:cut], repeat(ticks))
             if run["room"] is not None:
                 run["room"][rank] += sum(map(self.duration.__getitem__, seg[:cut]))
         run["started"] += map(add, period.started[: count - period.started0], repeat(ids))
@@ -214,7 +215,7 @@ class SteadyWatch:
         (id mod kw) the rounds started (every kind starts its micro-batches in order) and
         the rounds done (started less running); an id is waiting when it has not started
         and its one producer is done (or it has none)."""
-        kw, n, items, ids = self.kw, self.n, run["items"], period.ids
+        kw, n, items, ids = self.kw, self.n, run["entries"].items, period.ids
         last = dict(zip(map(mod, period.started, repeat(kw)), period.started, strict=True))
         first = period.started[:prefix]  # copied times + 1 periods on, the others times
         last = {o: i + times * ids for o, i in last.items()}
@@ -252,12 +253,19 @@ def _set_events(run: dict) -> None:
 
 class _Period:
     """What the scheduler did between two equal states: per rank the ids started and their
-    start ticks, every start in order; ``ticks`` and ``ids``: the shift of one period."""
+    start and end ticks, every start in order; ``ticks`` and ``ids``: the shift of one
+    period."""
 
     def __init__(self, run: dict, t0: int, started0: int, ticks: int, ids: int, duration):
-        lengths0 = [bisect_right(begins, t0) for begins in run["begins"]]
-        self.order = [o[k:] for o, k in zip(run["order"], lengths0, strict=True)]
-        self.begins = [b[k:] for b, k in zip(run["begins"], lengths0, strict=True)]
+        self.order, self.begins, self.ends = [], [], []
+        for order, ends in zip(run["order"], run["ends"], strict=True):
+            # begun after t0: no action takes zero time, so a rank's ends rise and an
+            # action ending past t0 that began by then is the one after those ended by t0
+            k = bisect_right(ends, t0)
+            k += k < len(ends) and ends[k] - duration[order[k]] <= t0
+            self.order.append(order[k:])
+            self.ends.append(ends[k:])
+            self.begins.append(list(map(sub, ends[k:], map(duration.__getitem__, order[k:]))))
         self.work = [sum(map(duration.__getitem__, ids)) for ids in self.order]  # per rank
         self.started, self.started0 = run["started"][started0:], started0
         self.ticks, self.ids = ticks, ids
@@ -267,12 +275,12 @@ class _Period:
         ids, ticks = self.ids, self.ticks
         self._move_heaps(times * ids, run, watch.n)  # reads the state as it is
         shifts = range(1, times + 1)
-        for rank, (seg, begins) in enumerate(zip(self.order, self.begins, strict=True)):
+        for rank, (seg, ends) in enumerate(zip(self.order, self.ends, strict=True)):
             run["order"][rank] += chain.from_iterable(
                 map(add, seg, repeat(k * ids)) for k in shifts
             )
-            run["begins"][rank] += chain.from_iterable(
-                map(add, begins, repeat(k * ticks)) for k in shifts
+            run["ends"][rank] += chain.from_iterable(
+                map(add, ends, repeat(k * ticks)) for k in shifts
             )
             if run["room"] is not None:
                 run["room"][rank] += times * self.work[rank]
@@ -289,7 +297,7 @@ class _Period:
     @staticmethod
     def _move_heaps(shift: int, run: dict, n: int) -> None:
         """Each heap entry shifted, those past the last id left out."""
-        items = run["items"]
+        items = run["entries"].items
         for heaps in (run["fheap"], run["bheap"]):
             for rank, heap in enumerate(heaps):
                 moved = [items[i % n + shift] for i in heap if i % n + shift < n]

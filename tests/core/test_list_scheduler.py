@@ -78,9 +78,10 @@ def _first_start_past(result: IdResult, graph, times, tails, limit: int) -> int 
     ticks, _ = times.in_ticks()
     duration = graph.durations(ticks)
     starts = []
-    for rank, (ids, begins) in enumerate(zip(result.orders, result.begins, strict=True)):
+    for rank, (ids, ends) in enumerate(zip(result.orders, result.ends, strict=True)):
         left = sum(map(duration.__getitem__, ids))
-        for action, begin in zip(ids, begins, strict=True):
+        for action, end in zip(ids, ends, strict=True):
+            begin = end - duration[action]
             if begin + left + tails[rank] > limit:
                 starts.append(begin)
                 break
