@@ -89,10 +89,11 @@ def measure_runners(
     """Every runner of ``built`` (key -> runner, or the reason it cannot run): ``args.warmup``
     warm-up steps, one metered step, ``args.reps`` interleaved timed repetitions (each after
     ``warm_steps`` untimed steps of its runner: :func:`interleaved_times`), then
-    ``check(runners, times)`` (more fields of the result) before they close. Per key: ``refused``
-    (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and ``replica_sum_s`` (bi:
-    median of the timed steps' sums). A runner has ``step``, ``zero_grad``, ``peak_bytes``,
-    ``close``, ``plan``, ``wire`` and ``replica_sum_s``."""
+    ``check(runners, times)`` (more fields of the result) before they close. Per key:
+    ``refused`` (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and
+    ``replica_sum_s`` (bi: median of the sums of the last rounds' steps, warm steps
+    included). A runner has ``step``, ``zero_grad``, ``peak_bytes``, ``close``, ``plan``,
+    ``wire`` and ``replica_sum_s``."""
     runners = {key: r for key, r in built.items() if not isinstance(r, str)}
     for runner in runners.values():
         for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
@@ -109,7 +110,7 @@ def measure_runners(
         "plans": {key: r.plan for key, r in runners.items()},
         "wire": {key: r.wire for key, r in runners.items()},
         "replica_sum_s": {
-            key: statistics.median(r.replica_sum_s[-args.reps :])
+            key: statistics.median(r.replica_sum_s[-args.reps * (1 + warm_steps) :])
             for key, r in runners.items()
             if r.replica_sum_s
         },
