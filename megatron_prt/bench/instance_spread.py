@@ -9,7 +9,8 @@ Per instance and phase: the median step (the slowest rank's wall time), and per 
 median main-thread CPU time and minor page faults of a step (:class:`Metered`), so a slow
 instance shows whether it computes slower or waits longer. Per instance also where its
 tensors lie (:func:`placement`). Each hypothesis is a flag (``--seeds``, ``--flush-denormal``,
-``--reclone``, ``--transport``, ``--gc-freeze``, ``--keep-freed-memory``); ``--remedy``
+``--reclone``, ``--transport``, ``--gc-freeze``, ``--keep-freed-memory``,
+``--ballast-between``); ``--remedy``
 builds a second group of N instances with a per-instance change, timed in the same rounds.
 
     python benchmarks/instance_spread.py            # out/bench/instance_spread.{md,json}
@@ -82,6 +83,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="(e) phase 1 as glibc comes, phase 2 with freed memory kept (one launch)",
     )
+    p.add_argument(
+        "--ballast-between",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="(f) between the phases, make GiB of 1 MiB tensors on the heap, touch them, free "
+        "them (with --keep-freed-memory glibc keeps the heap they grew)",
+    )
     p.add_argument("--remedy", choices=REMEDIES, default="none", help="a second group, changed")
     p.add_argument(
         "--context",
@@ -110,6 +119,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.instances = min(args.instances, 3)
     if args.instances < 2 or args.reps < 1:
         p.error(f"--instances must be >= 2 and --reps >= 1, got {args.instances}, {args.reps}")
+    if args.ballast_between < 0:
+        p.error(f"--ballast-between must be >= 0 GiB, got {args.ballast_between}")
     return args
 
 
@@ -186,6 +197,14 @@ def reclone(runner: Metered) -> None:
                 p.data = p.data.clone()
     runner.runner.xs = [x.clone() for x in runner.xs]
     runner.runner.ys = [y.clone() for y in runner.ys]
+
+
+def ballast(gib: float) -> None:
+    """``gib`` GiB of 1 MiB tensors made and written, every other one freed first, then the
+    rest: the heap a grid of many runtimes leaves behind (holes, then all free)."""
+    blocks = [torch.ones(1 << 18) for _ in range(round(gib * 1024))]
+    del blocks[::2]
+    del blocks
 
 
 def rebuild(runner: Metered, args) -> None:
@@ -285,13 +304,19 @@ def worker(rank: int, world: int, args) -> dict:
         marks.update({name: len(r.cpu_s) for name, r in runners.items()})
         if args.keep_freed_memory_between:
             keep_freed_memory()
+        ballast(args.ballast_between)
         for name, runner in runners.items():  # the same order on every rank (collective)
             if args.rebuild_between:
                 rebuild(runner, args)
             if args.reclone_between:
                 reclone(runner)
                 where_after[name] = placement(runner)
-            if args.rebuild_between or args.reclone_between or args.keep_freed_memory_between:
+            if (
+                args.rebuild_between
+                or args.reclone_between
+                or args.keep_freed_memory_between
+                or args.ballast_between
+            ):
                 runner.step()  # untimed: the new pages touched
         say(f"{label} second phase")
         return {"phase2": interleaved_times(runners, args.reps, label)}

@@ -13,7 +13,8 @@ from megatron_prt.bench.instance_spread import main, spearman
 
 
 def test_smoke_reports_every_instance_and_a_spread(tmp_path, capsys):
-    assert main(["--smoke", "--remedy", "reclone", "--out", str(tmp_path)]) == 0
+    args = ["--smoke", "--remedy", "reclone", "--ballast-between", "0.01", "--out", str(tmp_path)]
+    assert main(args) == 0
     report = json.loads((tmp_path / "instance_spread.json").read_text())
     groups = {(g["plan"], g["group"]): g for g in report["groups"]}
     plans = ("R=1 loop/uni, even", "R=2 wave/uni split, even")
