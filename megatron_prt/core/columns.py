@@ -21,7 +21,7 @@ that hands it lists must not change them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
 
@@ -104,6 +104,15 @@ def ops_of(actions: Sequence[Action]) -> Sequence[Op]:
     if isinstance(actions, RankActions):
         return actions.ops
     return list(map(_OP, actions))
+
+
+def picker(indices: Sequence[int]) -> Callable[[Sequence], tuple]:
+    """``pick(seq)``: the items of ``seq`` at ``indices``, in that order, as a tuple (one
+    C-level ``itemgetter`` call; unlike ``itemgetter``, a single index gives a 1-tuple)."""
+    if len(indices) == 1:
+        only = indices[0]
+        return lambda seq: (seq[only],)
+    return itemgetter(*indices) if indices else lambda seq: ()
 
 
 def join(per_rank: Iterable[Columns]) -> tuple[list[int], list[Op], list[int]]:

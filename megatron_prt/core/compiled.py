@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 from collections import deque
 from itertools import chain, repeat
-from operator import add, itemgetter
+from operator import add
 from typing import TYPE_CHECKING
 
 from .actions import Action, Op
+from .columns import picker
 from .deps import producers
 from .plan import Plan
 from .replay import Replayer, Ticks
@@ -108,10 +109,7 @@ def _gather(table: list, orders: tuple[list[int], ...]) -> list:
     """``table[id]`` of every id of ``orders``, rank after rank (one C-level pick a rank)."""
     out: list = []
     for ids in orders:
-        if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-            out += [table[i] for i in ids]
-        else:
-            out += itemgetter(*ids)(table)
+        out += picker(ids)(table)
     return out
 
 

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from itertools import accumulate, compress, pairwise, repeat
-from operator import add, itemgetter, mul, sub
+from operator import add, mul, sub
 
 from .actions import Action, Op
-from .columns import RankActions, columns
+from .columns import RankActions, columns, picker
 from .deps import carries_tensor, comm_ops, producers
 from .gcpause import without_gc
 from .placement import Placement
@@ -185,9 +185,7 @@ class _Stream:
     def sorted(self) -> RankActions:
         """The rank's actions in key order (keys are distinct: a total order)."""
         keys = self.keys
-        if len(keys) < 2:  # itemgetter of one index returns the value, not a tuple
-            return RankActions(*self.columns)
-        by_key = itemgetter(*sorted(range(len(keys)), key=keys.__getitem__))
+        by_key = picker(sorted(range(len(keys)), key=keys.__getitem__))
         return RankActions(*map(by_key, self.columns))
 
 

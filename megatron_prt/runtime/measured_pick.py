@@ -128,6 +128,8 @@ def slowest_step_seconds(
 
 
 def _step_seconds(runner: Runner, group, device: torch.device, warm_steps: int = 0) -> float:
+    if warm_steps < 0:  # range() would take it as 0: say so instead
+        raise ConfigError(f"warm_steps must be >= 0 untimed steps, got {warm_steps}")
     for _ in range(warm_steps):
         runner.zero_grad()
         runner.step()

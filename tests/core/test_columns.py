@@ -115,3 +115,13 @@ def test_a_plan_of_other_types_in_columns_is_checked_on_its_own(plan, change):
     expected = _verdict(separately, odd, lowered)
     assert _verdict(validate_lowering, replace(odd), lowered) == expected
     assert (expected == "ok") == (not change.endswith("float"))  # the others equal theirs
+
+
+def test_picker_gives_a_tuple_for_any_number_of_indices():
+    """``itemgetter`` of one index gives the bare item; the columns' gathers need a tuple."""
+    from megatron_prt.core.columns import picker
+
+    seq = [10, 11, 12, 13]
+    assert picker([2, 0, 3])(seq) == (12, 10, 13)
+    assert picker([1])(seq) == (11,)
+    assert picker([])(seq) == ()

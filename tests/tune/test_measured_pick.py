@@ -204,3 +204,10 @@ def test_warm_steps_run_untimed_right_before_each_timed_step():
     assert clock_saw == [["zero", "step", "zero", "step", "zero"], runner_calls]
     one_round = ["zero", "step", "zero", "step"]  # warm step, then the timed step
     assert picked_calls == [one_round * 2, one_round * 2]
+
+
+def test_negative_warm_steps_are_refused_not_taken_as_none():
+    from megatron_prt.runtime.measured_pick import slowest_step_seconds
+
+    with pytest.raises(ConfigError, match="warm_steps must be >= 0"):
+        slowest_step_seconds(_Counting(), warm_steps=-1)

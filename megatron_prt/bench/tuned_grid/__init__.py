@@ -20,8 +20,6 @@ once, as that row ([Note: grid twins] in :mod:`.grid`).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -29,7 +27,7 @@ from dataclasses import replace
 
 from ...runtime.local import all_ok, run_local
 from ...sim.simulate import simulate
-from ..report import launch
+from ..report import launch, write_report
 from .grid import PREDICTED, TUNED, worker
 from .in_round import in_round_fit
 from .stacks import STACKS
@@ -341,11 +339,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=1800)))
     summary = summarize(per_rank)
     info.update(top=args.top, pick_reps=args.pick_reps, warm_steps=args.warm_steps)
-    os.makedirs(args.out, exist_ok=True)
-    md = os.path.join(args.out, f"{NAME}.md")
-    with open(md, "w") as f:
-        f.write(markdown(summary, info))
-    with open(os.path.join(args.out, f"{NAME}.json"), "w") as f:
-        json.dump({"machine": info, "args": vars(args), "stacks": summary}, f, indent=1)
+    md, _ = write_report(args, NAME, markdown(summary, info), {"stacks": summary}, info)
     print(f"wrote {md} ({info['wall_s']:.0f} s)")
     return 0
