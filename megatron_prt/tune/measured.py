@@ -30,6 +30,7 @@ the configuration) lie.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import defaultdict
@@ -231,6 +232,11 @@ def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -
 
 
 MIN_COMPUTE_SCALE = 1e-3  # below it the traced compute is deemed not the step's (no fit)
+# The simulator rounds every duration to 1/10,000 of the shortest (StageTimes.in_ticks), so
+# a simulated step moves in jumps of up to a few millionths of itself as the scale moves: a
+# secant can then circle the measured time without coming within a millionth. The closest
+# round within a ten-thousandth is the fit (100 times finer than any timed step repeats).
+SIMULATED_RESOLUTION = 1e-4
 
 
 def fit_in_place(
@@ -254,6 +260,7 @@ def fit_in_place(
     its messages' share fixed). The layers' relative times stay as traced."""
     few, few_s = timed[0]
     scale, last = 1.0, None  # last: (scale, simulated seconds) of the round before
+    closest = (math.inf, None, scale)  # (relative error, fitted, scale) of the best round
     for _ in range(rounds):
         scaled = cost.compute_scaled(scale)
         fitted = replace(scaled, p2p_cpu=message_cpu_in_place(scaled, timed[:2]))
@@ -262,8 +269,10 @@ def fit_in_place(
             raise ConfigError(
                 f"the few-message step simulates to {predicted} s: no compute to scale"
             )
-        if abs(few_s / predicted - 1) <= 1e-6:
-            return (_replica_in_place(fitted, *timed[2]) if len(timed) > 2 else fitted), scale
+        error = abs(few_s / predicted - 1)
+        closest = min(closest, (error, fitted, scale), key=lambda c: c[0])
+        if error <= 1e-6:
+            break
         if last is None or last[1] == predicted:
             step = scale * (few_s / predicted - 1)  # the step is all compute
         else:  # secant: compute scales, the messages' share does not
@@ -272,9 +281,13 @@ def fit_in_place(
         scale = scale + step if scale + step > 0 else scale / 2
         if scale < MIN_COMPUTE_SCALE:
             break  # the messages alone outlast the step: no compute scale fits
+    error, fitted, best = closest
+    if error <= SIMULATED_RESOLUTION:
+        return (_replica_in_place(fitted, *timed[2]) if len(timed) > 2 else fitted), best
     raise ConfigError(
         f"no compute scale fits (few-message step measured {few_s:.6f} s, simulated "
-        f"{predicted:.6f} s at scale {scale:.4g}, {rounds} rounds at most): the step with few "
+        f"{predicted:.6f} s at scale {scale:.4g}, {rounds} rounds at most; closest "
+        f"{error:.2g} off at scale {best:.4g}): the step with few "
         "messages must be mostly compute; time one with fewer messages or more layers"
     )
 
