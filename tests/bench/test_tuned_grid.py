@@ -62,8 +62,6 @@ def _stack_result(pick_index: int) -> dict:
     return {
         "cost": cost,
         "compute_scale": 0.875,
-        "early_cost": cost.compute_scaled(0.8),
-        "early_compute_scale": 0.7,
         "entries": [_row(e) for e in entries],
         "tuned": _row(best[pick_index]),
         "predicted_best": _row(best[0]),
@@ -97,33 +95,6 @@ def test_report_prices_the_picked_plan_and_says_how_it_was_picked():
 
 def _row(entry) -> tuple:
     return entry.label, entry.plan, entry.stage_layers
-
-
-def test_report_predicts_with_the_fit_in_the_grids_process_and_gives_the_early_one():
-    """[Note: fit in the grid's process]: the prediction the target names is the second
-    fit's ("cost"), the first fit's ("early_cost") is reported beside it, row by row."""
-    result = _stack_result(pick_index=1)
-    summary = summarize([{"head": result}])["head"]
-    _, plan, counts = result["tuned"]
-    late = simulate(plan, replace(result["cost"], stage_layers=counts)).makespan
-    early = simulate(plan, replace(result["early_cost"], stage_layers=counts)).makespan
-    assert early == pytest.approx(0.8 * late, rel=0.05) and early != late
-    assert summary["tuned"]["predicted_s"] == late and summary["tuned"]["early_s"] == early
-    assert summary["tuned_early_vs_measured"] == pytest.approx(early / 0.9 - 1)
-    assert all(r["early_s"] for r in summary["rows"])
-    machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
-    text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
-    assert (
-        "Fitted before the grid's runtimes were built: traced per-layer times scaled by 0.700"
-        in text
-    )
-    assert "Fitted in place after the grid's runtimes were built" in text
-    assert f"| {early / 0.9 - 1:+.1%} |" in text
-    older = {k: v for k, v in result.items() if not k.startswith("early")}
-    plain = summarize([{"head": older}])["head"]  # a result without an early fit: n/a
-    assert plain["tuned_early_vs_measured"] is None
-    plain_text = markdown({"head": plain}, {**machine, "top": 3, "pick_reps": 1})
-    assert "Fitted before the grid's runtimes were built: traced" not in plain_text
 
 
 def test_report_when_the_clock_agrees_with_the_tuner():

@@ -116,7 +116,7 @@ def summarize(per_rank: list[dict]) -> dict:
     and the selection."""
     out = {}
     for stack, res in per_rank[0].items():
-        cost, early = res["cost"], res.get("early_cost")
+        cost = res["cost"]
         picks = [(TUNED, *res["tuned"][1:]), (PREDICTED, *res["predicted_best"][1:])]
         medians = {label: statistics.median(times) for label, times in res["times"].items()}
         ranks = res["entries"][0][1].placement.ranks
@@ -128,9 +128,6 @@ def summarize(per_rank: list[dict]) -> dict:
             predicted = simulate(plan, replace(cost, stage_layers=counts)).makespan
             rows.append({"label": label, "measured_s": medians[label], "predicted_s": predicted})
             rows[-1]["in_round_s"] = fit.predict(plan, counts) if fit else None
-            rows[-1]["early_s"] = (
-                simulate(plan, replace(early, stage_layers=counts)).makespan if early else None
-            )
             rows[-1]["reference"] = bool(fit and label != TUNED and fit.is_reference(plan, counts))
         grid = [r for r in rows if r["label"] not in (TUNED, PREDICTED)]
         tuned = next(r for r in rows if r["label"] == TUNED)
@@ -141,9 +138,6 @@ def summarize(per_rank: list[dict]) -> dict:
         out[stack] = {
             "costs": cost.to_dict(),
             "compute_scale": res["compute_scale"],
-            "early_costs": early.to_dict() if early else None,
-            "early_compute_scale": res.get("early_compute_scale"),
-            "refit_error": res.get("refit_error"),
             "rows": sorted(grid, key=lambda r: r["measured_s"]),
             "grid_best": best,
             "predicted_best": min(grid, key=lambda r: r["predicted_s"]),
@@ -152,9 +146,6 @@ def summarize(per_rank: list[dict]) -> dict:
             "tuned_vs_grid_best": tuned["measured_s"] / best["measured_s"] - 1,
             "tuner_first_vs_grid_best": first["measured_s"] / best["measured_s"] - 1,
             "tuned_predicted_vs_measured": tuned["predicted_s"] / tuned["measured_s"] - 1,
-            "tuned_early_vs_measured": (
-                tuned["early_s"] / tuned["measured_s"] - 1 if tuned["early_s"] else None
-            ),
             "in_round": _in_round_record(fit, res["tuned"], tuned),
             "rematch": _rematch(res["rematch"]),
             "twins": res.get("twins", {}),
@@ -188,17 +179,13 @@ def markdown(summary: dict, info: dict) -> str:
         "repetitions that found it ([Note: held-out rematch] in "
         "`megatron_prt/bench/tuned_grid/grid.py`).",
         "",
-        "Three predictions. Predicted (the target's): the profiled costs fitted in place to "
-        "three reference steps timed in a phase of their own after every grid runtime was "
-        "built and warmed, before any timed step of the grid ([Note: fit in the grid's "
-        "process] in `megatron_prt/bench/tuned_grid/grid.py`: building the grid's runtimes "
-        "slows the process down, and a fit should see the process the rows run in). Fitted "
-        "before the grid's runtimes were built: the same fit, taken first (it plans the grid "
-        "and feeds the tuner). Fitted in the grid's rounds: the same fit to the same three "
-        "plans' medians as grid rows (1F1B, every layer its own stage, R=1 loop/bi, even "
-        "splits; [Note: in-round fit] in `megatron_prt/bench/tuned_grid/in_round.py`), which "
-        "predicts every other row at the time it was measured, so the host's drift between "
-        "phases drops out of it.",
+        "Two predictions: fitted before the grid (the profiled costs fitted in place to "
+        "three reference steps timed in a phase of their own, minutes earlier: what a user "
+        "gets before running) and fitted in the grid's rounds (the same fit to the same three "
+        "plans' medians as grid rows: 1F1B, every layer its own stage, R=1 loop/bi, even "
+        "splits; [Note: in-round fit] in `megatron_prt/bench/tuned_grid/in_round.py`): the "
+        "second predicts every other row at the time it was measured, so the host's drift "
+        "between phases drops out of it.",
         "",
         "A pick that is a grid configuration itself (the same plan on the same split) is timed "
         "once, as that grid row: two runtimes of one plan measured up to 19% apart in the same "
@@ -209,11 +196,10 @@ def markdown(summary: dict, info: dict) -> str:
         "",
         "| stack | grid best (measured) | tuned pick | tuned measured | tuned vs grid best "
         "(target <= +5%) | tuned predicted | predicted vs measured (target within 10%) | "
-        "fitted before the grid's runtimes were built: predicted vs measured | "
         "fitted in the grid's rounds: predicted vs measured | "
         "tuner's first vs grid best | held-out rematch: grid best / tuned ms, tuned vs grid "
         "best | grid rows |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for stack, s in summary.items():
         b, t, r = s["grid_best"], s["tuned"], s["rematch"]
@@ -221,7 +207,6 @@ def markdown(summary: dict, info: dict) -> str:
             f"| {stack} | {b['label']}: {1e3 * b['measured_s']:.2f} ms | {_pick_cell(s)} | "
             f"{1e3 * t['measured_s']:.2f} ms | {s['tuned_vs_grid_best']:+.1%} | "
             f"{1e3 * t['predicted_s']:.2f} ms | {s['tuned_predicted_vs_measured']:+.1%} | "
-            f"{_ratio_cell(s['tuned_early_vs_measured'])} | "
             f"{_in_round_cell(s['in_round'])} | {s['tuner_first_vs_grid_best']:+.1%} | "
             f"{1e3 * r['grid_best_s']:.2f} / "
             f"{1e3 * r['tuned_s']:.2f}, {r['tuned_vs_grid_best']:+.1%} | {len(s['rows'])} |"
@@ -234,38 +219,21 @@ def markdown(summary: dict, info: dict) -> str:
 
 
 def _grid_rows(stack: str, s: dict) -> list[str]:
-    """A stack's fitted values and every grid row, the predictions against the measured."""
+    """A stack's fitted values and every grid row, both predictions against the measured."""
     fit = s["in_round"]
+    costs = s["costs"]
     lines = [
         "",
         f"## {stack}: every grid row (fastest measured first)",
         "",
-        _fitted_line(
-            "Fitted in place after the grid's runtimes were built ([Note: fit in the grid's "
-            "process] in `megatron_prt/bench/tuned_grid/grid.py`; [Note: compute fitted in "
-            "place] in `megatron_prt/tune/measured.py`)",
-            s["compute_scale"],
-            s["costs"],
-        )
+        "Fitted in place before the grid ([Note: compute fitted in place] in "
+        "`megatron_prt/tune/measured.py`): traced per-layer times scaled by "
+        f"{s['compute_scale']:.3f}, per-message CPU {1e3 * costs.get('p2p_cpu', 0.0):.3f} ms; "
+        f"replica latency {1e3 * costs.get('replica_latency', 0.0):.3f} ms; "
+        f"message latency {1e3 * costs.get('p2p_latency', 0.0):.3f} ms. "
         + _rows_within(s["rows"], "predicted_s"),
         "",
     ]
-    if s.get("refit_error"):
-        lines += [
-            "The fit after the grid's runtimes were built found no compute scale "
-            f"({s['refit_error']}): predicted is the fit before they were built.",
-            "",
-        ]
-    if s.get("early_costs"):
-        lines += [
-            _fitted_line(
-                "Fitted before the grid's runtimes were built",
-                s["early_compute_scale"],
-                s["early_costs"],
-            )
-            + _rows_within(s["rows"], "early_s"),
-            "",
-        ]
     if fit is not None:
         lines += [
             f"Fitted in the grid's rounds (to {', '.join(fit['references'])}): scale "
@@ -280,8 +248,8 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
         ]
     lines += [
         "| configuration | measured ms | predicted ms | predicted vs measured | "
-        "fitted before build vs measured | in-round predicted ms | in-round vs measured |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "in-round predicted ms | in-round vs measured |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         in_round = r.get("in_round_s")
@@ -289,23 +257,11 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
         if in_round is not None:
             mark = " (fitted to it)" if r["reference"] else ""
             cells = (f"{1e3 * in_round:.2f}", f"{in_round / r['measured_s'] - 1:+.1%}{mark}")
-        early = r["early_s"] / r["measured_s"] - 1 if r.get("early_s") else None
         lines.append(
             f"| {r['label']} | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
-            f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {_ratio_cell(early)} | "
-            f"{cells[0]} | {cells[1]} |"
+            f"{r['predicted_s'] / r['measured_s'] - 1:+.1%} | {cells[0]} | {cells[1]} |"
         )
     return lines
-
-
-def _fitted_line(what: str, scale: float, costs: dict) -> str:
-    """One fit's values: compute scale, per-message CPU, replica and message latency."""
-    return (
-        f"{what}: traced per-layer times scaled by {scale:.3f}, per-message CPU "
-        f"{1e3 * costs.get('p2p_cpu', 0.0):.3f} ms; replica latency "
-        f"{1e3 * costs.get('replica_latency', 0.0):.3f} ms; message latency "
-        f"{1e3 * costs.get('p2p_latency', 0.0):.3f} ms. "
-    )
 
 
 def _rows_within(rows: list[dict], key: str, which: str = "Rows") -> str:
@@ -335,10 +291,6 @@ def _pick_cell(s: dict) -> str:
     row = s["twins"].get(TUNED)
     twin = f" (= grid row {row}: same plan and split, timed once)" if row else ""
     return s["tuned"]["label"] + twin
-
-
-def _ratio_cell(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:+.1%}"
 
 
 def _in_round_cell(record: dict | None) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from argparse import Namespace
 from dataclasses import dataclass, replace
 
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from ...tune.measured import top_candidates
 from ...tune.partition import partition
 from ...tune.search_plans import Candidate, plan_for, tune
 from ..common import interleaved_times, measure_runners, say
-from .stacks import STACKS, batch, fit_now, layer_maker, profile_costs, shm_capacity
+from .stacks import STACKS, batch, layer_maker, profile_costs, shm_capacity
 
 REUSES = (1, 2, 3, 4)
 TUNED = "tuned"  # the measured pick among the tuner's top candidates
@@ -178,13 +177,12 @@ def pick(best: list[Entry], stack: str, rank: int, args, m: int) -> tuple[dict, 
 
 
 def measure_stack(rank: int, world: int, stack: str, args) -> dict:
-    """Profile ``stack`` and fit its costs, plan the grid and tune on rank 0, pick among the
-    tuner's top candidates by the clock, build and warm every grid runtime, fit the costs
-    again ([Note: fit in the grid's process]), time every entry and the pick."""
+    """Profile ``stack``, plan the grid and tune on rank 0, pick among the tuner's top
+    candidates by the clock, time every entry and the pick."""
     say(f"tuned grid, {stack}: profiling costs")
-    early, early_scale, profiled = profile_costs(rank, world, stack, args)
+    cost, compute_scale, profiled = profile_costs(rank, world, stack, args)
     m = args.microbatches
-    entries, best, info = planned(early, world, m, args.top)
+    entries, best, info = planned(cost, world, m, args.top)
     say(f"tuned grid, {stack}: timing the tuner's top {len(best)} to pick one")
     kept, record = pick(best, stack, rank, args, m)
     say(f"tuned grid, {stack}: {len(entries)} grid configurations + the tuned pick")
@@ -195,12 +193,10 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
             runner.close()
         else:
             built[key] = runner
-    refit = fit_in_grid_process(built, world, stack, args, profiled)
-    cost, compute_scale = refit if isinstance(refit, tuple) else (early, early_scale)
     label = f"tuned grid, {stack}:"
     measured = measure_runners(
         built,
-        Namespace(**{**vars(args), "warmup": 0}),  # warmed up for the fit already
+        args,
         label,
         lambda runners, times: rematch(runners, times, args, label, twins),
         warm_steps=args.warm_steps,
@@ -210,9 +206,6 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
     return {
         "cost": cost,
         "compute_scale": compute_scale,
-        "early_cost": early,
-        "early_compute_scale": early_scale,
-        "refit_error": None if isinstance(refit, tuple) else refit,
         "profiled_cost": profiled,
         "entries": [_row(e) for e in entries],
         "tuned": _row(best[record["index"]]),
@@ -222,37 +215,6 @@ def measure_stack(rank: int, world: int, stack: str, args) -> dict:
         "rematch": measured["rematch"],
         "twins": twins,
     }
-
-
-def fit_in_grid_process(
-    built: dict, world: int, stack: str, args, profiled: CostModel
-) -> tuple[CostModel, float] | str:
-    """Every runner of ``built`` stepped ``args.warmup`` times, then ``profiled`` fitted in
-    place again (:func:`.stacks.fit_now`): the model the report predicts with, or why no
-    scale fits (then the report predicts with the early fit and says so; every rank fits
-    the same slowest-rank times, so all agree). Collective.
-
-    [Note: fit in the grid's process] Building and stepping the grid's ~45 runtimes leaves
-    the process slower on the wide stack, and it stays slower after they close: the fit's
-    three reference steps, timed the fit's way, measured 39-41 / 55-61 / 35-38 ms early in
-    a launch and 45-50 / 66-74 / 42-50 ms once the grid's runtimes had been built and
-    stepped (four launches, 09:05-09:20 on 2 December; a control that only repeated the fit
-    for 90 s stayed at the early speed outside the host's own slow spells). A fit taken
-    before the grid's runtimes exist therefore predicts a faster process than the one the
-    grid times: the wide stack's prediction was low in 13 of 14 launches (docs/tune.md).
-    The grid is planned and the tuner run with the early fit (nothing else exists yet);
-    the prediction reported for every row comes from this second fit, still taken before
-    any timed step of the grid, in the state its rows run in, as a training process fits in
-    the process it trains in. The early fit's prediction is reported beside it."""
-    for runner in built.values():
-        for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
-            runner.step()
-    say(f"tuned grid, {stack}: fitting the costs again, every grid runtime built")
-    try:
-        return fit_now(world, stack, args, profiled)
-    except ConfigError as exc:
-        say(f"tuned grid, {stack}: the second fit failed, predicting with the first: {exc}")
-        return str(exc)
 
 
 def grid_twins(entries: list[Entry], picks: dict[str, Entry]) -> dict[str, str]:

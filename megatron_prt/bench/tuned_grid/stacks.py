@@ -155,9 +155,9 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
 
 def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float, CostModel]:
     """The stack's cost model (module docstring), the compute scale fitted in place and the
-    profiled model before the fit (the in-round fit and the fit in the grid's process start
-    from it: [Note: in-round fit] in :mod:`.in_round`, [Note: fit in the grid's process] in
-    :mod:`.grid`), the same on every rank."""
+    profiled model before the fit (the in-round fit starts from it: [Note: in-round fit] in
+    :mod:`.in_round`), the same on every rank. The three fitted steps run at the grid's
+    micro-batch count, ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
     latency, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
     cost = CostModel(
@@ -166,13 +166,6 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         p2p_cpu=cpu,
         **replica_fields(rank, world, stack, args),
     )
-    return (*fit_now(world, stack, args, cost), cost)
-
-
-def fit_now(world: int, stack: str, args, profiled: CostModel) -> tuple[CostModel, float]:
-    """``profiled`` fitted in place to the three reference steps timed now (module
-    docstring): ``(cost, compute scale)``, bit for bit the same on every rank. The steps run
-    at the grid's micro-batch count, ``args.fit_steps`` each, interleaved. Collective."""
     xs, ys = batch(stack, args, args.microbatches)
     timed = few_and_many_messages(
         world,
@@ -186,6 +179,6 @@ def fit_now(world: int, stack: str, args, profiled: CostModel) -> tuple[CostMode
         warm_steps=args.warm_steps,
         shm_capacity=shm_capacity(stack, args),
     )
-    shared = [fit_in_place(profiled, timed)]
+    shared = [(*fit_in_place(cost, timed), cost)]
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank
     return shared[0]
