@@ -231,6 +231,24 @@ def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -
     return (low + high) / 2
 
 
+def hop_in_flight(one_way_s: float, cpu_s: float) -> float:
+    """The ``p2p_latency`` of a hop timed one way in ``one_way_s`` on a transport that
+    costs each end ``cpu_s`` per message: what is left of the hop once both ends' CPU is
+    taken out, never below 0.
+
+    [Note: a hop's time less its CPU] The simulator charges ``p2p_cpu`` to the sender's
+    and the receiver's busy time and adds ``p2p_latency`` between them as time in flight,
+    during which both ranks may compute. A one-way time measured by ping-pong holds all
+    three, so taking it whole as the latency counts the CPU twice, once as in flight. On
+    shared memory a message is the sender's copy into the ring and the receiver's copy
+    out, nothing in flight: the wide stack's 1 MiB message timed 0.21-0.26 ms one way and
+    0.25-0.28 ms of CPU per end, and with the one-way time as latency the simulator
+    credited plans built for those costs with hiding it (R = 4 loop/uni 13.6% and R = 1
+    loop/bi 4% faster than the plans for free messages) while they ran 0.5-6% slower;
+    the tuned grid's wide predictions came out low in 17 of 18 launches (docs/tune.md)."""
+    return max(0.0, one_way_s - 2 * cpu_s)
+
+
 MIN_COMPUTE_SCALE = 1e-3  # below it the traced compute is deemed not the step's (no fit)
 # The simulator rounds every duration to 1/10,000 of the shortest (StageTimes.in_ticks), so
 # a simulated step moves in jumps of up to a few millionths of itself as the scale moves: a

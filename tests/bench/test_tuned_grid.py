@@ -248,3 +248,26 @@ def test_the_report_says_how_warm_a_timed_step_is_and_the_flag_is_checked():
     assert parse_args([]).warm_steps == 0 and parse_args(["--warm-steps", "1"]).warm_steps == 1
     with pytest.raises(SystemExit):
         parse_args(["--warm-steps", "-1"])
+
+
+def test_profiled_latency_is_the_one_way_time_less_both_ends_cpu(monkeypatch):
+    """The tuned grid's costs take the shared-memory hop's one-way time less the CPU both
+    ends spend on it as the latency ([Note: a hop's time less its CPU]); the one-way time
+    whole counted the copies twice, once as time in flight."""
+    from megatron_prt.bench.tuned_grid import stacks
+
+    args = SimpleNamespace(
+        mb_size=2, wide=8, hidden=8, burst=4, microbatches=2, layers=4, fit_steps=1, warm_steps=0
+    )
+    monkeypatch.setattr(stacks, "profile_layers", lambda *a: [LayerCost(1.0, 2.0)] * 4)
+    monkeypatch.setattr(stacks, "replica_fields", lambda *a: {})
+    monkeypatch.setattr(stacks, "shm_costs", lambda *a: (0.9e-3, 0.3e-3))  # one way, CPU
+    monkeypatch.setattr(stacks, "agreed", lambda pair: pair)
+    monkeypatch.setattr(stacks, "few_and_many_messages", lambda *a, **k: [])
+    monkeypatch.setattr(stacks, "fit_in_place", lambda cost, timed: (cost, 1.0))
+    monkeypatch.setattr(stacks.dist, "broadcast_object_list", lambda shared, src: None)
+    _, _, profiled = stacks.profile_costs(0, 2, "wide", args)
+    assert profiled.p2p_cpu == pytest.approx(0.3e-3)
+    assert profiled.p2p_latency == pytest.approx(0.9e-3 - 2 * 0.3e-3)
+    monkeypatch.setattr(stacks, "shm_costs", lambda *a: (0.21e-3, 0.25e-3))  # all CPU
+    assert stacks.profile_costs(0, 2, "wide", args)[2].p2p_latency == 0.0

@@ -134,3 +134,15 @@ def test_a_step_of_microseconds_fits_within_the_simulators_resolution():
         fitted, scale = fit_in_place(traced, [(few, few_s), (many, 0.0064254)])
         assert simulate(few, fitted).makespan == pytest.approx(few_s, rel=1e-4), k
         assert fitted == replace(traced.compute_scaled(scale), p2p_cpu=fitted.p2p_cpu)
+
+
+def test_a_hops_latency_is_its_one_way_time_less_both_ends_cpu():
+    """[Note: a hop's time less its CPU]: a simulated one-way hop (sender's CPU, time in
+    flight, receiver's CPU) timed whole gives back the time in flight; a hop that is all
+    CPU (shared memory) gives 0, never less; a free hop stays free."""
+    from megatron_prt.tune.measured import hop_in_flight
+
+    cpu, in_flight = 0.25e-3, 0.05e-3
+    assert hop_in_flight(cpu + in_flight + cpu, cpu) == pytest.approx(in_flight)
+    assert hop_in_flight(0.21e-3, 0.25e-3) == 0.0  # the wide stack's shared-memory message
+    assert hop_in_flight(0.0, 0.0) == 0.0

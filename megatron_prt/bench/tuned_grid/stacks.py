@@ -9,9 +9,10 @@
 Costs are measured on the ranks that run the grid (:func:`profile_costs`): every layer in
 its own stage (R = layers // P, loop) under a traced 1F1B-order step and a traced
 split-backward step, F, B, I and W medians per layer (backward: the whole one, W its share
-of the split one); one message of the stack's width
-timed on the shared-memory transport; the bi replica-gradient sum calibrated on a bi
-runtime at the stack's width and at an eighth of it. Then the stack's own layers run a
+of the split one); one message of the stack's width timed on the shared-memory transport
+(CPU per message; the latency is the one-way time less both ends' CPU: [Note: a hop's time
+less its CPU] in :mod:`megatron_prt.tune.measured`); the bi replica-gradient sum calibrated
+on a bi runtime at the stack's width and at an eighth of it. Then the stack's own layers run a
 1F1B step (few messages), a step with every layer its own stage (many) and an R = 1
 loop/bi step, at the grid's micro-batch count, interleaved: the per-layer times are scaled
 so that the first comes out as measured, the per-message CPU is fitted to the gap of the
@@ -35,7 +36,7 @@ from ...runtime import PipelineRuntime, build_stages
 from ...runtime.comm_timing import few_and_many_messages, step_spans
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
-from ...tune.measured import fit_in_place
+from ...tune.measured import fit_in_place, hop_in_flight
 from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs
 
 STACKS = ("equal", "head", "wide")
@@ -159,10 +160,10 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
     :mod:`.in_round`), the same on every rank. The three fitted steps run at the grid's
     micro-batch count, ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
-    latency, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
+    one_way, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
     cost = CostModel(
         layers=tuple(layers),
-        p2p_latency=latency,
+        p2p_latency=hop_in_flight(one_way, cpu),  # [Note: a hop's time less its CPU]
         p2p_cpu=cpu,
         **replica_fields(rank, world, stack, args),
     )
