@@ -273,9 +273,10 @@ def fit_in_place(
     launch. The two timed steps the per-message fit already takes are steps of the same
     layers: the one with few messages is mostly compute, so it sets the scale of the
     per-layer times; their gap sets the per-message CPU. Alternately: scale so the few-message
-    step comes out as measured, refit the message CPU under that scale, until the scale moves
-    by less than a millionth (secant steps: the simulated step is nearly linear in the scale,
-    its messages' share fixed). The layers' relative times stay as traced."""
+    step comes out as measured, refit the message CPU under that scale, until the simulated
+    step is within a millionth of the measured one (secant steps: the simulated step is
+    nearly linear in the scale, its messages' share fixed), or else the closest round when it
+    is within :data:`SIMULATED_RESOLUTION`. The layers' relative times stay as traced."""
     few, few_s = timed[0]
     scale, last = 1.0, None  # last: (scale, simulated seconds) of the round before
     closest = (math.inf, None, scale)  # (relative error, fitted, scale) of the best round
