@@ -36,6 +36,8 @@ from .common import (
     replica_repeats,
     say,
     shm_costs,
+    wire_fields,
+    wire_md,
 )
 from .report import (
     launch,
@@ -142,11 +144,9 @@ def worker(rank: int, world: int, args) -> dict:
 
 # -- results -------------------------------------------------------------------------------
 def cost_model(costs: dict, wire: tuple[float, float], replica: dict) -> CostModel:
-    """The profiled costs with the measured message latency and CPU time and the fitted
-    replica-sum cost."""
-    latency, cpu = wire
-    fields = {"p2p_latency": latency, "p2p_cpu": cpu}
-    return CostModel.from_dict({**costs, **fields, **replica_cost_fields(replica)})
+    """The profiled costs with the measured message's fields (:func:`.common.wire_fields`)
+    and the fitted replica-sum cost."""
+    return CostModel.from_dict({**costs, **wire_fields(wire), **replica_cost_fields(replica)})
 
 
 def summarize(args, costs: dict, ranks: list[dict]) -> dict:
@@ -219,7 +219,7 @@ def _row_cells(row: dict) -> tuple:
 
 
 def costs_md(args, summary: dict) -> str:
-    costs, (latency, cpu) = summary["costs"], summary["wire"]
+    costs = summary["costs"]
     layers = costs["layers"]
     fwd = statistics.mean(layer["fwd"] for layer in layers)
     bwd = statistics.mean(layer["bwd"] for layer in layers)
@@ -230,8 +230,8 @@ def costs_md(args, summary: dict) -> str:
         f" ms; head (LM head, binary head, losses) {costs['head']['fwd'] * 1e3:.3f} / "
         f"{costs['head']['bwd'] * 1e3:.3f} ms; whole model {costs['fwd_time'] * 1e3:.2f} / "
         f"{costs['bwd_time'] * 1e3:.2f} ms. Per message ({costs['message_bytes'] / 1024:.0f} "
-        f"KiB, shared memory, measured in the launch): latency {latency * 1e3:.3f} ms, CPU "
-        f"{cpu * 1e3:.3f} ms. Replica-gradient sum (bi), timed in the launch on the "
+        f"KiB, shared memory, measured in the launch): {wire_md(summary['wire'])}. "
+        "Replica-gradient sum (bi), timed in the launch on the "
         "forward-backward function's runtime (`time_replica_sync` of "
         "`reduce_replica_grads`, what megatron's finalize path calls; barrier first, "
         "median; of the rank that waited least) "

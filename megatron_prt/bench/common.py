@@ -19,7 +19,7 @@ from ..runtime.measured_pick import slowest_step_seconds
 from ..runtime.p2p import ShmTransport
 from ..sim.cost import CostModel
 from ..sim.simulate import simulate
-from ..tune.measured import interleaved_rounds
+from ..tune.measured import hop_in_flight, interleaved_rounds
 
 T = TypeVar("T")
 
@@ -146,7 +146,8 @@ def add_measured(row: dict, key: str, per_rank: list[dict], model: CostModel):
 # -- per-message costs -----------------------------------------------------------------------
 def time_wire(rank: int, burst, ping_pong, burst_messages: int) -> tuple[float, float]:
     """Ranks 0 and 1 run ``burst`` (``burst_messages`` sent and received: CPU per message)
-    then ``ping_pong`` (latency); others only join the barriers. ``(latency_s, cpu_s)``."""
+    then ``ping_pong`` (one-way time); others only join the barriers. ``(one_way_s, cpu_s)``:
+    the one-way time holds both ends' CPU, :func:`wire_fields` takes it out."""
     dist.barrier()
     if rank > 1:
         dist.barrier()
@@ -164,7 +165,7 @@ def time_wire(rank: int, burst, ping_pong, burst_messages: int) -> tuple[float, 
 
 
 def shm_costs(rank: int, shape: Sequence[int], burst_size: int) -> tuple[float, float]:
-    """(latency, cpu) of one ``shape`` float32 message between ranks 0 and 1 over
+    """(one_way_s, cpu_s) of one ``shape`` float32 message between ranks 0 and 1 over
     megatron-prt's shared-memory transport (collective over the default group)."""
     peers = {1 - rank} if rank < 2 else set()
     transport = ShmTransport(None, lambda stage: stage, (peers, peers), timeout_s=60)
@@ -192,6 +193,23 @@ def shm_costs(rank: int, shape: Sequence[int], burst_size: int) -> tuple[float, 
     finally:
         dist.barrier()  # the peer has read everything before the rings go
         transport.close()
+
+
+def wire_fields(wire: tuple[float, float]) -> dict[str, float]:
+    """The cost model's message fields of a wire timed by :func:`time_wire`, ``(one_way_s,
+    cpu_s)``: the CPU per end, and as latency what is left of the one-way time once both
+    ends' CPU is out ([Note: a hop's time less its CPU] in :mod:`megatron_prt.tune.measured`)."""
+    one_way, cpu = wire
+    return {"p2p_latency": hop_in_flight(one_way, cpu), "p2p_cpu": cpu}
+
+
+def wire_md(wire: tuple[float, float]) -> str:
+    """A wire's timing in words, for the reports: one way, CPU per end, in flight."""
+    fields = wire_fields(wire)
+    return (
+        f"one way {wire[0] * 1e3:.3f} ms, CPU {wire[1] * 1e3:.3f} ms per end, so "
+        f"{fields['p2p_latency'] * 1e3:.3f} ms in flight"
+    )
 
 
 def agreed(pair: tuple[float, float]) -> tuple[float, float]:

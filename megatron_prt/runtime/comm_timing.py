@@ -6,7 +6,8 @@ Two figures the simulator reads (:mod:`megatron_prt.sim.cost`), in seconds and b
   identity stages (``P=2``, one micro-batch, forward only) is stepped after a barrier and the
   last rank's step time is the hop plus the runtime's fixed work per step. The median at a
   small size (4 KiB) is the latency (the fixed work included: a real step pays it too), the
-  slope to the median at the model's message size the inverse bandwidth;
+  slope to the median at the model's message size the inverse bandwidth; with ``p2p_cpu``
+  fitted (below), both ends' CPU is taken out of both hops first (:func:`comm_keys`);
 * for ``bi``, the replica-gradient sum: :func:`megatron_prt.runtime.replica_timing.
   calibrate_replica_sync` on two ``bi`` runtimes whose stages hold a small and a large
   gradient, giving ``replica_latency``, ``replica_bandwidth`` and ``replica_add_bandwidth``;
@@ -39,7 +40,12 @@ from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
 from ..core.schedules import build_plan
 from ..sim.cost import CostModel, LayerCost
-from ..tune.measured import fit_in_place, interleaved_rounds, message_cpu_in_place
+from ..tune.measured import (
+    fit_in_place,
+    hop_in_flight,
+    interleaved_rounds,
+    message_cpu_in_place,
+)
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
 from .measured_pick import RuntimeRunner, slowest_step_seconds
@@ -229,29 +235,80 @@ def measure_comm(
     grads = max(grad_bytes, 2 * SMALL_BYTES)
     results = all_ok(run_local(2, _worker, large, grads, transport, repeats, message_cpu))
     hops, replica, stand_in = results[1]  # the receiving rank times the hop
-    (b0, t0), (b1, t1) = hops
-    # the small message's time is the latency (its bytes cost next to nothing): unlike the
-    # intercept of the line, noise cannot make it 0 or negative
-    slope = max((t1 - t0) / (b1 - b0), 0.0)
-    latency = t0
+    return comm_keys(hops, replica, stand_in)
+
+
+HOP_ROUNDS = 40  # at most, of the message CPU's search (each a fit: some 40 ms)
+
+
+def comm_keys(hops: list, replica: dict, stand_in: tuple | None) -> dict:
+    """The cost keys of :func:`measure_comm` from its measurements: ``hops`` the small and
+    the large ``(bytes, seconds)`` hop, ``replica`` the replica-sum calibration, ``stand_in``
+    ``(layers, message bytes, timed steps)`` or ``None``.
+
+    Without ``stand_in`` the hop line is the two hops as timed. With it, ``p2p_cpu`` is fitted
+    in place and the hop line is what is left of each hop once both ends' CPU is out
+    ([Note: a hop's time less its CPU] in :mod:`megatron_prt.tune.measured`):
+    :func:`_cpu_out_of_hops`."""
     keys = {
-        "p2p_latency": latency,
-        "p2p_bandwidth": _per_second(slope),
         "replica_latency": replica["latency_s"],
         "replica_bandwidth": _per_second(replica["wire_s_per_byte"]),
         "replica_add_bandwidth": _per_second(replica["add_s_per_byte"]),
     }
-    if stand_in is not None:
-        layers, stand_in_bytes, timed = stand_in
-        bandwidth = keys["p2p_bandwidth"] or math.inf
+    if stand_in is None:
+        return {**_hop_line(hops, 0.0), **keys}
+    cpu = _cpu_out_of_hops(hops, stand_in)
+    return {**_hop_line(hops, cpu), "p2p_cpu": cpu, **keys}
+
+
+def _cpu_out_of_hops(hops: list, stand_in: tuple) -> float:
+    """The message CPU ``c`` that the stand-in's fit returns when the hop line is the hops
+    less ``2 * c``: the fit reads the line, the line the CPU. ``fit(c) - c`` falls as ``c``
+    grows (less in flight, more CPU to fit the many-message step, by less than ``c`` grows),
+    so its root is found by regula falsi (Illinois) on ``[0, the longer hop / 2]``; past
+    that nothing is in flight and the fit no longer moves. Within a millionth of ``c``, or
+    the closest of :data:`HOP_ROUNDS` rounds."""
+    layers, message_bytes, timed = stand_in
+
+    def gap(cpu: float) -> float:  # fit(c) - c
+        line = _hop_line(hops, cpu)
+        bandwidth = line["p2p_bandwidth"] or math.inf
         cost = CostModel(
             layers=tuple(layers),
-            p2p_latency=latency,
+            p2p_latency=line["p2p_latency"],
             p2p_bandwidth=bandwidth,
-            message_bytes=stand_in_bytes,
+            message_bytes=message_bytes,
         )
-        keys["p2p_cpu"] = _stand_in_cpu(cost, timed)
-    return keys
+        return _stand_in_cpu(cost, timed) - cpu
+
+    low, high = 0.0, max(seconds for _, seconds in hops) / 2
+    g_low, g_high = gap(low), gap(high)
+    if g_high >= 0:  # the fit wants more CPU than the hops hold: none of them in flight
+        return high + g_high
+    if g_low <= 0:
+        return low
+    best = (math.inf, low)
+    for _ in range(HOP_ROUNDS):
+        cpu = low + (high - low) * g_low / (g_low - g_high)
+        g_cpu = gap(cpu)
+        best = min(best, (abs(g_cpu), cpu))
+        if abs(g_cpu) <= 1e-6 * cpu:
+            break
+        if g_cpu > 0:
+            low, g_low, g_high = cpu, g_cpu, g_high / 2  # Illinois: the far end weighs less
+        else:
+            high, g_high, g_low = cpu, g_cpu, g_low / 2
+    return best[1]
+
+
+def _hop_line(hops: list, cpu: float) -> dict:
+    """``p2p_latency`` and ``p2p_bandwidth`` of the line through the two hops, each less
+    ``2 * cpu`` (never below 0): the small hop's time is the latency (its bytes cost next
+    to nothing; unlike the intercept of the line, noise cannot make it 0 or negative)."""
+    (b0, t0), (b1, t1) = hops
+    small, large = hop_in_flight(t0, cpu), hop_in_flight(t1, cpu)
+    slope = max((large - small) / (b1 - b0), 0.0)
+    return {"p2p_latency": small, "p2p_bandwidth": _per_second(slope)}
 
 
 def _stand_in_cpu(cost: CostModel, timed: list) -> float:

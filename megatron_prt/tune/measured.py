@@ -245,7 +245,10 @@ def hop_in_flight(one_way_s: float, cpu_s: float) -> float:
     0.25-0.28 ms of CPU per end, and with the one-way time as latency the simulator
     credited plans built for those costs with hiding it (R = 4 loop/uni 13.6% and R = 1
     loop/bi 4% faster than the plans for free messages) while they ran 0.5-6% slower;
-    the tuned grid's wide predictions came out low in 17 of 18 launches (docs/tune.md)."""
+    the tuned grid's wide predictions came out low in 17 of 18 launches (docs/tune.md).
+    Every measured wire goes through it: the bench sections' ``wire_fields`` (tuned grid,
+    layer stack on gloo and shared memory, BERT) and ``megatron-prt profile``'s hop line
+    (``runtime.comm_timing.comm_keys``, less the CPU fitted in place)."""
     return max(0.0, one_way_s - 2 * cpu_s)
 
 

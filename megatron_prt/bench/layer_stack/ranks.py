@@ -34,6 +34,7 @@ from ..common import (
     say,
     shm_costs,
     time_wire,
+    wire_fields,
 )
 from .configs import GLOO, PRT_TRANSPORT_ARG, PRT_VARIANTS, SHM, Config, all_configs, twin_key
 
@@ -277,8 +278,9 @@ def profile_split(rank: int, world: int, args, layer: LayerCost) -> dict:
 
 
 def message_costs(rank: int, world: int, args) -> dict[str, tuple[float, float]]:
-    """(latency, cpu) of one activation-sized message per wire between ranks 0 and 1:
-    one-way time of a ping-pong, and the process CPU time per message in a burst."""
+    """(one_way_s, cpu_s) of one activation-sized message per wire between ranks 0 and 1:
+    one-way time of a ping-pong, and the process CPU time per message in a burst (the cost
+    model's fields: :func:`..common.wire_fields`)."""
     shape = (args.mb_size, args.hidden)
     costs = {GLOO: _gloo_costs(rank, args), SHM: shm_costs(rank, shape, args.burst)}
     # identical on every rank: plans are built from them
@@ -336,11 +338,8 @@ def cost_model(
 ) -> CostModel:
     """The profiled layer and message costs of one wire, with its replica-sum fit and the
     loss's activation bytes (``head``)."""
-    latency, cpu = wire
     fields = replica_cost_fields(replica) if replica else {}
-    return CostModel(
-        layers=(layer,) * args.layers, head=head, p2p_latency=latency, p2p_cpu=cpu, **fields
-    )
+    return CostModel(layers=(layer,) * args.layers, head=head, **wire_fields(wire), **fields)
 
 
 def cost_models(args, profile: dict, wires: dict, replica: dict) -> dict[str, CostModel]:

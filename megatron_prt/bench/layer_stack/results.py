@@ -11,6 +11,7 @@ from ...sim.cost import CostModel
 from ..common import (
     add_measured,
     add_ratios,
+    wire_md,
 )
 from ..report import (
     md_table,
@@ -367,9 +368,9 @@ def report_md(args, summary: dict, info: dict) -> str:
         "slowest rank's; gradients are zeroed outside the timed region.",
         "",
         f"Profiled in this launch: per layer forward {layer['fwd'] * 1e3:.3f} ms, backward "
-        f"{layer['bwd'] * 1e3:.3f} ms (traced 1F1B steps); per message (latency, CPU): gloo "
-        f"{wires[GLOO][0] * 1e3:.3f} ms, {wires[GLOO][1] * 1e3:.3f} ms; shared memory "
-        f"{wires[SHM][0] * 1e3:.3f} ms, {wires[SHM][1] * 1e3:.3f} ms.",
+        f"{layer['bwd'] * 1e3:.3f} ms (traced 1F1B steps); per message: gloo "
+        f"{wire_md(wires[GLOO])}; shared memory {wire_md(wires[SHM])} ([Note: a hop's time "
+        "less its CPU] in `megatron_prt/tune/measured.py`).",
         "",
         *split_profile_md(summary),
         "",

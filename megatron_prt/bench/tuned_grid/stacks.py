@@ -36,8 +36,8 @@ from ...runtime import PipelineRuntime, build_stages
 from ...runtime.comm_timing import few_and_many_messages, step_spans
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
-from ...tune.measured import fit_in_place, hop_in_flight
-from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs
+from ...tune.measured import fit_in_place
+from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs, wire_fields
 
 STACKS = ("equal", "head", "wide")
 HEAD_EXPANSION = 1.5  # the head's inner width over h: 3 layers' multiply-adds
@@ -160,11 +160,10 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
     :mod:`.in_round`), the same on every rank. The three fitted steps run at the grid's
     micro-batch count, ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
-    one_way, cpu = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
+    wire = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
     cost = CostModel(
         layers=tuple(layers),
-        p2p_latency=hop_in_flight(one_way, cpu),  # [Note: a hop's time less its CPU]
-        p2p_cpu=cpu,
+        **wire_fields(wire),  # [Note: a hop's time less its CPU]
         **replica_fields(rank, world, stack, args),
     )
     xs, ys = batch(stack, args, args.microbatches)

@@ -1,0 +1,34 @@
+"""The measured benchmarks' cost models take a wire's one-way time less both ends' CPU as the
+message latency ([Note: a hop's time less its CPU] in megatron_prt/tune/measured.py): the
+layer-stack and BERT sections as the tuned grid does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_prt.bench import bert
+from megatron_prt.bench.common import wire_fields, wire_md
+from megatron_prt.bench.layer_stack.ranks import cost_model
+from megatron_prt.sim.cost import LayerCost
+
+WIRE = (0.9e-3, 0.3e-3)  # one way, CPU per end
+REPLICA = {"latency_s": 1e-3, "wire_s_per_byte": 1e-9, "add_s_per_byte": 1e-10}
+
+
+def test_wire_fields_take_both_ends_cpu_out():
+    assert wire_fields(WIRE) == pytest.approx({"p2p_latency": 0.3e-3, "p2p_cpu": 0.3e-3})
+    assert wire_fields((0.061e-3, 0.038e-3))["p2p_latency"] == 0.0  # all CPU: none in flight
+    assert wire_md(WIRE) == "one way 0.900 ms, CPU 0.300 ms per end, so 0.300 ms in flight"
+
+
+def test_layer_stack_cost_model_uses_them():
+    cost = cost_model(SimpleNamespace(layers=4), LayerCost(1e-3, 2e-3), WIRE, REPLICA)
+    assert (cost.p2p_latency, cost.p2p_cpu) == pytest.approx((0.3e-3, 0.3e-3))
+
+
+def test_bert_cost_model_uses_them():
+    costs = {"layers": [{"fwd": 1e-3, "bwd": 2e-3}] * 2, "message_bytes": 1 << 17}
+    cost = bert.cost_model(costs, WIRE, REPLICA)
+    assert (cost.p2p_latency, cost.p2p_cpu) == pytest.approx((0.3e-3, 0.3e-3))
