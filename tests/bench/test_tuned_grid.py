@@ -83,9 +83,13 @@ def test_report_prices_the_picked_plan_and_says_how_it_was_picked():
     assert summary["tuned"]["predicted_s"] == simulate(picked.plan, priced).makespan
     assert summary["tuned_vs_grid_best"] == pytest.approx(0.9 / 1.0 - 1)
     assert summary["tuner_first_vs_grid_best"] == pytest.approx(1.2 / 1.0 - 1)
+    # the same prediction against the pick's own selection median (3 s), timed earlier
+    selection = summary["tuned"]["predicted_s"] / 3 - 1
+    assert summary["tuned_predicted_vs_selection"] == pytest.approx(selection)
     machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
     text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
     assert "How the pick is made" in text and "held out from the selection" in text
+    assert f"| {selection:+.1%} |" in text
     assert f"| 3 | {summary['tuned']['top'][2]['label']} |" in text
     # the held-out rematch: its own medians, not the grid's repetitions
     assert summary["rematch"]["tuned_vs_grid_best"] == pytest.approx(1.02 / 1.1 - 1)
