@@ -9,7 +9,9 @@
 #                installed, the TE-spec parity check (scripts/gpu_te_parity.py, bf16 and fp32,
 #                PRT vs megatron's no-pipelining schedule, tolerances in its docstring) on 2
 #                ranks over gloo and the profiler with --transformer-impl transformer_engine
-#   several GPUs: both parity checks over NCCL, one rank per GPU, and the megatron-core GPT
+#   several GPUs: both parity checks over NCCL, one rank per GPU, the message costs over NCCL
+#                (megatron-prt profile --comm nccl: a hop and the bi replica sum between GPUs
+#                0 and 1), and the megatron-core GPT
 #                example with PRT (megatron's DDP, Adam) on all GPUs. The example needs NCCL:
 #                megatron's DDP all-reduces coalesced CUDA buffers, which gloo refuses.
 # Usage: scripts/gpu_smoke.sh [--full]   (from the repository root or inside the image)
@@ -90,6 +92,12 @@ if [ "$gpus" -ge 2 ]; then
         scripts/gpu_parity.py "$@"
     step "megatron-core parity over NCCL, P=$gpus" $RUN --nproc-per-node "$gpus" \
         scripts/gpu_megatron_parity.py "$@"
+    if $PY -c "import megatron_prt.megatron.profile" 2>/dev/null; then
+        step "message costs over NCCL, GPUs 0 and 1" $PY -m megatron_prt profile --model bert \
+            --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
+            --micro-batch-size 4 --vocab-size 1024 --device cuda --comm nccl \
+            -o /tmp/prt-costs-nccl.json
+    fi
     step "megatron-core GPT with PRT, P=$gpus" $RUN --nproc-per-node "$gpus" \
         examples/megatron_gpt.py --device cuda --pipeline-model-parallel-size "$gpus" \
         --num-layers $((4 * gpus)) --pipeline-reuse 2 --pipeline-reuse-placement wave

@@ -53,19 +53,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--comm",
-        choices=("auto", "shm", "torch", "none"),
+        choices=("auto", "shm", "torch", "nccl", "none"),
         default=None,
         help="also measure a stage-boundary hop and the bi replica-gradient sum on two local "
-        "gloo ranks over this transport (p2p_* and replica_* keys); default auto on --device "
-        "cpu, none on cuda (the wire there is NCCL between GPUs)",
+        "gloo ranks over this transport (p2p_* and replica_* keys), or with nccl between "
+        "GPUs 0 and 1 over NCCL; default auto on --device cpu, none on cuda",
     )
     p.add_argument(
         "--message-cpu",
         choices=("in-place", "none"),
-        default="in-place",
+        default=None,
         help="with --comm: also fit the rank time a message costs while both ranks compute "
         "(p2p_cpu) from a few- and a many-message step of a stand-in stack on that transport "
-        "(see docs/tune.md); none leaves p2p_cpu out (0 when the tuner reads the file)",
+        "(see docs/tune.md); none leaves p2p_cpu out (0 when the tuner reads the file); "
+        "default in-place on the host transports, none over nccl",
     )
     p.add_argument(
         "--transformer-impl",
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     """Profile, write the JSON, print the summary; 0, or 2 with one error line."""
     try:
         _check_out(args.out)
+        _check_comm(args)
         costs = _profile(args)
         costs.update(_measure_comm(args, costs))
     except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
@@ -149,16 +151,35 @@ def _profile(args: argparse.Namespace) -> dict:
 COMM_GRAD_BYTES_CAP = 256 << 20  # the replica sum is timed on at most this many bytes
 
 
+def _transport(args: argparse.Namespace) -> str:
+    return args.comm or ("auto" if args.device == "cpu" else "none")
+
+
+def _in_place(args: argparse.Namespace) -> bool:
+    """Whether ``p2p_cpu`` is fitted in place (``--message-cpu``; its default per transport)."""
+    default = "none" if _transport(args) == "nccl" else "in-place"
+    return (args.message_cpu or default) == "in-place"
+
+
+def _check_comm(args: argparse.Namespace) -> None:
+    """Refuse a ``--comm`` that cannot run here before the model is profiled."""
+    if _transport(args) == "nccl":
+        from ..runtime.comm_timing import comm_backend
+
+        comm_backend("nccl", _in_place(args))
+
+
 def _measure_comm(args: argparse.Namespace, costs: dict) -> dict:
     """The measured message keys (:mod:`megatron_prt.runtime.comm_timing`), or none."""
-    transport = args.comm or ("auto" if args.device == "cpu" else "none")
+    transport = _transport(args)
     if transport == "none":
         return {}
     from ..runtime.comm_timing import measure_comm
 
-    in_place = args.message_cpu == "in-place"
+    in_place = _in_place(args)
     what = "a hop, the replica sum" + (" and the message CPU in place" if in_place else "")
-    print(f"timing {what} on 2 ranks ({transport})", file=sys.stderr)
+    where = "GPUs 0 and 1" if transport == "nccl" else "2 ranks"
+    print(f"timing {what} on {where} ({transport})", file=sys.stderr)
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     grads = sum(part.get("grad", part["param"] / 4) for part in parts)
     grad_bytes = int(min(grads / 2, COMM_GRAD_BYTES_CAP))  # one rank's half of P=2

@@ -59,25 +59,35 @@ STAND_IN_WIDTH = 256  # features of the stand-in's messages (rows make up the by
 STAND_IN_MAX_BYTES = 4 << 20  # larger messages are fitted at this size (compute grows too)
 
 
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (:func:`~.local.run_local`), else the host."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _hop_seconds(size: int, transport: str, repeats: int) -> float:
     """Median seconds of one forward-only step of a 2-stage identity pipeline: one hop."""
     plan = build_plan(Placement(2, 1), 1)
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), _device()
     stages = {rank: torch.nn.Identity()}
     shm = max(1 << 20, 4 * size)
     runtime = PipelineRuntime(  # a loss reading one element: the step is the hop
         plan,
         stages,
         lambda out, _: out.reshape(-1)[:1].sum(),
+        device=device,
         transport=transport,
         shm_capacity=shm,
     )
-    x = [torch.ones(max(1, size // FLOAT))]
+    x = [torch.ones(max(1, size // FLOAT), device=device)]
     spans = []
     for _ in range(repeats + 1):  # the first step warms the transport up
         dist.barrier()
         start = time.perf_counter()
         runtime.step(x if rank == 0 else None, x if rank == 1 else None, forward_only=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the hop has landed, not just been queued
         spans.append(time.perf_counter() - start)
     runtime.close()
     return statistics.median(spans[1:])
@@ -86,14 +96,16 @@ def _hop_seconds(size: int, transport: str, repeats: int) -> float:
 def _replica_runtime(size: int, transport: str) -> PipelineRuntime:
     """A bi runtime on 2 ranks whose stages hold ``size`` gradient bytes per rank."""
     plan = build_plan(Placement(2, 1, "loop", "bi"), 2)
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), _device()
     width = max(1, size // FLOAT // len(plan.placement.rank_stages[rank]))
     stages = {}
     for stage in plan.placement.rank_stages[rank]:
-        module = torch.nn.Linear(width, 1, bias=False)
+        module = torch.nn.Linear(width, 1, bias=False, device=device)
         module.weight.grad = torch.ones_like(module.weight)
         stages[stage] = module
-    return PipelineRuntime(plan, stages, lambda out, _: out.sum(), transport=transport)
+    return PipelineRuntime(
+        plan, stages, lambda out, _: out.sum(), device=device, transport=transport
+    )
 
 
 def _worker(rank, world, message_bytes, grad_bytes, transport, repeats, message_cpu):
@@ -225,17 +237,42 @@ def measure_comm(
     ``replica_latency``, ``replica_bandwidth``, ``replica_add_bandwidth`` (seconds, bytes per
     second; a bandwidth ``None`` means free), and with ``message_cpu`` ``p2p_cpu`` fitted in
     place on a stand-in stack (module docstring). ``message_bytes``: one activation between
-    stages; ``grad_bytes``: gradient bytes a rank sums with its mirrored rank."""
+    stages; ``grad_bytes``: gradient bytes a rank sums with its mirrored rank. ``transport``:
+    the runtime's (``auto``, ``shm``, ``torch``: two gloo ranks on the host) or ``nccl``
+    (GPUs 0 and 1 over NCCL, the runtime's ``torch`` transport on them; no ``message_cpu``:
+    its stand-in times host ranks)."""
     if message_bytes < 1 or grad_bytes < 1 or repeats < 1:
         raise ValueError(
             f"message_bytes, grad_bytes and repeats must be >= 1, got {message_bytes}, "
             f"{grad_bytes}, {repeats}"
         )
+    backend = comm_backend(transport, message_cpu)
     large = max(message_bytes, 2 * SMALL_BYTES)
     grads = max(grad_bytes, 2 * SMALL_BYTES)
-    results = all_ok(run_local(2, _worker, large, grads, transport, repeats, message_cpu))
+    wire = "torch" if backend == "nccl" else transport
+    job = (_worker, large, grads, wire, repeats, message_cpu)
+    results = all_ok(run_local(2, *job, backend=backend))
     hops, replica, stand_in = results[1]  # the receiving rank times the hop
     return comm_keys(hops, replica, stand_in)
+
+
+def comm_backend(transport: str, message_cpu: bool) -> str:
+    """The process group's backend for ``transport``; a clear error where it cannot run."""
+    if transport != "nccl":
+        return "gloo"
+    if message_cpu:
+        raise ValueError(
+            "the message CPU is fitted in place on host ranks only: over nccl measure "
+            "without it (megatron-prt profile --message-cpu none)"
+        )
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(
+            f"--comm nccl times a hop between GPUs 0 and 1: this machine shows {count} "
+            "CUDA device(s); use --comm auto on the host, or give the p2p_* and replica_* "
+            "keys from a machine with two GPUs"
+        )
+    return "nccl"
 
 
 HOP_ROUNDS = 40  # at most, of the message CPU's search (each a fit: some 40 ms)

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks on this machine (forked processes, one thread each).
+"""Run a function on N gloo ranks on this machine (forked processes, one thread each), or
+on N GPUs over NCCL.
 
 Used by the tests and benchmarks, and handy for trying a plan on a laptop:
 ``run_local(2, fn, arg)`` calls ``fn(rank, world, arg)`` in every rank after
@@ -15,14 +16,16 @@ import traceback
 from datetime import timedelta
 
 
-def _entry(fn, rank, world, store, queue, args):
+def _entry(fn, rank, world, store, queue, args, backend="gloo"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=world,
@@ -45,18 +48,28 @@ def _entry(fn, rank, world, store, queue, args):
 
 
 def run_local(
-    world: int, fn, *args, deadline_s: float = 300.0, wait_for=None
+    world: int,
+    fn,
+    *args,
+    deadline_s: float = 300.0,
+    wait_for=None,
+    backend: str = "gloo",
+    spawn: bool = False,
 ) -> list[tuple[str, object]]:
     """Returns ``[(status, result_or_error_text)]`` per rank. Ranks still running once the
     ranks in ``wait_for`` (default all) have reported, or after ``deadline_s``, are killed
-    and reported as ``("killed", None)``."""
+    and reported as ``("killed", None)``. ``backend="nccl"``: rank r on GPU r, started
+    afresh (``spawn``, always for NCCL: a forked child cannot use CUDA once the parent has;
+    ``fn`` and ``args`` must then pickle)."""
     wait_for = set(range(world)) if wait_for is None else set(wait_for)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if spawn or backend == "nccl" else "fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, store, queue, args), daemon=True)
+            ctx.Process(
+                target=_entry, args=(fn, r, world, store, queue, args, backend), daemon=True
+            )
             for r in range(world)
         ]
         for p in procs:
