@@ -91,15 +91,20 @@ def measure_runners(
     ``warm_steps`` untimed steps of its runner: :func:`interleaved_times`), then
     ``check(runners, times)`` (more fields of the result) before they close. Per key:
     ``refused`` (the reasons), ``times``, ``peak_bytes``, ``plans``, ``wire`` and
-    ``replica_sum_s`` (bi: median of the sums of the last rounds' steps, warm steps
-    included). A runner has ``step``, ``zero_grad``, ``peak_bytes``, ``close``, ``plan``,
-    ``wire`` and ``replica_sum_s``."""
+    ``replica_sum_s`` (bi: median of the sums of the timed rounds' steps, warm steps
+    included; not ``check``'s). A runner has ``step``, ``zero_grad``, ``peak_bytes``,
+    ``close``, ``plan``, ``wire`` and ``replica_sum_s``."""
     runners = {key: r for key, r in built.items() if not isinstance(r, str)}
     for runner in runners.values():
         for _ in range(args.warmup):  # shapes exchanged, buffers and allocator primed
             runner.step()
     peaks = {key: runner.peak_bytes() for key, runner in runners.items()}
     times = interleaved_times(runners, args.reps, label, warm_steps)
+    sums = {  # before check, whose steps (a rematch) would enter the last rounds' slice
+        key: statistics.median(r.replica_sum_s[-args.reps * (1 + warm_steps) :])
+        for key, r in runners.items()
+        if r.replica_sum_s
+    }
     checked = check(runners, times) if check else {}
     for runner in runners.values():
         runner.close()
@@ -109,11 +114,7 @@ def measure_runners(
         "peak_bytes": peaks,
         "plans": {key: r.plan for key, r in runners.items()},
         "wire": {key: r.wire for key, r in runners.items()},
-        "replica_sum_s": {
-            key: statistics.median(r.replica_sum_s[-args.reps * (1 + warm_steps) :])
-            for key, r in runners.items()
-            if r.replica_sum_s
-        },
+        "replica_sum_s": sums,
         **checked,
     }
 

@@ -32,3 +32,41 @@ def test_bert_cost_model_uses_them():
     costs = {"layers": [{"fwd": 1e-3, "bwd": 2e-3}] * 2, "message_bytes": 1 << 17}
     cost = bert.cost_model(costs, WIRE, REPLICA)
     assert (cost.p2p_latency, cost.p2p_cpu) == pytest.approx((0.3e-3, 0.3e-3))
+
+
+class _Runner:
+    """A runner whose every step sums replicas in ``value`` seconds."""
+
+    plan, wire, value = None, "shm", 1.0
+
+    def __init__(self) -> None:
+        self.replica_sum_s: list[float] = []
+
+    def step(self) -> None:
+        self.replica_sum_s.append(self.value)
+
+    def peak_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_replica_sums_are_the_timed_rounds_not_the_checks_steps(monkeypatch):
+    """The tuned grid's check (its held-out rematch) steps runners again after the rounds:
+    their sums must not stand in for the rounds' (the last rounds' slice took them)."""
+    from megatron_prt.bench import common
+
+    monkeypatch.setattr(common, "timed_step", lambda runner, warm: runner.step() or 1.0)
+    monkeypatch.setattr(common, "say", lambda message: None)
+
+    def rematch(runners, times):
+        for runner in runners.values():
+            runner.value = 9.0
+            for _ in range(5):
+                runner.step()
+        return {}
+
+    args = SimpleNamespace(warmup=1, reps=3)
+    measured = common.measure_runners({"bi": _Runner()}, args, "test", rematch)
+    assert measured["replica_sum_s"] == {"bi": 1.0}
