@@ -1,6 +1,7 @@
-"""The measured benchmarks' cost models take a wire's one-way time less both ends' CPU as the
-message latency ([Note: a hop's time less its CPU] in megatron_prt/tune/measured.py): the
-layer-stack and BERT sections as the tuned grid does."""
+"""What the measured benchmark sections share (megatron_prt/bench/common.py): their cost
+models take a wire's one-way time less both ends' CPU as the message latency ([Note: a hop's
+time less its CPU] in megatron_prt/tune/measured.py), the layer-stack and BERT sections as the
+tuned grid does; a bi row's replica sums are those of its timed rounds."""
 
 from __future__ import annotations
 
