@@ -82,8 +82,31 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
         validate(plan)
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
-    depth = plan.placement.depth
-    counts = check_stage_layers(
-        data["stage_layers"], sum(data["stage_layers"]), depth, name=f"{where}: stage_layers"
-    )
-    return PlanFile(plan, counts, data.get("tuned"))
+    return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), data.get("tuned"))
+
+
+def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
+    """The file's ``stage_layers``, checked: a list of counts, one per model stage, that
+    ``num_layers`` and ``config`` (where the file gives them) repeat."""
+    raw = data["stage_layers"]
+    if not isinstance(raw, list) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in raw
+    ):
+        raise ConfigError(
+            f"{where}: stage_layers must be a list of whole layer counts, one per model stage, "
+            f"got {raw!r}; write the file with `megatron-prt tune -o FILE`"
+        )
+    counts = check_stage_layers(raw, sum(raw), depth, name=f"{where}: stage_layers")
+    config = data.get("config", {})
+    for key, given, own in (
+        ("num_layers", data.get("num_layers"), sum(counts)),
+        ("config.num_layers", config.get("num_layers"), sum(counts)),
+        ("config.stage_layers", config.get("stage_layers"), list(counts)),
+    ):
+        if given is not None and given != own:
+            raise ConfigError(
+                f"{where}: {key} {given!r} disagrees with stage_layers {list(counts)} "
+                f"(which gives {own!r}); fix the file or write it again with `megatron-prt "
+                "tune -o FILE`"
+            )
+    return counts

@@ -173,6 +173,35 @@ def test_stage_layers_of_the_wrong_depth_are_refused(tmp_path, tuned):
         load_plan(str(path))
 
 
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("stage_layers", ["a", 1], "stage_layers must be a list of whole layer counts"),
+        ("stage_layers", 12, "stage_layers must be a list of whole layer counts"),
+        ("stage_layers", None, "stage_layers must be a list of whole layer counts"),
+        ("stage_layers", "abc", "stage_layers must be a list of whole layer counts"),
+        ("num_layers", 99, "num_layers 99 disagrees with stage_layers"),
+    ],
+)
+def test_malformed_stage_layers_are_refused_by_name(tmp_path, tuned, key, value, match):
+    # a TypeError from sum() escaped the checks before: a traceback for a bad file
+    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
+    data[key] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=match):
+        load_plan(str(path))
+
+
+def test_config_stage_layers_must_agree(tmp_path, tuned):
+    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
+    data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="config.stage_layers .* disagrees"):
+        load_plan(str(path))
+
+
 def test_cli_tune_writes_what_simulate_predicts(tmp_path, run_cli):
     costs, out = write_costs(tmp_path), tmp_path / "plan.json"
     code, text, err = run_cli("tune", "--costs", costs, *CLI, "--top", 3, "-o", out)
