@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -78,13 +79,19 @@ def _split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
         )
 
 
-def _plan_flags(p: argparse.ArgumentParser, reuse_default: int = 1, required: bool = True) -> None:
+# the plan's shape flags and their defaults; simulate parses them as None so that a given one
+# can be told from a default (--plan refuses them: the file has its own)
+SHAPE_DEFAULTS = {"reuse": 1, "placement": "loop", "direction": "uni", "schedule": "prt"}
+
+
+def _plan_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    shape = SHAPE_DEFAULTS if required else dict.fromkeys(SHAPE_DEFAULTS)
     p.add_argument("--pp", type=positive_int, required=required, help="pipeline ranks P")
     p.add_argument(
-        "--reuse", type=positive_int, default=reuse_default, help="virtual stages per rank R"
+        "--reuse", type=positive_int, default=shape["reuse"], help="virtual stages per rank R"
     )
-    p.add_argument("--placement", choices=PLACEMENTS, default="loop")
-    p.add_argument("--direction", choices=DIRECTIONS, default="uni")
+    p.add_argument("--placement", choices=PLACEMENTS, default=shape["placement"])
+    p.add_argument("--direction", choices=DIRECTIONS, default=shape["direction"])
     p.add_argument(
         "--microbatches", "-m", type=positive_int, required=required, help="micro-batches m"
     )
@@ -118,14 +125,20 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def recompute_flags(p) -> None:
+PRICE_RECOMPUTE = (
+    "price megatron's activation recomputation: recomputed layers keep less and their "
+    "backward reruns the forward (default: the cost file's setting; none: off)"
+)
+
+
+def recompute_flags(p, granularity_help: str = PRICE_RECOMPUTE) -> None:
     """megatron's activation-recomputation flags (same names and rules); any of them replaces
-    the cost file's setting (:mod:`megatron_prt.sim.cost`, "Activation recomputation")."""
+    the cost file's setting (:mod:`megatron_prt.sim.cost`, "Activation recomputation");
+    ``granularity_help`` says what the command does with them."""
     p.add_argument(
         "--recompute-granularity",
         choices=(*RECOMPUTE_GRANULARITIES, "none"),
-        help="price megatron's activation recomputation: recomputed layers keep less and "
-        "their backward reruns the forward (default: the cost file's setting; none: off)",
+        help=granularity_help,
     )
     p.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help="with full")
     p.add_argument(
@@ -202,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulate this plan file (`megatron-prt tune -o FILE`) with its own partition, "
         "instead of --pp/--reuse/--placement/--direction/--microbatches/--schedule",
     )
-    s.add_argument("--schedule", choices=SCHEDULES, default="prt")
+    s.add_argument("--schedule", choices=SCHEDULES, default=None)
     _split_flags(s)
     s.add_argument("--json", action="store_true", help="print metrics as JSON")
     _cost_flags(s)
@@ -294,6 +307,8 @@ def cmd_plan(args) -> int:
         validate(plan)
     try:
         return _write_plan(args, plan, cost)
+    except BrokenPipeError:
+        raise  # stdout closed early (`| head`): main stops quietly
     except OSError as exc:  # -o FILE in a missing or read-only directory
         raise ConfigError(
             f"-o {args.output}: {exc.strerror or exc}; choose a file in a writable directory"
@@ -386,14 +401,22 @@ def cmd_simulate(args) -> int:
     elif args.pp is None or args.microbatches is None:
         raise ConfigError("simulate needs --pp and --microbatches, or --plan FILE")
     else:
+        for key, default in SHAPE_DEFAULTS.items():
+            setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
         plan = _make_plan(args, cost)
     counts = cost.layer_counts(plan.placement.depth) if cost.layers else ()
     if counts and not cost.runs_whole_blocks(counts):
         raise ConfigError(
             f"stages of {list(counts)} layers: megatron's uniform recomputation runs whole "
             f"blocks of --recompute-num-layers {cost.recompute_num_layers} per model stage and "
-            "refuses this split; give the cost file stage_layers in whole blocks "
-            "(megatron-prt partition picks one) or another --recompute-num-layers"
+            "refuses this split; "
+            + (
+                f"tune again with these --recompute-* flags (the split of --plan {args.plan} "
+                "is the file's)"
+                if args.plan
+                else "give the cost file stage_layers in whole blocks (megatron-prt "
+                "partition picks one) or another --recompute-num-layers"
+            )
         )
     result = simulate(plan, cost)
     print(json.dumps(result.to_dict(), indent=1) if args.json else _metrics_text(result))
@@ -402,6 +425,15 @@ def cmd_simulate(args) -> int:
 
 def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
     """The plan file's plan, and ``cost`` split as the file splits the layers."""
+    shaping = [f"--{key.replace('_', '-')}" for key in SHAPE_DEFAULTS if getattr(args, key)]
+    shaping += [f for f, on in (("--split-backward", args.split_backward),
+                                ("--mem-cap", args.mem_cap is not None),
+                                ("--plan-from-costs", args.plan_from_costs)) if on]  # fmt: skip
+    if shaping:
+        raise ConfigError(
+            f"{', '.join(shaping)} with --plan {args.plan}: the plan file fixes the schedule "
+            "and its shape; drop them, or simulate without --plan"
+        )
     plan_file = load_plan(args.plan)
     for flag, given, own in (
         ("--pp", args.pp, plan_file.plan.placement.ranks),
@@ -412,6 +444,13 @@ def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
                 f"{flag} {given} disagrees with --plan {args.plan}, which has {own}; drop {flag}"
             )
     if not cost.layers:
+        split = ",".join(map(str, plan_file.stage_layers))
+        print(
+            f"megatron-prt simulate: note: no per-layer --costs, so the stages are priced "
+            f"equal, not as the file splits the layers ({split}); give the cost file the plan "
+            "was tuned with",
+            file=sys.stderr,
+        )
         return plan_file.plan, cost
     if len(cost.layers) != plan_file.num_layers:
         raise ConfigError(
@@ -506,6 +545,21 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def check_output(path: str | None, example: str) -> None:
+    """Refuse an unwritable ``-o`` before minutes of work, not after (:class:`ConfigError`
+    naming the file and the fix; ``example`` a file name for a directory given instead)."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"-o {path}: directory {directory} does not exist or is not writable; create it "
+            "or choose another FILE"
+        )
+    if os.path.isdir(path):
+        raise ConfigError(f"-o {path} is a directory; give a file name such as {path}/{example}")
+
+
 COMMANDS = {"plan": cmd_plan, "simulate": cmd_simulate, "compare": cmd_compare}
 
 
@@ -516,3 +570,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `| head` stopped reading: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 1

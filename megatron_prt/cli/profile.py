@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from .main import positive_int, recompute_flags
+from .main import check_output, positive_int, recompute_flags
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
 SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
@@ -74,7 +73,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="local",
         help="layer spec (Megatron-LM's flag): transformer_engine needs --device cuda and TE",
     )
-    recompute_flags(p)  # measured a second time with it on: full_* / selective_* keys
+    recompute_flags(
+        p,
+        "measure the layers a second time with megatron's recomputation on "
+        "and write the full_* / selective_* keys (default: off)",
+    )
     p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
     p.set_defaults(func=run)
     return p
@@ -83,7 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Profile, write the JSON, print the summary; 0, or 2 with one error line."""
     try:
-        _check_out(args.out)
+        check_output(args.out, "costs.json")
         _check_comm(args)
         costs = _profile(args)
         costs.update(_measure_comm(args, costs))
@@ -103,20 +106,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {args.out}", file=summary)
     return 0
-
-
-def _check_out(path: str | None) -> None:
-    """Refuse an unwritable ``-o`` before the minutes of profiling, not after."""
-    if path is None:
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"-o {path}: directory {directory} does not exist or is not writable; create it "
-            "or choose another FILE"
-        )
-    if os.path.isdir(path):
-        raise ValueError(f"-o {path} is a directory; give a file name such as {path}/costs.json")
 
 
 def _profile(args: argparse.Namespace) -> dict:

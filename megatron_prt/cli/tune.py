@@ -19,7 +19,7 @@ from ..core.placement import ConfigError
 from ..tune.memory import format_bytes
 from ..tune.plan_file import PlanFile
 from ..tune.search_plans import Candidate, TuneResult, tune
-from .main import load_costs, positive_int, recompute_flags
+from .main import check_output, load_costs, positive_int, recompute_flags
 from .partition import parse_bytes
 
 PROGRESS_AFTER_S = 2.0  # searches shorter than this print no progress line
@@ -66,7 +66,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="processes scoring schedule families at once (default: 2, or 1 on one core)",
     )
     recompute_flags(p)
-    p.add_argument("--top", type=positive_int, default=10, help="candidates printed (default 10)")
+    p.add_argument(
+        "--top",
+        type=positive_int,
+        default=10,
+        help="candidates in the table (default 10; --json lists every one)",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write the winner as a plan file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -75,6 +80,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.pp < 2:
+            raise ConfigError(
+                f"--pp {args.pp}: a pipeline needs 2 ranks or more (one rank runs the model "
+                "whole, with nothing to schedule); give --pp 2 or more"
+            )
+        check_output(args.output, "plan.json")
         cost = load_costs(args.costs, args=args)
         result = tune(
             cost,
@@ -146,14 +157,14 @@ def format_result(result: TuneResult, args: argparse.Namespace) -> str:
         f"{len(result.ranked)} candidates scored in {result.seconds:.1f} s, "
         f"{len(fitting)} fit; top {min(args.top, len(fitting))}:",
         "",
-        f"{'#':>3}  {'schedule':<26}{'partition':<10}{'planned for':<13}"
+        f"{'#':>3}  {'schedule':<26}{'partition':<10}{'planned for':<18}"
         f"{'time':>10}{'vs 1F1B':>9}{'bubble':>8}{'peak/rank':>11}{'msgs':>7}",
     ]
     base = _one_f_one_b(result)
     for i, c in enumerate(fitting[: args.top], 1):
         speed = f"{base / c.makespan:.3f}x" if base else "-"
         lines.append(
-            f"{i:>3}  {c.label:<26}{c.partition:<10}{c.planned_for:<13}{c.makespan:>10.5g}"
+            f"{i:>3}  {c.label:<26}{c.partition:<10}{c.planned_for:<18}{c.makespan:>10.5g}"
             f"{speed:>9}{c.result.bubble_fraction:>8.1%}{format_bytes(c.peak_bytes):>11}"
             f"{c.result.p2p_messages:>7}"
         )

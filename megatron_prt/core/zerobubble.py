@@ -173,10 +173,12 @@ def zero_bubble(
             if best_key[0] <= bound * (1 + 1e-12):
                 return best
     if best is None:
+        shape = f"{placement.placement}/{placement.direction}"
+        where = f"P={placement.ranks} R={placement.reuse} {shape}"
         raise ConfigError(
-            f"no split-backward plan for {placement} with m={num_microbatches} fits the "
-            f"activation cap {cap:.6g} (the lowest found holds {lowest:.6g}); raise mem_cap "
-            "(e.g. 'zb-h2') or the number of micro-batches"
+            f"no split-backward plan for {where} with m={num_microbatches} fits the "
+            f"activation cap of {cap:,.0f} bytes per rank (the lowest found holds "
+            f"{lowest:,.0f}); raise mem_cap (e.g. 'zb-h2') or the number of micro-batches"
         )
     return best
 

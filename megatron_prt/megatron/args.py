@@ -311,7 +311,8 @@ def _refuse_flags_without_reuse(args: argparse.Namespace) -> None:
     if given:
         raise ConfigError(
             f"{', '.join(given)} given without --pipeline-reuse; add --pipeline-reuse R "
-            "(R=1 for plain 1F1B) or drop them"
+            "(R=1 for plain 1F1B), --pipeline-reuse auto[:R] for "
+            "--pipeline-reuse-auto-candidates, or drop them"
         )
 
 

@@ -4,7 +4,9 @@ The file fixes P, R, placement, direction, the layer split and the micro-batches
 iteration. :func:`apply_plan_file` checks them against the model's flags before anything
 else and writes the file's values into ``args`` so the rest of the validation sees one
 consistent setting. A ``--pipeline-reuse-*`` flag left at its default takes the file's value;
-one given with a different value is refused (it cannot be told which the user meant).
+one set away from its default to a value other than the file's is refused (it cannot be told
+which the user meant). One given as its own default cannot be told from one left out (argparse
+fills both alike): the file's value wins.
 
 Imports neither torch nor megatron, like :mod:`megatron_prt.megatron.args`.
 """
@@ -26,9 +28,9 @@ def add_plan_argument(group) -> None:
         default=None,
         metavar="FILE",
         help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
-        "direction and layer split replace the other --pipeline-reuse-* flags (a conflicting "
-        "one is refused); checked against --num-layers, --pipeline-model-parallel-size and "
-        "the micro-batches per iteration.",
+        "direction and layer split replace the other --pipeline-reuse-* flags (one set away "
+        "from its default to another value is refused); checked against --num-layers, "
+        "--pipeline-model-parallel-size and the micro-batches per iteration.",
     )
 
 
@@ -86,7 +88,7 @@ def _check_model(
 
 
 def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defaults: dict) -> None:
-    """A flag given with a value other than the file's is refused."""
+    """A flag set away from its default to a value other than the file's is refused."""
     plan = plan_file.plan
     placement = plan.placement
     reuse = getattr(args, "pipeline_reuse", None)

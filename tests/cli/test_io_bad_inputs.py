@@ -136,6 +136,16 @@ CLI_CASES = {
         None,
         "-o DIR/no/such/costs.json: directory DIR/no/such does not exist",
     ),
+    "tune: one rank": (
+        ["tune", "--costs", "COSTS", "--pp", 1, "-m", 4],
+        _layers(4),
+        "--pp 1: a pipeline needs 2 ranks or more",
+    ),
+    "tune: -o in a missing directory, before the search": (
+        ["tune", "--costs", "COSTS", "--pp", 2, "-m", 4, "-o", "DIR/no/such/plan.json"],
+        _layers(4),
+        "-o DIR/no/such/plan.json: directory DIR/no/such does not exist",
+    ),
     "profile: zero ffn size": (
         [*PROFILE, "--ffn-hidden-size", 0],
         None,
@@ -295,3 +305,18 @@ def test_a_data_path_without_files_is_refused(bert_data, tmp_path):
     pytest.importorskip("megatron.core")
     with pytest.raises(bert_data.DataError, match=r"nope\.idx does not exist"):
         bert_data.samples_per_epoch(str(tmp_path / "nope"), 32)
+
+
+def test_a_closed_pipe_ends_the_output_quietly():
+    """`megatron-prt plan ... | head`: the reader goes away; no traceback, no error line."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "megatron_prt", "plan", "--pp", "8", "--reuse", "2"]
+    proc = subprocess.Popen(
+        [*argv, "-m", "512"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait() == 1
+    assert "Traceback" not in err and "error" not in err, err

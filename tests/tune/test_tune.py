@@ -198,7 +198,7 @@ def test_config_stage_layers_must_agree(tmp_path, tuned):
     data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match="config.stage_layers .* disagrees"):
+    with pytest.raises(ConfigError, match=r"config\.stage_layers .* disagrees"):
         load_plan(str(path))
 
 
@@ -227,6 +227,11 @@ def test_cli_refusals(tmp_path, run_cli):
     assert code == 2 and "splits 12 layers" in err
     code, _, err = run_cli("simulate")
     assert code == 2 and "--plan FILE" in err
+    # the file fixes the shape: a flag that would change it is refused, not ignored
+    code, _, err = run_cli("simulate", "--plan", out, "--placement", "loop", "--split-backward")
+    assert code == 2 and "--placement, --split-backward with --plan" in err
+    code, _, err = run_cli("simulate", "--plan", out)
+    assert code == 0 and "no per-layer --costs, so the stages are priced equal" in err
 
 
 def test_parallel_scoring_gives_the_same_ranking(cost, tuned):
