@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 
 from ..core.layers import check_layers_fill_stages
@@ -18,6 +17,7 @@ from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.schedules import SCHEDULES
 from ..sim.cost import CostModel
 from ..sim.simulate import RankStats
+from ..tune import memory
 from ..tune.partition import (
     DEFAULT_SLACK,
     PartitionResult,
@@ -27,34 +27,13 @@ from ..tune.partition import (
 )
 from .main import load_costs, positive_int, recompute_flags, recompute_label
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mib": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gib": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tib": 2**40,
-    "tb": 10**12,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
 
 def parse_bytes(text: str) -> float:
-    """``24GiB``, ``24G`` (both 2**30-based), ``24GB`` (10**9), ``512MiB``, ``2.5e10``."""
-    match = _BYTES_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected bytes such as 24GiB, 512MiB, 24GB or 2.5e10, got {text!r}"
-        )
-    return float(match.group(1)) * _UNITS[unit]
+    """argparse type: :func:`megatron_prt.tune.memory.parse_bytes`."""
+    try:
+        return memory.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_fraction(text: str) -> float:

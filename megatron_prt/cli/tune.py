@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from ..core.layers import check_layers_fill_stages
 from ..core.placement import ConfigError
 from ..tune.memory import format_bytes
 from ..tune.plan_file import PlanFile
@@ -87,6 +88,15 @@ def run(args: argparse.Namespace) -> int:
             )
         check_output(args.output, "plan.json")
         cost = load_costs(args.costs, args=args)
+        if not cost.layers:
+            raise ConfigError(
+                f'--costs {args.costs}: no per-layer "layers" list, which tuning needs '
+                "(`megatron-prt profile` writes one)"
+            )
+        # the training flags' rule: every plan tuned here is one they run (R = 1 at least)
+        check_layers_fill_stages(
+            len(cost.layers), args.pp, f"--costs {args.costs}: layer count", "--pp"
+        )
         result = tune(
             cost,
             args.pp,

@@ -31,11 +31,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
+from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
 from .plan_flag import add_plan_argument, apply_plan_file
 
@@ -171,19 +171,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # fmt: skip
-
-
 def _bytes(text: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    """argparse type: :func:`megatron_prt.tune.memory.parse_bytes` (the forms ``megatron-prt
+    tune --memory-budget`` takes)."""
     try:
-        value = float(match.group(1)) * _UNITS[match.group(2).upper()]
-    except (AttributeError, ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 24GiB)") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a byte count > 0 (e.g. 24GiB), got {text!r}")
-    return value
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(text: str) -> int:

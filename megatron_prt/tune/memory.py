@@ -9,6 +9,8 @@ each candidate partition only changes the sizes they are dotted with.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 
 from ..core.plan import Plan
@@ -41,6 +43,24 @@ def inflight_vectors(plan: Plan, rank: int) -> list[tuple[int, ...]]:
 def peak_activation(vectors: Sequence[Sequence[int]], sizes: Sequence[float]) -> float:
     """Peak activation bytes of a rank with in-flight ``vectors`` and slot ``sizes``."""
     return max((dot(v, sizes) for v in vectors), default=0.0)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
+          "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
+          "tb": 10**12}  # fmt: skip
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> float:
+    """A byte count > 0 as people write it: ``24GiB``, ``24G`` (both 2**30-based), ``24GB``
+    (10**9), ``512MiB``, ``2.5e10``. :class:`ValueError` naming the text otherwise (the flags
+    that take one wrap it for argparse)."""
+    match = _BYTES.match(text)
+    unit = match.group(2).lower() if match else None
+    value = float(match.group(1)) * _UNITS[unit] if unit in _UNITS else math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"expected bytes > 0 such as 24GiB, 512MiB, 24GB or 2.5e10, got {text!r}")
+    return value
 
 
 def format_bytes(value: float) -> str:

@@ -141,6 +141,17 @@ CLI_CASES = {
         _layers(4),
         "--pp 1: a pipeline needs 2 ranks or more",
     ),
+    "tune: fewer layers than ranks": (
+        ["tune", "--costs", "COSTS", "--pp", 4, "-m", 4],
+        _layers(3),
+        "--costs COSTS: layer count 3 cannot fill D = R*P = 4 stages; use at least 4 layers or "
+        "lower --pp",
+    ),
+    "tune: whole-model costs": (
+        ["tune", "--costs", "COSTS", "--pp", 2, "-m", 4],
+        {"fwd_time": 1.0},
+        '--costs COSTS: no per-layer "layers" list',
+    ),
     "tune: -o in a missing directory, before the search": (
         ["tune", "--costs", "COSTS", "--pp", 2, "-m", 4, "-o", "DIR/no/such/plan.json"],
         _layers(4),
@@ -255,8 +266,9 @@ def test_reuse_flags_refuse_naming_the_flag(tmp_path, extra, content, message):
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--pipeline-reuse-memory-budget", "0", "must be a byte count > 0"),
-        ("--pipeline-reuse-memory-budget", "lots", "not a byte count: 'lots'"),
+        ("--pipeline-reuse-memory-budget", "0", "expected bytes > 0 such as 24GiB"),
+        ("--pipeline-reuse-memory-budget", "lots", "expected bytes > 0 such as 24GiB"),
+        ("--pipeline-reuse-memory-budget", "1e400", "expected bytes > 0 such as 24GiB"),
         ("--pipeline-reuse-timeout", "-1", "must be a number of seconds > 0"),
         ("--pipeline-reuse-stage-layers", "2,,2", "expected comma-separated integers"),
     ],
@@ -320,3 +332,13 @@ def test_a_closed_pipe_ends_the_output_quietly():
     err = proc.stderr.read()
     assert proc.wait() == 1
     assert "Traceback" not in err and "error" not in err, err
+
+
+@pytest.mark.parametrize("text", ["24G", "24GiB", "24GB", "2.5e10", "512MiB"])
+def test_tune_and_megatron_take_the_same_byte_counts(text):
+    """One parser for every byte flag: `megatron-prt tune --memory-budget 24G` worked and
+    `--pipeline-reuse-memory-budget 24G` was refused."""
+    from megatron_prt.cli.partition import parse_bytes
+    from megatron_prt.megatron.args import _bytes
+
+    assert parse_bytes(text) == _bytes(text) > 0
