@@ -199,7 +199,10 @@ class LayerCost:
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
                 f"{', '.join(_LAYER_NUMBERS[2:])}"
             )
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ConfigError as exc:  # "layer cost fwd ..." -> "cost layers[3]: fwd ..."
+            raise ConfigError(f"cost {where}: {str(exc).removeprefix('layer cost ')}") from None
 
 
 _LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional

@@ -102,7 +102,8 @@ def test_cost_json_round_trip_and_backward_compatibility():
         ({"embedding": {"fwd": 1}}, "cost embedding has keys"),
         ({"head": [1, 2]}, "cost head must be an object"),
         ({"layers": [{"fwd": 1, "bwd": 2, "flops": 3}]}, r"cost layers\[0\] has keys"),
-        ({"layers": [{"fwd": -1, "bwd": 2}]}, "layer cost fwd must be a number >= 0"),
+        ({"layers": [{"fwd": -1, "bwd": 2}]}, r"cost layers\[0\]: fwd must be a number >= 0"),
+        ({"head": {"fwd": 1, "bwd": 1, "wgrad": 2}}, "cost head: wgrad .2. is part of bwd"),
         ({"layers": [{"fwd": 1, "bwd": 2}], "stage_layers": [2, -1]}, "counts >= 0"),
     ],
 )
