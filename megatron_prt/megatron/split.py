@@ -14,7 +14,8 @@ goes through :func:`megatron_prt.runtime.wgrad.split_linear` with megatron's sem
   group when ``allreduce_dgrad`` (as megatron, before the weight GEMM);
 * ``W``, under megatron's DDP (a weight with ``main_grad``), accumulates
   ``grad_output^T @ input`` straight into ``main_grad`` (megatron's fused kernel with
-  ``gradient_accumulation_fusion``, CUDA + APEX; else ``addmm_``), marks
+  ``gradient_accumulation_fusion``, CUDA + APEX; else the GEMM's result added as DDP's hook
+  adds it), marks
   ``grad_added_to_main_grad`` and hands the weight's accumulator megatron's dummy, as
   megatron's own fusion branch does: DDP's hook fires after every W and adds nothing twice.
   Without DDP the product goes to the accumulator (``.grad``).
@@ -93,14 +94,13 @@ def _all_reduce(group, grad_input: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _main_grad_wgrad(weight, main_grad, inp: torch.Tensor, grad_output: torch.Tensor):
-    """Under megatron's DDP without the fused kernel: the GEMM accumulates straight into the
-    grad buffer (``main_grad``), no temporary, then the accumulator gets megatron's dummy
-    so DDP's hook runs (and adds nothing), as in megatron's fusion branch."""
+    """Under megatron's DDP without the fused kernel: the GEMM's result is added to the grad
+    buffer (``main_grad``) as DDP's hook would add it (a GEMM accumulating into the buffer,
+    ``addmm_``, rounds differently on some CPUs: see
+    :func:`megatron_prt.runtime.wgrad._accumulate_in_place`), then the accumulator gets
+    megatron's dummy so DDP's hook runs (and adds nothing), as in megatron's fusion branch."""
     grad_output, inp = tp_layers.prepare_input_tensors_for_wgrad_compute(grad_output, inp)
-    if main_grad.dtype == inp.dtype:
-        main_grad.addmm_(grad_output.t(), inp)
-    else:  # e.g. bf16 compute, fp32 buffer: as DDP's hook would add it
-        main_grad.add_(grad_output.t().matmul(inp))
+    main_grad.add_(grad_output.t().matmul(inp))
     return _dummy_wgrad(weight, main_grad, inp.dtype)
 
 
