@@ -182,20 +182,21 @@ class Graph:
     @functools.cached_property
     def actions(self) -> list[Action]:
         """id -> :class:`Action` (built on first use: only kept plans need them)."""
-        rows = zip(self.stage, self._ops, self.mb, strict=True)
+        rows = zip(self.stage, self._ops(), self.mb, strict=True)
         return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
-    def rank_actions(self, ids: list[int]) -> RankActions:
-        """The actions of ``ids``, in this order, as columns (see [Note: columnar ranks]
-        in :mod:`megatron_prt.core.columns`): no :class:`Action` is made until asked for."""
-        if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-            return RankActions(*(tuple(table[i] for i in ids) for table in self._columns))
-        pick = itemgetter(*ids)
-        return RankActions(*map(pick, self._columns))
-
-    @property
-    def _columns(self) -> tuple[list[int], list[Op], list[int]]:
-        return self.stage, self._ops, self.mb
+    def rank_actions(self, orders: Sequence[Sequence[int]]) -> tuple[RankActions, ...]:
+        """The actions of each rank's ``ids``, in this order, as columns (see [Note:
+        columnar ranks] in :mod:`megatron_prt.core.columns`): no :class:`Action` is made
+        until asked for."""
+        columns = self.stage, self._ops(), self.mb
+        ranks = []
+        for ids in orders:
+            if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
+                ranks.append(RankActions(*(tuple(table[i] for i in ids) for table in columns)))
+            else:
+                ranks.append(RankActions(*map(itemgetter(*ids), columns)))
+        return tuple(ranks)
 
     @functools.cached_property
     def backward(self) -> tuple[bool, ...]:
@@ -203,9 +204,10 @@ class Graph:
         scheduler's loop than ``id & 1``."""
         return (False, True) * (self.n // 2)
 
-    @functools.cached_property
     def _ops(self) -> list[Op]:
-        """id -> its op (ids alternate F, B)."""
+        """id -> its op (ids alternate F, B). Made when asked and not kept: the collector
+        walks a table of :class:`Op` values (objects it tracks) for as long as it lives,
+        tuple or list (see [Note: long-lived tables are tuples])."""
         return [Op.F, Op.B] * (self.n // 2)
 
     def busy_per_kind(self, ticks: StageTimes) -> list[int]:

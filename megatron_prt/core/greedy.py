@@ -71,7 +71,7 @@ class IdResult:
     forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
-        orders = tuple(map(graph.rank_actions, self.orders))
+        orders = graph.rank_actions(self.orders)
         return ListResult(orders, self.makespan, self.peak_held)
 
 
