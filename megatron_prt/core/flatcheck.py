@@ -408,14 +408,15 @@ def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: 
     (:meth:`_Flat.remote_needs`), which it never passes."""
     ranks = len(lengths)
     pos = [0] * ranks + [max(lengths) + 1]
-    waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
+    # rank -> ranks parked on it; a rank at its end parks on the rank count, never woken
+    waiting: list[list[int]] = [[] for _ in range(ranks + 1)]
+    rows = list(zip(needs, afters, strict=True))
     todo = list(range(ranks))
     next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
-    while todo:
+    while todo:  # walks are short (a few actions): what one costs counts
         rank = next_rank()
-        need, after = needs[rank], afters[rank]
+        need, after = rows[rank]
         first = i = pos[rank]
-        end = lengths[rank]
         while pos[after[i]] > need[i]:  # stops at the end: see remote_needs
             i += 1
         if i > first:
@@ -424,8 +425,7 @@ def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: 
             if woken:  # the list is kept and emptied: no new list per wake
                 todo += woken
                 woken.clear()
-        if i < end:
-            waiting[after[i]].append(rank)
+        waiting[after[i]].append(rank)
     return pos[:-1] == lengths
 
 
