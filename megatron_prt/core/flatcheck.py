@@ -302,13 +302,11 @@ class _Flat:
     def remote_needs(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """Per rank, per action: the position of its producer on another rank (-1: none)
         and that rank (its stage's rank, as ``of`` checked; the rank count: none), each
-        with two entries more: a stop at the rank's end (a need no rank meets, so
-        :func:`_replay_completes` walks without a bounds test) and a spare last, where the
-        absent (-1) entries of a row land; and the rank lengths."""
+        with one spare entry last, where the absent (-1) entries of a row land; and the
+        rank lengths."""
         rank_of, per_stage, ranks = self.placement.stage_to_rank, len(self.ops), len(self.lengths)
-        stop = max(self.lengths) + 1  # no rank stands past it (_replay_completes)
-        needs = [[-1] * length + [stop, -1] for length in self.lengths]
-        afters = [[ranks] * (length + 2) for length in self.lengths]
+        needs = [[-1] * (length + 1) for length in self.lengths]
+        afters = [[ranks] * (length + 1) for length in self.lengths]
         for producer, consumer, crosses in self.edges:
             if crosses:
                 consumers, rank = self.row(consumer), rank_of[consumer // per_stage]
@@ -404,20 +402,18 @@ def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: 
 
     Position ``j`` of rank ``r`` is done when ``r`` stands past it (``pos[r] > j``): no
     per-action mark to write as ranks move. ``afters`` names the rank count where there is
-    no need: a rank that is always past every position, but the stop at each rank's end
-    (:meth:`_Flat.remote_needs`), which it never passes."""
+    no need: a rank that is always past every position."""
     ranks = len(lengths)
     pos = [0] * ranks + [max(lengths) + 1]
-    # rank -> ranks parked on it; a rank at its end parks on the rank count, never woken
-    waiting: list[list[int]] = [[] for _ in range(ranks + 1)]
-    rows = list(zip(needs, afters, strict=True))
+    waiting: list[list[int]] = [[] for _ in range(ranks)]  # rank -> ranks parked on it
     todo = list(range(ranks))
     next_rank = todo.pop  # todo grows in place (+=): the bound method stays its own
-    while todo:  # walks are short (a few actions): what one costs counts
+    while todo:
         rank = next_rank()
-        need, after = rows[rank]
+        need, after = needs[rank], afters[rank]
         first = i = pos[rank]
-        while pos[after[i]] > need[i]:  # stops at the end: see remote_needs
+        end = lengths[rank]
+        while i < end and pos[after[i]] > need[i]:
             i += 1
         if i > first:
             pos[rank] = i
@@ -425,7 +421,8 @@ def _replay_completes(needs: list[list[int]], afters: list[list[int]], lengths: 
             if woken:  # the list is kept and emptied: no new list per wake
                 todo += woken
                 woken.clear()
-        waiting[after[i]].append(rank)
+        if i < end:
+            waiting[after[i]].append(rank)
     return pos[:-1] == lengths
 
 

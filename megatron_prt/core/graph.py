@@ -6,14 +6,6 @@ A plan of P=64, R=8, m=512 has half a million actions and the portfolio of
 integers, per-id facts are lists (one micro-batch's template repeated), and each heap entry
 is one integer (key, then action). Actions become :class:`Action` values only for the plan
 that is kept.
-
-[Note: long-lived tables are tuples]
-The per-id tables live as long as the graph (cached, and held by the plans made from it)
-and a scheduler's result as long as its plan. A list of half a million ints is walked by
-every run of the cyclic garbage collector that reaches its generation (the first after a
-plan is built, every full one while it is held, one at exit); a tuple of ints is walked
-once and then left alone (the collector stops tracking a tuple that holds nothing it
-tracks), and reads as fast. So tables made once and only read are tuples.
 """
 
 from __future__ import annotations
@@ -79,7 +71,7 @@ class Graph:
         # per pipeline, per offset: the kind (2 * stage + op bit); ``kinds`` tiles it
         self.kind_templates = [[2 * s + (j & 1) for j, s in enumerate(st)] for st in stage_t]
         self.stage, self.rank = _tile(stage_t, mb_pipeline), _tile(rank_t, mb_pipeline)
-        self.mb = tuple(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
+        self.mb = list(chain.from_iterable(map(repeat, range(len(mb_pipeline)), repeat(width))))
         self.n = len(self.stage)
 
     def _edges(self, pipe: int, ranks: list[int]) -> tuple[list[int], list[tuple]]:
@@ -114,17 +106,17 @@ class Graph:
         return list(map(mod, ids, repeat(self.width * pipes)))
 
     @functools.cached_property
-    def kinds(self) -> tuple[int, ...]:
+    def kinds(self) -> list[int]:
         """id -> its kind ``2 * stage + op bit`` (made when asked: the scheduler reads the
         per-kind templates)."""
         return self.tiled(self.kind_templates)
 
     @functools.cached_property
-    def producer_counts(self) -> tuple[int, ...]:
+    def producer_counts(self) -> list[int]:
         """id -> how many producers it waits for (made when asked, see :attr:`sources`)."""
         return self.tiled(self._counts_t)
 
-    def tiled(self, templates: Sequence[list]) -> tuple:
+    def tiled(self, templates: Sequence[list]) -> list:
         """Per id the entry of its offset in its pipeline's template (one list per pipeline,
         ``width`` long): a per-micro-batch table tiled over every micro-batch."""
         return _tile(templates, self.mb_pipeline)
@@ -138,7 +130,7 @@ class Graph:
         return [mb * width + j for mb, pipe in enumerate(self.mb_pipeline) for j in firsts[pipe]]
 
     @functools.cached_property
-    def consumer_steps(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    def consumer_steps(self) -> tuple[list[int], list[bool]]:
         """Per id: how far ahead its one consumer's id lies (0: none), and whether that edge
         crosses ranks (the scheduler's view of :attr:`consumers`: ``id + step``)."""
         steps_t, crossing_t = [], []
@@ -182,32 +174,30 @@ class Graph:
     @functools.cached_property
     def actions(self) -> list[Action]:
         """id -> :class:`Action` (built on first use: only kept plans need them)."""
-        rows = zip(self.stage, self._ops(), self.mb, strict=True)
+        rows = zip(self.stage, self._ops, self.mb, strict=True)
         return list(map(tuple.__new__, repeat(Action), rows))  # Action._make, without a call
 
-    def rank_actions(self, orders: Sequence[Sequence[int]]) -> tuple[RankActions, ...]:
-        """The actions of each rank's ``ids``, in this order, as columns (see [Note:
-        columnar ranks] in :mod:`megatron_prt.core.columns`): no :class:`Action` is made
-        until asked for."""
-        columns = self.stage, self._ops(), self.mb
-        ranks = []
-        for ids in orders:
-            if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
-                ranks.append(RankActions(*(tuple(table[i] for i in ids) for table in columns)))
-            else:
-                ranks.append(RankActions(*map(itemgetter(*ids), columns)))
-        return tuple(ranks)
+    def rank_actions(self, ids: list[int]) -> RankActions:
+        """The actions of ``ids``, in this order, as columns (see [Note: columnar ranks]
+        in :mod:`megatron_prt.core.columns`): no :class:`Action` is made until asked for."""
+        if len(ids) < 2:  # itemgetter of one id returns the value, not a tuple
+            return RankActions(*(tuple(table[i] for i in ids) for table in self._columns))
+        pick = itemgetter(*ids)
+        return RankActions(*map(pick, self._columns))
+
+    @property
+    def _columns(self) -> tuple[list[int], list[Op], list[int]]:
+        return self.stage, self._ops, self.mb
 
     @functools.cached_property
-    def backward(self) -> tuple[bool, ...]:
+    def backward(self) -> list[bool]:
         """id -> whether it is a backward (ids alternate F, B): a look-up, cheaper in the
         scheduler's loop than ``id & 1``."""
-        return (False, True) * (self.n // 2)
+        return [False, True] * (self.n // 2)
 
+    @functools.cached_property
     def _ops(self) -> list[Op]:
-        """id -> its op (ids alternate F, B). Made when asked and not kept: the collector
-        walks a table of :class:`Op` values (objects it tracks) for as long as it lives,
-        tuple or list (see [Note: long-lived tables are tuples])."""
+        """id -> its op (ids alternate F, B)."""
         return [Op.F, Op.B] * (self.n // 2)
 
     def busy_per_kind(self, ticks: StageTimes) -> list[int]:
@@ -224,7 +214,7 @@ class Graph:
             kept = self._busy = (ticks, per_kind)
         return kept[1]
 
-    def durations(self, ticks: StageTimes) -> tuple[int, ...]:
+    def durations(self, ticks: StageTimes) -> list[int]:
         """id -> its rank's busy time under ``ticks`` (integer stage times); read-only, kept
         for the next policy of a portfolio (the last stage times asked only)."""
         kept = self.__dict__.get("_durations")
@@ -295,20 +285,17 @@ class HeapEntries:
         self.fill_through(self.n - 1)
 
 
-def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> tuple:
+def _tile(templates: Sequence[list], mb_pipeline: tuple[int, ...]) -> list:
     """Per id: the per-offset template of its micro-batch's pipeline, micro-batch after
     micro-batch. When the micro-batches take the pipelines in turn (what
     :func:`~megatron_prt.core.plan.split_microbatches` does) one round's templates are
-    repeated (a copy at memory speed, ten times faster than concatenating micro-batches).
-
-    A tuple, not a list: see [Note: long-lived tables are tuples]."""
+    repeated (a copy at memory speed, ten times faster than concatenating micro-batches)."""
     pipes = len(templates)
     rounds, extra = divmod(len(mb_pipeline), pipes)
     if mb_pipeline != tuple(mb % pipes for mb in range(len(mb_pipeline))):
-        return tuple(chain.from_iterable(map(templates.__getitem__, mb_pipeline)))
-    tiled = (*chain.from_iterable(templates),) * rounds
-    if extra:  # an odd split of bi: a copy of the whole, once per graph
-        tiled += (*chain.from_iterable(templates[:extra]),)
+        return list(chain.from_iterable(map(templates.__getitem__, mb_pipeline)))
+    tiled = [*chain.from_iterable(templates)] * rounds
+    tiled += chain.from_iterable(templates[:extra])  # in place: no copy of the whole
     return tiled
 
 

@@ -62,16 +62,16 @@ class ListResult:
 class IdResult:
     """A schedule over :attr:`Graph.actions` ids (what :func:`list_schedule` wraps)."""
 
-    orders: tuple[tuple[int, ...], ...]
+    orders: tuple[list[int], ...]
     ticks: int  # makespan in ticks of the stage times scheduled with
     makespan: float
     peak_held: tuple[int, ...]
-    started: tuple[int, ...]  # every id in the order the ranks started them (a dependency order)
-    ends: tuple[tuple[int, ...], ...]  # rank -> end tick of each of its actions
+    started: list[int]  # every id in the order the ranks started them (a dependency order)
+    ends: tuple[list[int], ...]  # rank -> end tick of each of its actions
     forced: bool  # a forward ran past its cap (its start may lie after its earliest)
 
     def materialise(self, graph: Graph) -> ListResult:
-        orders = graph.rank_actions(self.orders)
+        orders = tuple(map(graph.rank_actions, self.orders))
         return ListResult(orders, self.makespan, self.peak_held)
 
 
@@ -200,6 +200,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             if action < 0 or (hopping and end[rank] != now):
                 continue
             current[rank] = -1
+            if last_bwd[rank]:  # the last action a rank started is the one finishing
+                held[rank] -= 1
             step = users_of[action]  # its one user waits for it alone: ready now, or a hop
             if not step:  # later (see [Note: implied producers] in graph.py)
                 continue
@@ -267,9 +269,8 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                     fwd_left[rank] -= 1
                 if holding > peak[rank]:
                     peak[rank] = holding
-            else:  # its activation is let go now rather than at its finish: no rank
-                last_bwd[rank] = True  # reads held[rank] while the rank is busy (the watch
-                held[rank] -= 1  # samples it with current and last_bwd: the same states)
+            else:
+                last_bwd[rank] = True
             end[rank] = finish = now + busy
             ends[rank].append(finish)
             ending = due.get(finish)
@@ -294,9 +295,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
                 now += skipped[0]
                 if bounded:  # the watch moved the latest starts (room) and the ends on
                     slack = list(map(sub, run["room"], end))
-    # as tuples: see [Note: long-lived tables are tuples] in graph.py
-    orders, ends = tuple(map(tuple, order)), tuple(map(tuple, ends))
-    return IdResult(orders, now, now * tick, tuple(peak), tuple(started), ends, forced)
+    return IdResult(tuple(order), now, now * tick, tuple(peak), started, tuple(ends), forced)
 
 
 def _forced_rank(fheap: list[list[int]], current: list[int]) -> int:
