@@ -182,26 +182,22 @@ class LayerCost:
         return replace(self, **{k: v * factor for k, v in given.items()})
 
     def to_dict(self) -> dict:
-        data = asdict(self)
-        for key in _LAYER_NUMBERS[4:]:
-            if data[key] is None:  # absent rather than null: older readers accept it
-                del data[key]
-        return data
+        """Optional keys left unset are absent rather than null: older readers accept that."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k in _LAYER_NUMBERS[:4]}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> LayerCost:
         """``where`` names the entry in error messages (e.g. ``layers[3]``)."""
         if not isinstance(data, dict):
             raise ConfigError(f"cost {where} must be an object with fwd, bwd, act, param")
-        known = set(cls.__dataclass_fields__)
-        if set(data) - known or not {"fwd", "bwd"} <= set(data):
+        if set(data) - set(_LAYER_NUMBERS) or not {"fwd", "bwd"} <= set(data):
             raise ConfigError(
                 f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
                 f"{', '.join(_LAYER_NUMBERS[2:])}"
             )
-        try:
+        try:  # "layer cost fwd ..." -> "cost layers[3]: fwd ..."
             return cls(**data)
-        except ConfigError as exc:  # "layer cost fwd ..." -> "cost layers[3]: fwd ..."
+        except ConfigError as exc:
             raise ConfigError(f"cost {where}: {str(exc).removeprefix('layer cost ')}") from None
 
 
