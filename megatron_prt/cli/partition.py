@@ -15,9 +15,9 @@ import sys
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..core.schedules import SCHEDULES
+from ..megatron.args import byte_count as parse_bytes
 from ..sim.cost import CostModel
 from ..sim.simulate import RankStats
-from ..tune import memory
 from ..tune.partition import (
     DEFAULT_SLACK,
     PartitionResult,
@@ -26,14 +26,6 @@ from ..tune.partition import (
     partition,
 )
 from .main import load_costs, positive_int, recompute_flags, recompute_label
-
-
-def parse_bytes(text: str) -> float:
-    """argparse type: :func:`megatron_prt.tune.memory.parse_bytes`."""
-    try:
-        return memory.parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_fraction(text: str) -> float:

@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-reuse-memory-budget",
-        type=_bytes,
+        type=byte_count,
         default=None,
         metavar="BYTES",
         help="Balanced partition: per-rank limit on activations + weights (e.g. 60GiB); "
@@ -171,9 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _bytes(text: str) -> float:
-    """argparse type: :func:`megatron_prt.tune.memory.parse_bytes` (the forms ``megatron-prt
-    tune --memory-budget`` takes)."""
+def byte_count(text: str) -> float:
+    """argparse type of every byte flag (``--pipeline-reuse-memory-budget``, ``megatron-prt
+    tune --memory-budget``, ``partition --budget``):
+    :func:`megatron_prt.tune.memory.parse_bytes`."""
     try:
         return parse_bytes(text)
     except ValueError as exc:

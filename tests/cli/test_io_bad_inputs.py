@@ -339,6 +339,6 @@ def test_tune_and_megatron_take_the_same_byte_counts(text):
     """One parser for every byte flag: `megatron-prt tune --memory-budget 24G` worked and
     `--pipeline-reuse-memory-budget 24G` was refused."""
     from megatron_prt.cli.partition import parse_bytes
-    from megatron_prt.megatron.args import _bytes
+    from megatron_prt.megatron.args import byte_count
 
-    assert parse_bytes(text) == _bytes(text) > 0
+    assert parse_bytes(text) == byte_count(text) > 0
