@@ -15,7 +15,9 @@ ready I first (it is on the critical path), then a forward the caps admit, then 
 filler; W also frees the memory a blocked forward waits for). A small portfolio of
 policies runs; the plan under the cap that replays fastest under the given times wins,
 ties going to the one holding less (a run's own clock is no judge: a rank its caps hold
-back idles there, while the replay starts the same order as early as it can).
+back idles there, while the replay starts the same order as early as it can). Each run is
+replayed as it is made and stops once it can neither win nor tie ([Note: judging a run as
+it is made] in :mod:`megatron_prt.core.zbgraph`).
 
 [Note: runs that differ only in caps]
 A run's caps act only through its cap tests (``ZBScheduler._admits``), each made with the
@@ -36,7 +38,6 @@ same one (``oldest_too``), and ``reserve`` where every memory test answers alike
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -44,11 +45,10 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from .actions import Action, Op
-from .deps import consumers_map, producers
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
-from .replay import replay
 from .timing import StageTimes
+from .zbgraph import Judge, action_facts, graph, queue_keys
 
 # Share of a stage's activation bytes that W still needs after I (the rest I frees). A
 # transformer layer keeps 34·s·b·h bytes for backward (fp16, flash attention; Korthikanti et
@@ -120,6 +120,9 @@ class ZBResult:
     cap_trace: tuple[tuple, ...]  # rank -> what its cap tests saw (_Rank.trace)
     oldest_too: bool  # fwd_order "deepest": "oldest" would have made the same run
     reserve_too: bool  # not ``reserve``: ``reserve`` would have made the same run
+    # the judge's replay makespan in its ticks (None: no judge; inf: stopped past its
+    # limit, the orders and peaks cut short; the trace and the two flags hold for what ran)
+    replayed_ticks: float | None = None
 
 
 def zero_bubble(
@@ -158,18 +161,21 @@ def zero_bubble(
     name = "zb-h2" if mem_cap == "zb-h2" else "zb"
     bound = split_lower_bound(placement, mb_pipeline, times)
     best, best_key, lowest = None, (math.inf, math.inf), math.inf
-    replayed = set()  # orders already judged: the same orders replay the same
+    judge = Judge.of(placement, mb_pipeline, times)
+    limit = [math.inf]  # the best replay so far, in the judge's ticks: runs past it stop
     for planning in _planning_times(placement, times):
-        for result in _distinct_runs(placement, mb_pipeline, planning, act, keep, cap):
+        runs = _distinct_runs(placement, mb_pipeline, planning, act, keep, cap, judge, limit)
+        for result in runs:
+            if result.replayed_ticks == math.inf:  # stopped: can neither win nor tie
+                continue
             peak = max(result.peak_bytes)
             lowest = min(lowest, peak)
-            if peak > cap * (1 + 1e-9) or result.orders in replayed:
+            if peak > cap * (1 + 1e-9):
                 continue
-            replayed.add(result.orders)
-            plan = Plan(placement, num_microbatches, result.orders, name, mb_pipeline)
-            key = (replay(plan, times).makespan, peak)
+            key = (result.replayed_ticks * judge.tick, peak)  # replay(plan, times).makespan
             if key < best_key:
-                best, best_key = plan, key
+                best_key, limit[0] = key, result.replayed_ticks
+                best = Plan(placement, num_microbatches, result.orders, name, mb_pipeline)
             if best_key[0] <= bound * (1 + 1e-12):
                 return best
     if best is None:
@@ -183,15 +189,19 @@ def zero_bubble(
     return best
 
 
-def _distinct_runs(placement, mb_pipeline, planning, act, keep, cap):
+def _distinct_runs(placement, mb_pipeline, planning, act, keep, cap, judge, limit):
     """The runs of the portfolio under ``planning``, in portfolio order, less those of
     policies whose run would repeat one already made (see [Note: runs that differ only in
-    caps]): the same orders and peaks, so the same replay, and an equal key never wins."""
+    caps]): the same orders and peaks, so the same replay, and an equal key never wins.
+    Each run is judged as it is made and stops past ``limit[0]`` ticks (read at its start;
+    [Note: judging a run as it is made]); a stopped run repeats, up to where it stopped,
+    in any policy its trace says repeats it, which would stop there too (limits only fall)."""
     made: list[tuple[ZBPolicy, ZBResult]] = []
     for policy in _portfolio(placement, planning):
         if any(_repeats(earlier, result, policy) for earlier, result in made):
             continue
-        result = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy).run()
+        scheduler = ZBScheduler(placement, mb_pipeline, planning, act, keep, cap, policy, judge)
+        result = scheduler.run(limit[0])
         made.append((policy, result))
         yield result
 
@@ -336,7 +346,7 @@ class ZBScheduler:
     runs anyway (never a deadlock; its peak tells the caller). Actions are indices into
     the cached graph's lists (hashing an :class:`Action` costs more than its work)."""
 
-    def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy: ZBPolicy):
+    def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy, judge=None):
         self.placement, self.policy, self.cap = placement, policy, cap * (1 + 1e-9)
         self.times, self.tick = times.in_ticks()
         model = [placement.model_stage(s) for s in range(placement.num_stages)]
@@ -346,12 +356,12 @@ class ZBScheduler:
             [self.times.busy(Action(s, op, 0), placement) for s in range(len(model))]
             for op in (Op.F, Op.I, Op.W)
         ]
-        graph = _graph(placement, tuple(mb_pipeline))
-        self.actions, self.consumers, self.counts, self.enters, self.kinds = graph
-        self.size, self.duration, self.chain = _action_facts(
+        tables = graph(placement, tuple(mb_pipeline))
+        self.actions, self.consumers, self.counts, self.enters, self.kinds = tables
+        self.size, self.duration, self.chain = action_facts(
             placement, tuple(mb_pipeline), tuple(self.stage_bytes), tuple(map(tuple, self.busy))
         )
-        self.keys = _queue_keys(placement, tuple(mb_pipeline), policy.fwd_order, policy.inp_order)
+        self.keys = queue_keys(placement, tuple(mb_pipeline), policy.fwd_order, policy.inp_order)
         self.rank_of = placement.stage_to_rank
         self.ranks = [_Rank(([], [], [])) for _ in range(placement.ranks)]
         self.order: list[list[Action]] = [[] for _ in self.ranks]
@@ -360,10 +370,31 @@ class ZBScheduler:
         # (the run's only use of the order), kept in a second heap per rank
         self.watch = self.oldest_too = policy.fwd_order == "deepest"
         self.reserve_too = not policy.reserve  # every memory test answers alike with it
-        self.oldest_keys = _queue_keys(placement, tuple(mb_pipeline), "oldest", "oldest")
+        self.oldest_keys = queue_keys(placement, tuple(mb_pipeline), "oldest", "oldest")
         self.oldest, self.started = [[] for _ in self.ranks], [False] * len(self.actions)
+        # the judge's replay so far: per action its end, per rank its last end and work left
+        self.judge, self.limit = judge, math.inf
+        if judge is not None:
+            self.replay_end = [0] * len(self.actions)
+            self.replay_free, self.replay_left = [0] * placement.ranks, list(judge.work)
 
-    def run(self) -> ZBResult:
+    def run(self, limit: float = math.inf) -> ZBResult:
+        """The run; with a judge, stopped once its replay must end past ``limit`` ticks
+        ([Note: judging a run as it is made])."""
+        self.limit = limit
+        try:
+            return self._run()
+        except _PastLimitError:
+            return self._result(math.inf)
+
+    def _result(self, replayed_ticks) -> ZBResult:
+        orders, peaks = tuple(map(tuple, self.order)), tuple(s.peak for s in self.ranks)
+        traces = tuple(s.trace() for s in self.ranks)
+        makespan = self.now * self.tick
+        flags = (self.oldest_too, self.reserve_too)
+        return ZBResult(orders, makespan, peaks, traces, *flags, replayed_ticks)
+
+    def _run(self) -> ZBResult:
         """The run; ``_finish`` and the arrivals are inlined (the loop runs once per action,
         where a method call costs as much as the work), hence the length."""
         actions, consumers, keys, kinds = self.actions, self.consumers, self.keys, self.kinds
@@ -375,12 +406,12 @@ class ZBScheduler:
         for index, count in enumerate(waiting):
             if count == 0:
                 push(events, (0, -1 - index, rank_of[actions[index].stage]))
-        done = now = 0
+        done = self.now = now = 0
         while done < len(actions):
             if not events:  # every rank blocked by its caps alone
                 self._start_blocked(now)
                 continue
-            now = events[0][0]
+            self.now = now = events[0][0]
             touched = set()
             while events and events[0][0] == now:
                 _, index, rank = pop(events)
@@ -421,9 +452,7 @@ class ZBScheduler:
                 state = ranks[rank]
                 if not state.busy:
                     self._step(rank, now)
-        orders, peaks = tuple(map(tuple, self.order)), tuple(s.peak for s in ranks)
-        traces = tuple(s.trace() for s in ranks)
-        return ZBResult(orders, now * self.tick, peaks, traces, self.oldest_too, self.reserve_too)
+        return self._result(None if self.judge is None else max(self.replay_free))
 
     def _start_blocked(self, now: int) -> None:
         """Every rank is blocked by its caps alone: start the best waiting forward (by the
@@ -529,72 +558,23 @@ class ZBScheduler:
                 self.started[index] = True
         self.order[rank].append(self.actions[index])
         heapq.heappush(self.events, (now + self.duration[index], index, rank))
+        if self.judge is not None:
+            self._judge(rank, index)
+
+    def _judge(self, rank: int, index: int) -> None:
+        """The replay's end of the action the rank starts; raises :class:`_PastLimitError` when
+        the rank's end plus its work left passes the limit."""
+        judge, ends = self.judge, self.replay_end
+        begin = self.replay_free[rank]
+        for producer, crosses in judge.producers[index]:
+            ready = ends[producer] + judge.hop if crosses else ends[producer]
+            if ready > begin:
+                begin = ready
+        ends[index] = self.replay_free[rank] = end = begin + judge.duration[index]
+        self.replay_left[rank] -= judge.duration[index]
+        if end + self.replay_left[rank] > self.limit:
+            raise _PastLimitError
 
 
-def split_actions(placement: Placement, mb_pipeline: Sequence[int]) -> list[Action]:
-    """Every F, I and W of a plan, in flow order per micro-batch."""
-    out = []
-    for mb, pipe in enumerate(mb_pipeline):
-        stages = placement.pipelines[pipe]
-        out += [Action(stage, Op.F, mb) for stage in stages]
-        out += [Action(stage, Op.I, mb) for stage in reversed(stages)]
-        out += [Action(stage, Op.W, mb) for stage in reversed(stages)]
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _graph(placement: Placement, mb_pipeline: tuple[int, ...]):
-    """The actions, per action the ``(index, stage)`` of its consumers, and how many
-    producers each waits for, whether each is on its micro-batch's first stage on its rank,
-    and each one's kind (``_F``, ``_I``, ``_W``) (read-only)."""
-    actions = split_actions(placement, mb_pipeline)
-    index = {a: i for i, a in enumerate(actions)}
-    consumers = consumers_map(actions, placement, split=True)
-    users = [tuple((index[c], c.stage) for c in consumers[a]) for a in actions]
-    counts = [len(producers(a, placement, split=True)) for a in actions]
-    first = {}  # (rank, pipeline) -> the rank's first stage in it
-    for pipe, stages in enumerate(placement.pipelines):
-        for stage in reversed(stages):
-            first[placement.rank_of(stage), pipe] = stage
-    enters = [a.stage == first[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
-    kinds = [(Op.F, Op.I, Op.W).index(a.op) for a in actions]
-    return actions, users, counts, enters, kinds
-
-
-@functools.lru_cache(maxsize=16)
-def _action_facts(placement, mb_pipeline, stage_bytes, busy):
-    """Per action of :func:`_graph`: its bytes, its duration in ticks (``busy[kind][stage]``)
-    and the bytes of all its micro-batch's stages on its rank (what ``reserve`` sets aside
-    as the micro-batch enters) (read-only)."""
-    chains: dict[tuple[int, int], float] = {}
-    for pipe, stages in enumerate(placement.pipelines):
-        for stage in stages:
-            key = placement.rank_of(stage), pipe
-            chains[key] = chains.get(key, 0.0) + stage_bytes[stage]
-    actions, _, _, _, kinds = _graph(placement, mb_pipeline)
-    size = [stage_bytes[a.stage] for a in actions]
-    duration = [busy[k][a.stage] for k, a in zip(kinds, actions, strict=True)]
-    chain = [chains[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
-    return size, duration, chain
-
-
-@functools.lru_cache(maxsize=64)
-def _queue_keys(
-    placement: Placement, mb_pipeline: tuple[int, ...], fwd_order: str, inp_order: str
-) -> list[tuple]:
-    """Per action of :func:`_graph`, its key in its rank's ready queue (smallest first) under
-    the policy's ``fwd_order`` and ``inp_order`` (read-only)."""
-    group_width = placement.ranks * placement.num_pipelines
-    groups = max(1, len(mb_pipeline) // group_width)
-    keys = []
-    for stage, op, mb in _graph(placement, mb_pipeline)[0]:
-        order = fwd_order if op is Op.F else inp_order if op is Op.I else None
-        if order == "deepest":
-            keys.append((-stage, mb))
-        elif order == "grouped":
-            chunk = (stage % placement.depth) // placement.ranks
-            group = min(mb // group_width, groups - 1)
-            keys.append((group, chunk if op is Op.F else -chunk, mb))
-        else:
-            keys.append((mb, -stage if op is Op.F else stage))
-    return keys
+class _PastLimitError(Exception):
+    """A judged run's replay must end past its limit."""
