@@ -37,7 +37,7 @@ from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
-from .plan_flag import add_plan_argument, apply_plan_file
+from .plan_flag import NotedStore, add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-reuse-placement",
         choices=PLACEMENTS,
+        action=NotedStore,
         default=_DEPENDENT_DEFAULTS["pipeline_reuse_placement"],
         help="Stage order over ranks: loop (0..P-1 every pass) or wave (passes alternate "
         "direction).",
@@ -102,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-reuse-direction",
         choices=DIRECTIONS,
+        action=NotedStore,
         default=_DEPENDENT_DEFAULTS["pipeline_reuse_direction"],
         help="uni: one pipeline. bi: two counter-flowing pipelines over the same ranks "
         "(2R chunks per rank, >= 2 micro-batches).",

@@ -3,10 +3,12 @@
 The file fixes P, R, placement, direction, the layer split and the micro-batches per
 iteration. :func:`apply_plan_file` checks them against the model's flags before anything
 else and writes the file's values into ``args`` so the rest of the validation sees one
-consistent setting. A ``--pipeline-reuse-*`` flag left at its default takes the file's value;
-one set away from its default to a value other than the file's is refused (it cannot be told
-which the user meant). One given as its own default cannot be told from one left out (argparse
-fills both alike): the file's value wins.
+consistent setting. A ``--pipeline-reuse-*`` flag left out takes the file's value; one given
+with a value other than the file's is refused (it cannot be told which the user meant). The
+placement and direction flags, whose defaults are values a file may contradict, note that they
+were given (:class:`NotedStore`), so ``--pipeline-reuse-placement loop`` beside a wave plan is
+refused too; on a namespace built without the parser (no note), only a value away from the
+default can be seen to be given.
 
 Imports neither torch nor megatron, like :mod:`megatron_prt.megatron.args`.
 """
@@ -19,6 +21,16 @@ from ..core.placement import ConfigError
 from ..tune.plan_file import PlanFile, load_plan
 
 FLAG = "--pipeline-reuse-plan"
+GIVEN = "pipeline_reuse_given"  # the args attribute NotedStore keeps the given dests in
+
+
+class NotedStore(argparse.Action):
+    """``store`` that also notes its ``dest`` in ``args.pipeline_reuse_given`` (a frozenset),
+    so a flag given as its own default is told from one left out."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
 
 
 def add_plan_argument(group) -> None:
@@ -28,8 +40,8 @@ def add_plan_argument(group) -> None:
         default=None,
         metavar="FILE",
         help="Run this plan file (megatron-prt tune -o FILE) as it is: its R, placement, "
-        "direction and layer split replace the other --pipeline-reuse-* flags (one set away "
-        "from its default to another value is refused); checked against --num-layers, "
+        "direction and layer split replace the other --pipeline-reuse-* flags (one given "
+        "with another value is refused); checked against --num-layers, "
         "--pipeline-model-parallel-size and the micro-batches per iteration.",
     )
 
@@ -88,7 +100,8 @@ def _check_model(
 
 
 def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defaults: dict) -> None:
-    """A flag set away from its default to a value other than the file's is refused."""
+    """A flag given (or set away from its default) with a value other than the file's is
+    refused."""
     plan = plan_file.plan
     placement = plan.placement
     reuse = getattr(args, "pipeline_reuse", None)
@@ -99,7 +112,8 @@ def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defa
         ("pipeline_reuse_direction", placement.direction),
     ):
         given = getattr(args, dest, defaults[dest])
-        if given != defaults[dest] and given != own:
+        named = dest in getattr(args, GIVEN, ())
+        if (named or given != defaults[dest]) and given != own:
             _conflict(where, "--" + dest.replace("_", "-"), given, own)
     stage_layers = getattr(args, "pipeline_reuse_stage_layers", None)
     if stage_layers is not None and tuple(stage_layers) != plan_file.stage_layers:

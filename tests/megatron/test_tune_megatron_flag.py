@@ -107,6 +107,18 @@ def test_placement_and_direction_conflicts_are_refused(tmp_path, extra, flag):
     assert flag in refusal(*MODEL, "--pipeline-reuse-plan", loop_uni, *extra)
 
 
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (("--pipeline-reuse-placement", "loop"), "--pipeline-reuse-placement loop conflicts"),
+        (("--pipeline-reuse-direction", "uni"), "--pipeline-reuse-direction uni conflicts"),
+    ],
+)
+def test_a_flag_given_as_its_default_conflicts_too(wave_bi, extra, flag):
+    """loop and uni are the defaults: given, they still contradict a wave/bi file."""
+    assert flag in refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, *extra)
+
+
 def test_unreadable_plan_file_is_refused(tmp_path):
     missing = tmp_path / "missing.json"
     message = refusal(*MODEL, "--pipeline-reuse-plan", missing)
