@@ -123,11 +123,11 @@ class Judge:
         ]
         duration = tuple(busy[k][a.stage] for k, a in zip(kinds, actions, strict=True))
         rank_of = placement.stage_to_rank
-        made: list[list[tuple[int, bool]]] = [[] for _ in actions]
+        inputs: list[list[tuple[int, bool]]] = [[] for _ in actions]  # per action: producers
         for index, action in enumerate(actions):
             for user, stage in users[index]:
-                made[user].append((index, rank_of[stage] != rank_of[action.stage]))
+                inputs[user].append((index, rank_of[stage] != rank_of[action.stage]))
         work = [0] * placement.ranks
         for action, busy_ticks in zip(actions, duration, strict=True):
             work[rank_of[action.stage]] += busy_ticks
-        return cls(duration, tuple(map(tuple, made)), tuple(work), ticks.p2p, tick)
+        return cls(duration, tuple(map(tuple, inputs)), tuple(work), ticks.p2p, tick)

@@ -120,9 +120,10 @@ class ZBResult:
     cap_trace: tuple[tuple, ...]  # rank -> what its cap tests saw (_Rank.trace)
     oldest_too: bool  # fwd_order "deepest": "oldest" would have made the same run
     reserve_too: bool  # not ``reserve``: ``reserve`` would have made the same run
-    # the judge's replay makespan in its ticks (None: no judge; inf: stopped past its
-    # limit, the orders and peaks cut short; the trace and the two flags hold for what ran)
-    replayed_ticks: float | None = None
+    # the judge's replay makespan in its ticks (None: no judge; math.inf: stopped past its
+    # limit, the orders, peaks and ``makespan`` (the run's clock then) cut short; the trace
+    # and the two flags hold for what ran)
+    replayed_ticks: int | float | None = None
 
 
 def zero_bubble(
@@ -346,7 +347,7 @@ class ZBScheduler:
     runs anyway (never a deadlock; its peak tells the caller). Actions are indices into
     the cached graph's lists (hashing an :class:`Action` costs more than its work)."""
 
-    def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy, judge=None):
+    def __init__(self, placement, mb_pipeline, times, act, keep, cap, policy: ZBPolicy, judge=None):
         self.placement, self.policy, self.cap = placement, policy, cap * (1 + 1e-9)
         self.times, self.tick = times.in_ticks()
         model = [placement.model_stage(s) for s in range(placement.num_stages)]

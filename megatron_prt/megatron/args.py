@@ -37,7 +37,7 @@ from ..core.layers import check_layers_fill_stages
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
-from .plan_flag import NotedStore, add_plan_argument, apply_plan_file
+from .plan_flag import GIVEN, NotedStore, add_plan_argument, apply_plan_file
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -299,11 +299,13 @@ def _translate_to_megatron(args: argparse.Namespace, config: ReuseConfig) -> Non
 
 
 def _refuse_flags_without_reuse(args: argparse.Namespace) -> None:
-    # A flag left at its default cannot be told from an absent one; it is harmless anyway.
+    # Placement and direction note that they were given (NotedStore); any other flag left
+    # at its default cannot be told from an absent one, harmless anyway.
+    noted = getattr(args, GIVEN, ())
     given = [
         _flag(dest)
         for dest, default in _DEPENDENT_DEFAULTS.items()
-        if getattr(args, dest, default) != default
+        if dest in noted or getattr(args, dest, default) != default
     ]
     if given:
         raise ConfigError(

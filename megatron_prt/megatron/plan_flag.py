@@ -25,12 +25,15 @@ GIVEN = "pipeline_reuse_given"  # the args attribute NotedStore keeps the given 
 
 
 class NotedStore(argparse.Action):
-    """``store`` that also notes its ``dest`` in ``args.pipeline_reuse_given`` (a frozenset),
-    so a flag given as its own default is told from one left out."""
+    """``store`` that also notes its ``dest`` in ``args.pipeline_reuse_given`` (a sorted
+    tuple: Megatron-LM saves ``args`` in checkpoints and loads them with ``weights_only``,
+    which refuses a frozenset), so a flag given as its own default is told from one left
+    out."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
-        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+        given = {*getattr(namespace, GIVEN, ()), self.dest}
+        setattr(namespace, GIVEN, tuple(sorted(given)))
 
 
 def add_plan_argument(group) -> None:

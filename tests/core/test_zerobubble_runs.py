@@ -3,8 +3,9 @@
 ``zero_bubble`` skips a policy whose run would repeat an earlier one: a policy equal but
 for its caps (or for ``fwd_order`` or ``reserve``, where the earlier run shows they made no
 difference) whose caps answer every cap test of that run as it was answered ([Note: runs
-that differ only in caps]); and it replays each distinct order once. Both must leave the
-chosen plan exactly that of running and replaying every policy of the portfolio."""
+that differ only in caps]); and it judges each run as it is made, stopping one that can
+neither win nor tie ([Note: judging a run as it is made]). Both must leave the chosen plan
+exactly that of running and replaying every policy of the portfolio."""
 
 import itertools
 import math

@@ -112,7 +112,9 @@ def test_off_returns_none_and_changes_nothing():
     "argv, flag",
     [
         (("--pipeline-reuse-placement", "wave"), "--pipeline-reuse-placement"),
+        (("--pipeline-reuse-placement", "loop"), "--pipeline-reuse-placement"),  # its default
         (("--pipeline-reuse-direction", "bi"), "--pipeline-reuse-direction"),
+        (("--pipeline-reuse-direction", "uni"), "--pipeline-reuse-direction"),  # its default
         (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition"),
         (("--pipeline-reuse-stage-layers", "4,4"), "--pipeline-reuse-stage-layers"),
         (("--pipeline-reuse-trace", "trace"), "--pipeline-reuse-trace"),
