@@ -26,6 +26,9 @@ class StageTimes:
     wgt: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        # tuples whatever the caller gave: the planners cache by stage times (hashable)
+        for name in ("fwd", "bwd") + (() if self.wgt is None else ("wgt",)):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.wgt is not None and (
             len(self.wgt) != len(self.bwd)
             or any(not 0 <= w <= b for w, b in zip(self.wgt, self.bwd, strict=True))

@@ -60,9 +60,26 @@ def graph(placement: Placement, mb_pipeline: tuple[int, ...]):
     return actions, users, counts, enters, kinds
 
 
+def busy_ticks(placement: Placement, ticks: StageTimes) -> tuple[tuple[int, ...], ...]:
+    """Per kind (F, I, W) and stage: its rank's busy time in ``ticks`` (integer stage times,
+    :meth:`StageTimes.in_ticks`), as :meth:`StageTimes.busy` gives it (messages' CPU in)."""
+    stages = range(placement.num_stages)
+    return tuple(
+        tuple(ticks.busy(Action(stage, op, 0), placement) for stage in stages)
+        for op in (Op.F, Op.I, Op.W)
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def durations(placement, mb_pipeline, busy) -> tuple[int, ...]:
+    """Per action of :func:`graph`: ``busy[kind][stage]`` (:func:`busy_ticks`)."""
+    actions, _, _, _, kinds = graph(placement, mb_pipeline)
+    return tuple(busy[k][a.stage] for k, a in zip(kinds, actions, strict=True))
+
+
 @functools.lru_cache(maxsize=16)
 def action_facts(placement, mb_pipeline, stage_bytes, busy):
-    """Per action of :func:`graph`: its bytes, its duration in ticks (``busy[kind][stage]``)
+    """Per action of :func:`graph`: its bytes, its duration in ticks (:func:`durations`)
     and the bytes of all its micro-batch's stages on its rank (what ``reserve`` sets aside
     as the micro-batch enters)."""
     chains: dict[tuple[int, int], float] = {}
@@ -70,11 +87,10 @@ def action_facts(placement, mb_pipeline, stage_bytes, busy):
         for stage in stages:
             key = placement.rank_of(stage), pipe
             chains[key] = chains.get(key, 0.0) + stage_bytes[stage]
-    actions, _, _, _, kinds = graph(placement, mb_pipeline)
+    actions = graph(placement, mb_pipeline)[0]
     size = [stage_bytes[a.stage] for a in actions]
-    duration = [busy[k][a.stage] for k, a in zip(kinds, actions, strict=True)]
     chain = [chains[placement.rank_of(a.stage), mb_pipeline[a.mb]] for a in actions]
-    return size, duration, chain
+    return size, durations(placement, mb_pipeline, busy), chain
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,18 +132,14 @@ class Judge:
     @functools.lru_cache(maxsize=16)
     def of(cls, placement: Placement, mb_pipeline: tuple[int, ...], times: StageTimes) -> Judge:
         ticks, tick = times.in_ticks()
-        actions, users, _, _, kinds = graph(placement, mb_pipeline)
-        busy = [
-            [ticks.busy(Action(s, op, 0), placement) for s in range(placement.num_stages)]
-            for op in (Op.F, Op.I, Op.W)
-        ]
-        duration = tuple(busy[k][a.stage] for k, a in zip(kinds, actions, strict=True))
+        actions, users = graph(placement, mb_pipeline)[:2]
+        duration = durations(placement, mb_pipeline, busy_ticks(placement, ticks))
         rank_of = placement.stage_to_rank
         inputs: list[list[tuple[int, bool]]] = [[] for _ in actions]  # per action: producers
         for index, action in enumerate(actions):
             for user, stage in users[index]:
                 inputs[user].append((index, rank_of[stage] != rank_of[action.stage]))
         work = [0] * placement.ranks
-        for action, busy_ticks in zip(actions, duration, strict=True):
-            work[rank_of[action.stage]] += busy_ticks
+        for action, busy in zip(actions, duration, strict=True):
+            work[rank_of[action.stage]] += busy
         return cls(duration, tuple(map(tuple, inputs)), tuple(work), ticks.p2p, tick)

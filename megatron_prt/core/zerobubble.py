@@ -48,7 +48,7 @@ from .actions import Action, Op
 from .placement import ConfigError, Placement
 from .plan import Plan, split_microbatches
 from .timing import StageTimes
-from .zbgraph import Judge, action_facts, graph, queue_keys
+from .zbgraph import Judge, action_facts, busy_ticks, graph, queue_keys
 
 # Share of a stage's activation bytes that W still needs after I (the rest I frees). A
 # transformer layer keeps 34·s·b·h bytes for backward (fp16, flash attention; Korthikanti et
@@ -353,14 +353,11 @@ class ZBScheduler:
         model = [placement.model_stage(s) for s in range(placement.num_stages)]
         self.stage_bytes = [act[k] for k in model]
         self.stage_keep = [keep[k] for k in model]
-        self.busy = [
-            [self.times.busy(Action(s, op, 0), placement) for s in range(len(model))]
-            for op in (Op.F, Op.I, Op.W)
-        ]
+        self.busy = busy_ticks(placement, self.times)
         tables = graph(placement, tuple(mb_pipeline))
         self.actions, self.consumers, self.counts, self.enters, self.kinds = tables
         self.size, self.duration, self.chain = action_facts(
-            placement, tuple(mb_pipeline), tuple(self.stage_bytes), tuple(map(tuple, self.busy))
+            placement, tuple(mb_pipeline), tuple(self.stage_bytes), self.busy
         )
         self.keys = queue_keys(placement, tuple(mb_pipeline), policy.fwd_order, policy.inp_order)
         self.rank_of = placement.stage_to_rank

@@ -4,7 +4,8 @@ The judge's makespan must be the replay's, to the tick, for every run of the por
 under every planning time (each judged under the times plans are compared by); a run must
 stop under a limit one tick below its replay and never under its replay itself, so no run
 that could win or tie is cut short. ``test_zerobubble_runs`` checks the chosen plan against
-running and replaying every policy."""
+running and replaying every policy. Stage times given as lists must plan as tuples do:
+the judge's cache, like the F/B portfolio's, hashes them."""
 
 import itertools
 import math
@@ -14,6 +15,8 @@ import pytest
 from megatron_prt.core import Placement
 from megatron_prt.core.plan import Plan, split_microbatches
 from megatron_prt.core.replay import replay
+from megatron_prt.core.schedules import build_plan
+from megatron_prt.core.timing import StageTimes
 from megatron_prt.core.zbgraph import Judge
 from megatron_prt.core.zerobubble import (
     ZBScheduler,
@@ -77,3 +80,17 @@ def test_a_run_stops_exactly_when_its_replay_passes_the_limit(placement, m):
         cut = scheduler().run(whole.replayed_ticks - 1)
         assert cut.replayed_ticks == math.inf
         assert sum(map(len, cut.orders)) <= sum(map(len, whole.orders))
+
+
+def test_stage_times_given_as_lists_plan_as_tuples_do():
+    """The planners cache by stage times: lists are kept as tuples (they raised 'unhashable
+    type' from the caches)."""
+    placement = Placement(2, 2, "wave", "uni")
+    fwd, bwd, wgt = [1.0, 1.5, 1.0, 2.0], [2.0, 3.0, 2.0, 4.0], [1.0, 1.0, 1.0, 2.0]
+    listed = StageTimes(fwd, bwd, p2p=0.1, wgt=wgt)
+    assert listed == StageTimes(tuple(fwd), tuple(bwd), p2p=0.1, wgt=tuple(wgt))
+    for schedule in ("prt", "zb"):
+        tupled = StageTimes(tuple(fwd), tuple(bwd), p2p=0.1, wgt=tuple(wgt))
+        assert build_plan(placement, 5, schedule, listed) == build_plan(
+            placement, 5, schedule, tupled
+        )
