@@ -63,6 +63,7 @@ from megatron_prt.megatron.data import (  # noqa: E402, F401 - the names other e
     default_corpus,
     init_single_process_group,
     load_tokenizer,
+    pieces_note,
     prepare,
     read_corpus,
     samples_per_epoch,
@@ -120,8 +121,8 @@ def _train_tokenizer(args: argparse.Namespace) -> None:
         sentences, args.tokenizer_model, args.vocab_size, model_type=args.model_type
     )
     print(
-        f"wrote {args.tokenizer_model}: {size} pieces from {len(sentences)} sentences in "
-        f"{time.perf_counter() - started:.1f} s",
+        f"wrote {args.tokenizer_model}: {pieces_note(size, args.vocab_size)}, from "
+        f"{len(sentences)} sentences in {time.perf_counter() - started:.1f} s",
         file=sys.stderr,
     )
 

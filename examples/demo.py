@@ -3,16 +3,18 @@
     python examples/demo.py [--out out/demo] [--ranks 4] [--train-iters 30]
     python examples/demo.py compare RUN.log BASELINE.log     # any two pretrain_bert.py runs
 
-Prepares the corpus embedded in Python (``pydoc_data.topics``, no download) with a 1024-token
-WordPiece vocabulary, then trains the same small BERT twice with ``examples/pretrain_bert.py``
-under ``torchrun --standalone`` on CPU ranks (one thread each): PRT with
-``--pipeline-reuse 2 --pipeline-reuse-placement wave`` and PRT's 1F1B-equivalent plan
-(``--pipeline-reuse 1``). Prints both runs' output, a table of iteration time, speedup,
-measured and predicted bubble, per-rank peak activation memory and final losses, and writes
-each run's first-iteration timeline (``OUT/prt.png``, ``OUT/1f1b.png``, Chrome traces beside).
+Prepares the corpus embedded in Python (``pydoc_data.topics``, no download) with a 1024-piece
+SentencePiece tokenizer (``examples/bert_data.py``), then trains the same small BERT twice
+with ``examples/pretrain_bert.py`` under ``torchrun --standalone`` on CPU ranks (one thread
+each): PRT with ``--pipeline-reuse 2 --pipeline-reuse-placement wave`` and PRT's
+1F1B-equivalent plan (``--pipeline-reuse 1``). Prints both runs' output, a table of
+iteration time, speedup, measured and predicted bubble, per-rank peak activation memory and
+final losses, and writes each run's first-iteration timeline (``OUT/prt.png``,
+``OUT/1f1b.png``, Chrome traces beside).
 
-``make demo`` runs 4 ranks, which on a 2-core machine time-share the cores: the table says
-so, and its speed ratios are then not those of one device per rank (``--ranks 2`` is).
+``make demo`` runs 4 ranks, or one per core on a machine with fewer cores (``make demo
+DEMO_RANKS=4`` forces 4): ranks that share a core time-slice, the table says so, and its
+speed ratios are then not those of one device per rank.
 """
 
 from __future__ import annotations

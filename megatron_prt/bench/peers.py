@@ -19,11 +19,13 @@ from .report import md_table
 
 @dataclass(frozen=True)
 class PeerRow:
-    """One torch schedule: ``result`` of simulating it, or ``None`` and ``why`` not."""
+    """One torch schedule: ``result`` of simulating it, or ``None`` and ``why`` not;
+    ``split_backward`` whether its order splits the backward (I and W)."""
 
     label: str
     result: SimResult | None
     why: str = ""
+    split_backward: bool = False
 
 
 def simulated_peers(
@@ -41,16 +43,16 @@ def simulated_peers(
         placement = plan.placement if plan else peer_placement(peer, ranks, reuse)
         label = peer.label + (f" R={placement.reuse}" if placement.reuse > 1 else "")
         if plan is None:
-            rows.append(PeerRow(label, None, why))
+            rows.append(PeerRow(label, None, why, peer.split_backward))
             continue
         cost = cost_of(placement)
         split = len(cost.stage_layers)
         if split and split != placement.depth:
             why = f"the costs' stage_layers split {split} stages, this needs {placement.depth}"
-            rows.append(PeerRow(label, None, why))
+            rows.append(PeerRow(label, None, why, peer.split_backward))
             continue
         validate(plan)
-        rows.append(PeerRow(label, simulate(plan, cost)))
+        rows.append(PeerRow(label, simulate(plan, cost), "", peer.split_backward))
     return rows
 
 

@@ -24,6 +24,7 @@ from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
 from ..tune.plan_file import load_plan
+from .layers import check_even_split, filled_rows
 from .peers import peer_results
 
 
@@ -257,7 +258,19 @@ def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
     _check_stage_layers(args, cost, {placement.depth})
-    plan = build(args, cost, placement, _schedule(args))
+    check_even_split(cost, placement.depth, args.costs)
+    schedule = _schedule(args)
+    if args.mem_cap is not None and schedule not in SPLIT_SCHEDULES:
+        raise ConfigError(
+            f"--mem-cap caps split-backward plans, not --schedule {schedule}; add "
+            "--split-backward or drop --mem-cap"
+        )
+    if schedule == "interleaved" and placement.reuse == 1:
+        raise ConfigError(
+            "--schedule interleaved with R = 1 is 1F1B; give --reuse R >= 2 (model chunks per "
+            "rank) or --schedule 1f1b"
+        )
+    plan = build(args, cost, placement, schedule)
     validate(plan)
     return plan
 
@@ -333,6 +346,8 @@ def _write_plan(args, plan: Plan, cost: CostModel) -> int:
         result = simulate(plan, cost)
         out = args.output or "/dev/stdout"
         write_chrome_trace(out, spans_of(plan, result.timeline), plan.placement.stage_to_chunk)
+        if args.output:
+            print(f"wrote {args.output}")
         return 0
     text = {"json": plan.to_json, "csv": plan.to_csv, "text": lambda: _plan_text(plan, cost)}[fmt]()
     if args.output:
@@ -382,7 +397,7 @@ def _metrics_text(result: SimResult) -> str:
             f"({result.replica_bytes:.6g} gradient bytes sent)"
         )
     header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
-    rows += ["", header + ("     replica_wait  replica_sync" if bi else "")]
+    rows += ["", header + ("  replica_wait  replica_sync" if bi else "")]
     for r in result.per_rank:
         row = (
             f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
@@ -490,16 +505,22 @@ def cmd_compare(args) -> int:
     cost = _cost(args)
     variants = compare_variants(args.pp, args.reuse, args.split_backward)
     _check_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
+    check_even_split(cost, args.pp, args.costs)  # 1F1B, the baseline, must run
     results = []
     for label, placement, schedule in variants:
         try:
+            check_even_split(cost, placement.depth, args.costs)
             plan = build(args, cost, placement, schedule)
         except ConfigError as exc:
             results.append((label, None, str(exc)))
             continue
         validate(plan)
         results.append((label, simulate(plan, cost), ""))
-    results += peer_results(args.pp, args.microbatches, args.reuse, cost)
+    results += filled_rows(
+        peer_results(args.pp, args.microbatches, args.reuse, cost, args.split_backward),
+        cost,
+        args.costs,
+    )
     base = results[0][1].makespan
     if not base > 0:
         raise ConfigError(

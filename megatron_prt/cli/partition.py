@@ -73,7 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=parse_fraction,
         default=DEFAULT_SLACK,
         help=f"time given up for memory without --budget (default {DEFAULT_SLACK:g} = "
-        f"{DEFAULT_SLACK:.0%})",
+        f"{DEFAULT_SLACK:.0%})".replace("%", "%%"),  # argparse formats help with %
     )
     recompute_flags(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")

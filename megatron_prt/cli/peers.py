@@ -12,8 +12,12 @@ from ..sim.simulate import SimResult
 
 
 def peer_results(
-    pp: int, microbatches: int, reuse: int, cost: CostModel
+    pp: int, microbatches: int, reuse: int, cost: CostModel, split_backward: bool
 ) -> list[tuple[str, SimResult | None, str]]:
-    """``(label, result, why)`` rows as ``cmd_compare`` prints them; ``[]`` without torch."""
+    """``(label, result, why)`` rows as ``cmd_compare`` prints them; ``[]`` without torch.
+    The split-backward orders (ZB1P, ZBV, DualPipeV) only with ``split_backward``, beside
+    our own zero-bubble rows: without it the table compares whole-backward schedules."""
     rows = simulated_peers(pp, microbatches, lambda placement: cost, reuse)
-    return [(row.label, row.result, row.why) for row in rows]
+    return [
+        (row.label, row.result, row.why) for row in rows if split_backward or not row.split_backward
+    ]

@@ -31,6 +31,7 @@ from .tokenizer import (
     Tokenizer,
     build_tokenizer,
     load_tokenizer,
+    pieces_note,
     tokenizer_args,
     train_tokenizer,
 )
@@ -178,5 +179,6 @@ def _prepare_tokenizer(
     sentences = [s for doc in documents for s in split_sentences(doc)]
     _progress(f"training a SentencePiece tokenizer of {vocab_size} on {len(sentences)} sentences")
     size = train_tokenizer(sentences, path, vocab_size)
-    _progress(f"wrote {path}: {size} pieces in {time.perf_counter() - started:.1f} s")
+    note = pieces_note(size, vocab_size)
+    _progress(f"wrote {path}: {note} ({time.perf_counter() - started:.1f} s)")
     return load_tokenizer(path)

@@ -57,6 +57,14 @@ _SP_SPECIALS = {
 }
 
 
+def pieces_note(size: int, asked: int) -> str:
+    """What a progress line says of a trained vocabulary of ``size`` for ``asked``: a small
+    text can run out of pieces (``hard_vocab_limit`` off), which a user should hear of."""
+    if size >= asked:
+        return f"{size} pieces"
+    return f"{size} pieces, fewer than the {asked} of --vocab-size: the text holds no more"
+
+
 def train_tokenizer(
     sentences: Iterable[str],
     model_path: str | os.PathLike,

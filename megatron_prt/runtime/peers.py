@@ -37,12 +37,14 @@ WRITTEN_FOR = "2.13"  # the torch whose private schedule layout this module read
 @dataclass(frozen=True)
 class Peer:
     """One torch schedule: ``name`` its class, ``label`` a compare row, ``placement`` our
-    name for its stage placement, ``reuse`` its stages per rank (``None``: the caller's R)."""
+    name for its stage placement, ``reuse`` its stages per rank (``None``: the caller's R),
+    ``split_backward`` whether its order splits the backward into I and W."""
 
     name: str
     label: str
     placement: str
     reuse: int | None
+    split_backward: bool = False
 
     def stages_per_rank(self, reuse: int) -> int:
         return self.reuse if self.reuse is not None else reuse
@@ -51,9 +53,9 @@ class Peer:
 PEERS = (
     Peer("Schedule1F1B", "torch 1F1B", "loop", 1),
     Peer("ScheduleInterleaved1F1B", "torch interleaved", "loop", None),
-    Peer("ScheduleInterleavedZeroBubble", "torch ZB1P", "loop", None),
-    Peer("ScheduleZBVZeroBubble", "torch ZBV", "wave", 2),
-    Peer("ScheduleDualPipeV", "torch DualPipeV", "wave", 2),
+    Peer("ScheduleInterleavedZeroBubble", "torch ZB1P", "loop", None, split_backward=True),
+    Peer("ScheduleZBVZeroBubble", "torch ZBV", "wave", 2, split_backward=True),
+    Peer("ScheduleDualPipeV", "torch DualPipeV", "wave", 2, split_backward=True),
 )
 
 

@@ -262,3 +262,71 @@ def test_partition_refuses_the_stages_the_training_flags_refuse(run_cli, tmp_pat
         ReuseConfig(Placement(2, 2), num_layers=3)
     code, _, _ = run_cli("partition", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", path, "--pp", 1)
     assert code == 0  # 3 layers fill D = 2
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "compare", "partition", "profile",
+                                     "tune", "bench"])  # fmt: skip
+def test_every_subcommand_prints_its_help(command):
+    """Was: ``partition --help`` raised argparse's ValueError (a bare % in a help text)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_prt", command, "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:") and proc.stderr == ""
+
+
+def test_plan_simulate_and_compare_refuse_stages_the_layers_cannot_fill(run_cli, tmp_path):
+    """Was: an 8-layer cost file priced R*P = 16 stages with empty ones, a layout the
+    training flags, the runtime and ``tune`` refuse; now the same rule as theirs."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"layers": [{"fwd": 1, "bwd": 2}] * 8}))
+    refusal = f"--costs {path}: layer count 8 cannot fill D = R*P = 16 stages"
+    shape = ("--pp", 4, "-m", 8, "--reuse", 4, "--costs", path)
+    for command in ("plan", "simulate"):
+        code, out, err = run_cli(command, *shape)
+        assert (code, out) == (2, "") and refusal in err and "lower --reuse or --pp" in err
+    code, out, err = run_cli("compare", *shape)
+    assert code == 0, err
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    assert refusal in rows["PRT wave/uni R=4"] and "n/a" in rows["PRT wave/uni R=4"]
+    assert "1.000x" in rows["1F1B"] and "x " in rows["Chimera-style bi R=1"]  # R = 1 fits
+    assert "n/a" in rows["torch interleaved R=4"]  # the peers' rows follow the same rule
+    code, _, err = run_cli("compare", "--pp", 16, "-m", 16, "--costs", path)
+    assert code == 2 and "layer count 8 cannot fill D = R*P = 16 stages" in err
+    split = tmp_path / "split.json"  # a file's own split may leave a stage empty: priced
+    split.write_text(json.dumps({"layers": [{"fwd": 1, "bwd": 2}] * 8,
+                                 "stage_layers": [0] + [1] * 8 + [0] * 7}))  # fmt: skip
+    code, _, err = run_cli("simulate", *shape[:-1], split)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mem-cap", "zb-h2"], "--mem-cap caps split-backward plans, not --schedule prt"),
+        (["--schedule", "interleaved"], "--schedule interleaved with R = 1 is 1F1B"),
+    ],
+)
+def test_flags_that_would_change_nothing_are_refused(run_cli, argv, message):
+    """Was: a plain prt plan without a word for --mem-cap, and 1F1B for interleaved R = 1."""
+    for command in ("plan", "simulate"):
+        code, out, err = run_cli(command, "--pp", 2, "-m", 4, *argv)
+        assert (code, out) == (2, "") and message in err
+
+
+def test_chrome_trace_to_a_file_says_where(run_cli, tmp_path):
+    out_file = tmp_path / "t.json"
+    code, out, _ = run_cli("plan", "--pp", 2, "-m", 4, "--format", "chrome", "-o", out_file)
+    assert code == 0 and out == f"wrote {out_file}\n"
+    assert json.loads(out_file.read_text())
+
+
+def test_simulate_bi_columns_sit_under_their_headers(run_cli):
+    code, out, _ = run_cli("simulate", "--pp", 2, "-m", 4, "--direction", "bi",
+                           "--replica-sync-time", 0.5)  # fmt: skip
+    assert code == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank  busy"))
+    for column in ("param_bytes", "replica_wait", "replica_sync"):
+        start = lines[header].index(column)
+        assert lines[header + 1][start] != " " and lines[header + 1][start - 1] == " ", column

@@ -204,6 +204,19 @@ def test_user_jsonl_corpus_through_the_cli(tmp_path, capsys):
     assert code == 0 and "samples train" in shown and "<CLS>" in shown
 
 
+def test_a_vocabulary_smaller_than_asked_is_said(tmp_path, capsys):
+    """Was: ``--vocab-size 8192`` on a small text wrote fewer pieces without a word."""
+    pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "reviews.jsonl"
+    _write_jsonl(corpus, 30)
+    model = tmp_path / "spm.model"
+    argv = ["train-tokenizer", "--tokenizer-model", str(model), "--input", str(corpus)]
+    assert bert_data.main([*argv, "--json-key", "body", "--vocab-size", "8192"]) == 0
+    size = bert_data.load_tokenizer(model).vocab_size
+    assert size < 8192
+    assert f"{size} pieces, fewer than the 8192 of --vocab-size" in capsys.readouterr().err
+
+
 def test_train_tokenizer_then_preprocess_as_with_megatron_lm(tmp_path):
     """The README's steps: a tokenizer trained on the jsonl, then preprocess_data.py's flags;
     the result equals what ``prepare`` writes from the same jsonl."""

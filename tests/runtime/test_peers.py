@@ -95,18 +95,28 @@ def _compare(capsys, *argv):
 
 
 def test_compare_lists_the_peer_rows(capsys):
-    out = _compare(capsys, "--pp", "4", "-m", "8")
+    out = _compare(capsys, "--pp", "4", "-m", "8", "--split-backward")
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
     for label in ("torch 1F1B", "torch interleaved R=2", "torch ZB1P R=2", "torch ZBV R=2"):
         assert label in rows and "n/a" not in rows[label]
     assert rows["torch 1F1B"].split()[2:5] == rows["1F1B"].split()[1:4]
 
 
+def test_compare_shows_split_backward_peers_only_with_split_backward(capsys):
+    """Was: torch's zero-bubble orders (W apart) beside whole-backward rows alone, as if
+    faster than every schedule of the table."""
+    out = _compare(capsys, "--pp", "4", "-m", "8")
+    labels = {line.split("  ")[0].strip() for line in out.splitlines()}
+    assert {"torch 1F1B", "torch interleaved R=2"} <= labels
+    assert not any(label.startswith(("torch ZB", "torch DualPipeV")) for label in labels)
+    assert not any(label.startswith("ZB ") for label in labels)
+
+
 def test_compare_says_na_with_torch_reason(capsys):
     out = _compare(capsys, "--pp", "4", "-m", "9")
     line = next(x for x in out.splitlines() if x.startswith("torch interleaved R=2"))
     assert "n/a" in line and "multiple of the number of rounds" in line
-    out = _compare(capsys, "--pp", "4", "-m", "4")
+    out = _compare(capsys, "--pp", "4", "-m", "4", "--split-backward")
     line = next(x for x in out.splitlines() if x.startswith("torch DualPipeV R=2"))
     assert "n/a" in line and "at least as many microbatches as stages" in line
 
