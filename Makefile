@@ -16,11 +16,16 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
+# Test processes: one per core, at most 4 (0: in this process, on one core). Each test file
+# runs whole on one process, so its module fixtures (a trained example run) are built once.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 4 ] && echo 4 || { [ $$n -ge 2 ] && echo $$n || echo 0; })
+PYTEST    := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
 test: install
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-all: install
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PYTEST) -m "slow or not slow"
 
 # The megatron-facing tests against the next megatron-core line (requirements-next.txt) on
 # Python 3.12, in their own venv. Not in CI: the first run installs ~2.6 GB of wheels.
