@@ -49,7 +49,9 @@ iteration, data position, learning-rate scheduler state and RNG states, and the 
 ``DIR/latest``; ``--load DIR`` resumes from ``DIR/latest`` under any layout (another
 ``--pipeline-reuse``, placement, direction, pipeline, tensor- or data-parallel size) and,
 with the same pipeline and tensor-parallel sizes, continues with the numbers an uninterrupted
-run gives (other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
+run gives: in the same layout, or in another with dropout off (a chunk's dropout RNG stream
+belongs to its place in the layout, so another R, placement or direction draws other masks;
+other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
 after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. When a
 checkpoint cannot be loaded (missing, incomplete, truncated, another model) every rank exits
 with status 2 and says which earlier complete checkpoint to resume from instead.

@@ -235,7 +235,8 @@ def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
             f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
             f"--micro-batch-size * data-parallel size = {per_step}"
         )
-    if pp > 1 and args.pipeline_reuse is None and args.device == "cpu":
+    reuse = args.pipeline_reuse is not None or args.pipeline_reuse_plan  # a plan file implies it
+    if pp > 1 and not reuse and args.device == "cpu":
         yield (
             "megatron's own pipelined schedule needs CUDA (its p2p calls CUDA); on CPU use "
             "--pipeline-reuse 1 for 1F1B (PRT's equivalent plan) or --pipeline-reuse R"

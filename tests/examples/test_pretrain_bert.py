@@ -308,6 +308,23 @@ def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_a_plan_file_alone_implies_pipeline_reuse_on_cpu(tmp_path, monkeypatch):
+    """Was: ``--pipeline-reuse-plan FILE`` without ``--pipeline-reuse`` refused on CPU as
+    megatron's own CUDA-only schedule, though the plan file implies PRT."""
+    from megatron_prt.core.placement import Placement
+    from megatron_prt.core.schedules import build_plan
+    from megatron_prt.tune.plan_file import PlanFile
+
+    path = str(tmp_path / "plan.json")  # TINY: 4 layers, 8 // 2 = 4 micro-batches
+    PlanFile(build_plan(Placement(2, 1, "loop", "bi"), 4), (3, 1)).write(path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    flags = [*TINY, "--pipeline-model-parallel-size", "2", "--pipeline-reuse-plan", path]
+    args = pretrain_bert.parse_args(flags)
+    placement = args.reuse.placement
+    assert (placement.reuse, placement.direction) == (1, "bi")
+
+
 def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(bert_args, "_tensorboard_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
