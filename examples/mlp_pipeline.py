@@ -15,7 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_prt.core import Placement, build_plan
+from megatron_prt.core import ConfigError, Placement, build_plan
+from megatron_prt.core.layers import check_layers_fill_stages
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
@@ -37,18 +38,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--trace", metavar="PREFIX", help="write PREFIX.json/.png of the last step")
     args = parser.parse_args()
+    try:  # before any collective, so a bad flag stops every rank with one line
+        placement = Placement(
+            int(os.environ.get("WORLD_SIZE", 1)), args.reuse, args.placement, args.direction
+        )
+        plan = build_plan(placement, args.microbatches)
+        check_layers_fill_stages(args.layers, placement.depth, "--layers", "--reuse")
+    except ConfigError as exc:
+        parser.error(str(exc))
 
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if device.type == "cpu":
         torch.set_num_threads(1)
         keep_freed_memory()  # no page-fault churn from re-allocating activations
-
-    placement = Placement(world, args.reuse, args.placement, args.direction)
-    plan = build_plan(placement, args.microbatches)
 
     def make_layer(i: int) -> torch.nn.Module:
         torch.manual_seed(i)  # identical layer i on every rank

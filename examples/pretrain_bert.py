@@ -52,9 +52,11 @@ with the same pipeline and tensor-parallel sizes, continues with the numbers an 
 run gives: in the same layout, or in another with dropout off (a chunk's dropout RNG stream
 belongs to its place in the layout, so another R, placement or direction draws other masks;
 other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
-after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. When a
-checkpoint cannot be loaded (missing, incomplete, truncated, another model) every rank exits
-with status 2 and says which earlier complete checkpoint to resume from instead.
+after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. A
+``--load DIR`` without ``DIR/latest`` (the folder missing too) starts fresh, as Megatron-LM
+does, and says so on rank 0. When ``latest`` names a checkpoint that cannot be loaded
+(unreadable, missing, incomplete, truncated, another model) every rank exits with status 2
+and says which earlier complete checkpoint to resume from instead.
 """
 
 from __future__ import annotations

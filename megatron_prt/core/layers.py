@@ -6,6 +6,7 @@ the cost model, the megatron-core integration and the partitioner all call these
 
 from __future__ import annotations
 
+import argparse
 import numbers
 from collections.abc import Sequence
 
@@ -80,3 +81,14 @@ def stage_layer_counts(
         return check_stage_layers(stage_layers, num_layers, depth, name=name, total=total)
     _refuse_unfilled(num_layers, depth, total or f"{num_layers} layers", fix)
     return even_layers(num_layers, depth)
+
+
+def layer_counts_arg(text: str) -> tuple[int, ...]:
+    """argparse type of a layers-per-stage flag: ``"2,3,3"`` -> ``(2, 3, 3)``; the counts are
+    checked against the layout later (:func:`check_stage_layers`)."""
+    try:
+        return tuple(int(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 2,3,3,2, got {text!r}"
+        ) from None

@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import replace
 
-from ..core.layers import check_layers_fill_stages
+from ..core.layers import check_layers_fill_stages, layer_counts_arg
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-reuse-stage-layers",
-        type=_layer_counts,
+        type=layer_counts_arg,
         default=None,
         metavar="N,N,...",
         help="Transformer layers of each of the R*P model stages in flow order; must sum to "
@@ -225,16 +225,6 @@ def _reuse_value(text: str) -> int:
     raise argparse.ArgumentTypeError(
         f"--pipeline-reuse takes R (an integer) or auto[:R], got {text!r}"
     )
-
-
-def _layer_counts(text: str) -> tuple[int, ...]:
-    """argparse type of ``--pipeline-reuse-stage-layers``: ``"2,3,3"`` -> ``(2, 3, 3)``."""
-    try:
-        return tuple(int(item) for item in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 2,3,3,2, got {text!r}"
-        ) from None
 
 
 def validate_args(args: argparse.Namespace) -> ReuseConfig | None:

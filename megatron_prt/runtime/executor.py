@@ -193,6 +193,12 @@ class PipelineRuntime:
         targets: Sequence[torch.Tensor] | None,
         forward_only: bool = False,
     ) -> list[torch.Tensor | None]:
+        """Run one iteration: forward and backward of every micro-batch (forward alone with
+        ``forward_only``). ``inputs`` are the m micro-batches' inputs, needed on ranks holding a
+        first stage (None elsewhere); ``targets`` likewise where a last stage sits. Returns m
+        entries: micro-batch ``mb``'s detached loss on the rank holding its last stage (under
+        ``bi`` that rank depends on ``mb``'s direction), None on every other rank. Gradients
+        accumulate into the stages' parameters, scaled as for the mean loss over the m."""
         if getattr(self.transport, "closed", False):
             raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
         self.callbacks.begin(inputs, targets, forward_only)
