@@ -176,6 +176,14 @@ def main() -> None:
     forward_backward = pipeline_parallel.get_forward_backward_func()  # looked up after install
     last_rank = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()  # TP ranks share the loss
+    if dist.get_rank() == 0:
+        schedule = "megatron" if args.reuse is None else args.reuse.describe()
+        print(
+            f"schedule {schedule}; tensor {args.tensor_model_parallel_size} x pipeline "
+            f"{args.pipeline_model_parallel_size} x data {dp}, {microbatches} micro-batches "
+            "per iteration",
+            flush=True,
+        )
     for step in range(args.train_iters):
         start = time.perf_counter()
         for chunk in model:

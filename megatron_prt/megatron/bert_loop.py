@@ -92,12 +92,7 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
 
 
 def _schedule_name(reuse) -> str:
-    if reuse is None:
-        return "megatron"
-    c = reuse.placement
-    if c.reuse == 1 and c.direction == "uni":
-        return "PRT R=1 (1F1B)"
-    return f"PRT R={c.reuse} {c.placement}/{c.direction}"
+    return "megatron" if reuse is None else reuse.name
 
 
 def _trace_files(reuse) -> list[str] | None:
@@ -161,7 +156,8 @@ def _log_start(args: argparse.Namespace, chunks: list, microbatches: int) -> Non
     counts: list = [None] * dist.get_world_size()
     dist.all_gather_object(counts, params)
     log(
-        f"schedule {_schedule_name(args.reuse)}: {args.world_size} ranks (tensor "
+        f"schedule {'megatron' if args.reuse is None else args.reuse.describe()}: "
+        f"{args.world_size} ranks (tensor "
         f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size} "
         f"x data {args.data_parallel_size}), "
         f"{len(chunks)} chunk(s) per rank, {microbatches} micro-batches per iteration; "

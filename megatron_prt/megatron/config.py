@@ -65,6 +65,33 @@ class ReuseConfig:
             fix=f"use at least {depth} layers or lower --pipeline-reuse",
         )
 
+    @property
+    def name(self) -> str:
+        """The schedule in a few words, e.g. ``PRT R=2 wave/uni`` (R = 1 uni is 1F1B's order)."""
+        c = self.placement
+        if c.reuse == 1 and c.direction == "uni":
+            return "PRT R=1 (1F1B)"
+        return f"PRT R={c.reuse} {c.placement}/{c.direction}"
+
+    def describe(self) -> str:
+        """One log line: :attr:`name`, what shapes the plan (a plan file, the interleaved
+        order, split backward, auto) and the layers of every model stage in flow order."""
+        parts = [self.name]
+        if self.plan is not None:
+            plan = self.plan
+            parts.append(
+                f"plan file ({plan.schedule} order, {plan.num_microbatches} micro-batches)"
+            )
+        elif self.schedule != "prt":
+            parts.append(f"{self.schedule} order")
+        if self.split_backward or (self.plan is not None and self.plan.split_backward):
+            parts.append("split backward (I, then W)")
+        if self.auto_iterations:
+            parts.append(f"auto: tuned after {self.auto_iterations} profiled iterations")
+        c = self.placement
+        layers = ",".join(map(str, self.layers_per_stage()))
+        return f"{', '.join(parts)}; {c.depth} stages on {c.ranks} ranks, layers {layers}"
+
     def layer_offset(self, model_stage: int) -> int:
         """Global index of the first layer of ``model_stage`` (0-based)."""
         return sum(self.layers_per_stage()[:model_stage])

@@ -524,3 +524,22 @@ def test_malformed_auto_reuse_is_refused_naming_the_flag(value):
 
     with pytest.raises(argparse.ArgumentTypeError, match=r"--pipeline-reuse takes R"):
         _reuse_value(value)
+
+
+def test_reuse_config_describes_its_schedule_and_split_in_one_line():
+    from megatron_prt.core import build_plan
+
+    plain = ReuseConfig(Placement(2, 2, "wave", "uni"), 10)
+    assert plain.name == "PRT R=2 wave/uni"
+    assert plain.describe() == "PRT R=2 wave/uni; 4 stages on 2 ranks, layers 3,3,2,2"
+    assert ReuseConfig(Placement(2, 1, "loop", "uni"), 4).name == "PRT R=1 (1F1B)"
+    split = ReuseConfig(Placement(2, 2, "loop", "bi"), 8, (1, 3, 2, 2), split_backward=True)
+    assert split.describe() == (
+        "PRT R=2 loop/bi, split backward (I, then W); 4 stages on 2 ranks, layers 1,3,2,2"
+    )
+    placement = Placement(2, 2, "loop", "uni")
+    planned = ReuseConfig(placement, 4, plan=build_plan(placement, 8, schedule="zb"))
+    assert planned.describe() == (
+        "PRT R=2 loop/uni, plan file (zb order, 8 micro-batches), split backward (I, then W); "
+        "4 stages on 2 ranks, layers 1,1,1,1"
+    )

@@ -231,6 +231,8 @@ def test_megatron_example_trains_under_torchrun():
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[4]) for line in proc.stdout.splitlines() if "lm loss" in line]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    (layout,) = [line for line in proc.stdout.splitlines() if line.startswith("schedule ")]
+    assert layout.startswith("schedule PRT R=2 wave/bi; 4 stages on 2 ranks, layers 2,2,2,2;")
 
 
 def test_megatron_example_refuses_impossible_flags_in_one_line():
