@@ -24,8 +24,7 @@ from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
 from ..tune.plan_file import load_plan
-from .layers import check_even_split, filled_rows
-from .peers import peer_results
+from .layers import check_even_split
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +62,7 @@ def mem_cap(text: str) -> str | float:
     return text if text in MEM_CAPS else positive_float(text)
 
 
-def _split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
+def split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
     p.add_argument(
         "--split-backward",
         action="store_true",
@@ -98,7 +97,7 @@ def _plan_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
-def _cost_flags(p: argparse.ArgumentParser) -> None:
+def cost_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("costs (whole model, one micro-batch; any time unit)")
     g.add_argument("--fwd-time", type=positive_float, help="forward time (default 1)")
     g.add_argument("--bwd-time", type=non_negative_float, help="backward time (default 2)")
@@ -174,7 +173,7 @@ def load_costs(path: str, flag: str = "--costs", args=None) -> CostModel:
     return cost if args is None else with_recompute_flags(cost, args)
 
 
-def _cost(args) -> CostModel:
+def cost_from_args(args) -> CostModel:
     data = load_costs(args.costs).to_dict() if args.costs else {}
     for flag, key in (
         ("fwd_time", "fwd_time"),
@@ -202,11 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="generate, validate and show a plan")
     _plan_flags(p)
     p.add_argument("--schedule", choices=SCHEDULES, default="prt")
-    _split_flags(p)
+    split_flags(p)
     p.add_argument("--format", choices=("text", "json", "csv", "chrome", "png"), default="text")
     p.add_argument("--lowered", action="store_true", help="include SEND/RECV actions")
     p.add_argument("-o", "--output", help="write to FILE (required for png)")
-    _cost_flags(p)
+    cost_flags(p)
 
     s = sub.add_parser("simulate", help="predict time, bubble, memory and traffic of a plan")
     _plan_flags(s, required=False)
@@ -217,20 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of --pp/--reuse/--placement/--direction/--microbatches/--schedule",
     )
     s.add_argument("--schedule", choices=SCHEDULES, default=None)
-    _split_flags(s)
+    split_flags(s)
     s.add_argument("--json", action="store_true", help="print metrics as JSON")
-    _cost_flags(s)
+    cost_flags(s)
 
-    c = sub.add_parser("compare", help="1F1B, interleaved and PRT variants side by side")
-    c.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
-    c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
-    c.add_argument("--reuse", type=positive_int, default=2, help="R for the reuse variants")
-    c.add_argument("--json", action="store_true")
-    _split_flags(c, cap=False)
-    _cost_flags(c)
+    from . import compare, partition, profile, tune
 
-    from . import partition, profile, tune
-
+    compare.add_parser(sub).set_defaults(func=compare.run)
     partition.add_parser(sub).set_defaults(func=partition.run)
     profile.add_parser(sub)
     tune.add_parser(sub)
@@ -241,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
+def check_cost_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
     """A cost file's ``stage_layers`` fix the split for one depth D = R*P: refuse others
     here, naming the file, rather than deep in the simulator."""
     given = len(cost.stage_layers)
@@ -257,7 +249,7 @@ def _check_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
 
 def _make_plan(args, cost: CostModel) -> Plan:
     placement = Placement(args.pp, args.reuse, args.placement, args.direction)
-    _check_stage_layers(args, cost, {placement.depth})
+    check_cost_stage_layers(args, cost, {placement.depth})
     check_even_split(cost, placement.depth, args.costs)
     schedule = _schedule(args)
     if args.mem_cap is not None and schedule not in SPLIT_SCHEDULES:
@@ -313,7 +305,7 @@ def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
 
 
 def cmd_plan(args) -> int:
-    cost = _cost(args)
+    cost = cost_from_args(args)
     plan = _make_plan(args, cost)
     if args.lowered:
         plan = lower(plan, planning_times(args, cost, plan.placement))
@@ -410,7 +402,7 @@ def _metrics_text(result: SimResult) -> str:
 
 
 def cmd_simulate(args) -> int:
-    cost = _cost(args)
+    cost = cost_from_args(args)
     if args.plan:
         plan, cost = _plan_from_file(args, cost)
     elif args.pp is None or args.microbatches is None:
@@ -475,97 +467,6 @@ def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
     return plan_file.plan, replace(cost, stage_layers=plan_file.stage_layers)
 
 
-def compare_variants(
-    pp: int, reuse: int, split_backward: bool = False
-) -> list[tuple[str, Placement, str]]:
-    """(label, placement, schedule) rows of ``megatron-prt compare``; ``split_backward``
-    adds the zero-bubble rows (under 1F1B's activation memory)."""
-    rows = [("1F1B", Placement(pp, 1), "1f1b")]
-    rows.append((f"interleaved R={reuse}", Placement(pp, reuse), "interleaved"))
-    rows += [
-        (f"PRT loop/uni R={reuse}", Placement(pp, reuse, "loop"), "prt"),
-        (f"PRT wave/uni R={reuse}", Placement(pp, reuse, "wave"), "prt"),
-        ("Chimera-style bi R=1", Placement(pp, 1, "loop", "bi"), "prt"),
-        (f"PRT loop/bi R={reuse}", Placement(pp, reuse, "loop", "bi"), "prt"),
-        (f"PRT wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "prt"),
-    ]
-    if split_backward:
-        rows += [
-            ("ZB R=1 (ZB-H1)", Placement(pp, 1), "zb"),
-            ("ZB wave/uni R=2 (ZB-V)", Placement(pp, 2, "wave"), "zb"),
-            (f"ZB loop/uni R={reuse}", Placement(pp, reuse, "loop"), "zb"),
-            (f"ZB wave/uni R={reuse}", Placement(pp, reuse, "wave"), "zb"),
-            ("ZB bi R=1", Placement(pp, 1, "loop", "bi"), "zb"),
-            (f"ZB wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "zb"),
-        ]
-    return rows
-
-
-def cmd_compare(args) -> int:
-    cost = _cost(args)
-    variants = compare_variants(args.pp, args.reuse, args.split_backward)
-    _check_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
-    check_even_split(cost, args.pp, args.costs)  # 1F1B, the baseline, must run
-    results = []
-    for label, placement, schedule in variants:
-        try:
-            check_even_split(cost, placement.depth, args.costs)
-            plan = build(args, cost, placement, schedule)
-        except ConfigError as exc:
-            results.append((label, None, str(exc)))
-            continue
-        validate(plan)
-        results.append((label, simulate(plan, cost), ""))
-    results += filled_rows(
-        peer_results(args.pp, args.microbatches, args.reuse, cost, args.split_backward),
-        cost,
-        args.costs,
-    )
-    base = results[0][1].makespan
-    if not base > 0:
-        raise ConfigError(
-            "the costs give every stage zero time, so there is nothing to compare; give "
-            "--fwd-time > 0 or a --costs file with nonzero fwd/bwd times"
-        )
-    if args.json:
-        out = [
-            {"variant": label, "skipped": why}
-            if res is None
-            else {"variant": label, "speedup_vs_1f1b": base / res.makespan, **res.to_dict()}
-            for label, res, why in results
-        ]
-        print(json.dumps(out, indent=1))
-        return 0
-    sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
-    print(
-        f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
-        f"hop={cost.hop_time:g}   (activation memory in units of one micro-batch through the"
-        " whole model)"
-    )
-    header = (
-        f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
-        + (f"{'replica sync':>12} " if sync else "")
-        + f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
-    )
-    print(header)
-    print("-" * len(header))
-    for label, res, why in results:
-        if res is None:
-            print(f"{label:<22} {'n/a':>9}  ({why.split(';')[0]})")
-            continue
-        peaks = [r.peak_activation_bytes / cost.activation_bytes for r in res.per_rank]
-        ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
-        bi = res.plan.placement.direction == "bi"
-        print(
-            f"{label:<22} {res.makespan:>9.4g} {res.bubble_fraction:>7.1%} "
-            f"{base / res.makespan:>7.3f}x "
-            + ((f"{res.replica_sync_time:>12.4g} " if bi else f"{'-':>12} ") if sync else "")
-            + f"{max(peaks):>12.3f} {ratio:>7.2f}  "
-            + " ".join(f"{p:.2f}" for p in peaks)
-        )
-    return 0
-
-
 def check_output(path: str | None, example: str) -> None:
     """Refuse an unwritable ``-o`` before minutes of work, not after (:class:`ConfigError`
     naming the file and the fix; ``example`` a file name for a directory given instead)."""
@@ -581,7 +482,7 @@ def check_output(path: str | None, example: str) -> None:
         raise ConfigError(f"-o {path} is a directory; give a file name such as {path}/{example}")
 
 
-COMMANDS = {"plan": cmd_plan, "simulate": cmd_simulate, "compare": cmd_compare}
+COMMANDS = {"plan": cmd_plan, "simulate": cmd_simulate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from ..sim.simulate import SimResult
 def peer_results(
     pp: int, microbatches: int, reuse: int, cost: CostModel, split_backward: bool
 ) -> list[tuple[str, SimResult | None, str]]:
-    """``(label, result, why)`` rows as ``cmd_compare`` prints them; ``[]`` without torch.
+    """``(label, result, why)`` rows as ``megatron-prt compare`` prints them; ``[]`` without torch.
     The split-backward orders (ZB1P, ZBV, DualPipeV) only with ``split_backward``, beside
     our own zero-bubble rows: without it the table compares whole-backward schedules."""
     rows = simulated_peers(pp, microbatches, lambda placement: cost, reuse)

@@ -1,0 +1,118 @@
+"""``megatron-prt compare``: 1F1B, megatron's interleaved order, the PRT variants (and with
+``--split-backward`` the zero-bubble ones) and torch's pipelining orders where torch
+imports, simulated under one cost model, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..core.placement import ConfigError, Placement
+from ..core.validate import validate
+from ..megatron.args import positive_int
+from ..sim.simulate import simulate
+from .layers import check_even_split, filled_rows
+from .main import build, check_cost_stage_layers, cost_flags, cost_from_args, split_flags
+from .peers import peer_results
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    c = subparsers.add_parser("compare", help="1F1B, interleaved and PRT variants side by side")
+    c.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks P")
+    c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="micro-batches m")
+    c.add_argument("--reuse", type=positive_int, default=2, help="R for the reuse variants")
+    c.add_argument("--json", action="store_true")
+    split_flags(c, cap=False)
+    cost_flags(c)
+    return c
+
+
+def compare_variants(
+    pp: int, reuse: int, split_backward: bool = False
+) -> list[tuple[str, Placement, str]]:
+    """(label, placement, schedule) rows of ``megatron-prt compare``; ``split_backward``
+    adds the zero-bubble rows (under 1F1B's activation memory)."""
+    rows = [("1F1B", Placement(pp, 1), "1f1b")]
+    rows.append((f"interleaved R={reuse}", Placement(pp, reuse), "interleaved"))
+    rows += [
+        (f"PRT loop/uni R={reuse}", Placement(pp, reuse, "loop"), "prt"),
+        (f"PRT wave/uni R={reuse}", Placement(pp, reuse, "wave"), "prt"),
+        ("Chimera-style bi R=1", Placement(pp, 1, "loop", "bi"), "prt"),
+        (f"PRT loop/bi R={reuse}", Placement(pp, reuse, "loop", "bi"), "prt"),
+        (f"PRT wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "prt"),
+    ]
+    if split_backward:
+        rows += [
+            ("ZB R=1 (ZB-H1)", Placement(pp, 1), "zb"),
+            ("ZB wave/uni R=2 (ZB-V)", Placement(pp, 2, "wave"), "zb"),
+            (f"ZB loop/uni R={reuse}", Placement(pp, reuse, "loop"), "zb"),
+            (f"ZB wave/uni R={reuse}", Placement(pp, reuse, "wave"), "zb"),
+            ("ZB bi R=1", Placement(pp, 1, "loop", "bi"), "zb"),
+            (f"ZB wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "zb"),
+        ]
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    cost = cost_from_args(args)
+    variants = compare_variants(args.pp, args.reuse, args.split_backward)
+    check_cost_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
+    check_even_split(cost, args.pp, args.costs)  # 1F1B, the baseline, must run
+    results = []
+    for label, placement, schedule in variants:
+        try:
+            check_even_split(cost, placement.depth, args.costs)
+            plan = build(args, cost, placement, schedule)
+        except ConfigError as exc:
+            results.append((label, None, str(exc)))
+            continue
+        validate(plan)
+        results.append((label, simulate(plan, cost), ""))
+    results += filled_rows(
+        peer_results(args.pp, args.microbatches, args.reuse, cost, args.split_backward),
+        cost,
+        args.costs,
+    )
+    base = results[0][1].makespan
+    if not base > 0:
+        raise ConfigError(
+            "the costs give every stage zero time, so there is nothing to compare; give "
+            "--fwd-time > 0 or a --costs file with nonzero fwd/bwd times"
+        )
+    if args.json:
+        out = [
+            {"variant": label, "skipped": why}
+            if res is None
+            else {"variant": label, "speedup_vs_1f1b": base / res.makespan, **res.to_dict()}
+            for label, res, why in results
+        ]
+        print(json.dumps(out, indent=1))
+        return 0
+    sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
+    print(
+        f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
+        f"hop={cost.hop_time:g}   (activation memory in units of one micro-batch through the"
+        " whole model)"
+    )
+    header = (
+        f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
+        + (f"{'replica sync':>12} " if sync else "")
+        + f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, res, why in results:
+        if res is None:
+            print(f"{label:<22} {'n/a':>9}  ({why.split(';')[0]})")
+            continue
+        peaks = [r.peak_activation_bytes / cost.activation_bytes for r in res.per_rank]
+        ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
+        bi = res.plan.placement.direction == "bi"
+        print(
+            f"{label:<22} {res.makespan:>9.4g} {res.bubble_fraction:>7.1%} "
+            f"{base / res.makespan:>7.3f}x "
+            + ((f"{res.replica_sync_time:>12.4g} " if bi else f"{'-':>12} ") if sync else "")
+            + f"{max(peaks):>12.3f} {ratio:>7.2f}  "
+            + " ".join(f"{p:.2f}" for p in peaks)
+        )
+    return 0
