@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from collections.abc import Callable
 
 from .args import add_arguments
@@ -51,9 +52,12 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     """:func:`megatron_prt.megatron.args.validate_args` (refuse, translate), and under PRT let
     Megatron's checkpoints hold the result: ``save_checkpoint`` stores ``args``, which now
     carry ``pipeline_reuse_config``, and ``load_checkpoint`` reads them back with torch's
-    ``weights_only`` loader, which refuses classes it was not told about."""
+    ``weights_only`` loader, which refuses classes it was not told about. Rank 0 prints
+    the layout in one line (:meth:`ReuseConfig.describe`), beside Megatron's own settings."""
     reuse = _validate_flags(args)
     if reuse is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-prt: schedule {reuse.describe()}", flush=True)
         import torch
 
         from ..core.placement import Placement

@@ -288,6 +288,19 @@ def test_patches_call_hooks_that_exist_with_megatrons_signatures():
     assert list(inspect.signature(megatron_lm.get_embedding_ranks).parameters)[:1] == ["pp_ranks"]
 
 
+def test_validate_args_prints_the_layout_on_rank_0(capsys):
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"]
+    )
+    args.num_layers, args.pipeline_model_parallel_size = 10, 2
+    megatron_lm.validate_args(args)
+    assert capsys.readouterr().out == (
+        "megatron-prt: schedule PRT R=2 wave/uni; 4 stages on 2 ranks, layers 3,3,2,2\n"
+    )
+
+
 def test_checkpointed_args_load_with_torch_weights_only(tmp_path):
     """Megatron-LM saves ``args`` in every checkpoint and loads them with ``weights_only``:
     the PRT config they carry must load (it stopped every resume with 'Unsupported global')."""
