@@ -18,6 +18,7 @@ _spec = importlib.util.spec_from_file_location("imdb_finetune", EXAMPLE)
 imdb = importlib.util.module_from_spec(_spec)
 sys.modules["imdb_finetune"] = imdb  # dataclasses look their module up here
 _spec.loader.exec_module(imdb)
+imdb_data = importlib.import_module("imdb_data")  # beside it, on the path it set
 
 SEQ = 64
 TRAIN_PER_CLASS, TEST_PER_CLASS = 64, 32
@@ -28,21 +29,21 @@ def tiny(tmp_path_factory):
     """(ROOT, DIR, meta): the tiny synthetic folder and its conversion, made once."""
     base = tmp_path_factory.mktemp("imdb")
     root, data = base / "aclImdb", base / "data"
-    imdb.make_tiny(root, train_per_class=TRAIN_PER_CLASS, test_per_class=TEST_PER_CLASS)
-    meta = imdb.convert(root, data, seq_length=SEQ, vocab_size=512)
+    imdb_data.make_tiny(root, train_per_class=TRAIN_PER_CLASS, test_per_class=TEST_PER_CLASS)
+    meta = imdb_data.convert(root, data, seq_length=SEQ, vocab_size=512)
     return root, data, meta
 
 
 def _arrays(data: Path, split: str) -> dict[str, np.ndarray]:
-    return {field: np.load(data / f"{split}_{field}.npy") for field in imdb.FIELDS}
+    return {field: np.load(data / f"{split}_{field}.npy") for field in imdb_data.FIELDS}
 
 
 def _files(root: Path, split: str) -> list[Path]:
     """The review files of a split in the order convert reads them (neg, then pos, by id)."""
     return [
         path
-        for label in imdb.LABELS
-        for path in sorted((root / split / label).glob("*.txt"), key=imdb._review_order)
+        for label in imdb_data.LABELS
+        for path in sorted((root / split / label).glob("*.txt"), key=imdb_data._review_order)
     ]
 
 
@@ -63,9 +64,9 @@ def test_convert_labels_and_ratings_come_from_the_folders(tiny):
 
 def test_convert_writes_bounded_cls_first_padded_tokens(tiny):
     _, data, meta = tiny
-    tokenizer = imdb.load_tokenizer(data / meta["tokenizer"])
+    tokenizer = imdb_data.load_tokenizer(data / meta["tokenizer"])
     assert tokenizer.vocab_size == meta["vocab_size"] and meta["tokenizer"] == "tokenizer.model"
-    for split in imdb.SPLITS:
+    for split in imdb_data.SPLITS:
         arrays = _arrays(data, split)
         tokens, mask = arrays["tokens"].astype(np.int64), arrays["padding_mask"]
         assert tokens.shape == mask.shape == (meta["splits"][split]["samples"], SEQ)
@@ -79,7 +80,7 @@ def test_convert_writes_bounded_cls_first_padded_tokens(tiny):
 
 def test_convert_keeps_the_text_without_html_breaks(tiny):
     root, data, _ = tiny
-    tokenizer = imdb.load_tokenizer(data / "tokenizer.model")
+    tokenizer = imdb_data.load_tokenizer(data / "tokenizer.model")
     arrays, files = _arrays(data, "test"), _files(root, "test")
     for row in (0, len(files) - 1):
         raw = files[row].read_text(encoding="utf-8")
@@ -91,25 +92,25 @@ def test_convert_keeps_the_text_without_html_breaks(tiny):
 
 def test_convert_is_deterministic_and_truncates_with_a_given_vocab(tiny, tmp_path):
     root, data, _ = tiny
-    again = imdb.convert(root, tmp_path / "again", seq_length=SEQ, vocab_size=512)
-    for name in ("tokenizer.model", "meta.json", *(f"train_{f}.npy" for f in imdb.FIELDS)):
+    again = imdb_data.convert(root, tmp_path / "again", seq_length=SEQ, vocab_size=512)
+    for name in ("tokenizer.model", "meta.json", *(f"train_{f}.npy" for f in imdb_data.FIELDS)):
         assert (tmp_path / "again" / name).read_bytes() == (data / name).read_bytes(), name
     given = data / "tokenizer.model"
-    short = imdb.convert(root, tmp_path / "short", seq_length=8, vocab_file=given)
+    short = imdb_data.convert(root, tmp_path / "short", seq_length=8, vocab_file=given)
     assert short["vocab_size"] == again["vocab_size"]
     assert short["splits"]["train"]["truncated"] == 2 * TRAIN_PER_CLASS
     tokens = np.load(tmp_path / "short" / "train_tokens.npy")
-    assert (tokens[:, -1] == imdb.load_tokenizer(given).sep).all()
+    assert (tokens[:, -1] == imdb_data.load_tokenizer(given).sep).all()
 
 
 def test_make_tiny_is_deterministic_and_refuses_a_used_folder(tiny, tmp_path):
     root, _, _ = tiny
-    imdb.make_tiny(tmp_path / "copy", train_per_class=TRAIN_PER_CLASS,
+    imdb_data.make_tiny(tmp_path / "copy", train_per_class=TRAIN_PER_CLASS,
                    test_per_class=TEST_PER_CLASS)  # fmt: skip
     for path in root.rglob("*.txt"):
         assert (tmp_path / "copy" / path.relative_to(root)).read_bytes() == path.read_bytes()
-    with pytest.raises(imdb.DataError, match="not empty"):
-        imdb.make_tiny(tmp_path / "copy")
+    with pytest.raises(imdb_data.DataError, match="not empty"):
+        imdb_data.make_tiny(tmp_path / "copy")
 
 
 def _run_example(*argv, timeout=60):
@@ -139,23 +140,23 @@ def test_train_without_pipeline_reuse_is_refused_with_a_hint(tiny):
 def test_eval_batches_cover_every_sample_once_in_full_microbatches():
     torch = pytest.importorskip("torch")
     n, global_batch, dp, mbs = 70, 32, 2, 8
-    data = imdb.ImdbSplit(
+    data = imdb_data.ImdbSplit(
         tokens=torch.arange(n, dtype=torch.int32)[:, None].repeat(1, 4),
         padding_mask=torch.ones(n, 4, dtype=torch.uint8),
         label=torch.arange(n) % 2,
     )
     seen = []
-    for indices in imdb.eval_batches(n, global_batch, limit=None):
+    for indices in imdb_data.eval_batches(n, global_batch, limit=None):
         for dp_rank in range(dp):
-            for micro in imdb.microbatches(data, indices, dp_rank, dp, mbs):
+            for micro in imdb_data.microbatches(data, indices, dp_rank, dp, mbs):
                 assert len(micro["tokens"]) == mbs
                 seen += micro["tokens"][micro["valid"], 0].tolist()
     assert sorted(seen) == list(range(n))
-    assert len(list(imdb.eval_batches(n, global_batch, limit=2))) == 2
+    assert len(list(imdb_data.eval_batches(n, global_batch, limit=2))) == 2
 
 
 def test_shuffled_indices_are_seeded_permutations_per_epoch():
-    a, b = imdb.ShuffledIndices(10, seed=3), imdb.ShuffledIndices(10, seed=3)
+    a, b = imdb_data.ShuffledIndices(10, seed=3), imdb_data.ShuffledIndices(10, seed=3)
     first = np.concatenate([a.take(4) for _ in range(5)])  # two epochs
     assert sorted(first[:10]) == sorted(first[10:]) == list(range(10))
     assert (np.concatenate([b.take(7), b.take(13)]) == first).all()
