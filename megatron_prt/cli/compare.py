@@ -10,7 +10,8 @@ import json
 from ..core.placement import ConfigError, Placement
 from ..core.validate import validate
 from ..megatron.args import positive_int
-from ..sim.simulate import simulate
+from ..sim.cost import CostModel
+from ..sim.simulate import SimResult, simulate
 from .layers import check_even_split, filled_rows
 from .main import build, check_cost_stage_layers, cost_flags, cost_from_args, split_flags
 from .peers import peer_results
@@ -55,24 +56,7 @@ def compare_variants(
 
 def run(args: argparse.Namespace) -> int:
     cost = cost_from_args(args)
-    variants = compare_variants(args.pp, args.reuse, args.split_backward)
-    check_cost_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
-    check_even_split(cost, args.pp, args.costs)  # 1F1B, the baseline, must run
-    results = []
-    for label, placement, schedule in variants:
-        try:
-            check_even_split(cost, placement.depth, args.costs)
-            plan = build(args, cost, placement, schedule)
-        except ConfigError as exc:
-            results.append((label, None, str(exc)))
-            continue
-        validate(plan)
-        results.append((label, simulate(plan, cost), ""))
-    results += filled_rows(
-        peer_results(args.pp, args.microbatches, args.reuse, cost, args.split_backward),
-        cost,
-        args.costs,
-    )
+    results = _results(args, cost)
     base = results[0][1].makespan
     if not base > 0:
         raise ConfigError(
@@ -87,7 +71,33 @@ def run(args: argparse.Namespace) -> int:
             for label, res, why in results
         ]
         print(json.dumps(out, indent=1))
-        return 0
+    else:
+        _print_table(args, cost, results)
+    return 0
+
+
+def _results(args: argparse.Namespace, cost: CostModel) -> list[tuple[str, SimResult | None, str]]:
+    """``(label, result, why)`` per row, 1F1B first; ``result`` None (and ``why``) for a
+    layout the cost file's layers cannot fill. Refuses when 1F1B itself cannot run."""
+    variants = compare_variants(args.pp, args.reuse, args.split_backward)
+    check_cost_stage_layers(args, cost, {placement.depth for _, placement, _ in variants})
+    check_even_split(cost, args.pp, args.costs)  # 1F1B, the baseline, must run
+    results: list[tuple[str, SimResult | None, str]] = []
+    for label, placement, schedule in variants:
+        try:
+            check_even_split(cost, placement.depth, args.costs)
+            plan = build(args, cost, placement, schedule)
+        except ConfigError as exc:
+            results.append((label, None, str(exc)))
+            continue
+        validate(plan)
+        results.append((label, simulate(plan, cost), ""))
+    peers = peer_results(args.pp, args.microbatches, args.reuse, cost, args.split_backward)
+    return results + filled_rows(peers, cost, args.costs)
+
+
+def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> None:
+    base = results[0][1].makespan
     sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
     print(
         f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
@@ -115,4 +125,3 @@ def run(args: argparse.Namespace) -> int:
             + f"{max(peaks):>12.3f} {ratio:>7.2f}  "
             + " ".join(f"{p:.2f}" for p in peaks)
         )
-    return 0
