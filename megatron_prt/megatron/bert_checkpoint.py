@@ -103,6 +103,59 @@ def layout(args: argparse.Namespace) -> dict:
     }
 
 
+# the flags that fix the model's tensors beyond their shapes (a model with more attention
+# heads has the same weight shapes) or that decide which tensors exist
+MODEL_FLAGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "max_position_embeddings": "--max-position-embeddings",
+    "bert_binary_head": "--bert-no-binary-head",
+}
+
+
+def model_shape(args: argparse.Namespace) -> dict:
+    """The model a checkpoint holds, as :data:`MODEL_FLAGS` name it (defaults resolved)."""
+    shape = {name: getattr(args, name) for name in MODEL_FLAGS}
+    shape["ffn_hidden_size"] = shape["ffn_hidden_size"] or 4 * args.hidden_size
+    shape["max_position_embeddings"] = shape["max_position_embeddings"] or args.seq_length
+    return shape
+
+
+def _other_model(args: argparse.Namespace, saved: dict, folder: Path) -> str | None:
+    """Why the checkpoint's model is not this run's, naming the flags; None when it is (or
+    the checkpoint predates the record: its tensors are still compared on load)."""
+    if "model" not in saved:
+        return None
+    ours = model_shape(args)
+    theirs = saved["model"]
+
+    def differs(name: str) -> str:  # the values as the flag gives them
+        if name != "bert_binary_head":
+            return f"{MODEL_FLAGS[name]} {theirs.get(name)} there, {ours[name]} here"
+        flag = MODEL_FLAGS[name]
+        return f"the binary head there, {flag} here" if theirs.get(name) else f"{flag} there"
+
+    differ = [differs(name) for name in MODEL_FLAGS if theirs.get(name) != ours[name]]
+    if not differ:
+        return None
+    return (
+        f"{folder} holds another model ({'; '.join(differ)}): give the flags it was saved "
+        "with, or start without --load"
+    )
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The first failing rank's own exception of a ``CheckpointException`` (torch keeps
+    ``{rank: (exception, stack summary)}``); any other exception as it is."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    first = next(iter(failures.values()))
+    return first[0] if isinstance(first, tuple) and first else exc
+
+
 def checkpoint_dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
@@ -143,6 +196,7 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
         "consumed_samples": state.sampler.consumed,
         "scheduler": state.scheduler.state_dict(),
         "layout": layout(args),
+        "model": model_shape(args),
         "rng_bytes": max(sizes),
         "rng": _rng_shard(rng),
     }
@@ -186,8 +240,7 @@ def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> 
         # the launcher's SIGTERM to the survivors arrives while this waits for the root
         # cause; the rank exits below anyway, and the report must reach the log first
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if getattr(exc, "failures", None):  # CheckpointException: the first failing rank's error
-        exc = getattr(next(iter(exc.failures.values())), "exc", exc)
+    exc = first_failure(exc)
     rank = dist.get_rank()
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     waited = is_wait_failure(exc) or isinstance(exc, Terminated)
@@ -209,9 +262,10 @@ def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> 
 def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     """Resume from ``--load DIR/latest``; without ``latest`` start fresh (Megatron-LM's
     behaviour, so ``--save D --load D`` restarts a preempted job). When any rank cannot
-    load (``latest`` unreadable, the folder missing, incomplete, truncated or of another
-    model) each such rank prints why and which earlier complete checkpoint loads instead,
-    and every rank exits with status 2. Collective."""
+    load (``latest`` unreadable, the folder missing, incomplete or truncated; another model:
+    flags of :data:`MODEL_FLAGS` that differ, or tensors that differ) each such rank prints
+    why (and which earlier complete checkpoint loads instead, where that helps), and every
+    rank exits with status 2. Collective."""
     iteration, common, problem = _read_common(args)
     _agree(args, problem)
     if iteration is None:
@@ -228,14 +282,18 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
         request["rng"] = _rng_shard(torch.zeros(saved["rng_bytes"], dtype=torch.uint8))
     from torch.distributed.checkpoint import CheckpointException  # a BaseException
 
-    from .checkpoint import load_checkpoint_state
+    from .checkpoint import CheckpointMismatchError, load_checkpoint_state
 
-    loaded, problem = None, None
+    loaded, problem = None, _other_model(args, saved, folder)
     try:
-        loaded = load_checkpoint_state(str(folder), state.chunks, state.optimizer, request)
+        if problem is None:
+            loaded = load_checkpoint_state(
+                str(folder), state.chunks, state.optimizer, request, optional=(RNG_KEY,)
+            )
+    except CheckpointMismatchError as exc:  # a model the flags above do not tell apart
+        problem = str(exc)
     except (Exception, CheckpointException) as exc:  # name the folder, not the trace
-        if isinstance(exc, CheckpointException) and exc.failures:  # the first rank's cause
-            exc = getattr(next(iter(exc.failures.values())), "exc", exc)
+        exc = first_failure(exc)
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         problem = (
             f"cannot load {folder} ({type(exc).__name__}: {reason}): it is truncated, "

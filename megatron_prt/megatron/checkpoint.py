@@ -55,13 +55,26 @@ def load_checkpoint(directory: str, chunks: list, optimizer=None) -> int:
     return int(load_checkpoint_state(directory, chunks, optimizer)["iteration"])
 
 
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors are not this model's: it holds tensors the model lacks, or
+    lacks tensors the model has (another model, not another layout)."""
+
+
 def load_checkpoint_state(
-    directory: str, chunks: list, optimizer=None, extra: dict | None = None
+    directory: str,
+    chunks: list,
+    optimizer=None,
+    extra: dict | None = None,
+    optional: tuple[str, ...] = (),
 ) -> dict:
     """:func:`load_checkpoint`, returning the whole loaded state: ``"iteration"`` and, when
     ``extra`` (the ``ShardedTensor`` s of :func:`save_checkpoint`'s ``extra`` to read, as
-    there) is given, ``"extra"`` with those tensors and the saved plain values. Collective."""
+    there) is given, ``"extra"`` with those tensors and the saved plain values. Raises
+    :class:`CheckpointMismatchError` when the checkpoint's tensors and the model's differ, except
+    for the optimizer's when ``optimizer`` is None and tensors whose keys start with one of
+    ``optional`` (read only under some layouts). Collective."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     if not dist_checkpointing.check_is_distributed_checkpoint(directory):
         raise FileNotFoundError(
@@ -70,9 +83,34 @@ def load_checkpoint_state(
     request = _sharded_state(chunks, optimizer, True)
     if extra is not None:
         request["extra"] = extra
-    state = dist_checkpointing.load(request, directory)
+    # megatron's default load skips tensors the checkpoint holds and the model does not ask
+    # for: a checkpoint of another model (e.g. with a binary head) would load silently
+    state, missing, unexpected = dist_checkpointing.load(
+        request, directory, strict=StrictHandling.RETURN_ALL
+    )
+    skipped = optional if optimizer is not None else (*optional, "optimizer.")
+    _refuse_other_model(directory, {k for k in missing if not k.startswith(skipped)}, unexpected)
     for c, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(state[f"chunk{c}"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return state
+
+
+def _refuse_other_model(directory: str, extra_keys: set, lacking_keys: set) -> None:
+    """:class:`CheckpointMismatchError` naming a few keys of either kind, if any."""
+
+    def some(keys: set) -> str:
+        names = sorted(keys)
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    problems = []
+    if extra_keys:
+        problems.append(f"holds {len(extra_keys)} tensor(s) this model lacks ({some(extra_keys)})")
+    if lacking_keys:
+        problems.append(f"lacks {len(lacking_keys)} of this model's ({some(lacking_keys)})")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{directory} {' and '.join(problems)}: it was saved from another model; load it "
+            "into the model it was saved from (the same layers, sizes and heads)"
+        )

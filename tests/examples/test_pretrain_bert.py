@@ -247,6 +247,33 @@ def test_truncated_or_unsafe_files_are_refused_naming_the_folder(two_checkpoints
     assert "iteration      5/6" not in output
 
 
+def test_another_model_is_refused_naming_the_flags_or_the_tensors(two_checkpoints, data_cache,
+                                                                   tmp_path):  # fmt: skip
+    """A checkpoint of the model with the binary head, loaded without it, used to resume
+    with the head's tensors dropped (megatron's load skips tensors nobody asks for)."""
+    import torch
+
+    status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
+                                           "--bert-no-binary-head"))  # fmt: skip
+    assert status != 0, output[-3000:]
+    assert "holds another model (the binary head there, --bert-no-binary-head here)" in output
+    status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
+                                           "--num-attention-heads", "8"))  # fmt: skip
+    assert status != 0 and "--num-attention-heads 4 there, 8 here" in output, output[-3000:]
+    # a checkpoint without the record: the tensors themselves are compared
+    save = _copy(two_checkpoints, tmp_path)
+    common = save / "iter_0000004" / "common.pt"
+    state = torch.load(common, weights_only=True)
+    del state["extra"]["model"]
+    torch.save(state, common)
+    status, output = run_example(*bi_flags(data_cache, "--load", str(save),
+                                           "--bert-no-binary-head"))  # fmt: skip
+    assert status != 0, output[-3000:]
+    assert "tensor(s) this model lacks (" in output and "binary_head" in output, output[-3000:]
+    assert "it was saved from another model" in output
+    assert "iteration      5/6" not in output
+
+
 def test_changed_schedule_on_resume_is_refused_naming_the_flags(two_checkpoints, data_cache):
     status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
                                            "--lr", "1e-3"))  # fmt: skip
