@@ -369,8 +369,10 @@ def _read_common(args: argparse.Namespace) -> tuple[int | None, dict | None, str
 
 
 def is_complete(folder: Path) -> bool:
-    """A whole torch_dist checkpoint folder: its metadata, plain state and tensor index."""
-    names = ("metadata.json", "common.pt", ".metadata")
+    """A whole torch_dist checkpoint folder: megatron's metadata and torch's tensor index
+    (the plain state is ``common.pt`` up to megatron-core 0.18, inside the tensors from 0.19:
+    a damaged one fails its read, naming the folder)."""
+    names = ("metadata.json", ".metadata")
     return folder.is_dir() and all((folder / name).is_file() for name in names)
 
 
