@@ -67,7 +67,7 @@ golden: install
 # Measured side by side on local CPU ranks (a benchmark, not a test): megatron-prt's 1F1B and
 # PRT variants, torch.distributed.pipelining's schedules (layer stack) and megatron-core BERT,
 # with the simulator's predictions; report, chart and data in $(BENCH_OUT) (megatron-prt bench).
-# The committed reports: make bench BENCH_OUT=docs/benchmarks.
+# The committed reports name their flags (README, "Measured speed"): BENCH_FLAGS passes them.
 BENCH_OUT ?= out/bench
 BENCH_FLAGS ?=
 bench: install

@@ -49,7 +49,7 @@ CONTEXT = "context"  # the group of --context's other grid rows
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--stack", default="equal", choices=STACKS, help="tuned-grid stack")
     p.add_argument("--plans", default=DEFAULT_PLANS, help="';'-separated grid labels")
     p.add_argument("-n", "--instances", type=int, default=6, help="instances per plan")

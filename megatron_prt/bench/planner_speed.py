@@ -102,7 +102,11 @@ def _seconds(step: Callable, *args, **kwargs) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="planner_speed", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="planner_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("cases", nargs="*", default=DEFAULT_CASES, help="P,R,placement,dir,m")
     parser.add_argument("--no-lower", action="store_true", help="time build and validate only")
     parser.add_argument(

@@ -157,7 +157,7 @@ def _overhead() -> dict:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=768)

@@ -135,7 +135,7 @@ def table(per_rank: list[dict], m: int, zb: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--microbatches", default="4,8", help="comma-separated m values")
     parser.add_argument("--reps", type=int, default=41, help="interleaved timed repetitions")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")

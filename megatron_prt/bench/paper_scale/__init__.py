@@ -1,7 +1,7 @@
 """PRT at the paper's scale, simulated: BERT and ResNet on 8 GPUs from FLOP and byte counts.
 
     python benchmarks/paper_scale.py                  # writes out/bench/paper_scale.md
-    python benchmarks/paper_scale.py --quick          # m=8 only, no extras; prints the report
+    python benchmarks/paper_scale.py --quick          # m=8 only, no extras, tuned rows; prints it
     python benchmarks/paper_scale.py --out docs/benchmarks  # the committed one
 
 No GPU is used. The costs come from the analytic cost source
@@ -142,8 +142,13 @@ def sensitivity_section(results: Results, s: Settings) -> list[str]:
 
 # -- command line --------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str]):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="m = 8 only, no extras, no file")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="m = 8 only, no extras, no file; the tuned rows still run (about 10 min on one "
+        "core; --no-tune leaves them out: about 2 min)",
+    )
     p.add_argument("--out", help=f"markdown report (default {DEFAULT_OUT}; --quick: stdout)")
     p.add_argument(
         "--microbatches",

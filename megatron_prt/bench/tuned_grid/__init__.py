@@ -51,7 +51,7 @@ def _warmth(warm_steps: int) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
         "--stacks", default=",".join(STACKS), help="comma-separated, of " + ", ".join(STACKS)
     )
