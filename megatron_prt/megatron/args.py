@@ -111,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-reuse-partition",
         choices=PARTITIONS,
+        action=NotedStore,
         default=_DEPENDENT_DEFAULTS["pipeline_reuse_partition"],
         help="Layers per stage: uniform (earlier stages take the remainder) or balanced "
         "(least peak memory per rank within a small slack of the fastest split, from "
@@ -148,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-reuse-timeout",
         type=_seconds,
+        action=NotedStore,
         default=_DEPENDENT_DEFAULTS["pipeline_reuse_timeout"],
         metavar="SECONDS",
         help="How long a rank waits on a peer before it stops with a PipelineError naming "
@@ -162,6 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--pipeline-reuse-auto-candidates",
         type=positive_int,
+        action=NotedStore,
         default=DEFAULT_AUTO_CANDIDATES,
         metavar="K",
         help="With --pipeline-reuse auto: after tuning, run each of the K best predicted "
@@ -289,8 +292,8 @@ def _translate_to_megatron(args: argparse.Namespace, config: ReuseConfig) -> Non
 
 
 def _refuse_flags_without_reuse(args: argparse.Namespace) -> None:
-    # Placement and direction note that they were given (NotedStore); any other flag left
-    # at its default cannot be told from an absent one, harmless anyway.
+    # Flags with a default note that they were given (NotedStore), so one given as its
+    # default is refused too (it would be ignored: megatron's own schedule runs).
     noted = getattr(args, GIVEN, ())
     given = [
         _flag(dest)
@@ -387,15 +390,19 @@ def _refuse_megatron_layouts(args: argparse.Namespace) -> None:
     layouts = [_flag(name) for name in _LAYOUT_SETTINGS if _is_set(args, name)]
     if layouts:
         raise ConfigError(
-            f"{', '.join(layouts)} conflict with --pipeline-reuse, which owns the layer layout; "
-            "drop them and give uneven stages with --pipeline-reuse-stage-layers"
+            f"{', '.join(layouts)} {_verb(layouts)} with --pipeline-reuse, which owns the layer "
+            "layout; drop them and give uneven stages with --pipeline-reuse-stage-layers"
         )
     stacks = [_flag(name) for name in _ENCODER_DECODER_SETTINGS if _is_set(args, name)]
     if stacks:
         raise ConfigError(
-            f"{', '.join(stacks)} conflict with --pipeline-reuse, which splits a single "
+            f"{', '.join(stacks)} {_verb(stacks)} with --pipeline-reuse, which splits a single "
             "stack; give its layers with --num-layers instead"
         )
+
+
+def _verb(flags: list) -> str:
+    return "conflicts" if len(flags) == 1 else "conflict"
 
 
 def _reuse_config(args: argparse.Namespace) -> ReuseConfig:

@@ -119,6 +119,9 @@ def test_off_returns_none_and_changes_nothing():
         (("--pipeline-reuse-stage-layers", "4,4"), "--pipeline-reuse-stage-layers"),
         (("--pipeline-reuse-trace", "trace"), "--pipeline-reuse-trace"),
         (("--pipeline-reuse-timeout", "5"), "--pipeline-reuse-timeout"),
+        (("--pipeline-reuse-partition", "uniform"), "--pipeline-reuse-partition"),  # defaults
+        (("--pipeline-reuse-timeout", "60"), "--pipeline-reuse-timeout"),
+        (("--pipeline-reuse-auto-candidates", "3"), "--pipeline-reuse-auto-candidates"),
         (("--pipeline-reuse-split-backward",), "--pipeline-reuse-split-backward"),
     ],
 )
@@ -225,7 +228,7 @@ def test_balanced_partition_comes_from_the_partitioner(tmp_path):
 )
 def test_megatron_layout_flags_conflict(argv):
     message = refusal(*BASE, "--pipeline-reuse", 2, *argv)
-    assert f"{argv[0]} conflict with --pipeline-reuse" in message
+    assert f"{argv[0]} conflicts with --pipeline-reuse" in message
     assert "--pipeline-reuse-stage-layers" in message
 
 
@@ -252,7 +255,7 @@ def test_all_conflicting_layout_flags_are_named_at_once():
 @pytest.mark.parametrize("flag", ["--encoder-num-layers", "--decoder-num-layers"])
 def test_encoder_decoder_stacks_conflict(flag):
     message = refusal(*BASE, "--pipeline-reuse", 2, flag, 4)
-    assert f"{flag} conflict with --pipeline-reuse" in message
+    assert f"{flag} conflicts with --pipeline-reuse" in message
     assert "--num-layers instead" in message
 
 
