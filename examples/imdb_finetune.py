@@ -164,6 +164,12 @@ def check_train_args(args: argparse.Namespace, train_parser: argparse.ArgumentPa
         args.reuse = validate_args(args)  # also sets the virtual-pipeline size
     except ConfigError as exc:
         train_parser.error(str(exc))
+    if args.world_size % args.pipeline_model_parallel_size:
+        train_parser.error(
+            f"{args.world_size} process(es) do not divide into --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: run under torchrun --nproc-per-node N, N a "
+            "multiple of it"
+        )
     per_step = args.micro_batch_size * (args.world_size // args.pipeline_model_parallel_size)
     if args.global_batch_size % per_step:
         train_parser.error(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from functools import partial
 
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     from megatron_prt.core import ConfigError
     from megatron_prt.megatron.args import add_arguments, validate_args
 
+    group.add_argument("--seed", type=int, default=1234)
     add_arguments(parser)
     args = parser.parse_args()
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -58,8 +60,36 @@ def parse_args() -> argparse.Namespace:
     try:
         args.reuse = validate_args(args)  # impossible settings stop here, before any collective
     except ConfigError as exc:
-        parser.error(str(exc))
+        refuse(parser, str(exc))
+    model_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % model_size:
+        refuse(
+            parser,
+            f"{args.world_size} process(es) do not divide into tensor x pipeline = "
+            f"{model_size}; run under torchrun --nproc-per-node N, N a multiple of it",
+        )
+    per_step = args.micro_batch_size * (args.world_size // model_size)
+    if args.global_batch_size % per_step:
+        refuse(
+            parser,
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size x data-parallel size = {per_step}",
+        )
+    if args.reuse is None and args.pipeline_model_parallel_size > 1 and args.device == "cpu":
+        refuse(
+            parser,
+            "megatron's own pipeline schedule needs CUDA p2p: add --pipeline-reuse R "
+            "(R = 1 is its 1F1B order) or --device cuda",
+        )
     return args
+
+
+def refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error, printed by rank 0 only (every rank stops, status 2)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def build(args, reuse):
@@ -154,7 +184,11 @@ def setup_training(args, device):
         else None,
         get_embedding_ranks=prt.embedding_ranks if reuse else None,
     )
-    model_parallel_cuda_manual_seed(1234)
+    # Megatron-LM's rule: another seed per pipeline rank (the CPU initialization draws from
+    # torch's generator, the tensor-parallel regions from the tracker)
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     config, model = build(args, reuse)
     model = [chunk.to(device) for chunk in model]
     optimizer_config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad)

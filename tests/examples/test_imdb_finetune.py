@@ -134,6 +134,14 @@ def test_train_without_pipeline_reuse_is_refused_with_a_hint(tiny):
     assert "--pipeline-reuse 1 is the 1F1B-equivalent" in proc.stderr.splitlines()[-1]
 
 
+def test_train_with_fewer_processes_than_stages_is_refused(tiny):
+    _, data, _ = tiny  # was a ZeroDivisionError traceback
+    proc = _run_example("train", "--data", data, "--pipeline-model-parallel-size", "2",
+                        "--pipeline-reuse", "2")  # fmt: skip
+    assert proc.returncode == 2
+    assert "1 process(es) do not divide into --pipeline-model-parallel-size 2" in proc.stderr
+
+
 # ------------------------------------------------------------------------------ batches
 
 

@@ -227,20 +227,34 @@ def test_megatron_example_trains_under_torchrun():
         "--train-iters", "4",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+            for _ in range(2)]  # fmt: skip
+    proc = runs[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[4]) for line in proc.stdout.splitlines() if "lm loss" in line]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    again = [float(line.split()[4]) for line in runs[1].stdout.splitlines() if "lm loss" in line]
+    assert again == losses  # seeded: the CPU initialization was unseeded, each run its own
     (layout,) = [line for line in proc.stdout.splitlines() if line.startswith("schedule ")]
     assert layout.startswith("schedule PRT R=2 wave/bi; 4 stages on 2 ranks, layers 2,2,2,2;")
 
 
-def test_megatron_example_refuses_impossible_flags_in_one_line():
-    cmd = [sys.executable, str(EXAMPLE), "--pipeline-model-parallel-size", "2",
-           "--pipeline-reuse", "5"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (["--pipeline-reuse", "5"], "2", "cannot fill D = R*P = 10 stages"),
+        ([], "2", "megatron's own pipeline schedule needs CUDA p2p"),  # was a CUDA traceback
+        (["--pipeline-reuse", "2", "--global-batch-size", "3"], "2",
+         "--global-batch-size 3 is not a multiple"),  # was cut to one micro-batch
+        (["--pipeline-reuse", "2"], "1", "1 process(es) do not divide"),  # no torchrun
+    ],
+)  # fmt: skip
+def test_megatron_example_refuses_impossible_flags_in_one_line(flags, world, message):
+    cmd = [sys.executable, str(EXAMPLE), "--pipeline-model-parallel-size", "2", *flags]
+    env = {**os.environ, "WORLD_SIZE": world}  # as torchrun would set it; no process starts
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2
-    assert "cannot fill D = R*P = 10 stages" in proc.stderr.splitlines()[-1]
+    assert message in proc.stderr.splitlines()[-1]
 
 
 def _built(rank, world, reuse):
