@@ -299,6 +299,11 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
             f"cannot load {folder} ({type(exc).__name__}: {reason}): it is truncated, "
             f"damaged or of another model; {_earlier(args, iteration)}"
         )
+        if "parameter group" in reason:  # megatron-core 0.19 keys groups by lr and decay
+            problem = (
+                f"{folder}: the optimizer's parameter groups are not the checkpoint's ({reason}); "
+                "resume with the --lr, --min-lr and --weight-decay it was saved with"
+            )
     if problem is None:
         try:  # megatron asserts that flags and checkpoint agree on the schedule
             state.scheduler.load_state_dict(saved["scheduler"])

@@ -280,8 +280,11 @@ def test_changed_schedule_on_resume_is_refused_naming_the_flags(two_checkpoints,
     status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
                                            "--lr", "1e-3"))  # fmt: skip
     assert status != 0
-    assert f"rank 0: {two_checkpoints}/iter_0000004: OptimizerParamScheduler" in output, output
-    assert "--use-checkpoint-opt_param-scheduler" in output
+    # megatron-core 0.16: its scheduler refuses; 0.19 already refuses the optimizer's groups
+    scheduler = f"rank 0: {two_checkpoints}/iter_0000004: OptimizerParamScheduler" in output
+    groups = f"rank 0: {two_checkpoints}/iter_0000004: the optimizer's parameter groups" in output
+    assert scheduler or groups, output[-3000:]
+    assert "--use-checkpoint-opt_param-scheduler" in output if scheduler else "--lr" in output
     assert "iteration      5/6" not in output
 
 
