@@ -47,11 +47,14 @@ Checkpoints. ``--save DIR --save-interval N`` writes model and optimizer (with i
 through megatron-core's dist_checkpointing (``torch_dist``) to ``DIR/iter_XXXXXXX/``, with the
 iteration, data position, learning-rate scheduler state and RNG states, and the iteration to
 ``DIR/latest``; ``--load DIR`` resumes from ``DIR/latest`` under any layout (another
-``--pipeline-reuse``, placement, direction, pipeline, tensor- or data-parallel size) and,
-with the same pipeline and tensor-parallel sizes, continues with the numbers an uninterrupted
-run gives: in the same layout, or in another with dropout off (a chunk's dropout RNG stream
-belongs to its place in the layout, so another R, placement or direction draws other masks;
-other sizes restart the RNG streams from ``--seed``). ``--exit-interval N`` stops
+``--pipeline-reuse``, placement, direction, pipeline, tensor- or data-parallel size) and
+continues with the numbers the saving run would have gone on with: in the same layout; in
+another with dropout off (to fp32 rounding across tensor-parallel sizes). With dropout on
+another layout draws other masks (a chunk's dropout stream belongs to its place in the
+layout; another pipeline or tensor-parallel size restarts the streams from ``--seed``).
+Initial weights: each pipeline rank draws from ``--seed`` + 100 x its rank, as in
+Megatron-LM, so fresh runs of two layouts start from different weights; compare layouts from
+one checkpoint. ``--exit-interval N`` stops
 after iteration N (saving first). Nothing in a checkpoint is unpickled into objects. A
 ``--load DIR`` without ``DIR/latest`` (the folder missing too) starts fresh, as Megatron-LM
 does, and says so on rank 0. When ``latest`` names a checkpoint that cannot be loaded

@@ -52,7 +52,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         prog=PROG,
         description=description,
         epilog="Baseline for PRT comparisons: --pipeline-reuse 1 (PRT's 1F1B-equivalent plan); "
-        "megatron's own pipelined schedule (no --pipeline-reuse, pipeline size > 1) needs CUDA.",
+        "megatron's own pipelined schedule (no --pipeline-reuse, pipeline size > 1) needs CUDA. "
+        "Each pipeline rank initializes its layers from --seed + 100 x its rank (Megatron-LM's "
+        "rule), so fresh runs of two layouts start from different weights: compare their "
+        "numbers from one checkpoint (--load).",
     )
     _add_model_flags(parser.add_argument_group("model"))
     _add_training_flags(parser.add_argument_group("training"))
@@ -301,11 +304,29 @@ def _output_problems(args: argparse.Namespace) -> Iterator[str]:
         yield "--save-interval needs --save DIR"
     if args.save_interval is not None and args.save_interval < 1:
         yield "--save-interval must be >= 1"
+    if args.save is not None and _unwritable_folder(args.save):
+        yield (
+            f"--save {args.save}: not a folder that can be created or written (a file, or "
+            "its parent missing or read-only); choose another DIR"
+        )
     if args.tensorboard_dir is not None and not _tensorboard_available():
         yield (
             "--tensorboard-dir needs torch.utils.tensorboard, which needs the tensorboard "
             "package: pip install tensorboard (or drop --tensorboard-dir)"
         )
+
+
+def _unwritable_folder(path: str) -> bool:
+    """Found before training, not at the first save: ``path`` is a file, or it is missing
+    and its parent cannot hold it."""
+    if os.path.isdir(path):
+        return not os.access(path, os.W_OK | os.X_OK)
+    if os.path.exists(path):
+        return True
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # save makes the missing folders
+        parent = os.path.dirname(parent)
+    return not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK))
 
 
 def _tensorboard_available() -> bool:

@@ -99,8 +99,16 @@ def layout(args: argparse.Namespace) -> dict:
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
-        "placement": None if reuse is None else str(reuse.placement),
+        "placement": "megatron" if reuse is None else reuse.name,
     }
+
+
+def _layout_text(layout: dict) -> str:
+    """A recorded :func:`layout` as the start line says it."""
+    return (
+        f"{layout['placement']}, tensor {layout['tensor_model_parallel_size']} x pipeline "
+        f"{layout['pipeline_model_parallel_size']} x data {layout['data_parallel_size']}"
+    )
 
 
 # the flags that fix the model's tensors beyond their shapes (a model with more attention
@@ -320,7 +328,8 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     else:
         log(f"{folder} was saved under another pipeline / tensor-parallel size: RNG states "
             f"start from --seed {args.seed}")  # fmt: skip
-    log(f"resumed from {folder} (saved under {saved['layout']}) at iteration {state.iteration}")
+    saved_under = _layout_text(saved["layout"])
+    log(f"resumed from {folder} (saved under {saved_under}) at iteration {state.iteration}")
 
 
 def _agree(args: argparse.Namespace, problem: str | None) -> None:

@@ -70,6 +70,7 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
     return {
         "schedule": _schedule_name(reuse),
         "world_size": args.world_size,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "reuse": None if reuse is None else reuse.placement.reuse,

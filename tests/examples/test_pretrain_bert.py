@@ -315,6 +315,8 @@ def test_refused_flag_exits_2_with_one_line():
         (["--pipeline-reuse", "2"], 1, "--pipeline-reuse needs a pipeline"),
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--save", "/dev/null/x"], 1, "--save /dev/null/x: not a folder"),  # was at 1st save
+        (["--save", str(Path(__file__))], 1, "not a folder that can be created or written"),
         (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
         (["--data-path", "x"], 1, "--data-path needs --tokenizer-model or --vocab-file"),
         (
