@@ -136,6 +136,34 @@ def _add_parallel_flags(group) -> None:
         help="megatron-core's tensor parallelism inside every pipeline stage",
     )
     group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)",
+    )
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="megatron's distributed optimizer: Adam state sharded over data-parallel ranks",
+    )
+    group.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="start each DDP bucket's reduction as its gradients are ready (megatron's overlap)",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="activation recomputation, as Megatron-LM (full needs --recompute-method)",
+    )
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Megatron-LM's shorthand for --recompute-granularity selective",
+    )
 
 
 def _add_data_flags(group) -> None:
@@ -214,6 +242,7 @@ def _problems(args: argparse.Namespace) -> Iterator[str]:
     if args.device == "cuda" and not torch.cuda.is_available():
         yield "--device cuda but torch sees no GPU; use --device cpu"
     yield from _layout_problems(args)
+    yield from _parallel_problems(args)
     yield from _size_problems(args)
     yield from _output_problems(args)
 
@@ -244,6 +273,28 @@ def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
             "megatron's own pipelined schedule needs CUDA (its p2p calls CUDA); on CPU use "
             "--pipeline-reuse 1 for 1F1B (PRT's equivalent plan) or --pipeline-reuse R"
         )
+
+
+def _parallel_problems(args: argparse.Namespace) -> Iterator[str]:
+    """Megatron-LM's rules for the sequence-parallel and recomputation flags."""
+    if args.recompute_activations:
+        args.recompute_granularity = args.recompute_granularity or "selective"
+    if args.use_distributed_optimizer and args.device == "cpu" and (args.save or args.load):
+        yield (
+            "--use-distributed-optimizer with --save/--load needs --device cuda: on CPU "
+            "megatron-core's loader of its state does not resume exactly (torch's Adam, not "
+            "apex's); drop one of them"
+        )
+    if args.sequence_parallel and args.tensor_model_parallel_size < 2:
+        yield "--sequence-parallel needs --tensor-model-parallel-size > 1"
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        yield "--recompute-granularity full needs --recompute-method uniform or block"
+    if args.recompute_granularity != "full" and args.recompute_method is not None:
+        yield "--recompute-method needs --recompute-granularity full"
+    if args.recompute_method is not None:
+        args.recompute_num_layers = args.recompute_num_layers or 1
+        if args.recompute_num_layers < 1:
+            yield f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}"
 
 
 def _size_problems(args: argparse.Namespace) -> Iterator[str]:

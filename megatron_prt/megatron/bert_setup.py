@@ -151,6 +151,10 @@ def transformer_config(args: argparse.Namespace):
         bias_dropout_fusion=cuda,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
     if args.reuse is not None:
         fields.update(transformer_config_kwargs(args.reuse))  # PRT's layer layout
@@ -203,9 +207,12 @@ def build_training(args: argparse.Namespace, config, chunks: list) -> tuple[Trai
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=params_dtype(args),
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16, overlap_grad_reduce=False
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
     training = training_builder(
         chunks, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=args.reuse

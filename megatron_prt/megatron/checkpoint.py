@@ -109,6 +109,11 @@ def _refuse_other_model(directory: str, extra_keys: set, lacking_keys: set) -> N
         problems.append(f"holds {len(extra_keys)} tensor(s) this model lacks ({some(extra_keys)})")
     if lacking_keys:
         problems.append(f"lacks {len(lacking_keys)} of this model's ({some(lacking_keys)})")
+    if problems and all(k.startswith("optimizer.") for k in extra_keys | lacking_keys):
+        raise CheckpointMismatchError(
+            f"{directory}'s optimizer state {' and '.join(problems)}: it was saved by another "
+            "optimizer (with or without the distributed optimizer); resume with that one"
+        )
     if problems:
         raise CheckpointMismatchError(
             f"{directory} {' and '.join(problems)}: it was saved from another model; load it "

@@ -171,6 +171,22 @@ def test_checkpoint_resumes_under_another_layout(data_cache, tmp_path):
         assert got[key] == want[key], key
 
 
+def test_distributed_optimizer_overlap_and_recompute_give_the_same_losses(data_cache):
+    """Megatron-LM's production flags reach megatron-core (they were unrecognized): with
+    the distributed optimizer sharding Adam over DP 2, overlapped reduction and full
+    recomputation the losses are the plain run's (fp32; dropout off: recomputation redraws
+    no masks then)."""
+    flags = ["--pipeline-model-parallel-size", "2", *BI, "--data-cache-path", data_cache,
+             "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
+    plain = progress(launch(*flags, ranks=4))
+    more = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--recompute-granularity",
+            "full", "--recompute-method", "uniform"]  # fmt: skip
+    production = progress(launch(*flags, *more, ranks=4))
+    assert len(plain) == 3 and len(production) == 3
+    for ours, theirs in zip(production, plain, strict=True):
+        assert abs(float(ours[1]) / float(theirs[1]) - 1) < 1e-6, (ours, theirs)
+
+
 def test_nan_loss_stops_every_rank_naming_the_iteration(data_cache):
     # lr 1e6: iteration 1 is finite, its step overflows the weights, iteration 2's loss is NaN
     flags = ["--pipeline-model-parallel-size", "2", *WAVE, "--data-cache-path", data_cache]
@@ -315,6 +331,10 @@ def test_refused_flag_exits_2_with_one_line():
         (["--pipeline-reuse", "2"], 1, "--pipeline-reuse needs a pipeline"),
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--recompute-granularity", "full"], 1, "needs --recompute-method uniform or block"),
+        (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity"),
+        (["--use-distributed-optimizer", "--save", "ck"], 1, "needs --device cuda: on CPU"),
         (["--save", "/dev/null/x"], 1, "--save /dev/null/x: not a folder"),  # was at 1st save
         (["--save", str(Path(__file__))], 1, "not a folder that can be created or written"),
         (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
