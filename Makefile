@@ -62,7 +62,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
 
 golden: install
-	MEGATRON_PRT=$(CURDIR)/$(VENV)/bin/megatron-prt tests/golden/regenerate.sh
+	MEGATRON_PRT=$(abspath $(VENV))/bin/megatron-prt tests/golden/regenerate.sh
 
 # Measured side by side on local CPU ranks (a benchmark, not a test): megatron-prt's 1F1B and
 # PRT variants, torch.distributed.pipelining's schedules (layer stack) and megatron-core BERT,

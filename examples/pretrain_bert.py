@@ -59,7 +59,8 @@ after iteration N (saving first). Nothing in a checkpoint is unpickled into obje
 ``--load DIR`` without ``DIR/latest`` (the folder missing too) starts fresh, as Megatron-LM
 does, and says so on rank 0. When ``latest`` names a checkpoint that cannot be loaded
 (unreadable, missing, incomplete, truncated, another model) every rank exits with status 2
-and says which earlier complete checkpoint to resume from instead.
+(under torchrun the first to exit does, torchrun stops the others and itself exits 1) and says
+which earlier complete checkpoint to resume from instead, or which flags differ.
 """
 
 from __future__ import annotations
