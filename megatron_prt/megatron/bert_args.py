@@ -291,8 +291,11 @@ def _parallel_problems(args: argparse.Namespace) -> Iterator[str]:
         yield "--recompute-granularity full needs --recompute-method uniform or block"
     if args.recompute_granularity != "full" and args.recompute_method is not None:
         yield "--recompute-method needs --recompute-granularity full"
+    if args.recompute_num_layers is not None and args.recompute_method is None:
+        yield "--recompute-num-layers needs --recompute-granularity full and --recompute-method"
     if args.recompute_method is not None:
-        args.recompute_num_layers = args.recompute_num_layers or 1
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1  # Megatron-LM's default
         if args.recompute_num_layers < 1:
             yield f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}"
 

@@ -322,6 +322,9 @@ def test_refused_flag_exits_2_with_one_line():
     assert "divide the number of ranks (1)" in done.stderr
 
 
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+
+
 @pytest.mark.parametrize(
     ("flags", "world", "message"),
     [
@@ -334,6 +337,8 @@ def test_refused_flag_exits_2_with_one_line():
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--recompute-granularity", "full"], 1, "needs --recompute-method uniform or block"),
         (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity"),
+        ([*FULL_RECOMPUTE, "--recompute-num-layers", "0"], 1, "must be >= 1, got 0"),  # was 1
+        (["--recompute-num-layers", "2"], 1, "--recompute-num-layers needs"),  # was ignored
         (["--use-distributed-optimizer", "--save", "ck"], 1, "needs --device cuda: on CPU"),
         (["--save", "/dev/null/x"], 1, "--save /dev/null/x: not a folder"),  # was at 1st save
         (["--save", str(Path(__file__))], 1, "not a folder that can be created or written"),
