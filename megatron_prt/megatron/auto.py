@@ -270,7 +270,7 @@ def describe(
     )
     return (
         f"{LOG_PREFIX} {iterations} traced iterations, per model stage F/B ms {stages}; "
-        f"{'chose' if timing == 1 else 'predicted best'} {w.label}, plan for {w.planned_for}: "
+        f"{'chose' if timing == 1 else 'predicted best'} {w.label}, {planned_for(w)}: "
         f"predicted {1e3 * w.makespan:.2f} ms per "
         f"iteration (running plan: {before}); {len(result.ranked)} plans scored. The layer "
         f"split {','.join(map(str, cost.stage_layers))} and placement are kept (the model "
@@ -278,11 +278,19 @@ def describe(
     )
 
 
+def planned_for(candidate: AutoCandidate | Candidate) -> str:
+    """What a candidate's plan was built for, in the log's words: auto keeps the flags'
+    layer split, so the tuner's "equal stages" is equal stage *times* (the split may be
+    uneven) and its "costs" the times traced in the first iterations."""
+    said = {"equal stages": "equal stage times", "costs": "the traced stage times"}
+    return "plan for " + said.get(candidate.planned_for, candidate.planned_for)
+
+
 def describe_pick(picked: MeasuredPick[AutoCandidate], reps: int) -> str:
     """The log line of rank 0 after the measured pick: every candidate's predicted and
     measured (median of the slowest rank's) time per iteration, the one kept."""
     rows = "; ".join(
-        f"{c.label} ({c.planned_for}) predicted {1e3 * c.predicted_s:.2f} ms, measured "
+        f"{c.label} ({planned_for(c)}) predicted {1e3 * c.predicted_s:.2f} ms, measured "
         f"{1e3 * median:.2f} ms" + (" <- chosen" if i == picked.index else "")
         for i, (c, median) in enumerate(zip(picked.candidates, picked.medians, strict=True))
     )

@@ -191,3 +191,22 @@ def test_auto_keeps_the_measured_faster_plan_and_tracks_the_reference(monkeypatc
         assert Plan.from_dict(result["ran"]) == candidates[1]  # the last call ran it
     assert got[0]["candidates"] == got[1]["candidates"] and got[0]["plan"] == got[1]["plan"]
     megatron_models.assert_tracks_reference(got, want, TOL)
+
+
+def test_pick_log_says_what_the_plans_were_built_for():
+    """auto keeps the flags' layer split, even an uneven one: the log says "equal stage
+    times", not "equal stages" (read as an equal layer split)."""
+    from megatron_prt.megatron.auto import AutoCandidate, describe_pick
+    from megatron_prt.tune.measured import MeasuredPick
+
+    plan = build_plan(Placement(2, 2), 4)
+    candidates = tuple(
+        AutoCandidate(plan, "PRT loop/uni R=2", planned, 0.01)
+        for planned in ("equal stages", "costs")
+    )
+    line = describe_pick(MeasuredPick(candidates, ((0.02,), (0.01,)), 1), reps=1)
+    assert "(plan for equal stage times) predicted 10.00 ms, measured 20.00 ms;" in line
+    assert (
+        "(plan for the traced stage times) predicted 10.00 ms, measured 10.00 ms <- chosen" in line
+    )
+    assert "equal stages" not in line
