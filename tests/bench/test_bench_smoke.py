@@ -206,6 +206,12 @@ def test_old_script_is_the_layer_stack_section():
         text=True,
     ).stdout
     assert "--microbatches" in help_text and "--bert-layers" in help_text
+    other = subprocess.run(  # was taken: the BERT section ran under this name
+        [sys.executable, str(ROOT / "benchmarks" / "vs_torch_pipelining.py"), "--model", "bert"],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 2 and "--model is fixed to layers" in other.stderr
 
 
 def test_replica_sum_fit_separates_latency_from_bandwidth():
