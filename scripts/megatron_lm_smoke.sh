@@ -96,7 +96,7 @@ if train "$out/refuse.log" "${gpt[@]}" "${common[@]}" --pipeline-reuse-placement
     --pipeline-reuse-direction bi; then
     echo "FAIL: trained without --pipeline-reuse"; failed=1
 elif grep -q "pipeline-reuse-direction given without --pipeline-reuse" "$out/refuse.log"; then
-    grep -m1 -o "ConfigError: .*" "$out/refuse.log"
+    grep -m1 -o "megatron-prt: error: .*" "$out/refuse.log"
 else
     echo "FAIL: stopped for another reason, see $out/refuse.log"; failed=1
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
@@ -19,6 +20,7 @@ import torch
 from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 PROG = "pretrain_bert.py"
+OTHER_RANKS_WAIT_S = 2.0  # how long ranks other than 0 wait before a refusal's exit
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
@@ -35,11 +37,13 @@ def refuse(message: str) -> NoReturn:
     stop(message, status=2)
 
 
-def stop(message: str, status: int) -> NoReturn:
-    """Exit with ``status`` after ``PROG: error: message`` on stderr (rank 0 only). Every rank
+def stop(message: str, status: int, prog: str = PROG) -> NoReturn:
+    """Exit with ``status`` after ``prog: error: message`` on stderr (rank 0 only). Every rank
     must call it for the same reason at the same point, so every rank stops."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    else:  # torchrun stops every worker once one exits: let rank 0 say why first
+        time.sleep(OTHER_RANKS_WAIT_S)
     sys.exit(status)
 
 

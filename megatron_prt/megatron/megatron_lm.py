@@ -33,6 +33,7 @@ import functools
 import os
 from collections.abc import Callable
 
+from ..core.placement import ConfigError
 from .args import add_arguments
 from .args import validate_args as _validate_flags
 from .config import ReuseConfig
@@ -53,8 +54,17 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     Megatron's checkpoints hold the result: ``save_checkpoint`` stores ``args``, which now
     carry ``pipeline_reuse_config``, and ``load_checkpoint`` reads them back with torch's
     ``weights_only`` loader, which refuses classes it was not told about. Rank 0 prints
-    the layout in one line (:meth:`ReuseConfig.describe`), beside Megatron's own settings."""
-    reuse = _validate_flags(args)
+    the layout in one line (:meth:`ReuseConfig.describe`), beside Megatron's own settings.
+
+    An impossible combination of flags ends the process with exit status 2 after one line,
+    ``megatron-prt: error: <the ConfigError's message>``, on rank 0's stderr (every rank
+    sees the same flags, so every rank stops here, before any collective call)."""
+    try:
+        reuse = _validate_flags(args)
+    except ConfigError as exc:  # the user's flags: a line naming them, not a traceback a rank
+        from .bert_args import stop
+
+        stop(str(exc), status=2, prog="megatron-prt")
     if reuse is not None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"megatron-prt: schedule {reuse.describe()}", flush=True)

@@ -247,16 +247,26 @@ def _patched_validate_hook(tag: str) -> str:
         (["--pipeline-reuse-timeout", "30"], "--pipeline-reuse-timeout given without"),
     ],
 )  # fmt: skip
-def test_patched_megatron_refuses_reuse_flags_without_pipeline_reuse(tag, flags, named):
+def test_patched_megatron_refuses_reuse_flags_without_pipeline_reuse(
+    tag, flags, named, capsys, monkeypatch
+):
     """Megatron-LM with the patches: PRT flags without ``--pipeline-reuse`` stop the run with
-    the flag named (they used to be dropped, and plain 1F1B trained)."""
+    the flag named (they used to be dropped, and plain 1F1B trained), in one line on rank
+    0's stderr and exit status 2 (was a ConfigError traceback from every rank)."""
     import argparse
 
-    from megatron_prt.core.placement import ConfigError
+    from megatron_prt.megatron import bert_args
 
+    monkeypatch.setattr(bert_args, "OTHER_RANKS_WAIT_S", 0.0)
     args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
-    with pytest.raises(ConfigError, match=re.escape(named)):
-        exec(_patched_validate_hook(tag), {"args": args})
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stopped:
+            exec(_patched_validate_hook(tag), {"args": args})
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert (err.startswith("megatron-prt: error: " + named) and err.count("\n") == 1) == says
+        assert says or err == ""
 
 
 @pytest.mark.parametrize("tag", TAGS)
