@@ -37,11 +37,18 @@ def refuse(message: str) -> NoReturn:
     stop(message, status=2)
 
 
+def say_error(message: str, prog: str = PROG) -> None:
+    """``prog: error: message`` on stderr in one write: ranks printing at once (a load
+    every rank fails) then give whole lines (print's two writes interleaved them)."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+
+
 def stop(message: str, status: int, prog: str = PROG) -> NoReturn:
     """Exit with ``status`` after ``prog: error: message`` on stderr (rank 0 only). Every rank
     must call it for the same reason at the same point, so every rank stops."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        say_error(message, prog)
     else:  # torchrun stops every worker once one exits: let rank 0 say why first
         time.sleep(OTHER_RANKS_WAIT_S)
     sys.exit(status)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .bert_args import PROG
+from .bert_args import PROG, say_error
 from .bert_setup import log
 from .bert_step import TrainState
 
@@ -263,7 +263,7 @@ def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> 
     )
     because = f"{cause}; this rank saw {reason}" if cause else reason
     message = f"rank {rank}: saving {folder} failed ({because}); {resume}"
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    say_error(message)
     sys.exit(1)
 
 
@@ -346,7 +346,7 @@ def _stop_loading(
     args: argparse.Namespace, rank: int, problem: str | None, failed: list
 ) -> NoReturn:
     if problem is not None:
-        print(f"{PROG}: error: rank {rank}: {problem}", file=sys.stderr, flush=True)
+        say_error(f"rank {rank}: {problem}")
     elif rank == 0:
         names = ", ".join(str(r) for r in failed)
         message = f"--load {args.load}: rank(s) {names} cannot load the checkpoint"

@@ -15,11 +15,17 @@ Both functions are collective over every rank of the job.
 from __future__ import annotations
 
 import os
+import warnings
 
 from .model import unwrap
 
 # The distributed optimizer's format that loads under any other TP / PP / DP layout.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# What megatron-core 0.16's torch_dist load makes torch say (twice per rank per load).
+TORCH_DEPRECATIONS = (
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "`load_state_dict` is deprecated and will be removed",
+)
 
 
 def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
@@ -85,9 +91,13 @@ def load_checkpoint_state(
         request["extra"] = extra
     # megatron's default load skips tensors the checkpoint holds and the model does not ask
     # for: a checkpoint of another model (e.g. with a binary head) would load silently
-    state, missing, unexpected = dist_checkpointing.load(
-        request, directory, strict=StrictHandling.RETURN_ALL
-    )
+    with warnings.catch_warnings():  # megatron-core's calls of APIs torch deprecates, per
+        # rank: nothing a user of either can act on (their other warnings stay)
+        for deprecated in TORCH_DEPRECATIONS:
+            warnings.filterwarnings("ignore", deprecated, FutureWarning)
+        state, missing, unexpected = dist_checkpointing.load(
+            request, directory, strict=StrictHandling.RETURN_ALL
+        )
     skipped = optional if optimizer is not None else (*optional, "optimizer.")
     _refuse_other_model(directory, {k for k in missing if not k.startswith(skipped)}, unexpected)
     for c, chunk in enumerate(chunks):
