@@ -140,10 +140,26 @@ class ModuleCallbacks(StageCallbacks):
         out = self.stages[stage](x)
         if self.placement.is_last(stage):
             out = self.loss_fn(out, self.targets[mb].to(self.device))
+            _check_loss(out, stage, mb)
         return out
 
     def loss_grad(self, stage, mb, loss):
         return torch.full_like(loss, 1.0 / self.num_microbatches)
+
+
+def _check_loss(loss, stage: int, mb: int) -> None:
+    """A loss the backward can seed with ``1/m``: one number. A loss of another shape would
+    be seeded element by element, giving the gradients of its sum without a word."""
+    if not isinstance(loss, torch.Tensor):
+        got = f"a {type(loss).__name__}"
+    elif loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}"
+    else:
+        return
+    raise ValueError(
+        f"loss_fn returned {got} for micro-batch {mb} at stage {stage}: it must return a "
+        "scalar tensor (reduce it, e.g. reduction='mean' or .mean())"
+    )
 
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -56,7 +56,7 @@ from .memory import ActivationMeter
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
-from .replicas import reduce_replica_grads, reduce_replica_grads_shm
+from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_running_statistics
 from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
@@ -65,9 +65,35 @@ from .wgrad import enable_split_backward, split_forward
 _NO_CONTEXT = contextlib.nullcontext()  # reusable
 
 
+def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, training: bool):
+    """Refuse a stage output the next stage cannot take, before any transport sees it (a
+    same-rank hand-off passes it directly, so only a send would find it, and the shared
+    memory rings carry any dtype: a model would run under one layout or transport and fail
+    under another)."""
+    if isinstance(out, torch.Tensor) and out.dtype == dtype:
+        return
+    where = f"stage {stage}, mb {mb}: the stage's output"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"{where} is a {type(out).__name__}, not a tensor: a stage must return one tensor "
+            "(pack several into one, or unpack them inside the next stage)"
+        )
+    if training and not out.is_floating_point():
+        raise TypeError(
+            f"{where} is {out.dtype}: activations between stages carry gradients and must be "
+            "floating point (e.g. embed token ids inside the stage that reads them)"
+        )
+    raise TypeError(
+        f"{where} is {out.dtype}, the runtime sends {dtype}: pass "
+        f"PipelineRuntime(..., dtype={out.dtype}) (or cast the model to {dtype})"
+    )
+
+
 class PipelineRuntime:
     """Runs ``plan``'s actions for this process's rank in the pipeline group ``group``.
 
+    ``dtype``: the dtype of every stage output (activation) and so of every message between
+    stages, on every transport (an output of another dtype stops the step naming it);
     ``timeout_s`` bounds every wait for a peer (then :class:`PipelineError`);
     ``deallocate_outputs`` frees a sent activation's data (its grad_fn is kept for backward);
     ``trace`` records per-action spans (:meth:`trace`); ``transport`` is ``auto``, ``torch``
@@ -145,6 +171,7 @@ class PipelineRuntime:
                 for module in self.stages.values():
                     enable_split_backward(module)
         self.callbacks = callbacks
+        warn_running_statistics(plan.placement, self.stages)
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -248,7 +275,9 @@ class PipelineRuntime:
         if isinstance(self.transport, ShmTransport):
             reduce_replica_grads_shm(placement, self.stages, self.transport, self.rank, grad_attr)
         else:
-            reduce_replica_grads(placement, self.stages, self._group, grad_attr)
+            reduce_replica_grads(
+                placement, self.stages, self._group, grad_attr, timeout_s=self.timeout_s
+            )
 
     def trace(self) -> list[tuple[Action, float, float]]:
         """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""
@@ -385,6 +414,8 @@ class PipelineRuntime:
                 out = x.view_as(x)
         if op.is_loss:
             self._losses[op.mb] = out.detach()
+        else:
+            check_activation(op.stage, op.mb, out, self.dtype, training=not forward_only)
         if not forward_only:
             self._saved_inputs[op.where] = x
             self._outputs[op.where] = out

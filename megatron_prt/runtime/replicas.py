@@ -11,7 +11,9 @@ Each rank issues all its transfers as one batch, so no pair order can deadlock.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,11 +34,14 @@ def _unflat(flat: torch.Tensor, tensors) -> None:
         offset += t.numel()
 
 
-def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> None:
+def exchange_pairs(
+    pairs, rank_of, group, payload, apply, both_ways: bool, timeout_s: float | None = None
+) -> None:
     """For every ``(a, b)`` stage pair: ``b`` receives ``payload(a)`` and, ``both_ways``,
     ``a`` receives ``payload(b)``; then ``apply(stage, received, own_payload)`` on the receiver.
     Pairs on one rank exchange in place; the rest go as one batch per rank (no pair order
-    to deadlock on). ``rank_of`` maps a stage to its rank in ``group``."""
+    to deadlock on). ``rank_of`` maps a stage to its rank in ``group``; ``timeout_s`` bounds
+    the wait for the peers (None: the process group's own timeout)."""
     rank = dist.get_rank(group)
     ops, pending = [], []
     wire = None
@@ -61,13 +66,16 @@ def exchange_pairs(pairs, rank_of, group, payload, apply, both_ways: bool) -> No
                 buf = torch.empty_like(flat)
                 ops.append(dist.P2POp(dist.irecv, buf, peer_global, group))
                 pending.append((here, buf, own))
+    wait = () if timeout_s is None else (timedelta(seconds=timeout_s),)
     for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+        work.wait(*wait)
     for stage, received, own in pending:
         apply(stage, received.to(own.device), own)
 
 
-def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=None) -> None:
+def copy_stages(
+    pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=None, timeout_s=None
+) -> None:
     """For every ``(a, b)`` stage pair, stage ``b`` takes stage ``a``'s parameters and buffers
     (same structure). Collective over ``group``; ``stages`` holds this rank's stages."""
 
@@ -78,23 +86,56 @@ def copy_stages(pairs, rank_of, stages: Mapping[int, torch.nn.Module], group=Non
         with torch.no_grad():
             _unflat(received, tensors(stage))
 
-    exchange_pairs(pairs, rank_of, group, lambda stage: _flat(tensors(stage)), apply, False)
+    exchange_pairs(
+        pairs, rank_of, group, lambda stage: _flat(tensors(stage)), apply, False, timeout_s
+    )
 
 
-def sync_replicas(placement: Placement, stages: Mapping[int, torch.nn.Module], group=None) -> None:
+def sync_replicas(
+    placement: Placement,
+    stages: Mapping[int, torch.nn.Module],
+    group=None,
+    timeout_s: float = 60.0,
+) -> None:
     """Pipeline-1 replicas take pipeline 0's parameters (and buffers). Collective over
     ``group`` for every direction (a no-op copy for ``uni``): it first checks that every rank
     holds the same placement, so ranks that disagree (e.g. ``uni`` against ``bi``) fail here
-    with the difference named instead of a timeout."""
+    with the difference named instead of a timeout. A peer that does not answer within
+    ``timeout_s`` seconds (each wait) makes it raise :class:`PipelineError` naming it."""
     tensors = [t for module in stages.values() for t in (*module.parameters(), *module.buffers())]
-    check_same_placement(placement, group, tensors[0].device if tensors else "cpu")
+    check_same_placement(placement, group, tensors[0].device if tensors else "cpu", timeout_s)
     with collective("sync_replicas", group):
-        copy_stages(placement.replica_pairs(), placement.rank_of, stages, group)
+        copy_stages(placement.replica_pairs(), placement.rank_of, stages, group, timeout_s)
 
 
-def check_same_placement(placement: Placement, group=None, device="cpu") -> None:
+def warn_running_statistics(placement: Placement, stages: Mapping[int, torch.nn.Module]) -> None:
+    """Under ``bi`` say which stages keep running statistics (BatchNorm's): each replica
+    updates its own from its pipeline's micro-batches and :func:`reduce_replica_grads`
+    reduces gradients only, so the replicas' statistics drift apart while their weights
+    stay equal, and the two copies of a stage evaluate differently."""
+    if placement.direction != "bi":
+        return
+    kept = [
+        stage
+        for stage, module in sorted(stages.items())
+        if any(getattr(m, "track_running_stats", False) for m in module.modules())
+    ]
+    if kept:
+        warnings.warn(
+            f"stage(s) {kept} keep BatchNorm running statistics: under direction bi each "
+            "replica updates its own from its pipeline's micro-batches, so they drift apart "
+            "while the weights stay equal; call sync_replicas(placement, stages) before "
+            "evaluating or saving (it copies pipeline 0's), or use LayerNorm / GroupNorm",
+            stacklevel=3,
+        )
+
+
+def check_same_placement(
+    placement: Placement, group=None, device="cpu", timeout_s: float | None = None
+) -> None:
     """Raise on every rank unless all ranks of ``group`` hold ``placement`` (one all_gather
-    of four integers; ``device``: where this rank computes, for NCCL)."""
+    of four integers; ``device``: where this rank computes, for NCCL; ``timeout_s``: the
+    wait, None for the process group's own timeout)."""
     codes = [
         placement.ranks,
         placement.reuse,
@@ -104,7 +145,8 @@ def check_same_placement(placement: Placement, group=None, device="cpu") -> None
     mine = torch.tensor(codes, dtype=torch.int64, device=wire_device(group, device))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     with collective("the placement check of sync_replicas", group):
-        dist.all_gather(gathered, mine, group=group)
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        work.wait(*(() if timeout_s is None else (timedelta(seconds=timeout_s),)))
     held = [Placement(p, r, PLACEMENTS[k], DIRECTIONS[d]) for p, r, k, d in map(_ints, gathered)]
     if len(set(held)) > 1:
         rank = dist.get_rank(group)
@@ -131,9 +173,11 @@ def reduce_replica_grads(
     stages: Mapping[int, torch.nn.Module],
     group=None,
     grad_attr: str = "grad",
+    timeout_s: float | None = None,
 ) -> None:
     """Both replicas of every model stage end with the sum of their gradients, read from and
-    written to each parameter's ``grad_attr`` (``main_grad`` under megatron-core's DDP)."""
+    written to each parameter's ``grad_attr`` (``main_grad`` under megatron-core's DDP);
+    ``timeout_s`` bounds the wait for the peers (None: the process group's own timeout)."""
 
     def params(stage):
         return [p for p in stages[stage].parameters() if p.requires_grad]
@@ -155,6 +199,7 @@ def reduce_replica_grads(
             lambda stage: _flat(grads(stage)),
             apply,
             both_ways=True,
+            timeout_s=timeout_s,
         )
 
 

@@ -15,7 +15,7 @@ from test_runtime_faults import TIMEOUT_S, WAIT_S, expect_errors, run_case, runt
 
 from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.placement import ConfigError
-from megatron_prt.runtime import PipelineRuntime, build_stages
+from megatron_prt.runtime import PipelineRuntime, build_stages, sync_replicas
 from megatron_prt.runtime.local import run_local
 
 
@@ -68,6 +68,55 @@ def _tuple_output(transport):
         return rt.step(*batch("mlp", 4))
 
     return body
+
+
+def _stage_output(make, transport):
+    """Rank 0's first stage replaced by ``make()``: its output is sent to rank 1."""
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, transport=transport)
+        if rank == 0:
+            rt.stages[0] = make()
+        return rt.step(*batch("mlp", 4))
+
+    return body
+
+
+def _turn_output(make):
+    """Under wave R=2 rank 1 holds stages 1 and 2: stage 1's output is handed over on the
+    rank, never sent; ``make()`` replaces stage 1."""
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, placement=Placement(world, 2, "wave"))
+        if rank == 1:
+            rt.stages[1] = make()
+        return rt.step(*batch("mlp", 4))
+
+    return body
+
+
+class _Pair(torch.nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+class _Ids(torch.nn.Module):
+    def forward(self, x):
+        return (x * 100).long()
+
+
+class _Single(torch.nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def _loss_per_element(rank, world):
+    plan = build_plan(Placement(world, 2), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    rt = PipelineRuntime(
+        plan, stages, lambda out, y: (out - y) ** 2, dtype=torch.float64, timeout_s=WAIT_S
+    )
+    return rt.step(*batch("mlp", 4))
 
 
 def _per_rank(**by_rank):
@@ -161,6 +210,35 @@ ERROR_CASES = {
         _tuple_output("shm"),
         ["is a tuple, not a tensor: a stage must return one tensor"],
         {"r1": [WAITED]},
+    ),
+    "tuple-output-same-rank": (  # was AttributeError: 'tuple' object has no attribute 'detach'
+        _turn_output(_Pair),
+        [],
+        {"r1": ["stage 1, mb 0: the stage's output is a tuple, not a tensor"], "r0": ["rank 1"]},
+    ),
+    "integer-output-same-rank": (  # was: only Tensors of floating point dtype can require grad
+        _turn_output(_Ids),
+        [],
+        {
+            "r1": ["stage 1, mb 0: the stage's output is torch.int64", "floating point"],
+            "r0": ["rank 1"],
+        },
+    ),
+    "float32-output-shm": (  # shared memory carried any dtype: the torch transport refused it
+        _stage_output(_Single, "shm"),
+        [],
+        {"r0": ["is torch.float32, the runtime sends torch.float64"], "r1": [WAITED]},
+    ),
+    "loss-per-element": (  # was: the gradients of the summed loss, without a word
+        _loss_per_element,
+        [],
+        {
+            "r1": [
+                "loss_fn returned a tensor of shape (2, 8) for micro-batch 0 at stage 3",
+                "must return a scalar tensor",
+            ],
+            "r0": ["rank 1"],
+        },
     ),
     "dtype-disagrees": (
         _per_rank(dtype=(torch.float64, torch.float32)),
@@ -333,3 +411,64 @@ def test_error_outside_the_runtime_is_reported_to_the_peers():
         "user code failed between steps",
         ranks=[1],
     )
+
+
+def _batchnorm_warnings(direction):
+    def body(rank, world):
+        import warnings
+
+        placement = Placement(world, 1, "loop", direction)
+        layer = lambda i: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))  # noqa: E731
+        stages = build_stages(placement, rank, layer, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PipelineRuntime(build_plan(placement, 4), stages, loss_fn, timeout_s=WAIT_S)
+        return [str(w.message) for w in caught]
+
+    return body
+
+
+def test_bi_stages_with_running_statistics_are_named_once():
+    """bi replicas update BatchNorm statistics apart (gradients alone are reduced): said at
+    construction, naming the stages; uni says nothing."""
+    for direction, said in (("bi", True), ("uni", False)):
+        results = run_case(2, _batchnorm_warnings(direction))
+        for rank, (status, payload) in enumerate(results):
+            assert status == "ok" and payload["error"] is None, payload
+            stages = list(Placement(2, 1, "loop", direction).rank_stages[rank])
+            running = [m for m in payload["value"] if "running statistics" in m]
+            assert len(running) == said
+            assert not said or f"stage(s) {stages} keep BatchNorm" in running[0]
+
+
+def _stall_before(call):
+    """Rank 1 stalls (until the harness kills it) before ``call``; rank 0 makes it."""
+
+    def body(rank, world):
+        placement = Placement(world, 1, "loop", "bi")
+        stages = build_stages(placement, rank, lambda i: make_layer("mlp", i), 4)
+        rt = PipelineRuntime(
+            build_plan(placement, 4), stages, loss_fn, dtype=torch.float64,
+            transport="torch", timeout_s=TIMEOUT_S,
+        )  # fmt: skip
+        rt.step(*batch("mlp", 4))
+        if rank == 1:
+            time.sleep(600)
+        if call == "reduce":
+            rt.reduce_replica_grads()
+        else:
+            sync_replicas(placement, stages, timeout_s=TIMEOUT_S)
+
+    return body
+
+
+@pytest.mark.parametrize("call", ["reduce", "sync"])
+def test_peer_stalling_before_a_replica_exchange_times_out(call):
+    """The torch transport's replica sum and sync_replicas waited without a bound (the
+    process group's 30 minutes): now the runtime's ``timeout_s``, naming the silent peer."""
+    results = run_case(2, _stall_before(call), wait_for={0})
+    assert results[1][0] == "killed"
+    what = "reduce_replica_grads" if call == "reduce" else "sync_replicas"
+    slowest = expect_errors(results, f"rank 0: the placement check of {what}"
+                            if call == "sync" else f"rank 0: {what} failed", ranks=[0])  # fmt: skip
+    assert slowest < TIMEOUT_S + 30
