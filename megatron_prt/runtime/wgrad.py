@@ -198,20 +198,28 @@ class SplitLinear(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.params, ctx.extra = params, extra  # parameters: accumulators' targets
         if x.dim() == 2:
-            return torch.nn.functional.linear(x, weight, bias)
-        # F.linear's own folding, but with an output that is no view: a view returned by a
-        # custom Function may not be modified in place (megatron's bias-dropout-add is)
-        out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
-        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+            out = torch.nn.functional.linear(x, weight, bias)
+        else:
+            # F.linear's own folding, but with an output that is no view: a view returned by
+            # a custom Function may not be modified in place (megatron's bias-dropout-add is)
+            out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+            out = torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+        ctx.compute_dtype = out.dtype  # under autocast, lower than x's and the weight's
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
+        """The GEMMs in the forward's dtype, as autocast's own linear backward runs them
+        (backward runs outside the autocast region, and deferred W later still); the
+        engine casts each gradient to its tensor's dtype."""
         (x,) = ctx.saved_tensors
         weight, bias = ctx.params
         reduce_input_grad, fused = ctx.extra
+        dtype = ctx.compute_dtype
+        grad_output, x = grad_output.to(dtype), x.to(dtype)  # no copy when equal
         grad_input = None
         if ctx.needs_input_grad[0]:
-            grad_input = grad_output.matmul(weight)
+            grad_input = grad_output.matmul(weight.to(dtype))
             if reduce_input_grad is not None:
                 reduce_input_grad(grad_input)
         work = WeightGradWork(weight, bias, x, grad_output, fused)

@@ -169,6 +169,29 @@ def test_input_grad_defers_exactly_the_linear_weight_gemms():
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=0)
 
 
+def test_split_layers_under_autocast_give_autocast_gradients():
+    """A bfloat16 autocast region around float32 layers: the split backward's GEMMs run in
+    bfloat16 as autocast's own (was: "expected m1 and m2 to have the same dtype")."""
+    plain, split = _mlp(), _mlp()
+    plain, split = plain.float(), split.float()
+    enable_split_backward(split)
+    x = torch.randn(4, 2, 6)
+    x_plain, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_plain = plain(x_plain).float().pow(2).sum()
+        with split_forward():
+            loss_split = split(x_split).float().pow(2).sum()
+    loss_plain.backward()
+    with deferring_weight_grads() as work:
+        loss_split.backward()
+    assert work and x_split.grad.dtype == torch.float32
+    torch.testing.assert_close(x_split.grad, x_plain.grad, rtol=0, atol=0)
+    apply_weight_grads(work)
+    for got, want in zip(split.parameters(), plain.parameters(), strict=True):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+
+
 def test_split_layers_without_deferral_are_plain_linear_and_fire_hooks():
     plain, split = _mlp(), _mlp()
     enable_split_backward(split)
