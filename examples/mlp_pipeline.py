@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_prt.core import ConfigError, Placement, build_plan
 from megatron_prt.core.layers import check_layers_fill_stages
+from megatron_prt.core.paths import check_trace_prefix
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
@@ -44,6 +45,8 @@ def main() -> None:
         )
         plan = build_plan(placement, args.microbatches)
         check_layers_fill_stages(args.layers, placement.depth, "--layers", "--reuse")
+        if args.trace:
+            check_trace_prefix(args.trace, "--trace")
     except ConfigError as exc:
         parser.error(str(exc))
 

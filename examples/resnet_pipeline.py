@@ -47,6 +47,7 @@ from torch import nn
 
 from megatron_prt.core import ConfigError, Placement, Plan, build_plan
 from megatron_prt.core.layers import check_layers_fill_stages, check_stage_layers, layer_counts_arg
+from megatron_prt.core.paths import check_trace_prefix
 from megatron_prt.runtime import (
     PipelineRuntime,
     build_stages,
@@ -351,6 +352,8 @@ def checked_layout(args: argparse.Namespace, num_layers: int) -> tuple[Placement
             check_stage_layers(
                 args.stage_layers, num_layers, placement.depth, name="--stage-layers"
             )
+        if args.trace:
+            check_trace_prefix(args.trace, "--trace")
         return placement, plan
     except ConfigError as exc:
         if dist.get_rank() == 0:

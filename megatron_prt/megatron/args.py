@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages, layer_counts_arg
+from ..core.paths import check_trace_prefix
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
@@ -271,7 +271,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     _check_auto_candidates(args, auto)
     _check_microbatches(args, config.placement)
     if config.trace_path is not None:
-        _check_trace_path(config.trace_path)
+        check_trace_prefix(config.trace_path, "--pipeline-reuse-trace")
     _translate_to_megatron(args, config)
     return config
 
@@ -488,17 +488,6 @@ def _data_parallel_size(args: argparse.Namespace) -> int | None:
     if world is None or world % model_size:
         return None  # Megatron's own world-size check refuses the indivisible case
     return world // model_size
-
-
-def _check_trace_path(path: str) -> None:
-    """The trace files go next to ``path``: its directory must exist, or be one mkdir away."""
-    directory = os.path.dirname(os.path.abspath(path))
-    existing = directory if os.path.isdir(directory) else os.path.dirname(directory)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"--pipeline-reuse-trace {path}: directory {directory} neither exists nor can be "
-            "created (its parent is missing or not writable); create it or choose another PATH"
-        )
 
 
 def _is_set(args: argparse.Namespace, name: str) -> bool:

@@ -31,7 +31,6 @@ The model must have been prepared once with :func:`megatron_prt.megatron.prepare
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -468,7 +467,6 @@ def _write_trace(path_prefix: str, pipeline: MegatronPipeline, group) -> list[st
     )
     if not writer:
         return []
-    os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
     return write_measured(path_prefix, spans, pipeline)
 
 

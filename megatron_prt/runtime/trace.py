@@ -4,6 +4,8 @@ timelines can be laid side by side."""
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from ..sim.render import Span, write_chrome_trace, write_png
@@ -21,7 +23,9 @@ def gather_spans(runtime: PipelineRuntime, group=None) -> list[list[Span]]:
 
 
 def write_measured(path_prefix: str, spans: list[list[Span]], runtime: PipelineRuntime) -> list:
-    """Write ``<prefix>.json`` (Chrome trace) and ``<prefix>.png``; returns the paths."""
+    """Write ``<prefix>.json`` (Chrome trace) and ``<prefix>.png`` (creating their
+    directory); returns the paths."""
+    os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
     chunks = runtime.plan.placement.stage_to_chunk
     write_chrome_trace(f"{path_prefix}.json", spans, chunks, unit_us=1e6)
     paths = [f"{path_prefix}.json"]

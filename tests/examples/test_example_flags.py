@@ -1,7 +1,7 @@
 """The plain-PyTorch examples refuse impossible flags with one line and exit status 2, as
 argparse does, instead of a traceback from every rank (a layout whose stages the layers
 cannot fill, stage counts that do not sum to the model's layers, counts that are not
-integers, R or m below 1)."""
+integers, R or m below 1, a --trace directory that cannot be made)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ CASES = [
         "--stage-layers 3,3 must give D = R*P = 2 counts",
     ),
     ("resnet_pipeline.py", ["--stage-layers", "3,x"], "expected comma-separated integers"),
+    (  # the run trained, then failed writing the trace, with a traceback from every rank
+        "mlp_pipeline.py",
+        ["--trace", "/nonexistent/dir/prt"],
+        "--trace /nonexistent/dir/prt: directory /nonexistent/dir neither exists nor can be",
+    ),
+    (
+        "resnet_pipeline.py",
+        ["--trace", "/nonexistent/dir/prt"],
+        "--trace /nonexistent/dir/prt: directory /nonexistent/dir neither exists nor can be",
+    ),
 ]
 
 
