@@ -132,10 +132,21 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        """The plan of :meth:`to_dict`'s dict. Raises ValueError for another format version
+        or fields that repeat one another and disagree (an edited file)."""
+        version = data.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {version!r}; this megatron-prt reads {FORMAT_VERSION}: write "
+                "the plan again with this version"
+            )
         cfg = data["config"]
         placement = Placement(cfg["pp"], cfg["reuse"], cfg["placement"], cfg["direction"])
         if list(placement.stage_to_rank) != list(data["stage_to_rank"]):
             raise ValueError("stage_to_rank in the file disagrees with its config's placement")
+        m, given = data["num_microbatches"], cfg.get("microbatches")
+        if given is not None and given != m:
+            raise ValueError(f"config.microbatches {given!r} disagrees with num_microbatches {m!r}")
         ranks = tuple(
             tuple(parse(a) for a in data["ranks"][str(r)]) for r in range(placement.ranks)
         )

@@ -181,12 +181,18 @@ def test_stage_layers_of_the_wrong_depth_are_refused(tmp_path, tuned):
         ("stage_layers", None, "stage_layers must be a list of whole layer counts"),
         ("stage_layers", "abc", "stage_layers must be a list of whole layer counts"),
         ("num_layers", 99, "num_layers 99 disagrees with stage_layers"),
+        # were loaded as if consistent: an edited m, a file of another format
+        ("format_version", 2, "format_version 2; this megatron-prt reads 1"),
+        ("config.microbatches", 99, r"config\.microbatches 99 disagrees with num_microbatches"),
     ],
 )
 def test_malformed_stage_layers_are_refused_by_name(tmp_path, tuned, key, value, match):
     # a TypeError from sum() escaped the checks before: a traceback for a bad file
     data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
-    data[key] = value
+    if key.startswith("config."):
+        data["config"][key.removeprefix("config.")] = value
+    else:
+        data[key] = value
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=match):
