@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import replace
 
 from ..core.layers import check_layers_fill_stages, layer_counts_arg
@@ -476,8 +477,11 @@ def _data_parallel_size(args: argparse.Namespace) -> int | None:
     known = getattr(args, "data_parallel_size", None)
     if known is not None:
         return known
-    # Before Megatron's validate_args: derive it as Megatron will (arguments.py l.327-328).
+    # Before Megatron's validate_args: derive it as Megatron will (arguments.py l.327-328);
+    # a parser of the user's own has no world_size: the launcher's, as Megatron's parse_args
     world = getattr(args, "world_size", None)
+    if world is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world = int(os.environ["WORLD_SIZE"])
     model_size = 1
     for name in (
         "tensor_model_parallel_size",

@@ -57,6 +57,46 @@ def chunk_roles(reuse: ReuseConfig, rank: int) -> list[ChunkRole]:
     return roles
 
 
+def built_problem(module, role: ChunkRole) -> str | None:
+    """Why ``module`` (an unwrapped chunk) is not the chunk ``role`` describes, or None.
+    A chunk built from megatron's own flags instead (pipeline and virtual sizes set by
+    hand, pre/post from ``is_pipeline_first_stage``) trains without an error as another
+    model: wave runs its layers out of order, bi drops half of them. Checks what the
+    module exposes: the config's layout, ``pre_process``/``post_process``, the decoder's
+    layer numbers (megatron numbers from 1)."""
+    where = (
+        f"rank {role.rank}'s chunk {role.chunk} (stage {role.stage}, model stage "
+        f"{role.model_stage})"
+    )
+    config = getattr(module, "config", None)
+    if hasattr(config, "pipeline_model_parallel_layout") and not isinstance(
+        config.pipeline_model_parallel_layout, ReuseLayout
+    ):
+        return (
+            f"{where} was built without the PRT layer layout: build its TransformerConfig "
+            "with **megatron_prt.megatron.transformer_config_kwargs(reuse) (or the chunks "
+            "with megatron_prt.megatron.model_provider)"
+        )
+    for name in ("pre_process", "post_process"):
+        built = getattr(module, name, None)
+        if built is not None and bool(built) != getattr(role, name):
+            return (
+                f"{where} was built with {name}={built}, its stage needs "
+                f"{name}={getattr(role, name)}: take pre_process/post_process from "
+                "megatron_prt.megatron.layout.chunk_roles(reuse, rank)[chunk], not from megatron's "
+                "is_pipeline_first_stage/is_pipeline_last_stage"
+            )
+    layers = getattr(getattr(module, "decoder", None), "layers", None)
+    numbers = [getattr(layer, "layer_number", None) for layer in layers or ()]
+    want = list(range(role.first_layer + 1, role.first_layer + role.num_layers + 1))
+    if layers is not None and None not in numbers and numbers != want:
+        return (
+            f"{where} holds layers {numbers}, its stage computes layers {want}: build its "
+            "config with transformer_config_kwargs of this reuse configuration"
+        )
+    return None
+
+
 class ReuseLayout(PipelineParallelLayerLayout):
     """megatron-core layer layout of a PRT placement (pass as
     ``TransformerConfig.pipeline_model_parallel_layout``; the config keeps an instance as is).

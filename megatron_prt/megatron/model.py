@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from ..runtime.p2p import wire_device
 from ..runtime.replicas import copy_stages, exchange_pairs
 from .config import ReuseConfig, check_recompute_blocks
-from .layout import ReuseLayout, chunk_roles
+from .layout import ReuseLayout, built_problem, chunk_roles
 
 _PREPARED = "_megatron_prt_prepared"
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("megatron_prt_chunk", default=None)
@@ -207,6 +208,7 @@ def prepare_chunk(model: list, reuse: ReuseConfig, group=None) -> None:
     }
     if chunk == 0:
         _check_embedding_group(model)
+    _check_built(unwrap(model[chunk]), chunk_roles(reuse, rank)[chunk], group)
 
     def completes_now(pair):
         return max(placement.stage_to_chunk[s] for s in pair) == chunk
@@ -239,6 +241,26 @@ def _mark_checkpoint_replica(module: torch.nn.Module) -> None:
         return state
 
     module.sharded_state_dict = sharded_state_dict
+
+
+def _check_built(module, role, group) -> None:
+    """Raise on every rank of ``group`` when any rank's newest chunk is not the one its
+    role describes (:func:`~megatron_prt.megatron.layout.built_problem`); one all_reduce
+    first, so no rank waits alone in the copies that follow."""
+    problem = built_problem(module, role)
+    bad = torch.tensor([int(problem is not None)], device=wire_device(group, _device(module)))
+    dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
+    if problem is not None:
+        raise ValueError(problem)
+    if bad.item():
+        raise ValueError(
+            f"rank {role.rank}: {bad.item()} rank(s) built chunk {role.chunk} as another model "
+            "(see their errors)"
+        )
+
+
+def _device(module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _check_embedding_group(model: list) -> None:

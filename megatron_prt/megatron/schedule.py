@@ -352,6 +352,9 @@ def make_forward_backward_func(
     return forward_backward_pipelining_with_reuse
 
 
+KEPT_RUNTIMES = 8  # call shapes x plans (auto's measured pick alternates a few plans)
+
+
 class _Pipelines:
     """The runtimes of one :func:`make_forward_backward_func`, one per call shape and model;
     ``last`` holds the last call's (empty before the first)."""
@@ -371,9 +374,18 @@ class _Pipelines:
 
     def get(self, model: list, config, group, shape: tuple, forward_only: bool) -> MegatronPipeline:
         """The runtime for ``shape`` (num_microbatches, seq_length, micro_batch_size,
-        decoder_seq_length) over ``model``, built on first use; it becomes ``last``."""
-        key = (*shape, id(model[0]), id(self.reuse.plan))
-        if key not in self.by_key:
+        decoder_seq_length) over ``model``, built on first use; it becomes ``last``. Under
+        ``variable_seq_lengths`` one runtime takes every shape (its messages carry theirs),
+        so only the micro-batch count keys it; at most :data:`KEPT_RUNTIMES` are kept, the
+        least recently used closed (a run whose lengths change every iteration built one
+        per length, each holding its rings and sockets, until the process ran out)."""
+        sizes = shape[:1] if config.variable_seq_lengths else shape
+        key = (*sizes, id(model[0]), id(self.reuse.plan))
+        if key in self.by_key:
+            self.by_key[key] = self.by_key.pop(key)  # most recently used last
+        else:
+            while len(self.by_key) >= KEPT_RUNTIMES:  # the same calls on every rank
+                self.by_key.pop(next(iter(self.by_key))).close()
             plan = self._plan(shape[0], forward_only)
             device = _device_of(model[0])
             self.by_key[key] = MegatronPipeline(

@@ -546,3 +546,53 @@ def test_reuse_config_describes_its_schedule_and_split_in_one_line():
         "PRT R=2 loop/uni, plan file (zb order, 8 micro-batches), split backward (I, then W); "
         "4 stages on 2 ranks, layers 1,1,1,1"
     )
+
+
+def test_a_parser_without_world_size_reads_the_launchers(monkeypatch):
+    """A user's own parser has no ``world_size`` (Megatron's parse_args sets it from
+    WORLD_SIZE): the check reads WORLD_SIZE too (it was skipped, and the run failed at its
+    first call)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = parse("--num-layers", 8, "--pipeline-model-parallel-size", 4, *BI,
+                 "--micro-batch-size", 4, "--global-batch-size", 8, world_size=None)  # fmt: skip
+    with pytest.raises(ConfigError, match="needs >= 2 micro-batches per iteration"):
+        validate_args(args)
+
+
+def test_runtimes_per_call_shape_are_bounded(monkeypatch):
+    """A run whose sequence length changes every call built and kept one runtime per
+    length (rings and sockets each); under ``variable_seq_lengths`` one runtime takes them
+    all, and at most KEPT_RUNTIMES are kept otherwise (the least recently used closed)."""
+    import types
+
+    import torch
+
+    from megatron_prt.megatron import schedule
+
+    built, closed = [], []
+
+    class Fake:
+        def __init__(self, plan, *args, **kwargs):
+            built.append(self)
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(schedule, "MegatronPipeline", Fake)
+    reuse = ReuseConfig(Placement(2, 2), 4)
+    pipelines = schedule._Pipelines(reuse, None, 60.0, "auto", False)
+    model = [torch.nn.Linear(1, 1)]
+    for variable in (True, False):
+        built.clear()
+        closed.clear()
+        config = types.SimpleNamespace(variable_seq_lengths=variable)
+        for length in range(1, 21):
+            pipelines.get(model, config, None, (4, length, 2, None), forward_only=False)
+        pipelines.get(model, config, None, (4, 20, 2, None), forward_only=False)
+        if variable:
+            assert len(built) == 1 and not closed
+        else:
+            assert len(built) == 20 and closed == built[: 20 - schedule.KEPT_RUNTIMES]
+        for pipeline in list(pipelines.by_key.values()):
+            pipeline.close()
+        pipelines.by_key.clear()
