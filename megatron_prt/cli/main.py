@@ -59,7 +59,14 @@ def _number(text: str, accept, bound: str) -> float:
 
 def mem_cap(text: str) -> str | float:
     """argparse type: a named activation cap or a number of bytes > 0."""
-    return text if text in MEM_CAPS else positive_float(text)
+    if text in MEM_CAPS:
+        return text
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:  # its message lists numbers alone
+        raise argparse.ArgumentTypeError(
+            f"must be {', '.join(MEM_CAPS)} or a number of bytes > 0, got {text!r}"
+        ) from None
 
 
 def split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:

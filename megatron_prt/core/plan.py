@@ -33,7 +33,8 @@ def split_microbatches(num_microbatches: int, num_pipelines: int) -> tuple[int, 
     if num_pipelines == 2 and num_microbatches < 2:
         raise ConfigError(
             f"direction bi needs >= 2 micro-batches (one per pipeline), got {num_microbatches}; "
-            "raise --microbatches or use --direction uni"
+            "run at least 2 per call (--microbatches; megatron: num_microbatches, "
+            "--global-batch-size) or use direction uni"
         )
     return tuple(mb % num_pipelines for mb in range(num_microbatches))
 

@@ -85,7 +85,8 @@ def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, train
         )
     raise TypeError(
         f"{where} is {out.dtype}, the runtime sends {dtype}: pass "
-        f"PipelineRuntime(..., dtype={out.dtype}) (or cast the model to {dtype})"
+        f"PipelineRuntime(..., dtype={out.dtype}) (megatron: TransformerConfig.pipeline_dtype) "
+        f"or cast the model to {dtype}"
     )
 
 
@@ -526,6 +527,11 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
     """The reason for the error text; a failed wait on a peer names the root cause the other
     ranks posted (:mod:`megatron_prt.runtime.errors`), else the rank waited on."""
     text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, StopIteration) and action is not None:  # its text is empty
+        return (
+            f"StopIteration: the data ran out at micro-batch {action.mb} (stage {action.stage}): "
+            f"give {plan.num_microbatches} per call (megatron: each chunk's data_iterator)"
+        )
     if not is_wait_failure(exc):
         return text
     cause = root_cause(None, name_silent=False)

@@ -146,7 +146,8 @@ class TorchTransport:
                 f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
                 f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
                 f"{tuple(known)}: micro-batches whose shapes differ need "
-                "PipelineRuntime(..., variable_shapes=True) (or pad them to one shape)"
+                "PipelineRuntime(..., variable_shapes=True) (megatron: TransformerConfig("
+                "variable_seq_lengths=True)) or the same shape for all"
             )
         peer = self.rank_of_stage(key[2])
         header = None
@@ -253,7 +254,8 @@ def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exce
         )
     return TypeError(
         f"{where} is {tensor.dtype}, the runtime sends {dtype}: pass "
-        f"PipelineRuntime(..., dtype={tensor.dtype}) (or cast the model to {dtype})"
+        f"PipelineRuntime(..., dtype={tensor.dtype}) (megatron: TransformerConfig."
+        f"pipeline_dtype) or cast the model to {dtype}"
     )
 
 

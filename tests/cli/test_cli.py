@@ -84,6 +84,10 @@ def test_compare_table(run_cli):
         (["plan", "--pp", "2", "-m", "2", "--placement", "zig"], "invalid choice: 'zig'"),
         (["simulate", "--pp", "2", "-m", "2", "--schedule", "x"], "invalid choice: 'x'"),
         (["plan", "--pp", "2", "-m", "2", "--format", "png"], "--format png needs -o FILE"),
+        (
+            ["plan", "--pp", "2", "-m", "2", "--split-backward", "--mem-cap", "foo"],
+            "--mem-cap: must be 1f1b, zb-h2 or a number of bytes > 0, got 'foo'",
+        ),
     ],
 )
 def test_bad_flags_exit_nonzero_with_one_line(argv, match):

@@ -105,6 +105,18 @@ class _Ids(torch.nn.Module):
         return (x * 100).long()
 
 
+class _RunsOut(torch.nn.Module):
+    """Reads its data from an iterator of three micro-batches (a megatron data_iterator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = iter(range(3))
+
+    def forward(self, x):
+        next(self.data)
+        return x
+
+
 class _Single(torch.nn.Module):
     def forward(self, x):
         return x.float()
@@ -222,6 +234,14 @@ ERROR_CASES = {
         {
             "r1": ["stage 1, mb 0: the stage's output is torch.int64", "floating point"],
             "r0": ["rank 1"],
+        },
+    ),
+    "data-runs-out": (  # was "StopIteration:" and nothing more
+        _stage_output(_RunsOut, "torch"),
+        [],
+        {
+            "r0": ["StopIteration: the data ran out at micro-batch 3 (stage 0): give 4 per call"],
+            "r1": [WAITED],
         },
     ),
     "float32-output-shm": (  # shared memory carried any dtype: the torch transport refused it
