@@ -1,6 +1,7 @@
 """Train an MLP with PRT on CPU ranks: the plain-PyTorch API of megatron-prt.
 
     torchrun --nproc-per-node 2 examples/mlp_pipeline.py --reuse 2 --placement wave
+    torchrun --nproc-per-node 2 examples/mlp_pipeline.py --reuse 2 --split-backward
 
 Every rank builds the same plan, builds only its own stages, and runs the plan; losses
 come back on the ranks that hold last stages. Works the same on CUDA (pass --device cuda,
@@ -38,12 +39,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--trace", metavar="PREFIX", help="write PREFIX.json/.png of the last step")
+    parser.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="zero-bubble plan: each backward split into I (input gradient) and W (weights)",
+    )
     args = parser.parse_args()
     try:  # before any collective, so a bad flag stops every rank with one line
         placement = Placement(
             int(os.environ.get("WORLD_SIZE", 1)), args.reuse, args.placement, args.direction
         )
-        plan = build_plan(placement, args.microbatches)
+        plan = build_plan(placement, args.microbatches, "zb" if args.split_backward else "prt")
         check_layers_fill_stages(args.layers, placement.depth, "--layers", "--reuse")
         if args.trace:
             check_trace_prefix(args.trace, "--trace")

@@ -43,34 +43,24 @@ def test_trace_covers_every_compute_action_in_plan_order(tmp_path):
     assert pathlib.Path(prefix + ".png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_readme_example_runs_under_torchrun(tmp_path):
+def _mlp_example_losses(*flags: str) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        str(ROOT / "examples" / "mlp_pipeline.py"),
-        "--reuse",
-        "2",
-        "--placement",
-        "wave",
-        "--direction",
-        "bi",
-        "--steps",
-        "3",
-        "--trace",
-        str(tmp_path / "t"),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(ROOT / "examples" / "mlp_pipeline.py"), *flags]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [
+    return [
         float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")
     ]
+
+
+def test_readme_example_runs_under_torchrun(tmp_path):
+    flags = ["--reuse", "2", "--placement", "wave", "--direction", "bi", "--steps", "3"]
+    losses = _mlp_example_losses(*flags, "--trace", str(tmp_path / "t"))
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert (tmp_path / "t.json").exists()
+    # README's split-backward example: the same gradients, so the same losses (printed)
+    assert _mlp_example_losses(*flags, "--split-backward") == losses
 
 
 def test_keep_freed_memory_takes_effect_on_glibc():
