@@ -217,7 +217,7 @@ def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> No
     what = "; ".join(f"ranks {r} hold {name} {show(v)}" for v, r in holders.items())
     fix = (
         "every rank must build the same plan (same P, R, placement, direction, micro-batches, "
-        "schedule)"
+        "schedule, split_backward)"
         if name == "plan"
         else f"pass the same {name}= on every rank"
     )

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..core.placement import DIRECTIONS, PLACEMENTS
 from ..core.plan import Plan
 from .errors import (
     PipelineError,
@@ -49,7 +50,7 @@ def check_same_plan(
     settings = dict(settings or {})
     expected = sorted(placement.rank_stages[rank])
     given = None if stages is None else sorted(stages)
-    values = [digest(plan.fingerprint()), int(given not in (None, expected))]
+    values = [digest(plan.fingerprint()), int(given not in (None, expected)), *_plan_fields(plan)]
     values += [setting_code(v) for v in settings.values()]
     mine = torch.tensor(values, dtype=torch.int64, device=wire_device(group, device))
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -66,7 +67,28 @@ def check_same_plan(
             "(see their errors); pass each rank the stages of build_stages(plan.placement, rank, "
             "...)"
         )
-    columns = {"plan": 0, **{name: 2 + i for i, name in enumerate(settings)}}
+    described = {row[0]: _plan_text(row[2 : 2 + _FIELDS]) for row in rows}
+    columns = {"plan": 0, **{name: 2 + _FIELDS + i for i, name in enumerate(settings)}}
     for name, column in columns.items():
-        show = (lambda code: f"{code:016x}") if name == "plan" else setting_text
+        show = (lambda code: f"{code:016x} ({described[code]})") if name == "plan" else setting_text
         refuse_disagreement(rank, name, [row[column] for row in rows], show)
+
+
+_FIELDS = 5  # R, placement, direction, m, split backward: what a message names of a plan
+
+
+def _plan_fields(plan: Plan) -> list[int]:
+    placement = plan.placement
+    return [
+        placement.reuse,
+        PLACEMENTS.index(placement.placement),
+        DIRECTIONS.index(placement.direction),
+        plan.num_microbatches,
+        int(plan.split_backward),
+    ]
+
+
+def _plan_text(fields: list[int]) -> str:
+    reuse, where, direction, m, split = fields
+    text = f"R={reuse} {PLACEMENTS[where]}/{DIRECTIONS[direction]}, {m} micro-batches"
+    return text + (", split backward" if split else "")

@@ -291,8 +291,17 @@ ERROR_CASES = {
         {},
     ),
     "micro-batches-disagree": (
-        _per_rank(m=(4, 2)),
-        ["ranks disagree on the plan", "micro-batches"],
+        _per_rank(m=(4, 2)),  # the message named two hashes and nothing of the plans
+        [
+            "ranks disagree on the plan",
+            "(R=2 loop/uni, 4 micro-batches);",
+            "(R=2 loop/uni, 2 micro-batches))",
+        ],
+        {},
+    ),
+    "split-backward-on-one-rank": (
+        _per_rank(split_backward=(True, False)),
+        ["(R=2 loop/uni, 4 micro-batches, split backward)", "split_backward)"],
         {},
     ),
     "uni-and-bi-plans": (
