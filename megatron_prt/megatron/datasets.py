@@ -159,10 +159,17 @@ def samples_per_epoch(
             2 if binary_head else 1,
         )
         if len(mapping) == 0:
+            whole = binary_head and numpy.diff(dataset.document_indices).max() <= 1
+            fix = (  # one "sentence" per document everywhere: a GPT-style document dataset
+                "every document of it is one sequence: preprocess the corpus with "
+                "--split-sentences for BERT (a GPT dataset keeps documents whole)"
+                if whole
+                else "change --split or use a larger corpus"
+            )
             raise DataError(
                 f"the {name} set of {prefix} (documents {bounds[0]}..{bounds[1] - 1}) makes no "
                 f"sample: it needs a document with {2 if binary_head else 1}+ sentences, none "
-                f"over {MAX_SENTENCE_TOKENS} tokens; change --split or use a larger corpus"
+                f"over {MAX_SENTENCE_TOKENS} tokens; {fix}"
             )
         counts.append(len(mapping))
     return counts

@@ -333,8 +333,9 @@ def test_document_level_data_is_refused_for_the_binary_head(tmp_path):
     for doc in range(10):
         builder.add_document(list(range(10, 30 + doc)), [20 + doc])
     builder.finalize(prefix + ".idx")
-    with pytest.raises(bert_data.DataError, match=r"train set .* makes no sample"):
+    with pytest.raises(bert_data.DataError, match=r"train set .* makes no sample") as refused:
         bert_data.samples_per_epoch(prefix, SEQ, "80,10,10")
+    assert "preprocess the corpus with --split-sentences for BERT" in str(refused.value)
     assert bert_data.samples_per_epoch(prefix, SEQ, "80,10,10", binary_head=False) == [8, 1, 1]
 
 
