@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_prt.core import ConfigError, Placement, build_plan
+from megatron_prt.core import ConfigError, Placement, Plan, build_plan
 from megatron_prt.core.layers import check_layers_fill_stages
 from megatron_prt.core.paths import check_trace_prefix
 from megatron_prt.runtime import (
@@ -28,7 +28,9 @@ from megatron_prt.runtime.cpu import keep_freed_memory
 from megatron_prt.runtime.trace import gather_spans, write_measured
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, Placement, Plan]:
+    """The flags, and the placement and plan they give; a bad flag stops every rank with
+    one line before any collective."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--reuse", type=int, default=2)
     parser.add_argument("--placement", choices=("loop", "wave"), default="loop")
@@ -45,7 +47,7 @@ def main() -> None:
         help="zero-bubble plan: each backward split into I (input gradient) and W (weights)",
     )
     args = parser.parse_args()
-    try:  # before any collective, so a bad flag stops every rank with one line
+    try:
         placement = Placement(
             int(os.environ.get("WORLD_SIZE", 1)), args.reuse, args.placement, args.direction
         )
@@ -55,7 +57,11 @@ def main() -> None:
             check_trace_prefix(args.trace, "--trace")
     except ConfigError as exc:
         parser.error(str(exc))
+    return args, placement, plan
 
+
+def main() -> None:
+    args, placement, plan = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,7 +474,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scorer = ScoredLoss(device)
-    runtime = PipelineRuntime(plan, stages, scorer, device=device, trace=bool(args.trace))
+    with warnings.catch_warnings():  # evaluate() syncs the running statistics it names
+        warnings.filterwarnings("ignore", "stage.* keep BatchNorm running statistics")
+        runtime = PipelineRuntime(plan, stages, scorer, device=device, trace=bool(args.trace))
     batches = StepBatches(data, train_index, args.microbatches, args.micro_batch_size, args.seed)
     if rank == 0:
         print(describe(args, placement, specs, data, (len(train_index), len(eval_index))))

@@ -86,7 +86,9 @@ def built_problem(module, role: ChunkRole) -> str | None:
                 "megatron_prt.megatron.layout.chunk_roles(reuse, rank)[chunk], not from megatron's "
                 "is_pipeline_first_stage/is_pipeline_last_stage"
             )
-    layers = getattr(getattr(module, "decoder", None), "layers", None)
+    block = getattr(module, "decoder", None)  # GPTModel's; BertModel's is its encoder
+    block = getattr(module, "encoder", None) if block is None else block
+    layers = getattr(block, "layers", None)
     numbers = [getattr(layer, "layer_number", None) for layer in layers or ()]
     want = list(range(role.first_layer + 1, role.first_layer + role.num_layers + 1))
     if layers is not None and None not in numbers and numbers != want:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from ..runtime.errors import collective
 from ..runtime.p2p import wire_device
 from ..runtime.replicas import copy_stages, exchange_pairs
 from .config import ReuseConfig, check_recompute_blocks
@@ -206,9 +207,11 @@ def prepare_chunk(model: list, reuse: ReuseConfig, group=None) -> None:
         for role in chunk_roles(reuse, rank)
         if role.chunk <= chunk
     }
+    role = chunk_roles(reuse, rank)[chunk]
+    problem = built_problem(unwrap(model[chunk]), role)
     if chunk == 0:
-        _check_embedding_group(model)
-    _check_built(unwrap(model[chunk]), chunk_roles(reuse, rank)[chunk], group)
+        problem = problem or _embedding_group_problem(model)
+    _refuse_on_every_rank(problem, role, unwrap(model[chunk]), group)
 
     def completes_now(pair):
         return max(placement.stage_to_chunk[s] for s in pair) == chunk
@@ -243,18 +246,18 @@ def _mark_checkpoint_replica(module: torch.nn.Module) -> None:
     module.sharded_state_dict = sharded_state_dict
 
 
-def _check_built(module, role, group) -> None:
-    """Raise on every rank of ``group`` when any rank's newest chunk is not the one its
-    role describes (:func:`~megatron_prt.megatron.layout.built_problem`); one all_reduce
-    first, so no rank waits alone in the copies that follow."""
-    problem = built_problem(module, role)
+def _refuse_on_every_rank(problem: str | None, role, module, group) -> None:
+    """Raise on every rank of ``group`` when any rank found a ``problem`` with its newest
+    chunk (:func:`~megatron_prt.megatron.layout.built_problem`, the embedding group); one
+    all_reduce first, so no rank waits alone in the copies that follow."""
     bad = torch.tensor([int(problem is not None)], device=wire_device(group, _device(module)))
-    dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
+    with collective("the build check of prepare_model", group):
+        dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
     if problem is not None:
         raise ValueError(problem)
     if bad.item():
         raise ValueError(
-            f"rank {role.rank}: {bad.item()} rank(s) built chunk {role.chunk} as another model "
+            f"rank {role.rank}: {bad.item()} other rank(s) refused their chunk {role.chunk} "
             "(see their errors)"
         )
 
@@ -263,16 +266,17 @@ def _device(module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def _check_embedding_group(model: list) -> None:
+def _embedding_group_problem(model: list) -> str | None:
     if not any(_shares_embeddings(unwrap(c)) for c in model):
-        return
+        return None
     group = parallel_state.get_embedding_group(check_initialized=False)
     if group is not None and dist.get_world_size(group) > 1:
-        raise RuntimeError(
+        return (
             "tied embeddings under megatron-prt: initialise model parallel with "
             "get_embedding_ranks=megatron_prt.megatron.embedding_ranks (megatron's embedding "
             "group assumes the last stage on pipeline rank P-1 and would sum gradients twice)"
         )
+    return None
 
 
 def _shares_embeddings(module) -> bool:

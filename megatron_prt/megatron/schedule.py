@@ -374,17 +374,17 @@ class _Pipelines:
 
     def get(self, model: list, config, group, shape: tuple, forward_only: bool) -> MegatronPipeline:
         """The runtime for ``shape`` (num_microbatches, seq_length, micro_batch_size,
-        decoder_seq_length) over ``model``, built on first use; it becomes ``last``. Under
-        ``variable_seq_lengths`` one runtime takes every shape (its messages carry theirs),
-        so only the micro-batch count keys it; at most :data:`KEPT_RUNTIMES` are kept, the
-        least recently used closed (a run whose lengths change every iteration built one
-        per length, each holding its rings and sockets, until the process ran out)."""
-        sizes = shape[:1] if config.variable_seq_lengths else shape
-        key = (*sizes, id(model[0]), id(self.reuse.plan))
+        decoder_seq_length) over ``model``, built on first use; it becomes ``last``. At
+        most :data:`KEPT_RUNTIMES` are kept (and every candidate of auto's measured pick),
+        the least recently used closed: a run whose lengths change every iteration built
+        one per length, each holding its rings and sockets, until the process ran out. (One
+        runtime for every length would size its shared-memory rings from the first.)"""
+        key = (*shape, id(model[0]), id(self.reuse.plan))
         if key in self.by_key:
             self.by_key[key] = self.by_key.pop(key)  # most recently used last
         else:
-            while len(self.by_key) >= KEPT_RUNTIMES:  # the same calls on every rank
+            kept = max(KEPT_RUNTIMES, self.reuse.auto_candidates + 2)
+            while len(self.by_key) >= kept:  # the same calls on every rank
                 self.by_key.pop(next(iter(self.by_key))).close()
             plan = self._plan(shape[0], forward_only)
             device = _device_of(model[0])

@@ -41,7 +41,7 @@ def exchange_pairs(
     ``a`` receives ``payload(b)``; then ``apply(stage, received, own_payload)`` on the receiver.
     Pairs on one rank exchange in place; the rest go as one batch per rank (no pair order
     to deadlock on). ``rank_of`` maps a stage to its rank in ``group``; ``timeout_s`` bounds
-    the wait for the peers (None: the process group's own timeout)."""
+    the wait for the peers on gloo (None, and NCCL: the process group's own timeout)."""
     rank = dist.get_rank(group)
     ops, pending = [], []
     wire = None
@@ -66,11 +66,19 @@ def exchange_pairs(
                 buf = torch.empty_like(flat)
                 ops.append(dist.P2POp(dist.irecv, buf, peer_global, group))
                 pending.append((here, buf, own))
-    wait = () if timeout_s is None else (timedelta(seconds=timeout_s),)
     for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait(*wait)
+        work.wait(*_bound(timeout_s, group))
     for stage, received, own in pending:
         apply(stage, received.to(own.device), own)
+
+
+def _bound(timeout_s: float | None, group) -> tuple:
+    """``Work.wait``'s arguments: ``timeout_s`` on gloo; none on NCCL, where a timeout
+    makes the host thread wait for the GPU (without one only the stream waits; the process
+    group's watchdog bounds it)."""
+    if timeout_s is None or dist.get_backend(group) == "nccl":
+        return ()
+    return (timedelta(seconds=timeout_s),)
 
 
 def copy_stages(
@@ -146,7 +154,7 @@ def check_same_placement(
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     with collective("the placement check of sync_replicas", group):
         work = dist.all_gather(gathered, mine, group=group, async_op=True)
-        work.wait(*(() if timeout_s is None else (timedelta(seconds=timeout_s),)))
+        work.wait(*_bound(timeout_s, group))
     held = [Placement(p, r, PLACEMENTS[k], DIRECTIONS[d]) for p, r, k, d in map(_ints, gathered)]
     if len(set(held)) > 1:
         rank = dist.get_rank(group)

@@ -561,8 +561,9 @@ def test_a_parser_without_world_size_reads_the_launchers(monkeypatch):
 
 def test_runtimes_per_call_shape_are_bounded(monkeypatch):
     """A run whose sequence length changes every call built and kept one runtime per
-    length (rings and sockets each); under ``variable_seq_lengths`` one runtime takes them
-    all, and at most KEPT_RUNTIMES are kept otherwise (the least recently used closed)."""
+    length (rings and sockets each): at most KEPT_RUNTIMES are kept, the least recently
+    used closed, and never fewer than auto's candidates and two (its measured pick
+    alternates them: a rebuild would be timed)."""
     import types
 
     import torch
@@ -579,20 +580,15 @@ def test_runtimes_per_call_shape_are_bounded(monkeypatch):
             closed.append(self)
 
     monkeypatch.setattr(schedule, "MegatronPipeline", Fake)
-    reuse = ReuseConfig(Placement(2, 2), 4)
-    pipelines = schedule._Pipelines(reuse, None, 60.0, "auto", False)
     model = [torch.nn.Linear(1, 1)]
-    for variable in (True, False):
+    config = types.SimpleNamespace(variable_seq_lengths=False)
+    for candidates, kept in ((1, schedule.KEPT_RUNTIMES), (9, 11)):
         built.clear()
         closed.clear()
-        config = types.SimpleNamespace(variable_seq_lengths=variable)
+        reuse = ReuseConfig(Placement(2, 2), 4, auto_candidates=candidates)
+        pipelines = schedule._Pipelines(reuse, None, 60.0, "auto", False)
         for length in range(1, 21):
             pipelines.get(model, config, None, (4, length, 2, None), forward_only=False)
-        pipelines.get(model, config, None, (4, 20, 2, None), forward_only=False)
-        if variable:
-            assert len(built) == 1 and not closed
-        else:
-            assert len(built) == 20 and closed == built[: 20 - schedule.KEPT_RUNTIMES]
-        for pipeline in list(pipelines.by_key.values()):
-            pipeline.close()
-        pipelines.by_key.clear()
+        again = pipelines.get(model, config, None, (4, 20, 2, None), forward_only=False)
+        assert len(built) == 20 and again is built[-1]
+        assert closed == built[: 20 - kept] and len(pipelines.by_key) == kept

@@ -15,7 +15,7 @@ from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.runtime.local import run_local
 
 
-def _prepare(rank, world, direction, how):
+def _prepare(rank, world, direction, how, kind="gpt-untied"):
     from megatron_prt.megatron import prepare_model
     from megatron_prt.megatron.layout import chunk_roles
     from megatron_prt.megatron.model import transformer_config_kwargs
@@ -27,6 +27,9 @@ def _prepare(rank, world, direction, how):
         config = transformer_config(
             8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=chunks
         )
+    elif how == "loop-layout":  # a PRT layout, of another placement: other layer numbers
+        other = ReuseConfig(Placement(2, 2, "loop", direction), 8)
+        config = transformer_config(**transformer_config_kwargs(other))
     else:
         config = transformer_config(**transformer_config_kwargs(reuse))
     model = []
@@ -35,7 +38,7 @@ def _prepare(rank, world, direction, how):
             pre, post = c == 0 and rank == 0, c == chunks - 1 and rank == world - 1
         else:
             pre, post = role.pre_process, role.post_process
-        model.append(build_model("gpt-untied", config, pre, post, vp_stage=c))
+        model.append(build_model(kind, config, pre, post, vp_stage=c))
     try:
         prepare_model(model, reuse)
     except ValueError as exc:
@@ -50,14 +53,17 @@ def _prepare(rank, world, direction, how):
         ("bi", "megatron-sizes", "was built without the PRT layer layout"),
         ("uni", "megatron-roles", "was built with post_process="),
         ("uni", "roles", None),
+        ("bi", "roles", None),
+        ("uni", "loop-layout", "], its stage computes layers ["),
     ],
 )
-def test_chunks_built_as_another_model_are_refused(direction, how, said):
-    results = run_local(2, _prepare, direction, how)
+@pytest.mark.parametrize("kind", ["gpt-untied", "bert"])  # BERT's layers are its encoder's
+def test_chunks_built_as_another_model_are_refused(direction, how, said, kind):
+    results = run_local(2, _prepare, direction, how, kind)
     for status, error in results:
         assert status == "ok", error
         if said is None:
             assert error is None
         else:  # a rank with a wrong chunk says how; one whose chunks are right names them
-            assert said in error or "built chunk" in error, error
+            assert said in error or "refused their chunk" in error, error
     assert said is None or any(said in error for _, error in results)

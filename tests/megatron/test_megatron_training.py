@@ -149,7 +149,7 @@ def _default_embedding_group(rank, world):
     model = model_chunks("gpt", config, reuse)
     try:
         prepare_model(model, reuse)
-    except RuntimeError as exc:
+    except ValueError as exc:
         return str(exc)
     return None
 
