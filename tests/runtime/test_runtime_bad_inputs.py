@@ -56,20 +56,6 @@ def _with_batch(change_xs=None, change_ys=None, ranks=(0, 1)):
     return body
 
 
-def _tuple_output(transport):
-    class Pair(torch.nn.Module):
-        def forward(self, x):
-            return x, x
-
-    def body(rank, world):
-        rt, _ = runtime(rank, world, transport=transport)
-        if rank == 0:
-            rt.stages[0] = Pair()
-        return rt.step(*batch("mlp", 4))
-
-    return body
-
-
 def _stage_output(make, transport):
     """Rank 0's first stage replaced by ``make()``: its output is sent to rank 1."""
 
@@ -214,12 +200,12 @@ ERROR_CASES = {
         {"r0": ["0F0 (stage 0, mb 0)", "dtype"], "r1": [WAITED]},
     ),
     "tuple-output-torch": (
-        _tuple_output("torch"),
+        _stage_output(_Pair, "torch"),
         ["is a tuple, not a tensor: a stage must return one tensor"],
         {"r1": [WAITED]},
     ),
     "tuple-output-shm": (
-        _tuple_output("shm"),
+        _stage_output(_Pair, "shm"),
         ["is a tuple, not a tensor: a stage must return one tensor"],
         {"r1": [WAITED]},
     ),
