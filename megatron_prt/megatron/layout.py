@@ -62,8 +62,8 @@ def built_problem(module, role: ChunkRole) -> str | None:
     A chunk built from megatron's own flags instead (pipeline and virtual sizes set by
     hand, pre/post from ``is_pipeline_first_stage``) trains without an error as another
     model: wave runs its layers out of order, bi drops half of them. Checks what the
-    module exposes: the config's layout, ``pre_process``/``post_process``, the decoder's
-    layer numbers (megatron numbers from 1)."""
+    module exposes: the config's layout, ``pre_process``/``post_process``, the layer
+    numbers of its decoder (BertModel: encoder; megatron numbers from 1)."""
     where = (
         f"rank {role.rank}'s chunk {role.chunk} (stage {role.stage}, model stage "
         f"{role.model_stage})"

@@ -61,7 +61,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     sees the same flags, so every rank stops here, before any collective call)."""
     try:
         reuse = _validate_flags(args)
-    except ConfigError as exc:  # the user's flags: a line naming them, not a traceback a rank
+    except ConfigError as exc:  # the user's flags: one line naming them, not a traceback per rank
         from .bert_args import stop
 
         stop(str(exc), status=2, prog="megatron-prt")

@@ -65,7 +65,7 @@ from .wgrad import enable_split_backward, split_forward
 _NO_CONTEXT = contextlib.nullcontext()  # reusable
 
 
-def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, training: bool):
+def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, training: bool) -> None:
     """Refuse a stage output the next stage cannot take, before any transport sees it (a
     same-rank hand-off passes it directly, so only a send would find it, and the shared
     memory rings carry any dtype: a model would run under one layout or transport and fail

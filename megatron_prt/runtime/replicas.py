@@ -185,7 +185,8 @@ def reduce_replica_grads(
 ) -> None:
     """Both replicas of every model stage end with the sum of their gradients, read from and
     written to each parameter's ``grad_attr`` (``main_grad`` under megatron-core's DDP);
-    ``timeout_s`` bounds the wait for the peers (None: the process group's own timeout)."""
+    ``timeout_s`` bounds the wait for the peers on gloo (None, and NCCL: the process group's
+    own timeout)."""
 
     def params(stage):
         return [p for p in stages[stage].parameters() if p.requires_grad]
