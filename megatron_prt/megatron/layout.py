@@ -57,6 +57,20 @@ def chunk_roles(reuse: ReuseConfig, rank: int) -> list[ChunkRole]:
     return roles
 
 
+def layout_problem(config) -> str | None:
+    """Why ``config`` (a TransformerConfig, or None: nothing to check) cannot build PRT
+    chunks: its layer layout is not a :class:`ReuseLayout`."""
+    if not hasattr(config, "pipeline_model_parallel_layout") or isinstance(
+        config.pipeline_model_parallel_layout, ReuseLayout
+    ):
+        return None
+    return (
+        "without the PRT layer layout: build its TransformerConfig with "
+        "**megatron_prt.megatron.transformer_config_kwargs(reuse) (or the chunks with "
+        "megatron_prt.megatron.model_provider)"
+    )
+
+
 def built_problem(module, role: ChunkRole) -> str | None:
     """Why ``module`` (an unwrapped chunk) is not the chunk ``role`` describes, or None.
     A chunk built from megatron's own flags instead (pipeline and virtual sizes set by
@@ -68,15 +82,9 @@ def built_problem(module, role: ChunkRole) -> str | None:
         f"rank {role.rank}'s chunk {role.chunk} (stage {role.stage}, model stage "
         f"{role.model_stage})"
     )
-    config = getattr(module, "config", None)
-    if hasattr(config, "pipeline_model_parallel_layout") and not isinstance(
-        config.pipeline_model_parallel_layout, ReuseLayout
-    ):
-        return (
-            f"{where} was built without the PRT layer layout: build its TransformerConfig "
-            "with **megatron_prt.megatron.transformer_config_kwargs(reuse) (or the chunks "
-            "with megatron_prt.megatron.model_provider)"
-        )
+    problem = layout_problem(getattr(module, "config", None))
+    if problem is not None:
+        return f"{where} was built {problem}"
     for name in ("pre_process", "post_process"):
         built = getattr(module, name, None)
         if built is not None and bool(built) != getattr(role, name):

@@ -35,7 +35,7 @@ from ..runtime.errors import collective
 from ..runtime.p2p import wire_device
 from ..runtime.replicas import copy_stages, exchange_pairs
 from .config import ReuseConfig, check_recompute_blocks
-from .layout import ReuseLayout, built_problem, chunk_roles
+from .layout import ReuseLayout, built_problem, chunk_roles, layout_problem
 
 _PREPARED = "_megatron_prt_prepared"
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("megatron_prt_chunk", default=None)
@@ -109,13 +109,9 @@ def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
         rank = parallel_state.get_pipeline_model_parallel_rank()
         role = chunk_roles(reuse, rank)[vp_stage or 0]
         config = kwargs.get("config")
-        if config is not None and not isinstance(
-            config.pipeline_model_parallel_layout, ReuseLayout
-        ):
-            raise ValueError(
-                "the model config must carry the PRT layout: pipeline_model_parallel_layout="
-                "ReuseLayout(reuse) (see megatron_prt.megatron.transformer_config_kwargs)"
-            )
+        problem = layout_problem(config)
+        if problem is not None:
+            raise ValueError(f"model_provider: the config passed is {problem}")
         if config is not None:
             check_recompute_blocks(reuse, config)
         model = provider(
@@ -202,16 +198,12 @@ def prepare_chunk(model: list, reuse: ReuseConfig, group=None) -> None:
     group = group or parallel_state.get_pipeline_model_parallel_group()
     placement = reuse.placement
     rank, chunk = dist.get_rank(group), len(model) - 1
-    stages = {
-        role.stage: unwrap(model[role.chunk])
-        for role in chunk_roles(reuse, rank)
-        if role.chunk <= chunk
-    }
-    role = chunk_roles(reuse, rank)[chunk]
-    problem = built_problem(unwrap(model[chunk]), role)
+    roles = chunk_roles(reuse, rank)
+    stages = {role.stage: unwrap(model[role.chunk]) for role in roles if role.chunk <= chunk}
+    problem = built_problem(unwrap(model[chunk]), roles[chunk])
     if chunk == 0:
         problem = problem or _embedding_group_problem(model)
-    _refuse_on_every_rank(problem, role, unwrap(model[chunk]), group)
+    _refuse_on_every_rank(problem, roles[chunk], unwrap(model[chunk]), group)
 
     def completes_now(pair):
         return max(placement.stage_to_chunk[s] for s in pair) == chunk
@@ -250,7 +242,7 @@ def _refuse_on_every_rank(problem: str | None, role, module, group) -> None:
     """Raise on every rank of ``group`` when any rank found a ``problem`` with its newest
     chunk (:func:`~megatron_prt.megatron.layout.built_problem`, the embedding group); one
     all_reduce first, so no rank waits alone in the copies that follow."""
-    bad = torch.tensor([int(problem is not None)], device=wire_device(group, _device(module)))
+    bad = torch.tensor([int(problem is not None)], device=wire_device(group, device_of(module)))
     with collective("the build check of prepare_model", group):
         dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=group)
     if problem is not None:
@@ -262,7 +254,8 @@ def _refuse_on_every_rank(problem: str | None, role, module, group) -> None:
         )
 
 
-def _device(module) -> torch.device:
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s parameters live (the CPU for a module without any)."""
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 

@@ -54,6 +54,7 @@ from .config import ReuseConfig
 from .model import (
     chunk_stages,
     chunks_summed_after_schedule,
+    device_of,
     is_prepared,
     running_chunk,
     tie_grads,
@@ -387,7 +388,7 @@ class _Pipelines:
             while len(self.by_key) >= kept:  # the same calls on every rank
                 self.by_key.pop(next(iter(self.by_key))).close()
             plan = self._plan(shape[0], forward_only)
-            device = _device_of(model[0])
+            device = device_of(model[0])
             self.by_key[key] = MegatronPipeline(
                 plan,
                 model,
@@ -496,12 +497,6 @@ def _check_call(reuse: ReuseConfig, model: list, config, adjust_tensor_shapes_fn
         )
     if adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("megatron-prt does not support adjust_tensor_shapes_fn")
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, device):

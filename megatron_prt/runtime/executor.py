@@ -54,7 +54,7 @@ from .errors import (
 )
 from .memory import ActivationMeter
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
-from .p2p import ShmTransport
+from .p2p import ShmTransport, not_sendable
 from .program import Compute, free_data, is_recv
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_running_statistics
 from .rings import make_transport, sized_shm
@@ -73,21 +73,12 @@ def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, train
     if isinstance(out, torch.Tensor) and out.dtype == dtype:
         return
     where = f"stage {stage}, mb {mb}: the stage's output"
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(
-            f"{where} is a {type(out).__name__}, not a tensor: a stage must return one tensor "
-            "(pack several into one, or unpack them inside the next stage)"
-        )
-    if training and not out.is_floating_point():
+    if training and isinstance(out, torch.Tensor) and not out.is_floating_point():
         raise TypeError(
             f"{where} is {out.dtype}: activations between stages carry gradients and must be "
             "floating point (e.g. embed token ids inside the stage that reads them)"
         )
-    raise TypeError(
-        f"{where} is {out.dtype}, the runtime sends {dtype}: pass "
-        f"PipelineRuntime(..., dtype={out.dtype}) (megatron: TransformerConfig.pipeline_dtype) "
-        f"or cast the model to {dtype}"
-    )
+    raise not_sendable(where, out, dtype)
 
 
 class PipelineRuntime:

@@ -246,7 +246,15 @@ _KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # m
 
 def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exception:
     """The error for a message that is not a tensor of the runtime's dtype."""
-    where = f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage {key[2]}"
+    kind = _KINDS.get(key[0], key[0])
+    return not_sendable(
+        f"stage {key[1]}, mb {key[3]}: the {kind} sent to stage {key[2]}", tensor, dtype
+    )
+
+
+def not_sendable(where: str, tensor: object, dtype: torch.dtype | None) -> TypeError:
+    """The error for ``tensor`` (described by ``where``) that is not a tensor of ``dtype``,
+    the runtime's: what a stage must return, and the fix."""
     if not isinstance(tensor, torch.Tensor):
         return TypeError(
             f"{where} is a {type(tensor).__name__}, not a tensor: a stage must return one "
