@@ -122,6 +122,12 @@ def prepare(
     documents = corpus_documents(input_path, json_key)
     source = "pydoc_data.topics" if input_path is None else str(input_path)
     _progress(f"read {len(documents)} documents ({sum(map(len, documents)):,} chars) from {source}")
+    # Refused before the tokenizer is written: a refused corpus leaves the folder as it was.
+    if not any(len(split_sentences(doc)) >= MIN_SENTENCES_PER_DOCUMENT for doc in documents):
+        raise DataError(
+            f"no document of {source} has {MIN_SENTENCES_PER_DOCUMENT} sentences: "
+            "BERT needs sentence pairs (end sentences with . ! or ?)"
+        )
     tokenizer = _prepare_tokenizer(out, documents, vocab_size, vocab_file, tokenizer_model)
     name = "pydoc" if input_path is None else Path(input_path).stem
     key = json_key if input_path is not None and is_json(input_path) else "text"
@@ -133,11 +139,6 @@ def prepare(
         sentences=True,
         min_sentences=MIN_SENTENCES_PER_DOCUMENT,
     )
-    if not written.documents:
-        raise DataError(
-            f"no document of {source} has {MIN_SENTENCES_PER_DOCUMENT} sentences: "
-            "BERT needs sentence pairs (end sentences with . ! or ?)"
-        )
     shutil.rmtree(out / "cache", ignore_errors=True)  # sample indices of the old data
     prepared = PreparedData(
         prefix=written.prefix,

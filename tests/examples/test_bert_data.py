@@ -307,6 +307,8 @@ def test_bad_input_fails_with_one_clear_line(tmp_path, capsys, name, content, ex
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err
     assert not any("Traceback" in line for line in err)
+    written = sorted(p.name for p in (tmp_path / "out").glob("*"))
+    assert written == [], f"a refused corpus left {written} behind"
 
 
 def test_a_split_megatron_cannot_build_is_refused(tmp_path):
