@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..core.placement import DIRECTIONS, PLACEMENTS, Placement
 from .errors import PipelineError, collective
+from .exchange import gather_ints
 from .p2p import wire_device
 
 
@@ -141,21 +142,18 @@ def warn_running_statistics(placement: Placement, stages: Mapping[int, torch.nn.
 def check_same_placement(
     placement: Placement, group=None, device="cpu", timeout_s: float | None = None
 ) -> None:
-    """Raise on every rank unless all ranks of ``group`` hold ``placement`` (one all_gather
-    of four integers; ``device``: where this rank computes, for NCCL; ``timeout_s``: the
-    wait, None for the process group's own timeout)."""
+    """Raise on every rank unless all ranks of ``group`` hold ``placement`` (four integers
+    through the group's store, :func:`~megatron_prt.runtime.exchange.gather_ints`;
+    ``device``: where this rank computes; ``timeout_s``: the wait, None for the process
+    group's own timeout)."""
     codes = [
         placement.ranks,
         placement.reuse,
         PLACEMENTS.index(placement.placement),
         DIRECTIONS.index(placement.direction),
     ]
-    mine = torch.tensor(codes, dtype=torch.int64, device=wire_device(group, device))
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    with collective("the placement check of sync_replicas", group):
-        work = dist.all_gather(gathered, mine, group=group, async_op=True)
-        work.wait(*_bound(timeout_s, group))
-    held = [Placement(p, r, PLACEMENTS[k], DIRECTIONS[d]) for p, r, k, d in map(_ints, gathered)]
+    rows = gather_ints(codes, "the placement check of sync_replicas", group, timeout_s, device)
+    held = [Placement(p, r, PLACEMENTS[k], DIRECTIONS[d]) for p, r, k, d in rows]
     if len(set(held)) > 1:
         rank = dist.get_rank(group)
         holders: dict[Placement, list[int]] = {}
@@ -166,10 +164,6 @@ def check_same_placement(
             f"rank {rank}: ranks disagree on the placement ({what}); every rank must pass the "
             "same P, reuse, placement and direction (--direction uni|bi)"
         )
-
-
-def _ints(t: torch.Tensor) -> list[int]:
-    return [int(v) for v in t]
 
 
 def _describe(p: Placement) -> str:

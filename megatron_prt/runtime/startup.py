@@ -5,7 +5,6 @@ and settings. A mismatch is refused on every rank, naming the ranks that differ.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,13 +14,12 @@ from ..core.plan import Plan
 from .errors import (
     PipelineError,
     clear_failure,
-    collective,
     digest,
     refuse_disagreement,
     setting_code,
     setting_text,
 )
-from .p2p import wire_device
+from .exchange import gather_ints
 
 
 def check_same_plan(
@@ -34,8 +32,10 @@ def check_same_plan(
 ) -> None:
     """Refuse to start unless the group has the plan's P ranks (checked locally, before any
     communication), every rank was given the stages the plan places there, and every rank
-    holds the same plan and the same ``settings`` (e.g. ``dtype``): one all_gather of hashes,
-    after which every rank raises, naming the ranks that differ."""
+    holds the same plan and the same ``settings`` (e.g. ``dtype``): one exchange of hashes
+    through the group's store (:func:`~megatron_prt.runtime.exchange.gather_ints`: a rank that
+    does not arrive within ``timeout_s`` leaves nothing in flight), after which every rank
+    raises, naming the ranks that differ."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     placement = plan.placement
     if world != placement.ranks:
@@ -52,12 +52,7 @@ def check_same_plan(
     given = None if stages is None else sorted(stages)
     values = [digest(plan.fingerprint()), int(given not in (None, expected)), *_plan_fields(plan)]
     values += [setting_code(v) for v in settings.values()]
-    mine = torch.tensor(values, dtype=torch.int64, device=wire_device(group, device))
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    with collective("the plan check at start-up", group):
-        work = dist.all_gather(gathered, mine, group=group, async_op=True)
-        work.wait(timedelta(seconds=timeout_s))
-    rows = [[int(v) for v in t] for t in gathered]
+    rows = gather_ints(values, "the plan check at start-up", group, timeout_s, device)
     if given not in (None, expected):
         raise ValueError(f"rank {rank}: stages {given} given, the plan places {expected} here")
     wrong = [r for r, row in enumerate(rows) if row[1]]

@@ -411,15 +411,60 @@ def _die():
 
 
 def test_rank_killed_before_the_plan_check_is_named():
+    """A killed rank posts nothing: its peers wait their ``timeout_s`` (under torchrun the
+    launcher stops them first), then name it."""
+
     def body(rank, world):
         dist.barrier()  # every rank past gloo's connect: the death hits the plan check
         if rank == 1:
             _die()
-        runtime(rank, world)
+        runtime(rank, world, timeout_s=TIMEOUT_S)
 
     results = run_case(2, body, wait_for={0})
     assert results[1][0] == "killed"
     expect_errors(results, "the plan check at start-up failed", "rank(s) [1] stopped", ranks=[0])
+
+
+def test_rank_stalling_before_the_plan_check_leaves_nothing_in_flight():
+    """Rank 0 waits ``timeout_s`` and raises. The check used to be an all_gather that stayed
+    in flight: tearing the group down (or exiting) waited for the stalled peer, so a
+    launcher never saw rank 0 fail. It goes through the group's store now."""
+
+    def body(rank, world):
+        if rank == 1:
+            time.sleep(600)
+        try:
+            runtime(rank, world, timeout_s=TIMEOUT_S)
+        except PipelineError:
+            dist.destroy_process_group()  # waited for the stalled peer before
+            raise
+
+    results = run_case(2, body, deadline_s=TIMEOUT_S + 30, wait_for={0})
+    assert results[1][0] == "killed"
+    slowest = expect_errors(
+        results, "the plan check at start-up failed", "rank(s) [1] did not reach", ranks=[0]
+    )
+    assert slowest < TIMEOUT_S + 20
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-plan", "other-plan"])
+def test_plan_check_without_a_group_store_gathers_the_rows(monkeypatch, same):
+    """torch without ``ProcessGroup.get_group_store``: the check falls back to an all_gather
+    and still passes equal plans and refuses different ones."""
+    from megatron_prt.runtime import exchange
+
+    monkeypatch.setattr(exchange, "_group_store", lambda group: None)
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, m=4 if same or rank == 0 else 2)
+        return rt.step(*batch("mlp", 4))
+
+    results = run_case(2, body)
+    if same:
+        want = reference_losses(*batch("mlp", 4))
+        assert [float(v) for v in results[1][1]["value"]] == pytest.approx(want, rel=1e-12)
+    else:
+        expect_errors(results, "ranks disagree on the plan", "(R=2 loop/uni, 2 micro-batches)")
 
 
 @pytest.mark.parametrize("transport", ["torch", "shm"])

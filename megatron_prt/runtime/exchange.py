@@ -1,0 +1,87 @@
+"""A few integers from every rank of a group, through the group's store, not a collective.
+
+[Note: start-up checks leave nothing in flight]
+The checks before a runtime's first message (same plan, same placement) wait a bounded time
+for every rank. A collective waited with a timeout raises in time but stays in flight: the
+process group's worker still holds it, and the process cannot exit until the missing peer
+joins (or the group's own timeout, 30 minutes by default, passes), so a launcher such as
+torchrun never learns that the rank failed. Through the group's store each rank writes its
+row under its own key and waits for the others' keys; a wait that times out leaves nothing
+behind, the rank raises and exits, and the launcher stops the job. The store is the group's
+rendezvous store on any backend, so the bound holds on NCCL too, and the GPU is not touched.
+
+Torch versions without ``ProcessGroup.get_group_store`` fall back to one all_gather of the
+rows (waited with the timeout on gloo), with the hang described above.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import collective, root_cause
+from .p2p import wire_device
+
+_PREFIX = "megatron_prt/exchange/"
+_POLL_S = 0.02  # between looks at the store: the check's latency, 50 store reads a second
+
+
+def gather_ints(
+    values: Sequence[int], what: str, group, timeout_s: float | None, device="cpu"
+) -> list[list[int]]:
+    """Every rank's ``values`` (same length on every rank), by group rank. Collective over
+    ``group`` (None: the default group): every rank calls it, in the same order of ``what``.
+    ``what`` names the check in errors and keys; ``timeout_s`` bounds the wait for the other
+    ranks (None: the process group's timeout); ``device``: where this rank computes (the
+    all_gather fallback's tensors, for NCCL). Raises :class:`PipelineError` naming the ranks
+    that did not arrive in time (see [Note: start-up checks leave nothing in flight])."""
+    group = group or dist.group.WORLD
+    store = _group_store(group)
+    if store is None:
+        return _all_gather(values, what, group, timeout_s, device)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # this rank's n-th exchange of `what` meets the others' n-th: a counter per rank
+    call = store.add(f"{_PREFIX}{what}/calls/{rank}", 1)
+    keys = [f"{_PREFIX}{what}/{call}/{r}" for r in range(world)]
+    store.set(keys[rank], ",".join(str(int(v)) for v in values))
+    with collective(what, group):
+        _wait(store, keys, what, group, timeout_s)
+    rows = [store.get(key).decode() for key in keys]
+    return [[int(v) for v in row.split(",")] if row else [] for row in rows]
+
+
+def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> None:
+    """Until every rank's key is written; raises when ``timeout_s`` passes or a rank posts an
+    error to the failure board first (a peer that raised before this check does not keep
+    the others waiting; a killed one cannot post, so its peers wait ``timeout_s``)."""
+    if timeout_s is None:
+        store.wait(keys)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if root_cause(group, wait_s=0, name_silent=False):
+            raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank(s) {missing} did not reach {what} within {timeout_s} s")
+        time.sleep(_POLL_S)
+
+
+def _group_store(group):
+    """The group's store, or None on torch without ``ProcessGroup.get_group_store``."""
+    getter = getattr(group, "get_group_store", None)
+    return None if getter is None else getter()
+
+
+def _all_gather(values, what, group, timeout_s, device) -> list[list[int]]:
+    mine = torch.tensor(list(values), dtype=torch.int64, device=wire_device(group, device))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    wait = () if timeout_s is None or dist.get_backend(group) == "nccl" else (timeout_s,)
+    with collective(what, group):
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        work.wait(*(timedelta(seconds=s) for s in wait))
+    return [[int(v) for v in t] for t in gathered]
