@@ -4,20 +4,36 @@ megatron-core resolves the schedule with ``get_forward_backward_func()``, bound 
 ``megatron.core.pipeline_parallel``, its ``schedules`` module and (Megatron-LM)
 ``megatron.training.training``; :func:`install` replaces all three, :func:`uninstall` puts
 the originals back.
+
+A ``get_forward_backward_func`` looked up before :func:`install` (``from
+megatron.core.pipeline_parallel import get_forward_backward_func`` at import time) is
+megatron's own: it returns one of megatron's schedules, which would run chunks built for PRT
+in megatron's order (under ``wave`` or ``bi``, another model). Those schedules are looked up
+as globals of megatron's ``schedules`` module when called, so :func:`install` puts a guard
+there too: it refuses model chunks :func:`~megatron_prt.megatron.prepare_model` prepared, and
+passes any other model to megatron's schedule unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
+from ..core.placement import ConfigError
 from .config import ReuseConfig
+from .model import is_prepared
 from .schedule import make_forward_backward_func
 
 _SITES = (
     "megatron.core.pipeline_parallel",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.training.training",
+)
+_MEGATRON_SCHEDULES = (  # what megatron's own get_forward_backward_func returns
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
 )
 _ORIGINALS: dict[str, object] = {}
 _INSTALLED: dict[str, object] = {}
@@ -49,6 +65,7 @@ def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
         module = sys.modules[name]
         _ORIGINALS.setdefault(name, module.get_forward_backward_func)
         module.get_forward_backward_func = get_forward_backward_func
+    _guard_megatron_schedules()
     _INSTALLED.update(reuse=reuse, func=forward_backward, timeout_s=timeout_s)
     return True
 
@@ -56,9 +73,37 @@ def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
 def uninstall() -> None:
     """Restore megatron's own schedule lookup (no-op when not installed)."""
     for name, original in _ORIGINALS.items():
-        sys.modules[name].get_forward_backward_func = original
+        module, _, attr = name.partition(":")
+        setattr(sys.modules[module], attr or "get_forward_backward_func", original)
     _ORIGINALS.clear()
     _INSTALLED.clear()
+
+
+def _guard_megatron_schedules() -> None:
+    module = sys.modules["megatron.core.pipeline_parallel.schedules"]
+    for attr in _MEGATRON_SCHEDULES:
+        original = _ORIGINALS.setdefault(f"{module.__name__}:{attr}", getattr(module, attr))
+        setattr(module, attr, _refusing_prepared(attr, original))
+
+
+def _refusing_prepared(name: str, schedule):
+    """megatron's ``schedule``, refusing chunks prepared for PRT (see the module's doc)."""
+
+    @functools.wraps(schedule)
+    def guarded(*args, **kwargs):
+        model = kwargs.get("model")
+        chunks = model if isinstance(model, list) else [model]
+        if model is not None and is_prepared(chunks):
+            raise ConfigError(
+                f"megatron's own {name} was called on model chunks prepared for PRT: a "
+                "get_forward_backward_func looked up before megatron_prt.megatron.install() "
+                "is megatron's, and would run the chunks in megatron's order (under wave or "
+                "bi, another model); look it up after install(), e.g. call "
+                "megatron.core.pipeline_parallel.get_forward_backward_func() in the step"
+            )
+        return schedule(*args, **kwargs)
+
+    return guarded
 
 
 def installed() -> ReuseConfig | None:

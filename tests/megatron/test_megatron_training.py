@@ -82,10 +82,27 @@ def _install_roundtrip():
     other = ReuseConfig(Placement(2, 2, "wave"), 4)
     install(other)
     assert pp.get_forward_backward_func().reuse == other
+    _stale_lookup_is_refused(originals[0], schedules)
     uninstall()
     assert (pp.get_forward_backward_func, schedules.get_forward_backward_func) == originals
+    assert not hasattr(schedules.forward_backward_pipelining_with_interleaving, "__wrapped__")
     uninstall()  # no-op
     return "megatron.training.training" in sys.modules
+
+
+def _stale_lookup_is_refused(stale_lookup, schedules):
+    """A get_forward_backward_func taken before install returns megatron's schedule: it used
+    to run PRT's chunks in megatron's order (wave: layers out of order), without a word."""
+    from megatron_prt.core.placement import ConfigError
+    from megatron_prt.megatron.model import _PREPARED
+
+    megatron_schedule = stale_lookup(pp_size=2, vp_size=2)
+    chunk = torch.nn.Linear(2, 2)
+    setattr(chunk, _PREPARED, True)  # as prepare_model leaves it
+    with pytest.raises(ConfigError, match=r"looked up before megatron_prt\.megatron\.install"):
+        megatron_schedule(forward_step_func=None, data_iterator=None, model=[chunk])
+    # any other model goes to megatron's schedule itself
+    assert megatron_schedule.__wrapped__.__module__ == schedules.__name__
 
 
 def test_install_swaps_every_lookup_and_uninstall_restores():
