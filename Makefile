@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml requirements-dev.txt
 
 # Test processes: one per core, at most 4 (0: in this process, on one core). Each test file
 # runs whole on one process, so its module fixtures (a trained example run) are built once.
+# The 15 slowest tests are listed at the end: what to look at when CI nears its 15 minutes.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 4 ] && echo 4 || { [ $$n -ge 2 ] && echo $$n || echo 0; })
-PYTEST    := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+PYTEST    := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15
 
 test: install
 	$(PYTEST)
