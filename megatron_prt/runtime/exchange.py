@@ -27,7 +27,8 @@ from .errors import collective, root_cause
 from .p2p import wire_device
 
 _PREFIX = "megatron_prt/exchange/"
-_POLL_S = 0.02  # between looks at the store: the check's latency, 50 store reads a second
+_POLL_S = 0.02  # between looks at the keys (one store call): the check's latency
+_BOARD_EVERY_S = 0.5  # between reads of the failure board
 
 
 def gather_ints(
@@ -61,14 +62,24 @@ def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> 
     if timeout_s is None:
         store.wait(keys)
         return
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    looked = start  # when the failure board was last read (each read: a store call per rank)
     while not store.check(keys):
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if root_cause(group, wait_s=0, name_silent=False):
-            raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank(s) {missing} did not reach {what} within {timeout_s} s")
+        now = time.monotonic()
+        if now - looked > _BOARD_EVERY_S:
+            looked = now
+            if root_cause(group, wait_s=0, name_silent=False):
+                missing = _missing(store, keys)
+                raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
+        if now - start > timeout_s:
+            raise TimeoutError(
+                f"rank(s) {_missing(store, keys)} did not reach {what} within {timeout_s} s"
+            )
         time.sleep(_POLL_S)
+
+
+def _missing(store, keys: list[str]) -> list[int]:
+    return [r for r, key in enumerate(keys) if not store.check([key])]
 
 
 def _group_store(group):
