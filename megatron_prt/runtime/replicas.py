@@ -43,7 +43,15 @@ def exchange_pairs(
     Pairs on one rank exchange in place; the rest go as one batch per rank (no pair order
     to deadlock on). ``rank_of`` maps a stage to its rank in ``group``; ``timeout_s`` bounds
     the wait for the peers on gloo (None, and NCCL: the process group's own timeout)."""
-    rank = dist.get_rank(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    beyond = sorted({s for pair in pairs for s in pair if rank_of(s) >= world})
+    if beyond:  # a send to a rank the group lacks waits forever, on every backend
+        raise PipelineError(
+            f"rank {rank}: stage(s) {beyond} sit on ranks {sorted({rank_of(s) for s in beyond})}"
+            f", the group has {world} rank(s): the placement is for more pipeline ranks; "
+            "launch one process per pipeline rank (torchrun --nproc-per-node P) or pass "
+            "group= a group of P ranks"
+        )
     ops, pending = [], []
     wire = None
     for a, b in pairs:

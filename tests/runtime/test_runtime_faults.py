@@ -348,6 +348,20 @@ def test_direction_disagreement_is_named_by_sync_replicas():
     expect_errors(results, "ranks disagree on the placement", "P=2 R=2 loop bi", "P=2 R=2 loop uni")
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_sync_replicas_of_a_placement_for_more_ranks_is_refused(world):
+    """One process launched for a P = 2 (or 4) bi placement: sync_replicas waited forever on
+    a send to a rank the group lacks."""
+
+    def body(rank, world):
+        placement = Placement(2 * world, 1, direction="bi")
+        stages = build_stages(placement, rank, lambda i: make_layer("mlp", i), 8)
+        sync_replicas(placement, stages, timeout_s=TIMEOUT_S)
+
+    results = run_case(world, body, deadline_s=60)
+    expect_errors(results, f"the group has {world} rank(s)", "--nproc-per-node P")
+
+
 # -- 5. inputs the stages cannot take ----------------------------------------------------------
 @pytest.mark.parametrize(
     "make, want",
