@@ -93,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
                 f'--costs {args.costs}: no per-layer "layers" list, which tuning needs '
                 "(`megatron-prt profile` writes one)"
             )
+        parts = [*cost.layers, *(p for p in (cost.embedding, cost.head) if p is not None)]
+        if args.memory_budget is not None and not any(p.act or p.param for p in parts):
+            raise ConfigError(
+                f"--memory-budget: --costs {args.costs} gives no activation or parameter "
+                "bytes (act, param), so every plan would fit; profile them (`megatron-prt "
+                "profile` writes both) or drop --memory-budget"
+            )
         # the training flags' rule: every plan tuned here is one they run (R = 1 at least)
         check_layers_fill_stages(
             len(cost.layers), args.pp, f"--costs {args.costs}: layer count", "--pp"

@@ -108,7 +108,7 @@ from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
-from .cost_checks import check_value_types
+from .cost_checks import check_bytes_on_every_layer, check_value_types
 from .recompute import (
     KEPT,
     RECOMPUTED_IN_BLOCK,
@@ -203,6 +203,10 @@ class LayerCost:
 
 _LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional
 _LAYER_TIMES = ("fwd", "bwd", "wgrad", "full_bwd", "selective_bwd")
+_NON_NEGATIVE = (  # CostModel's fields that may be 0
+    "fwd_time bwd_time p2p_latency p2p_cpu activation_bytes param_bytes message_bytes "
+    "replica_latency"
+).split()
 
 
 @dataclass(frozen=True)
@@ -230,15 +234,7 @@ class CostModel:
     recompute_num_layers: int | None = None  # full: layers per block / recomputed per stage
 
     def __post_init__(self) -> None:
-        for name in (
-            "fwd_time",
-            "bwd_time",
-            "p2p_latency",
-            "p2p_cpu",
-            "activation_bytes",
-            "param_bytes",
-            "replica_latency",
-        ):
+        for name in _NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ConfigError(f"cost {name} must be >= 0, got {getattr(self, name)}")
         if self.grad_bytes is not None and self.grad_bytes < 0:
@@ -544,6 +540,7 @@ class CostModel:
         if unknown:
             raise ConfigError(f"unknown cost keys {sorted(unknown)}; known: {sorted(known)}")
         data = dict(data)
+        check_bytes_on_every_layer(data.get("layers", ()))
         data["layers"] = tuple(
             LayerCost.from_dict(layer, f"layers[{i}]")
             for i, layer in enumerate(data.get("layers", ()))

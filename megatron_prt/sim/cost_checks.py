@@ -49,3 +49,16 @@ def _check_numbers(data: dict, kind: type, prefix: str, skip=()) -> None:
         if not number or math.isnan(value) or (math.isinf(value) and not open_ended):
             allowed = " (or null)" if open_ended else ""
             raise ConfigError(f"key {prefix}{name} must be a number{allowed}, got {value!r}")
+
+
+def check_bytes_on_every_layer(layers) -> None:
+    """``act`` and ``param`` on every layer or on none: a layer without them would be priced
+    at 0 bytes beside the others."""
+    for key in ("act", "param"):
+        given = [isinstance(layer, dict) and key in layer for layer in layers]
+        if any(given) and not all(given):
+            missing = [i for i, has in enumerate(given) if not has]
+            raise ConfigError(
+                f"cost layers{missing[:8]} have no {key} while other layers do: give {key} "
+                "for every layer (or for none, and no memory is priced)"
+            )

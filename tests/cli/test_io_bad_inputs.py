@@ -76,6 +76,21 @@ CLI_CASES = {
         {"p2p_bandwidth": 0},
         "--costs COSTS: cost p2p_bandwidth must be > 0",
     ),
+    "costs: negative message bytes": (  # was priced: "p2p messages 8 (-800000 bytes)"
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"message_bytes": -1e5},
+        "--costs COSTS: cost message_bytes must be >= 0, got -100000.0",
+    ),
+    "costs: act on some layers only": (  # the others were priced at 0 bytes
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"layers": [LAYER, {"fwd": 1.0, "bwd": 2.0, "param": 5.0}, LAYER]},
+        "cost layers[1] have no act while other layers do",
+    ),
+    "tune: a budget with no bytes to price": (  # every plan fit a budget of 1 KiB
+        ["tune", "--pp", 2, "-m", 4, "--costs", "COSTS", "--memory-budget", "1KiB"],
+        {"layers": [{"fwd": 1.0, "bwd": 2.0}] * 4},
+        "--memory-budget: --costs COSTS gives no activation or parameter bytes",
+    ),
     "costs: stage_layers for another depth": (
         ["simulate", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", "COSTS"],
         {**_layers(4), "stage_layers": [2, 2]},
