@@ -48,7 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -63,10 +63,11 @@ from ..tune.measured import (
     measured_cost,
     top_candidates,
 )
-from ..tune.search_plans import Candidate, TuneResult, tune_layout
+from ..tune.search_plans import Candidate, Seed, TuneResult, add_seeds, tune_layout
 from .config import ReuseConfig
 
 LOG_PREFIX = "megatron-prt: --pipeline-reuse auto:"
+RUNNING = "running plan"  # the running plan's label among the candidates
 chosen: list[Plan] = []  # the plan of this process's last final switch (tools and tests read it)
 
 
@@ -203,12 +204,7 @@ def _agreed_candidates(reuse: ReuseConfig, running: Plan, gathered: list) -> lis
         counts = reuse.layers_per_stage()
         try:
             cost = measured_cost(running.placement, counts, gathered, reuse.split_backward)
-            result = tune_layout(
-                cost,
-                running.placement,
-                running.num_microbatches,
-                split_backward=reuse.split_backward,
-            )
+            result = _tuned_within_running_memory(reuse, running, cost, counts)
             top = top_candidates(result, reuse.auto_candidates)
             top = [c for c in top if same_gradients(c, running, counts)]
             if not top:  # tune_layout keeps the layout, so its winner always qualifies
@@ -233,6 +229,24 @@ def _agreed_candidates(reuse: ReuseConfig, running: Plan, gathered: list) -> lis
             f"{sorted(set(digests))}); rank {dist.get_rank()} has {digest[:16]}"
         )
     return candidates
+
+
+def _tuned_within_running_memory(
+    reuse: ReuseConfig, running: Plan, cost: CostModel, counts: tuple[int, ...]
+) -> TuneResult:
+    """:func:`tune_layout`'s ranking with the running plan among the candidates, and only
+    plans whose busiest rank holds no more layer activations than the running plan's
+    (``cost`` prices memory in layer activations, :func:`measured_cost`): auto switches
+    neither to a plan that is only predicted faster than the one it could keep, nor to
+    one that needs more memory than the job was started with (split backward's plans
+    held 2-4x the running plan's activations)."""
+    result = tune_layout(
+        cost, running.placement, running.num_microbatches, split_backward=reuse.split_backward
+    )
+    result = add_seeds(result, lambda placement, layers: cost, [Seed(RUNNING, running, counts)])
+    held = next(c for c in result.ranked if c.planned_for == "seed").peak_bytes
+    fits = [c for c in result.ranked if c.fits(held)]
+    return replace(result, budget_bytes=held, winner=fits[0])
 
 
 def _candidate_dict(candidate: Candidate) -> dict:
@@ -282,6 +296,8 @@ def planned_for(candidate: AutoCandidate | Candidate) -> str:
     """What a candidate's plan was built for, in the log's words: auto keeps the flags'
     layer split, so the tuner's "equal stages" is equal stage *times* (the split may be
     uneven) and its "costs" the times traced in the first iterations."""
+    if candidate.planned_for == "seed":
+        return "kept from the start"
     said = {"equal stages": "equal stage times", "costs": "the traced stage times"}
     return "plan for " + said.get(candidate.planned_for, candidate.planned_for)
 

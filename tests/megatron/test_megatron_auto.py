@@ -16,7 +16,12 @@ from megatron_prt.core.actions import Action, Op
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import AUTO_ITERATIONS, validate_args
-from megatron_prt.megatron.auto import plan_hash, same_gradients
+from megatron_prt.megatron.auto import (
+    RUNNING,
+    _tuned_within_running_memory,
+    plan_hash,
+    same_gradients,
+)
 from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.tune.measured import measured_cost, stage_times
@@ -60,6 +65,36 @@ def test_auto_chooses_among_plans_with_the_running_gradients():
     other = replace(ranked[0], plan=build_plan(Placement(2, 2, "wave"), m))
     assert not same_gradients(other, running, counts)
     assert not same_gradients(ranked[0], running, (2, 2, 2, 2))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split-backward", "whole-backward"])
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_auto_offers_the_running_plan_and_nothing_holding_more(split, direction):
+    """Split backward's candidates held 2-4x the running plan's activations and the running
+    plan was never among them: auto always switched, possibly to a plan that runs out of
+    memory. Now every candidate's busiest rank holds at most the running plan's layer
+    activations, and the running plan competes."""
+    placement, counts, m = Placement(2, 2, "loop", direction), (3, 1, 1, 3), 8
+    reuse = ReuseConfig(placement, m, counts, split_backward=split)
+    running = build_plan(placement, m, "zb" if split else "prt")
+    spans = [_spans(placement, rank, m, split) for rank in range(2)]
+    cost = measured_cost(placement, counts, spans, split_backward=split)
+    unbounded = tune_layout(cost, placement, m, split_backward=split)
+    result = _tuned_within_running_memory(reuse, running, cost, counts)
+    held = result.budget_bytes
+    assert any(c.plan == running and c.label == RUNNING for c in result.fitting())
+    assert all(c.peak_bytes <= held for c in result.fitting())
+    if split:  # what the unbounded search offered first held more than the running plan
+        assert unbounded.winner.peak_bytes > held
+
+
+def _spans(placement, rank, m, split):
+    """One traced iteration of ``rank``: every action of its stages, later stages slower."""
+    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B)
+    stages = placement.rank_stages[rank]
+    return [
+        [(Action(s, op, mb), 0.0, 0.1 * (1 + s)) for s in stages for op in ops for mb in range(m)]
+    ]
 
 
 def test_auto_with_a_plan_file_is_refused(tmp_path):
