@@ -435,6 +435,13 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
 def _check_auto_candidates(args: argparse.Namespace, auto: bool) -> None:
     candidates = getattr(args, "pipeline_reuse_auto_candidates", DEFAULT_AUTO_CANDIDATES)
     if not auto and candidates != DEFAULT_AUTO_CANDIDATES:
+        plan_file = getattr(args, "pipeline_reuse_plan", None)
+        if plan_file is not None:
+            raise ConfigError(
+                f"--pipeline-reuse-auto-candidates {candidates} given with --pipeline-reuse-plan "
+                f"{plan_file}: it sets how many tuned plans --pipeline-reuse auto times, and the "
+                "plan file fixes the plan; drop it"
+            )
         raise ConfigError(
             f"--pipeline-reuse-auto-candidates {candidates} given with --pipeline-reuse "
             f"{args.pipeline_reuse}: it sets how many tuned plans --pipeline-reuse auto times; "

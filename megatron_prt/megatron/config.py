@@ -126,11 +126,15 @@ def check_recompute_blocks(reuse: ReuseConfig, model_config) -> None:
     counts = reuse.layers_per_stage()
     partial = [k for k, count in enumerate(counts) if count % block]
     if partial:
+        fix = (
+            "tune the plan file again with these --recompute-* flags (tune keeps blocks whole)"
+            if reuse.plan is not None  # its split is the file's: the layout flags are refused
+            else "--pipeline-reuse-stage-layers, or --pipeline-reuse-partition balanced, which "
+            "keeps blocks whole"
+        )
         raise ConfigError(
             f"--recompute-method uniform --recompute-num-layers {block} recomputes whole blocks "
             f"of {block} layers per model stage, but stages {partial[:4]} hold "
             f"{[counts[k] for k in partial[:4]]} layers (split {','.join(map(str, counts))}); "
-            f"give every stage a multiple of {block} (--pipeline-reuse-stage-layers, or "
-            "--pipeline-reuse-partition balanced, which keeps blocks whole), or use "
-            "--recompute-method block"
+            f"give every stage a multiple of {block} ({fix}), or use --recompute-method block"
         )

@@ -137,10 +137,11 @@ def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defa
                 f"--{dest.replace('_', '-')} and {where} both set: the plan file already "
                 "holds the partition; drop the flag"
             )
-    if getattr(args, "pipeline_reuse_partition", "uniform") == "balanced":
-        raise ConfigError(
-            f"--pipeline-reuse-partition balanced and {where} both set: the plan file already "
-            "holds the partition; drop --pipeline-reuse-partition"
+    partition = getattr(args, "pipeline_reuse_partition", "uniform")
+    if partition == "balanced" or "pipeline_reuse_partition" in getattr(args, GIVEN, ()):
+        raise ConfigError(  # given as uniform too: the file's split would win without a word
+            f"--pipeline-reuse-partition {partition} and {where} both set: the plan file "
+            "already holds the partition; drop --pipeline-reuse-partition"
         )
 
 

@@ -85,6 +85,11 @@ def test_model_mismatches_are_refused(wave_bi, changed, expected):
         (("--pipeline-reuse", 3), "--pipeline-reuse 3 conflicts"),
         (("--pipeline-reuse-stage-layers", "1,1,1,1,1,1,2,2"), "--pipeline-reuse-stage-layers"),
         (("--pipeline-reuse-partition", "balanced"), "--pipeline-reuse-partition balanced"),
+        (("--pipeline-reuse-partition", "uniform"), "--pipeline-reuse-partition uniform"),
+        (
+            ("--pipeline-reuse-auto-candidates", 2),
+            "auto-candidates 2 given with --pipeline-reuse-plan",
+        ),
         (("--pipeline-reuse-costs", "costs.json"), "--pipeline-reuse-costs"),
         (("--pipeline-reuse-memory-budget", "1GiB"), "--pipeline-reuse-memory-budget"),
         (("--pipeline-reuse-split-backward",), "--pipeline-reuse-split-backward conflicts"),
@@ -93,6 +98,16 @@ def test_model_mismatches_are_refused(wave_bi, changed, expected):
 def test_conflicting_flags_are_refused(wave_bi, extra, flag):
     message = refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, *extra)
     assert flag in message and "drop" in message
+
+
+def test_recompute_blocks_the_file_split_cannot_hold_name_a_fix_that_runs(wave_bi):
+    """The fix said --pipeline-reuse-stage-layers or --partition balanced, both refused
+    beside a plan file."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    message = refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, *recompute,
+                      "--recompute-num-layers", 2)  # fmt: skip
+    assert "tune the plan file again with these --recompute-* flags" in message
+    assert "--pipeline-reuse-stage-layers" not in message
 
 
 @pytest.mark.parametrize(
