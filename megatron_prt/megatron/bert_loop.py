@@ -86,7 +86,7 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
         "ms_per_iteration": statistics.fmean(late) * 1e3 if late else None,
         "samples_per_s": args.global_batch_size / statistics.fmean(late) if late else None,
         "bubble": statistics.fmean(late_bubbles) if late_bubbles else None,
-        "predicted_bubble": predicted_bubble(reuse, micro),
+        "predicted_bubble": predicted_bubble(reuse, micro, probe.plan),
         "peak_activation_bytes": probe.peak_bytes,
         "trace": _trace_files(reuse),
     }

@@ -44,15 +44,27 @@ class PipelineProbe:
     peak_bytes: list[int] | None = None  # per pipeline rank, once gathered
 
     def after_iteration(self) -> None:
-        """Call after every training iteration (local, no collective)."""
-        if self.runtime is None:
-            self.runtime = prt_runtime(self.forward_backward)
-            if self.runtime is not None:
-                self.runtime.trace_enabled = True
-                self.runtime.measure_memory = True  # for the next iteration only
-        elif self.runtime.measure_memory:
-            self.own_peak = int(self.runtime.memory_peak())
-            self.runtime.measure_memory = False
+        """Call after every training iteration (local, no collective). Follows the runtime
+        of the last iteration: after ``--pipeline-reuse auto`` switches plans, the bubble and
+        memory are the new plan's (they stayed the first plan's). While auto profiles and
+        times its candidates their runtimes are left alone (tracing would change what the
+        measured pick times)."""
+        current = prt_runtime(self.forward_backward)
+        auto = getattr(self.forward_backward, "auto", None)
+        if current is None or (auto is not None and not auto.done):
+            return
+        if current is not self.runtime:
+            self.runtime, self.own_peak, self.peak_bytes = current, None, None
+            current.trace_enabled = True
+            current.measure_memory = True  # for the next iteration only
+        elif current.measure_memory:
+            self.own_peak = int(current.memory_peak())
+            current.measure_memory = False
+
+    @property
+    def plan(self):
+        """The plan of the runtime measured, ``None`` before there is one."""
+        return None if self.runtime is None else self.runtime.plan
 
     def measure(self) -> tuple[float | None, list[int] | None]:
         """``(bubble of the last training iteration, per-rank peak activation bytes)``,
@@ -72,11 +84,14 @@ class PipelineProbe:
         return bubble, self.peak_bytes
 
 
-def predicted_bubble(reuse, microbatches: int) -> float | None:
-    """The simulator's bubble for the plan (uniform stages, free communication)."""
+def predicted_bubble(reuse, microbatches: int, plan=None) -> float | None:
+    """The simulator's bubble (uniform stages, free communication) for ``plan``, the plan
+    that ran (e.g. :attr:`PipelineProbe.plan`); without one, ``reuse``'s plan file or the
+    plan built for its placement."""
     if reuse is None:
         return None
     from ..core import build_plan
     from ..sim.simulate import simulate
 
-    return simulate(build_plan(reuse.placement, microbatches)).bubble_fraction
+    plan = plan or reuse.plan or build_plan(reuse.placement, microbatches)
+    return simulate(plan).bubble_fraction

@@ -25,7 +25,7 @@ import pytest
 
 from megatron_prt.megatron import bert_args, checkpoint
 from megatron_prt.megatron.bert_step import MicroBatchSampler
-from megatron_prt.megatron.pipeline_probe import measured_bubble
+from megatron_prt.megatron.pipeline_probe import PipelineProbe, measured_bubble, predicted_bubble
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_bert.py"
@@ -456,6 +456,48 @@ def test_scheduler_is_megatrons_with_megatron_lm_flags(monkeypatch):
     resumed, _ = _scheduler([*flags, "--use-checkpoint-opt_param-scheduler"], monkeypatch)
     resumed.load_state_dict(schedule.state_dict())
     assert resumed.num_steps == 80
+
+
+class _Runtime:
+    def __init__(self, plan, peak):
+        self.plan, self.peak = plan, peak
+        self.trace_enabled = self.measure_memory = False
+
+    def memory_peak(self):
+        return self.peak
+
+
+class _ForwardBackward:
+    def __init__(self):
+        self.running, self.auto = None, type("Auto", (), {"done": False})()
+
+    def pipeline(self):
+        return self.running
+
+
+def test_probe_measures_the_plan_auto_switched_to():
+    """The probe kept the first runtime: after --pipeline-reuse auto switched plans, every
+    log line and the summary gave the first plan's bubble and memory, and the predicted
+    bubble was the flags' default plan's."""
+    from megatron_prt.core import Placement, build_plan
+    from megatron_prt.megatron.config import ReuseConfig
+
+    reuse = ReuseConfig(Placement(2, 2), 4)
+    first = _Runtime(build_plan(reuse.placement, 4), 1)
+    tuned = _Runtime(build_plan(reuse.placement, 4, "zb"), 2)
+    fb = _ForwardBackward()
+    probe = PipelineProbe(fb)
+    fb.running = first
+    probe.after_iteration()  # auto profiles: its runtimes are left alone
+    assert probe.runtime is None and not first.trace_enabled
+    fb.running, fb.auto.done = tuned, True
+    probe.after_iteration()
+    assert probe.runtime is tuned and tuned.trace_enabled and tuned.measure_memory
+    probe.after_iteration()
+    assert probe.own_peak == 2 and not tuned.measure_memory
+    want = predicted_bubble(reuse, 4, tuned.plan)
+    assert want != predicted_bubble(reuse, 4)  # the zb plan, not the flags' default
+    assert predicted_bubble(reuse, 4, probe.plan) == want
 
 
 def test_measured_bubble_from_spans():
