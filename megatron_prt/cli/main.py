@@ -23,7 +23,7 @@ from ..sim.cost import CostModel
 from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
-from ..tune.plan_file import load_plan
+from ..tune.plan_file import load_plan, recompute_of
 from .layers import check_even_split
 
 
@@ -471,7 +471,31 @@ def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
             f"--plan {args.plan} splits {plan_file.num_layers} layers but --costs "
             f"{args.costs} describes {len(cost.layers)}; tune with this cost file"
         )
-    return plan_file.plan, replace(cost, stage_layers=plan_file.stage_layers)
+    return plan_file.plan, _tuned_recompute(args, plan_file, cost)
+
+
+def _tuned_recompute(args, plan_file, cost: CostModel) -> CostModel:
+    """``cost`` split as the file splits the layers, under the recomputation the file was
+    tuned with unless ``--recompute-*`` flags say otherwise (simulate priced the file's
+    plan without it and disagreed with what tune printed)."""
+    cost = replace(cost, stage_layers=plan_file.stage_layers)
+    flags = (args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    tuned = plan_file.recompute
+    if tuned is None or flags != (None, None, None) or tuple(recompute_of(cost)) == tuned:
+        return cost
+    print(
+        f"megatron-prt simulate: note: priced with the recomputation --plan {args.plan} was "
+        f"tuned with ({_recompute_text(tuned)}); give --recompute-* flags to price another",
+        file=sys.stderr,
+    )
+    return cost.with_recompute(*tuned)
+
+
+def _recompute_text(recompute: tuple) -> str:
+    granularity, method, layers = recompute
+    if granularity is None:
+        return "none"
+    return granularity + ("" if method is None else f", {method}, {layers} layer(s)")
 
 
 def check_output(path: str | None, example: str) -> None:

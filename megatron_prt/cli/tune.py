@@ -17,8 +17,9 @@ import time
 
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import ConfigError
+from ..sim.cost import CostModel
 from ..tune.memory import format_bytes
-from ..tune.plan_file import PlanFile
+from ..tune.plan_file import PlanFile, recompute_of
 from ..tune.search_plans import Candidate, TuneResult, tune
 from .main import check_output, load_costs, positive_int, recompute_flags
 from .partition import parse_bytes
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             progress=_Progress(),
         )
         if args.output:
-            plan_file(result.winner, args).write(args.output)
+            plan_file(result.winner, args, cost).write(args.output)
     except ConfigError as exc:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2
@@ -126,9 +127,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_file(winner: Candidate, args: argparse.Namespace) -> PlanFile:
-    """The winner with its partition and what was predicted for it."""
+def plan_file(winner: Candidate, args: argparse.Namespace, cost: CostModel) -> PlanFile:
+    """The winner with its partition, what was predicted for it and the activation
+    recomputation it was priced under (``recompute``: megatron's granularity, method and
+    layers; ``simulate --plan`` prices with it, ``--pipeline-reuse-plan`` compares it with
+    the training flags)."""
     tuned = {"costs": args.costs, "memory_budget": args.memory_budget, **winner.to_dict()}
+    tuned["recompute"] = recompute_of(cost)
     return PlanFile(winner.plan, winner.stage_layers, tuned)
 
 

@@ -16,6 +16,7 @@ Imports neither torch nor megatron, like :mod:`megatron_prt.megatron.args`.
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from ..core.placement import ConfigError
 from ..tune.plan_file import PlanFile, load_plan
@@ -66,6 +67,7 @@ def apply_plan_file(
     where = f"{FLAG} {path}"
     _check_model(args, plan_file, where, microbatches)
     _check_flags(args, plan_file, where, defaults)
+    _warn_other_recompute(args, plan_file, where)
     placement = plan_file.plan.placement
     args.pipeline_reuse = placement.reuse
     args.pipeline_reuse_placement = placement.placement
@@ -143,6 +145,26 @@ def _check_flags(args: argparse.Namespace, plan_file: PlanFile, where: str, defa
             f"--pipeline-reuse-partition {partition} and {where} both set: the plan file "
             "already holds the partition; drop --pipeline-reuse-partition"
         )
+
+
+def _warn_other_recompute(args: argparse.Namespace, plan_file: PlanFile, where: str) -> None:
+    """Training under other ``--recompute-*`` flags than the file was tuned with runs the
+    same plan (the order does not depend on them) at another time and memory than tune
+    predicted: said, not refused."""
+    tuned = plan_file.recompute
+    granularity = getattr(args, "recompute_granularity", None)
+    full = granularity == "full"
+    method = getattr(args, "recompute_method", None) if full else None
+    layers = getattr(args, "recompute_num_layers", None) if full else None
+    if tuned is None or (granularity, method, layers) == tuned:
+        return
+    warnings.warn(
+        f"{where} was tuned with recomputation {list(tuned)} (granularity, method, layers), "
+        f"this run has {[granularity, method, layers]}: the plan runs as written, but its "
+        "time and memory are not what tune predicted; tune again with these --recompute-* "
+        "flags",
+        stacklevel=2,
+    )
 
 
 def _conflict(where: str, flag: str, given, own) -> None:

@@ -5,7 +5,8 @@ A plan file is :meth:`megatron_prt.core.plan.Plan.to_dict` (the config, ``stage_
 
     "stage_layers": [3, 3, 2, ...],   # transformer layers of model stages 0..D-1
     "num_layers": 24,                 # their sum, the model's --num-layers
-    "tuned": {...}                    # optional: what `megatron-prt tune` predicted
+    "tuned": {...}                    # optional: what `megatron-prt tune` predicted, and
+                                      # "recompute": [granularity, method, layers] priced
 
 ``config`` repeats ``stage_layers`` and ``num_layers`` so the file reads on its own.
 ``megatron-prt tune -o FILE`` writes one; :func:`load_plan` reads it for the plain-PyTorch
@@ -32,6 +33,13 @@ class PlanFile:
     plan: Plan
     stage_layers: tuple[int, ...]
     tuned: dict | None = None
+
+    @property
+    def recompute(self) -> tuple | None:
+        """The activation recomputation the plan was tuned under (megatron's granularity,
+        method and layers, None each when off); None when the file does not say."""
+        given = (self.tuned or {}).get("recompute")
+        return None if given is None else tuple(given)
 
     @property
     def num_layers(self) -> int:
@@ -82,7 +90,14 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
         validate(plan)
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
-    return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), data.get("tuned"))
+    tuned = data.get("tuned")
+    recompute = tuned.get("recompute") if isinstance(tuned, dict) else None
+    if recompute is not None and not (isinstance(recompute, list) and len(recompute) == 3):
+        raise ConfigError(
+            f"{where}: tuned.recompute must be [granularity, method, layers], got "
+            f"{recompute!r}; write the file with `megatron-prt tune -o FILE`"
+        )
+    return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), tuned)
 
 
 def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
@@ -110,3 +125,11 @@ def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
                 "tune -o FILE`"
             )
     return counts
+
+
+def recompute_of(cost) -> list:
+    """A cost model's recomputation as :attr:`PlanFile.recompute` records it (method and
+    layers only under ``full``, where megatron reads them)."""
+    if cost.recompute_granularity != "full":
+        return [cost.recompute_granularity, None, None]
+    return ["full", cost.recompute_method, cost.recompute_num_layers]

@@ -3,13 +3,15 @@ mismatch with the model or a conflicting flag is refused naming both and the fix
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from megatron_flags import parse, refusal
 
 from megatron_prt.core.placement import Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import validate_args
-from megatron_prt.tune.plan_file import PlanFile
+from megatron_prt.tune.plan_file import PlanFile, load_plan
 
 # 8 ranks = DP 2 x PP 4, 10 layers, 8 // (1 * 2) = 4 micro-batches per iteration
 MODEL = (
@@ -98,6 +100,23 @@ def test_model_mismatches_are_refused(wave_bi, changed, expected):
 def test_conflicting_flags_are_refused(wave_bi, extra, flag):
     message = refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, *extra)
     assert flag in message and "drop" in message
+
+
+def test_a_plan_tuned_under_other_recomputation_is_said(tmp_path):
+    """The file did not record the recomputation tune priced: a run under other
+    --recompute-* flags got another time and memory than predicted, without a word."""
+    path = str(tmp_path / "tuned.json")
+    tuned = {"recompute": ["full", "uniform", 1]}
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, tuned).write(path)
+    assert load_plan(path).recompute == ("full", "uniform", 1)
+    with pytest.warns(UserWarning, match=r"tuned with recomputation \['full', 'uniform', 1\]"):
+        validate_args(parse(*MODEL, "--pipeline-reuse-plan", path))
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same flags: nothing said
+        validate_args(
+            parse(*MODEL, "--pipeline-reuse-plan", path, *recompute, "--recompute-num-layers", 1)
+        )
 
 
 def test_recompute_blocks_the_file_split_cannot_hold_name_a_fix_that_runs(wave_bi):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from tune_costs import cost_dict, write_costs
@@ -220,6 +221,25 @@ def test_cli_tune_writes_what_simulate_predicts(tmp_path, run_cli):
     assert code == 0, err
     assert json.loads(text)["makespan"] == winner["makespan"]
     assert load_plan(str(out)).stage_layers == tuple(winner["stage_layers"])
+
+
+def test_simulate_plan_prices_the_recomputation_tune_used(tmp_path, run_cli):
+    """simulate --plan priced the file's plan without the --recompute-* flags tune was
+    given (0.0829 against tune's 0.1088 for BERT-base): the file now records them."""
+    costs = Path(__file__).parents[2] / "docs/benchmarks/costs/bert-base-h200-bf16.json"
+    out = tmp_path / "plan.json"
+    shape = ("--pp", 4, "-m", 8, "--no-split-backward", "--max-reuse", 2)
+    full = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+    full += ("--recompute-num-layers", 1)
+    code, text, err = run_cli("tune", "--costs", costs, *shape, *full, "--json", "-o", out)
+    assert code == 0, err
+    winner = json.loads(text)["winner"]
+    code, text, err = run_cli("simulate", "--plan", out, "--costs", costs, "--json")
+    assert code == 0 and "priced with the recomputation" in err, err
+    assert json.loads(text)["makespan"] == winner["makespan"]
+    code, text, err = run_cli("simulate", "--plan", out, "--costs", costs, "--json",
+                              "--recompute-granularity", "none")  # fmt: skip
+    assert code == 0 and json.loads(text)["makespan"] < winner["makespan"]  # as asked
 
 
 def test_cli_refusals(tmp_path, run_cli):
