@@ -182,6 +182,12 @@ def load_costs(path: str, flag: str = "--costs", args=None) -> CostModel:
 
 def cost_from_args(args) -> CostModel:
     data = load_costs(args.costs).to_dict() if args.costs else {}
+    overridden = [f"--{f.replace('_', '-')}" for f in ("fwd_time", "bwd_time") if getattr(args, f)]
+    if data.get("layers") and overridden:  # the layers' own times price the stages
+        raise ConfigError(
+            f"{', '.join(overridden)} with --costs {args.costs}, which gives per-layer times: "
+            "they would be ignored; drop them, or scale the file's layers"
+        )
     for flag, key in (
         ("fwd_time", "fwd_time"),
         ("bwd_time", "bwd_time"),

@@ -186,8 +186,9 @@ def pick_plan(
     """:func:`measured_pick` of ``candidates`` that share one layout (placement and layer
     split, as :func:`~megatron_prt.tune.search_plans.tune_layout`'s do), each run on
     ``stages`` with inputs ``xs`` / targets ``ys`` (this rank's, as ``PipelineRuntime.step``
-    takes them). Collective; the parameters are not changed (no optimizer step), their
-    gradients are zeroed."""
+    takes them). ``runtime_kwargs`` go to every candidate's ``PipelineRuntime`` (e.g.
+    ``dtype=torch.float64`` for float64 stages, ``transport=``). Collective; the parameters
+    are not changed (no optimizer step), their gradients are zeroed."""
     layouts = {(c.plan.placement, tuple(c.stage_layers)) for c in candidates}
     if len(layouts) > 1:
         raise ConfigError(

@@ -76,6 +76,11 @@ CLI_CASES = {
         {"p2p_bandwidth": 0},
         "--costs COSTS: cost p2p_bandwidth must be > 0",
     ),
+    "costs: per-layer times beside --fwd-time": (  # the flag was ignored without a word
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS", "--fwd-time", 5],
+        _layers(4),
+        "--fwd-time with --costs COSTS, which gives per-layer times: they would be ignored",
+    ),
     "costs: negative message bytes": (  # was priced: "p2p messages 8 (-800000 bytes)"
         ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
         {"message_bytes": -1e5},
