@@ -66,8 +66,12 @@ def _forward_impl(
     grad_output_buffer=None,
     wgrad_deferral_limit=None,
     tp_group=None,
+    **newer,
 ):
+    # ``newer``: arguments of later megatron-core versions, passed on as given (0.19 adds
+    # ``gtp_remat_size``: above 1 the weight is sharded and gathered in megatron's Function)
     megatron_only = sequence_parallel or grad_output_buffer is not None
+    megatron_only = megatron_only or newer.get("gtp_remat_size", 1) > 1
     if megatron_only or not (splitting() and torch.is_grad_enabled() and weight.requires_grad):
         return original(
             input=input,
@@ -79,6 +83,7 @@ def _forward_impl(
             grad_output_buffer=grad_output_buffer,
             wgrad_deferral_limit=wgrad_deferral_limit,
             tp_group=tp_group,
+            **newer,
         )
     reduce = functools.partial(_all_reduce, tp_group) if allreduce_dgrad else None
     fused = None
