@@ -98,6 +98,15 @@ def _reports(group) -> dict[int, tuple[bool, float, str]]:
     return found
 
 
+def failed_since(group, since: float) -> bool:
+    """Whether another rank of ``group`` posted a root-cause report at or after ``since``
+    (``time.time()``): a report of an earlier runtime, caught by its caller, is older."""
+    me = dist.get_rank(group)
+    return any(
+        root and stamp >= since for rank, (root, stamp, _) in _reports(group).items() if rank != me
+    )
+
+
 def root_cause(group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True) -> str:
     """What the other ranks of ``group`` reported: the first root-cause report (waiting up
     to ``wait_s`` for one to appear), else (``name_silent``) the ranks that stopped without

@@ -23,12 +23,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import collective, root_cause
+from .errors import collective, failed_since, is_wait_failure
 from .p2p import wire_device
 
 _PREFIX = "megatron_prt/exchange/"
-_POLL_S = 0.02  # between looks at the keys (one store call): the check's latency
-_BOARD_EVERY_S = 0.5  # between reads of the failure board
+_SLICE_S = 0.5  # each blocking wait on the store; the failure board is read between them
 
 
 def gather_ints(
@@ -56,26 +55,31 @@ def gather_ints(
 
 
 def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> None:
-    """Until every rank's key is written; raises when ``timeout_s`` passes or a rank posts an
-    error to the failure board first (a peer that raised before this check does not keep
-    the others waiting; a killed one cannot post, so its peers wait ``timeout_s``)."""
+    """Until every rank's key is written; raises when ``timeout_s`` passes or another rank
+    posts an error to the failure board meanwhile (a peer that raised before reaching this
+    check does not keep the others waiting; a killed one cannot post, so its peers wait
+    ``timeout_s``; a report older than this check, of an earlier runtime whose error was
+    caught, is not this check's). Waits in blocking slices on the store server, so a
+    thousand waiting ranks cost it a few calls a second each."""
     if timeout_s is None:
         store.wait(keys)
         return
-    start = time.monotonic()
-    looked = start  # when the failure board was last read (each read: a store call per rank)
-    while not store.check(keys):
-        now = time.monotonic()
-        if now - looked > _BOARD_EVERY_S:
-            looked = now
-            if root_cause(group, wait_s=0, name_silent=False):
-                missing = _missing(store, keys)
-                raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
-        if now - start > timeout_s:
-            raise TimeoutError(
-                f"rank(s) {_missing(store, keys)} did not reach {what} within {timeout_s} s"
-            )
-        time.sleep(_POLL_S)
+    since, start = time.time(), time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        try:
+            store.wait(keys, timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
+            return
+        except Exception as exc:  # a slice timed out (DistStoreError), or the store failed
+            if not is_wait_failure(exc):
+                raise
+        missing = _missing(store, keys)
+        if not missing:
+            return
+        if failed_since(group, since):
+            raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
+        if time.monotonic() - start >= timeout_s:
+            raise TimeoutError(f"rank(s) {missing} did not reach {what} within {timeout_s} s")
 
 
 def _missing(store, keys: list[str]) -> list[int]:

@@ -461,6 +461,26 @@ def test_rank_stalling_before_the_plan_check_leaves_nothing_in_flight():
     assert slowest < TIMEOUT_S + 20
 
 
+def test_a_caught_error_of_an_earlier_runtime_does_not_fail_the_next_plan_check():
+    """Both ranks catch a step's error and build the runtime again, rank 0 late: rank 1
+    read rank 0's old report while waiting and failed the check alone (rank 0 passed)."""
+
+    def body(rank, world):
+        rt, _ = runtime(rank, world, timeout_s=TIMEOUT_S)
+        with pytest.raises(ValueError, match="=None, but this rank holds"):
+            rt.step(None, None)
+        if rank == 0:
+            time.sleep(1.5)  # rank 1 waits at the next check meanwhile
+        rt, _ = runtime(rank, world, timeout_s=4 * TIMEOUT_S)
+        return rt.step(*batch("mlp", 4))
+
+    results = run_case(2, body)
+    want = reference_losses(*batch("mlp", 4))
+    for status, payload in results:
+        assert status == "ok" and payload["error"] is None, payload
+    assert [float(v) for v in results[1][1]["value"]] == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.parametrize("same", [True, False], ids=["same-plan", "other-plan"])
 def test_plan_check_without_a_group_store_gathers_the_rows(monkeypatch, same):
     """torch without ``ProcessGroup.get_group_store``: the check falls back to an all_gather
