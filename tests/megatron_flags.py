@@ -40,6 +40,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
         "--account-for-loss-in-pipeline-split",
         "--overlap-grad-reduce",
         "--untie-embeddings-and-output-weights",
+        "--recompute-activations",
     ):
         add(name, action="store_true")
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")

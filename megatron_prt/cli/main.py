@@ -23,7 +23,7 @@ from ..sim.cost import CostModel
 from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
-from ..tune.plan_file import load_plan, recompute_of
+from ..tune.plan_file import describe_recompute, load_plan, recompute_of
 from .layers import check_even_split
 
 
@@ -182,7 +182,9 @@ def load_costs(path: str, flag: str = "--costs", args=None) -> CostModel:
 
 def cost_from_args(args) -> CostModel:
     data = load_costs(args.costs).to_dict() if args.costs else {}
-    overridden = [f"--{f.replace('_', '-')}" for f in ("fwd_time", "bwd_time") if getattr(args, f)]
+    overridden = [
+        f"--{f.replace('_', '-')}" for f in ("fwd_time", "bwd_time") if getattr(args, f) is not None
+    ]
     if data.get("layers") and overridden:  # the layers' own times price the stages
         raise ConfigError(
             f"{', '.join(overridden)} with --costs {args.costs}, which gives per-layer times: "
@@ -491,17 +493,10 @@ def _tuned_recompute(args, plan_file, cost: CostModel) -> CostModel:
         return cost
     print(
         f"megatron-prt simulate: note: priced with the recomputation --plan {args.plan} was "
-        f"tuned with ({_recompute_text(tuned)}); give --recompute-* flags to price another",
+        f"tuned with ({describe_recompute(tuned)}); give --recompute-* flags to price another",
         file=sys.stderr,
     )
     return cost.with_recompute(*tuned)
-
-
-def _recompute_text(recompute: tuple) -> str:
-    granularity, method, layers = recompute
-    if granularity is None:
-        return "none"
-    return granularity + ("" if method is None else f", {method}, {layers} layer(s)")
 
 
 def check_output(path: str | None, example: str) -> None:

@@ -94,13 +94,6 @@ def run(args: argparse.Namespace) -> int:
                 f'--costs {args.costs}: no per-layer "layers" list, which tuning needs '
                 "(`megatron-prt profile` writes one)"
             )
-        parts = [*cost.layers, *(p for p in (cost.embedding, cost.head) if p is not None)]
-        if args.memory_budget is not None and not any(p.act or p.param for p in parts):
-            raise ConfigError(
-                f"--memory-budget: --costs {args.costs} gives no activation or parameter "
-                "bytes (act, param), so every plan would fit; profile them (`megatron-prt "
-                "profile` writes both) or drop --memory-budget"
-            )
         # the training flags' rule: every plan tuned here is one they run (R = 1 at least)
         check_layers_fill_stages(
             len(cost.layers), args.pp, f"--costs {args.costs}: layer count", "--pp"
@@ -115,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             progress=_Progress(),
         )
+        if args.memory_budget is not None and not any(c.peak_bytes for c in result.ranked):
+            raise ConfigError(  # priced after recomputation, whose bytes may be its own
+                f"--memory-budget: --costs {args.costs} prices no plan's memory (no act or "
+                "param bytes), so every plan would fit; profile them (`megatron-prt profile` "
+                "writes both) or drop --memory-budget"
+            )
         if args.output:
             plan_file(result.winner, args, cost).write(args.output)
     except ConfigError as exc:

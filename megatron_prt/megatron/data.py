@@ -139,6 +139,11 @@ def prepare(
         sentences=True,
         min_sentences=MIN_SENTENCES_PER_DOCUMENT,
     )
+    if not written.documents:  # every pair lost in tokenization (the check above reads text)
+        raise DataError(
+            f"no document of {source} kept {MIN_SENTENCES_PER_DOCUMENT} sentences once "
+            "tokenized: BERT needs sentence pairs"
+        )
     shutil.rmtree(out / "cache", ignore_errors=True)  # sample indices of the old data
     prepared = PreparedData(
         prefix=written.prefix,

@@ -34,7 +34,8 @@ def measured_bubble(spans: Sequence[Sequence[tuple]]) -> float | None:
 class PipelineProbe:
     """Per-action spans and activation memory of PRT's runtime (inert for megatron's own
     schedule). Spans are recorded every iteration once the runtime exists (it is built
-    during iteration 1) and gathered at log intervals only. Activation memory is measured
+    during iteration 1; under ``--pipeline-reuse auto``, once auto's final switch is made)
+    and gathered at log intervals only. Activation memory is measured
     on one iteration, the next: its saved-tensor hooks cost time, and the schedule and
     shapes repeat every iteration, so one measurement holds for all."""
 

@@ -19,7 +19,7 @@ import argparse
 import warnings
 
 from ..core.placement import ConfigError
-from ..tune.plan_file import PlanFile, load_plan
+from ..tune.plan_file import PlanFile, describe_recompute, load_plan, recompute_setting
 
 FLAG = "--pipeline-reuse-plan"
 GIVEN = "pipeline_reuse_given"  # the args attribute NotedStore keeps the given dests in
@@ -152,17 +152,18 @@ def _warn_other_recompute(args: argparse.Namespace, plan_file: PlanFile, where: 
     same plan (the order does not depend on them) at another time and memory than tune
     predicted: said, not refused."""
     tuned = plan_file.recompute
-    granularity = getattr(args, "recompute_granularity", None)
-    full = granularity == "full"
-    method = getattr(args, "recompute_method", None) if full else None
-    layers = getattr(args, "recompute_num_layers", None) if full else None
-    if tuned is None or (granularity, method, layers) == tuned:
+    running = recompute_setting(
+        getattr(args, "recompute_granularity", None),
+        getattr(args, "recompute_method", None),
+        getattr(args, "recompute_num_layers", None),
+        getattr(args, "recompute_activations", False),
+    )
+    if tuned is None or tuple(running) == tuned:
         return
     warnings.warn(
-        f"{where} was tuned with recomputation {list(tuned)} (granularity, method, layers), "
-        f"this run has {[granularity, method, layers]}: the plan runs as written, but its "
-        "time and memory are not what tune predicted; tune again with these --recompute-* "
-        "flags",
+        f"{where} was tuned with recomputation {describe_recompute(tuned)}, this run has "
+        f"{describe_recompute(running)}: the plan runs as written, but its time and memory "
+        "are not what tune predicted; tune again with these --recompute-* flags",
         stacklevel=2,
     )
 

@@ -46,11 +46,12 @@ def exchange_pairs(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     beyond = sorted({s for pair in pairs for s in pair if rank_of(s) >= world})
     if beyond:  # a send to a rank the group lacks waits forever, on every backend
+        needed = 1 + max(rank_of(s) for s in beyond)
         raise PipelineError(
             f"rank {rank}: stage(s) {beyond} sit on ranks {sorted({rank_of(s) for s in beyond})}"
-            f", the group has {world} rank(s): the placement is for more pipeline ranks; "
-            "launch one process per pipeline rank (torchrun --nproc-per-node P) or pass "
-            "group= a group of P ranks"
+            f", the group has {world} rank(s): the placement is for {needed} pipeline ranks; "
+            f"launch one process per pipeline rank (torchrun --nproc-per-node {needed}) or "
+            f"pass group= a group of {needed} ranks"
         )
     ops, pending = [], []
     wire = None

@@ -87,8 +87,9 @@ def measured_cost(
     """A per-layer cost model in seconds: each model stage's measured time spread evenly
     over its layers (the split is fixed, so only stage sums matter); a stage without
     layers keeps its time as the embedding (stage 0) or head (last stage). Memory is in
-    layer activations: ``act`` 1 per layer (one micro-batch's activations of one layer;
-    the traces give no bytes), so the plans of one split compare by what they hold."""
+    layer activations: ``act`` 1 per layer and per such end stage (one micro-batch's
+    activations of one layer; the traces give no bytes), so the plans of one split compare
+    by what they hold; a head whose logits outweigh a layer's activations is undercounted."""
     fwd, bwd, w_share = stage_times(placement, gathered)
     counts = tuple(stage_layers)
     layers: list[LayerCost] = []
@@ -97,7 +98,7 @@ def measured_cost(
         if n:
             layers += [LayerCost(fwd[k] / n, bwd[k] / n, act=1.0)] * n
         elif k in (0, placement.depth - 1):
-            ends[k] = LayerCost(fwd[k], bwd[k])
+            ends[k] = LayerCost(fwd[k], bwd[k], act=1.0)
     return CostModel(
         layers=tuple(layers),
         embedding=ends.get(0),

@@ -128,8 +128,26 @@ def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
 
 
 def recompute_of(cost) -> list:
-    """A cost model's recomputation as :attr:`PlanFile.recompute` records it (method and
-    layers only under ``full``, where megatron reads them)."""
-    if cost.recompute_granularity != "full":
-        return [cost.recompute_granularity, None, None]
-    return ["full", cost.recompute_method, cost.recompute_num_layers]
+    """A cost model's recomputation as :attr:`PlanFile.recompute` records it."""
+    return recompute_setting(
+        cost.recompute_granularity, cost.recompute_method, cost.recompute_num_layers
+    )
+
+
+def recompute_setting(granularity, method=None, layers=None, activations=False) -> list:
+    """megatron's recomputation flags as one value: method and layers only under ``full``
+    (where megatron reads them); ``activations`` (Megatron-LM's ``--recompute-activations``)
+    is ``selective``, as Megatron-LM's own argument check makes it."""
+    if granularity is None and activations:
+        granularity = "selective"
+    if granularity != "full":
+        return [granularity, None, None]
+    return ["full", method, layers]
+
+
+def describe_recompute(setting) -> str:
+    """A :func:`recompute_setting` in words, e.g. ``full (uniform, 1 layer(s))``."""
+    granularity, method, layers = setting
+    if granularity is None:
+        return "none"
+    return granularity if method is None else f"{granularity} ({method}, {layers} layer(s))"

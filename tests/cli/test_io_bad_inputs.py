@@ -81,6 +81,11 @@ CLI_CASES = {
         _layers(4),
         "--fwd-time with --costs COSTS, which gives per-layer times: they would be ignored",
     ),
+    "costs: per-layer times beside --bwd-time 0": (  # 0 is a value: refused as any other
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS", "--bwd-time", 0],
+        _layers(4),
+        "--bwd-time with --costs COSTS, which gives per-layer times",
+    ),
     "costs: negative message bytes": (  # was priced: "p2p messages 8 (-800000 bytes)"
         ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
         {"message_bytes": -1e5},
@@ -94,7 +99,7 @@ CLI_CASES = {
     "tune: a budget with no bytes to price": (  # every plan fit a budget of 1 KiB
         ["tune", "--pp", 2, "-m", 4, "--costs", "COSTS", "--memory-budget", "1KiB"],
         {"layers": [{"fwd": 1.0, "bwd": 2.0}] * 4},
-        "--memory-budget: --costs COSTS gives no activation or parameter bytes",
+        "--memory-budget: --costs COSTS prices no plan's memory",
     ),
     "costs: stage_layers for another depth": (
         ["simulate", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", "COSTS"],

@@ -359,7 +359,7 @@ def test_sync_replicas_of_a_placement_for_more_ranks_is_refused(world):
         sync_replicas(placement, stages, timeout_s=TIMEOUT_S)
 
     results = run_case(world, body, deadline_s=60)
-    expect_errors(results, f"the group has {world} rank(s)", "--nproc-per-node P")
+    expect_errors(results, f"the group has {world} rank(s)", f"--nproc-per-node {2 * world}")
 
 
 # -- 5. inputs the stages cannot take ----------------------------------------------------------

@@ -242,6 +242,18 @@ def test_simulate_plan_prices_the_recomputation_tune_used(tmp_path, run_cli):
     assert code == 0 and json.loads(text)["makespan"] < winner["makespan"]  # as asked
 
 
+def test_a_budget_priced_by_recomputation_alone_is_kept(tmp_path, run_cli):
+    """Layers without act/param under full recompute keep their inputs (message_bytes): the
+    budget prices them (a first check of act/param alone refused it)."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layers": [{"fwd": 1, "bwd": 2}] * 4, "message_bytes": 1e6}))
+    full = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+    full += ("--recompute-num-layers", 1)
+    code, _, err = run_cli("tune", "--costs", costs, "--pp", 2, "-m", 4, *full,
+                           "--memory-budget", "2MB")  # fmt: skip
+    assert code == 2 and "the smallest peak found" in err, err
+
+
 def test_cli_refusals(tmp_path, run_cli):
     costs, out = write_costs(tmp_path), tmp_path / "plan.json"
     code, _, err = run_cli("tune", "--costs", costs, *CLI, "--memory-budget", "1KiB")
