@@ -54,10 +54,10 @@ def _check_numbers(data: dict, kind: type, prefix: str, skip=()) -> None:
 def check_bytes_on_every_layer(layers) -> None:
     """``act`` and ``param`` on every layer or on none: a layer without them would be priced
     at 0 bytes beside the others."""
-    for key in ("act", "param"):
-        given = [isinstance(layer, dict) and key in layer for layer in layers]
-        if any(given) and not all(given):
-            missing = [i for i, has in enumerate(given) if not has]
+    entries = [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, dict)]
+    for key in ("act", "param"):  # (a layer that is no object is refused by name later)
+        missing = [i for i, layer in entries if key not in layer]
+        if missing and len(missing) < len(entries):
             raise ConfigError(
                 f"cost layers{missing[:8]} have no {key} while other layers do: give {key} "
                 "for every layer (or for none, and no memory is priced)"

@@ -86,6 +86,11 @@ CLI_CASES = {
         _layers(4),
         "--bwd-time with --costs COSTS, which gives per-layer times",
     ),
+    "costs: a layer that is no object beside layers with act": (  # named, not "no act"
+        ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"layers": [LAYER, 5, LAYER]},
+        "layers[1] must be",
+    ),
     "costs: negative message bytes": (  # was priced: "p2p messages 8 (-800000 bytes)"
         ["simulate", "--pp", 2, "-m", 4, "--costs", "COSTS"],
         {"message_bytes": -1e5},

@@ -242,9 +242,10 @@ def test_simulate_plan_prices_the_recomputation_tune_used(tmp_path, run_cli):
     assert code == 0 and json.loads(text)["makespan"] < winner["makespan"]  # as asked
 
 
-def test_a_budget_priced_by_recomputation_alone_is_kept(tmp_path, run_cli):
+def test_a_budget_priced_by_recomputation_alone_is_applied(tmp_path, run_cli):
     """Layers without act/param under full recompute keep their inputs (message_bytes): the
-    budget prices them (a first check of act/param alone refused it)."""
+    budget is applied to those bytes (too small here, so no plan fits), not refused as
+    pricing nothing (a first check of act/param alone refused it)."""
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"layers": [{"fwd": 1, "bwd": 2}] * 4, "message_bytes": 1e6}))
     full = ("--recompute-granularity", "full", "--recompute-method", "uniform")
