@@ -25,8 +25,15 @@ def megatron_like_parser() -> argparse.ArgumentParser:
         "--num-virtual-stages-per-pipeline-rank",
         "--decoder-first-pipeline-num-layers",
         "--decoder-last-pipeline-num-layers",
+        "--hidden-size",
+        "--ffn-hidden-size",
+        "--num-attention-heads",
+        "--seq-length",
     ):
         add(name, type=int, default=None)
+    for name in ("--bf16", "--fp16", "--swiglu"):
+        add(name, action="store_true")
+    add("--transformer-impl", choices=("local", "transformer_engine"), default="transformer_engine")
     for name in (
         "--tensor-model-parallel-size",
         "--pipeline-model-parallel-size",

@@ -18,6 +18,7 @@ import time
 from ..core.layers import check_layers_fill_stages
 from ..core.placement import ConfigError
 from ..sim.cost import CostModel
+from ..sim.model_shape import describe_shape
 from ..tune.memory import format_bytes
 from ..tune.plan_file import PlanFile, recompute_of
 from ..tune.search_plans import Candidate, TuneResult, tune
@@ -120,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_json(result, args), indent=1))
+        print(json.dumps(_as_json(result, args, cost.model), indent=1))
     else:
-        print(format_result(result, args))
+        print(format_result(result, args, cost.model))
     return 0
 
 
@@ -130,9 +131,12 @@ def plan_file(winner: Candidate, args: argparse.Namespace, cost: CostModel) -> P
     """The winner with its partition, what was predicted for it and the activation
     recomputation it was priced under (``recompute``: megatron's granularity, method and
     layers; ``simulate --plan`` prices with it, ``--pipeline-reuse-plan`` compares it with
-    the training flags)."""
+    the training flags; ``model``: the shape the costs were profiled on, when the cost file
+    says)."""
     tuned = {"costs": args.costs, "memory_budget": args.memory_budget, **winner.to_dict()}
     tuned["recompute"] = recompute_of(cost)
+    if cost.model is not None:  # the shape the costs were measured on: sim/model_shape.py
+        tuned["model"] = cost.model
     return PlanFile(winner.plan, winner.stage_layers, tuned)
 
 
@@ -158,9 +162,10 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _as_json(result: TuneResult, args: argparse.Namespace) -> dict:
+def _as_json(result: TuneResult, args: argparse.Namespace, model: dict | None = None) -> dict:
+    config = {"pp": args.pp, "microbatches": args.microbatches, "costs": args.costs}
     return {
-        "config": {"pp": args.pp, "microbatches": args.microbatches, "costs": args.costs},
+        "config": config | {"model": model},
         "memory_budget": result.budget_bytes,
         "seconds": result.seconds,
         "winner": result.winner.to_dict(),
@@ -170,11 +175,13 @@ def _as_json(result: TuneResult, args: argparse.Namespace) -> dict:
     }
 
 
-def format_result(result: TuneResult, args: argparse.Namespace) -> str:
+def format_result(result: TuneResult, args: argparse.Namespace, model: dict | None = None) -> str:
+    """The ranked table and the winner; ``model``: the costs' shape, a line when given."""
     budget = "none" if result.budget_bytes is None else format_bytes(result.budget_bytes)
     fitting = result.fitting()
     lines = [
         f"tune: P={args.pp} m={args.microbatches} costs {args.costs}, memory budget {budget}",
+        *([f"model: {describe_shape(model)}"] if model else []),
         f"{len(result.ranked)} candidates scored in {result.seconds:.1f} s, "
         f"{len(fitting)} fit; top {min(args.top, len(fitting))}:",
         "",

@@ -38,7 +38,7 @@ from ..core.paths import check_trace_prefix
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
-from .plan_flag import GIVEN, NotedStore, add_plan_argument, apply_plan_file
+from .plan_flag import GIVEN, NotedStore, add_plan_argument, apply_plan_file, warn_other_shape
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -367,6 +367,10 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
     except ConfigError as exc:  # the message starts with the file name
         raise ConfigError(f"--pipeline-reuse-costs {exc}") from exc
     cost = with_model_recompute(cost, args)
+    warn_other_shape(
+        args, cost.model, f"--pipeline-reuse-costs {args.pipeline_reuse_costs} was profiled on",
+        "balance",
+    )  # fmt: skip
     if len(cost.layers) != args.num_layers:
         raise ConfigError(
             f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "

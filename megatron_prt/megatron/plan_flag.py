@@ -19,6 +19,7 @@ import argparse
 import warnings
 
 from ..core.placement import ConfigError
+from ..sim.model_shape import differences_message
 from ..tune.plan_file import PlanFile, describe_recompute, load_plan, recompute_setting
 
 FLAG = "--pipeline-reuse-plan"
@@ -68,6 +69,7 @@ def apply_plan_file(
     _check_model(args, plan_file, where, microbatches)
     _check_flags(args, plan_file, where, defaults)
     _warn_other_recompute(args, plan_file, where)
+    warn_other_shape(args, plan_file.model, f"{where} was tuned for", "tune")
     placement = plan_file.plan.placement
     args.pipeline_reuse = placement.reuse
     args.pipeline_reuse_placement = placement.placement
@@ -166,6 +168,44 @@ def _warn_other_recompute(args: argparse.Namespace, plan_file: PlanFile, where: 
         "are not what tune predicted; tune again with these --recompute-* flags",
         stacklevel=2,
     )
+
+
+def running_shape(args: argparse.Namespace) -> dict:
+    """The model shape the flags give (:mod:`megatron_prt.sim.model_shape` keys), as far as
+    they are known before Megatron's ``validate_args``: an ``ffn_hidden_size`` left out is
+    megatron's ``4 * hidden`` (not under ``--swiglu``, whose default differs), the
+    vocabulary only once Megatron-LM has padded it."""
+    hidden = getattr(args, "hidden_size", None)
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if ffn is None and hidden and not getattr(args, "swiglu", False):
+        ffn = 4 * hidden
+    dtype = "bfloat16" if getattr(args, "bf16", False) else None
+    dtype = dtype or ("float16" if getattr(args, "fp16", False) else "float32")
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": getattr(args, "num_attention_heads", None),
+        "ffn_hidden_size": ffn,
+        "seq_length": getattr(args, "seq_length", None),
+        "micro_batch_size": getattr(args, "micro_batch_size", None),
+        "vocab_size": getattr(args, "padded_vocab_size", None),
+        "dtype": dtype,
+        "transformer_impl": getattr(args, "transformer_impl", None),
+        "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),
+        "device": getattr(args, "device", None),
+    }
+
+
+def warn_other_shape(args: argparse.Namespace, recorded: dict | None, what: str, fix: str) -> None:
+    """Warn when ``recorded`` (a cost or plan file's model shape) is not the flags' model:
+    the plan runs exactly, at another time and memory than predicted (said, not refused).
+    ``what``: the file, e.g. ``--pipeline-reuse-plan p.json was tuned for``; ``fix``: what to
+    redo after profiling this model (``tune``, or ``balance`` for a cost file)."""
+    message = differences_message(
+        what, recorded, running_shape(args),
+        f"profile this model (`megatron-prt profile` with these flags) and {fix} again",
+    )  # fmt: skip
+    if message is not None:
+        warnings.warn(message, stacklevel=3)
 
 
 def _conflict(where: str, flag: str, given, own) -> None:

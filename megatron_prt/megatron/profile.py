@@ -12,7 +12,8 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
     {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes}, ...],
      "embedding": {...the same five keys}, "head": {...},
      "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
-     "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes}
+     "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes,
+     "model": {"model": kind, "hidden_size": ..., "seq_length": ..., ...}}
 
 * ``fwd`` / ``bwd``: seconds, median over ``reps`` passes (after one warm-up pass), timed by
   hooks at the part boundaries (forward hooks on the embedding and the layers; gradient
@@ -38,6 +39,8 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
   direction ``bi`` sums between the two weight replicas of a stage).
 * ``message_bytes``: one activation between stages, ``seq * mbs * hidden * dtype size``.
 * the totals are the whole model (layers, embedding and head), one micro-batch.
+* ``model``: the shape profiled (:mod:`megatron_prt.sim.model_shape`), which tune copies
+  into plan files and the training flags are compared with.
 
 Every layer is measured unless ``profile_layers`` is smaller than ``num_layers``: then a
 model of ``profile_layers`` layers is profiled and the last profiled layer's costs are
@@ -191,6 +194,19 @@ def profile_model(
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
     result = _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    result["model"] = {  # what these costs hold for: sim/model_shape.py
+        "model": kind,
+        "hidden_size": hidden_size,
+        "num_attention_heads": num_attention_heads,
+        "ffn_hidden_size": ffn_hidden_size or 4 * hidden_size,  # megatron's default
+        "seq_length": seq_length,
+        "micro_batch_size": micro_batch_size,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "transformer_impl": transformer_impl,
+        "tensor_model_parallel_size": 1,  # profiled on one rank
+        "device": device,
+    }
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))

@@ -12,6 +12,7 @@ or, per layer (``stage_layers`` optional, default as even as possible)::
     {"layers": [{"fwd": 0.1, "bwd": 0.2, "act": 1e7, "param": 5e6}, ...],
      "stage_layers": [3, 3, 2, 2], "p2p_latency": 0.01, "message_bytes": 1.6e7}
 
+``"model"`` (optional, not priced) names the shape measured: :mod:`~megatron_prt.sim.model_shape`.
 ``layers`` are the transformer layers in model order. Work outside them goes in two optional
 entries of the same shape: ``"embedding"`` (input embedding) always belongs to model stage 0,
 ``"head"`` (final norm, LM head / output layer and loss) always to model stage ``D-1``; each
@@ -109,6 +110,7 @@ from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
 from .cost_checks import check_bytes_on_every_layer, check_value_types
+from .model_shape import check_shape
 from .recompute import (
     KEPT,
     RECOMPUTED_IN_BLOCK,
@@ -232,6 +234,7 @@ class CostModel:
     recompute_granularity: str | None = None  # megatron's: None, "full" or "selective"
     recompute_method: str | None = None  # full: "uniform" or "block"
     recompute_num_layers: int | None = None  # full: layers per block / recomputed per stage
+    model: dict | None = field(default=None, compare=False)  # the shape measured, not priced
 
     def __post_init__(self) -> None:
         for name in _NON_NEGATIVE:
@@ -546,6 +549,7 @@ class CostModel:
             for i, layer in enumerate(data.get("layers", ()))
         )
         data["stage_layers"] = tuple(data.get("stage_layers", ()))
+        data["model"] = check_shape(data.get("model"))
         for end in ("embedding", "head"):
             if data.get(end) is not None:
                 data[end] = LayerCost.from_dict(data[end], end)
@@ -589,7 +593,6 @@ _OPTIONAL_KEYS = {
     "replica_add_bandwidth": math.inf,
     "wgrad_fraction": None,
     "wgrad_keep_fraction": WGRAD_KEEP_FRACTION,
-    "recompute_granularity": None,
-    "recompute_method": None,
-    "recompute_num_layers": None,
+    **dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers")),
+    "model": None,
 }

@@ -16,7 +16,7 @@ def check_value_types(data: object, model: type, layer: type) -> None:
     (passed in: this module sits below them). Keys and ranges are from_dict's to check."""
     if not isinstance(data, dict):
         raise ConfigError(f"expected a JSON object of cost keys, got {type(data).__name__}")
-    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict}
+    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict, "model": dict}
     for key, kind in parts.items():
         value = data.get(key)
         if value is not None and not isinstance(value, kind):

@@ -6,7 +6,8 @@ A plan file is :meth:`megatron_prt.core.plan.Plan.to_dict` (the config, ``stage_
     "stage_layers": [3, 3, 2, ...],   # transformer layers of model stages 0..D-1
     "num_layers": 24,                 # their sum, the model's --num-layers
     "tuned": {...}                    # optional: what `megatron-prt tune` predicted, and
-                                      # "recompute": [granularity, method, layers] priced
+                                      # "recompute": [granularity, method, layers] priced,
+                                      # "model": the costs' shape (sim/model_shape.py)
 
 ``config`` repeats ``stage_layers`` and ``num_layers`` so the file reads on its own.
 ``megatron-prt tune -o FILE`` writes one; :func:`load_plan` reads it for the plain-PyTorch
@@ -24,6 +25,7 @@ from ..core.layers import check_stage_layers
 from ..core.placement import ConfigError
 from ..core.plan import Plan
 from ..core.validate import validate
+from ..sim.model_shape import check_shape
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class PlanFile:
         method and layers, None each when off); None when the file does not say."""
         given = (self.tuned or {}).get("recompute")
         return None if given is None else tuple(given)
+
+    @property
+    def model(self) -> dict | None:
+        """The model shape the plan was tuned for (:mod:`megatron_prt.sim.model_shape`);
+        None when the file does not say."""
+        return (self.tuned or {}).get("model")
 
     @property
     def num_layers(self) -> int:
@@ -97,6 +105,11 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
             f"{where}: tuned.recompute must be [granularity, method, layers], got "
             f"{recompute!r}; write the file with `megatron-prt tune -o FILE`"
         )
+    try:
+        check_shape(tuned.get("model") if isinstance(tuned, dict) else None, "tuned.model")
+    except ConfigError as exc:
+        fix = "write the file with `megatron-prt tune -o FILE`"
+        raise ConfigError(f"{where}: {exc}; {fix}") from None
     return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), tuned)
 
 

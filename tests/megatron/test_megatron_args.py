@@ -592,3 +592,21 @@ def test_runtimes_per_call_shape_are_bounded(monkeypatch):
         again = pipelines.get(model, config, None, (4, 20, 2, None), forward_only=False)
         assert len(built) == 20 and again is built[-1]
         assert closed == built[: 20 - kept] and len(pipelines.by_key) == kept
+
+
+def test_balanced_costs_of_another_model_shape_are_said(tmp_path):
+    """The cost file's measured shape (``model``) was not compared with the flags: a split
+    balanced on costs of seq 32 was trained at seq 512 without a word."""
+    import json
+    import warnings
+
+    path = tmp_path / "shaped.json"
+    shape = {"hidden_size": 64, "seq_length": 32, "micro_batch_size": 1}
+    path.write_text(json.dumps({**json.loads(open(_costs(tmp_path, 8)).read()), "model": shape}))
+    balanced = ("--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
+    balanced += ("--pipeline-reuse-costs", path, "--hidden-size", 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_args(parse(*BASE, *balanced, "--seq-length", 32))
+    with pytest.warns(UserWarning, match=r"was profiled on another model shape \(seq_length 32"):
+        validate_args(parse(*BASE, *balanced, "--seq-length", 512))

@@ -198,6 +198,20 @@ def test_profile_model_gives_the_cost_json():
         "activation_bytes",
         "param_bytes",
         "grad_bytes",
+        "model",
+    }
+    assert costs["model"] == {  # what the costs hold for: sim/model_shape.py
+        "model": "gpt",
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 4,
+        "ffn_hidden_size": 4 * HIDDEN,
+        "seq_length": SEQ,
+        "micro_batch_size": MBS,
+        "vocab_size": VOCAB,
+        "dtype": "float32",
+        "transformer_impl": "local",
+        "tensor_model_parallel_size": 1,
+        "device": "cpu",
     }
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     assert len(costs["layers"]) == 3
@@ -319,6 +333,7 @@ def test_cli_profile_writes_the_cost_json(tmp_path):
     assert code == 0
     assert len(costs["layers"]) == 3
     assert costs["layers"][2] == costs["layers"][1]  # profiled 2, the last one repeated
+    assert costs["model"]["model"] == "bert" and costs["model"]["seq_length"] == 8
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import warnings
 import pytest
 from megatron_flags import parse, refusal
 
-from megatron_prt.core.placement import Placement
+from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import validate_args
 from megatron_prt.tune.plan_file import PlanFile, load_plan
@@ -204,3 +204,61 @@ def test_recompute_activations_counts_as_selective(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         validate_args(parse(*MODEL, "--pipeline-reuse-plan", path, "--recompute-activations"))
+
+
+# what `megatron-prt profile` records (sim/model_shape.py) for a model MODEL's flags can run
+SHAPE = {
+    "model": "bert",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 256,
+    "seq_length": 32,
+    "micro_batch_size": 1,
+    "vocab_size": 30592,
+    "dtype": "float32",
+    "transformer_impl": "local",
+    "tensor_model_parallel_size": 1,
+    "device": "cpu",
+}
+SAME_SHAPE = ("--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32)
+
+
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        (("--hidden-size", 128), r"hidden_size 64 -> 128; ffn_hidden_size 256 -> 512"),
+        (("--seq-length", 512), r"seq_length 32 -> 512"),
+        (("--bf16",), r"dtype float32 -> bfloat16"),
+        (("--transformer-impl", "transformer_engine"), r"transformer_impl local -> transformer_"),
+        (("--ffn-hidden-size", 128), r"ffn_hidden_size 256 -> 128"),
+    ],
+)
+def test_a_plan_tuned_for_another_model_shape_is_said(tmp_path, other, said):
+    """Plan files did not record the model the costs were measured on: a plan tuned for
+    seq 32 ran at seq 512 (another time and memory than predicted) without a word."""
+    path = str(tmp_path / "tuned.json")
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": SHAPE}).write(path)
+    assert load_plan(path).model == SHAPE
+    local = ("--transformer-impl", "local")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the shape profiled: nothing said
+        validate_args(parse(*MODEL, "--pipeline-reuse-plan", path, *SAME_SHAPE, *local))
+    argv = (*MODEL, "--pipeline-reuse-plan", path, *SAME_SHAPE, *local, *other)
+    with pytest.warns(UserWarning, match=rf"another model shape \({said}.*profile this model"):
+        validate_args(parse(*argv))
+
+
+def test_a_plan_tuned_on_one_tensor_rank_warns_under_tensor_parallel(tmp_path):
+    path = str(tmp_path / "tuned.json")
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": SHAPE}).write(path)
+    argv = (*MODEL, "--pipeline-reuse-plan", path, "--tensor-model-parallel-size", 2)
+    with pytest.warns(UserWarning, match=r"tensor_model_parallel_size 1 -> 2"):
+        validate_args(parse(*argv, world_size=16))
+
+
+def test_a_malformed_model_shape_in_a_plan_file_is_refused(tmp_path):
+    path = str(tmp_path / "tuned.json")
+    shape = {**SHAPE, "hidden_size": "64"}
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": shape}).write(path)
+    with pytest.raises(ConfigError, match=r"tuned.model.hidden_size must be a positive integer"):
+        load_plan(path)
