@@ -194,23 +194,23 @@ def profile_model(
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
     result = _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
-    result["model"] = {  # what these costs hold for: sim/model_shape.py
-        "model": kind,
-        "hidden_size": hidden_size,
-        "num_attention_heads": num_attention_heads,
-        "ffn_hidden_size": ffn_hidden_size or 4 * hidden_size,  # megatron's default
-        "seq_length": seq_length,
-        "micro_batch_size": micro_batch_size,
-        "vocab_size": vocab_size,
-        "dtype": dtype,
-        "transformer_impl": transformer_impl,
-        "tensor_model_parallel_size": 1,  # profiled on one rank
-        "device": device,
-    }
+    result["model"] = _shape(kind, sizes, dtype, transformer_impl, device)
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
     return result
+
+
+def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: str) -> dict:
+    """The cost file's ``model``, what the costs hold for: :mod:`~megatron_prt.sim.model_shape`."""
+    shape = {"model": kind}
+    for flag in ("--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+                 "--micro-batch-size", "--vocab-size"):  # fmt: skip
+        shape[flag[2:].replace("-", "_")] = sizes[flag]
+    shape["ffn_hidden_size"] = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]  # megatron's
+    shape.update(dtype=dtype, transformer_impl=transformer_impl, device=device)
+    shape["tensor_model_parallel_size"] = 1  # profiled on one rank
+    return shape
 
 
 def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str):
