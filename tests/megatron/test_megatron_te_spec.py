@@ -88,10 +88,12 @@ def fused_norm_spec():
             attention.submodules, linear_qkv=NormColumnLinear, linear_proj=ForeignLinear
         ),
     )
-    mlp = replace(
-        mlp,
-        submodules=replace(mlp.submodules, linear_fc1=NormColumnLinear, linear_fc2=ForeignLinear),
-    )
+    mlp_linears = {"linear_fc1": NormColumnLinear, "linear_fc2": ForeignLinear}
+    if isinstance(mlp, partial):  # megatron-core 0.19: partial(MLP.as_mlp_submodule, submodules=)
+        submodules = replace(mlp.keywords["submodules"], **mlp_linears)
+        mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    else:
+        mlp = replace(mlp, submodules=replace(mlp.submodules, **mlp_linears))
     layer = replace(
         layer,
         input_layernorm=IdentityOp,
