@@ -26,6 +26,7 @@ from ..core.placement import ConfigError
 from ..core.plan import Plan
 from ..core.validate import validate
 from ..sim.model_shape import check_shape
+from ..sim.recompute import check_recompute
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,28 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
     tuned = data.get("tuned")
     recompute = tuned.get("recompute") if isinstance(tuned, dict) else None
-    if recompute is not None and not (isinstance(recompute, list) and len(recompute) == 3):
-        raise ConfigError(
-            f"{where}: tuned.recompute must be [granularity, method, layers], got "
-            f"{recompute!r}; write the file with `megatron-prt tune -o FILE`"
-        )
+    if recompute is not None:
+        _check_recompute(recompute, where)
     try:
         check_shape(tuned.get("model") if isinstance(tuned, dict) else None, "tuned.model")
     except ConfigError as exc:
         fix = "write the file with `megatron-prt tune -o FILE`"
         raise ConfigError(f"{where}: {exc}; {fix}") from None
     return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), tuned)
+
+
+def _check_recompute(recompute: object, where: str) -> None:
+    """``tuned.recompute``: ``[granularity, method, layers]`` that megatron's rules accept."""
+    fix = "write the file with `megatron-prt tune -o FILE`"
+    if not (isinstance(recompute, list) and len(recompute) == 3):
+        raise ConfigError(
+            f"{where}: tuned.recompute must be [granularity, method, layers], got "
+            f"{recompute!r}; {fix}"
+        )
+    try:
+        check_recompute(*recompute)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{where}: tuned.recompute {recompute!r}: {exc}; {fix}") from None
 
 
 def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
@@ -125,6 +137,11 @@ def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
             f"got {raw!r}; write the file with `megatron-prt tune -o FILE`"
         )
     counts = check_stage_layers(raw, sum(raw), depth, name=f"{where}: stage_layers")
+    if not sum(counts):
+        raise ConfigError(
+            f"{where}: stage_layers {list(counts)} split no layer at all; a plan file splits "
+            "the model's transformer layers: write it with `megatron-prt tune -o FILE`"
+        )
     config = data.get("config", {})
     for key, given, own in (
         ("num_layers", data.get("num_layers"), sum(counts)),

@@ -200,6 +200,37 @@ def test_malformed_stage_layers_are_refused_by_name(tmp_path, tuned, key, value,
         load_plan(str(path))
 
 
+@pytest.mark.parametrize(
+    "recompute, match",
+    [
+        (["full", "uniform"], r"must be \[granularity, method, layers\]"),
+        (["fast", None, None], r"must be full or selective"),
+        (["full", "uniform", 0], r"needs --recompute-method uniform\|block"),
+        (["selective", "uniform", 1], r"selective takes no --recompute-method"),
+    ],
+)
+def test_a_recomputation_megatron_refuses_is_refused(tmp_path, tuned, recompute, match):
+    """Only tuned.recompute's length was checked: ["full", "uniform", 0] was priced and
+    compared with the training flags."""
+    tuned_part = {"recompute": recompute}
+    path = tmp_path / "plan.json"
+    PlanFile(tuned.winner.plan, tuned.winner.stage_layers, tuned_part).write(str(path))
+    with pytest.raises(ConfigError, match=match):
+        load_plan(str(path))
+
+
+def test_a_split_of_no_layer_is_refused(tmp_path, tuned):
+    """All-zero stage_layers loaded: a plan file for a model without layers."""
+    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
+    zeros = [0] * len(data["stage_layers"])
+    data["stage_layers"] = data["config"]["stage_layers"] = zeros
+    data["num_layers"] = data["config"]["num_layers"] = 0
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"split no layer at all"):
+        load_plan(str(path))
+
+
 def test_config_stage_layers_must_agree(tmp_path, tuned):
     data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
     data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
