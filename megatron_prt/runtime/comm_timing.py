@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -287,6 +288,7 @@ def comm_keys(hops: list, replica: dict, stand_in: tuple | None) -> dict:
     in place and the hop line is what is left of each hop once both ends' CPU is out
     ([Note: a hop's time less its CPU] in :mod:`megatron_prt.tune.measured`):
     :func:`_cpu_out_of_hops`."""
+    _warn_noisy_hops(hops)
     keys = {
         "replica_latency": replica["latency_s"],
         "replica_bandwidth": _per_second(replica["wire_s_per_byte"]),
@@ -336,6 +338,23 @@ def _cpu_out_of_hops(hops: list, stand_in: tuple) -> float:
         else:
             high, g_high, g_low = cpu, g_cpu, g_low / 2
     return best[1]
+
+
+NOISY_SIZE_RATIO = 64  # a hop this many times larger that times faster is noise
+
+
+def _warn_noisy_hops(hops: list) -> None:
+    """Say when the large hop timed faster than the small one although it carries many
+    times the bytes: the line's slope is then clipped to 0 and the bandwidth written as free
+    (``null``), which the noise decided, not the wire."""
+    (b0, t0), (b1, t1) = hops
+    if b1 >= NOISY_SIZE_RATIO * b0 and t1 < t0:
+        warnings.warn(
+            f"a hop of {b1} bytes timed faster than one of {b0} bytes ({t1 * 1e6:.1f} vs "
+            f"{t0 * 1e6:.1f} us, medians): p2p_bandwidth is written as free (null) on timing "
+            "noise; profile again with more --reps, on a quieter machine",
+            stacklevel=3,
+        )
 
 
 def _hop_line(hops: list, cpu: float) -> dict:

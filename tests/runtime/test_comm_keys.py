@@ -50,3 +50,17 @@ def test_without_the_cpu_fit_the_hops_are_taken_as_timed():
     assert "p2p_cpu" not in keys
     assert keys["p2p_latency"] == 0.5 and keys["p2p_bandwidth"] == pytest.approx(1e6)
     assert keys["replica_latency"] == 0.5 and keys["replica_add_bandwidth"] is None
+
+
+def test_a_large_hop_timed_faster_than_a_small_one_is_said():
+    """The large hop timing under the small one (noise) wrote the bandwidth as free without
+    a word."""
+    with pytest.warns(UserWarning, match=r"timed faster than one of 4096 bytes.*--reps"):
+        keys = comm_keys([(4096, 2e-4), (BYTES, 1.9e-4)], REPLICA, None)
+    assert keys["p2p_bandwidth"] is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # slower at more bytes, or sizes too close to tell
+        comm_keys([(4096, 2e-4), (BYTES, 3e-4)], REPLICA, None)
+        comm_keys([(4096, 2e-4), (8192, 1.9e-4)], REPLICA, None)
