@@ -51,7 +51,20 @@ def gather_ints(
     with collective(what, group):
         _wait(store, keys, what, group, timeout_s)
     rows = [store.get(key).decode() for key in keys]
+    _delete_previous_row(store, what, call, rank)
     return [[int(v) for v in row.split(",")] if row else [] for row in rows]
+
+
+def _delete_previous_row(store, what: str, call: int, rank: int) -> None:
+    """Delete this rank's row of call ``call - 1``, so the store holds at most one row per
+    rank and check, however many checks a job runs. Safe once call ``call`` has every row:
+    a rank writes its call-``call`` row only after its call ``call - 1`` read every row (or
+    raised, and reads nothing more). Stores without ``delete_key`` keep the rows."""
+    if call > 1:
+        try:
+            store.delete_key(f"{_PREFIX}{what}/{call - 1}/{rank}")
+        except (AttributeError, NotImplementedError, RuntimeError):
+            pass
 
 
 def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> None:

@@ -537,3 +537,22 @@ def test_every_rank_of_four_names_the_failing_rank(transport):
         "injected failure",
         **{f"r{r}": ["rank 0 failed first"] for r in (1, 2, 3)},
     )
+
+
+def test_exchange_rows_of_earlier_checks_are_deleted():
+    """Every check left one row per rank in the group's store for the job's whole life."""
+    from megatron_prt.runtime.exchange import _PREFIX, gather_ints
+
+    def body(rank, world):
+        rows = [gather_ints([rank, call], "rows", None, 10.0) for call in range(3)]
+        dist.barrier()  # every rank past its last exchange
+        store = dist.group.WORLD.get_group_store()
+        kept = [[store.check([f"{_PREFIX}rows/{call}/{r}"]) for r in range(world)]
+                for call in (1, 2, 3)]  # fmt: skip
+        return rows, kept
+
+    for status, payload in run_case(2, body):
+        assert status == "ok" and payload["error"] is None, payload
+        rows, kept = payload["value"]
+        assert rows == [[[0, call], [1, call]] for call in range(3)]
+        assert kept == [[False, False], [False, False], [True, True]]
