@@ -173,8 +173,9 @@ def _warn_other_recompute(args: argparse.Namespace, plan_file: PlanFile, where: 
 def running_shape(args: argparse.Namespace) -> dict:
     """The model shape the flags give (:mod:`megatron_prt.sim.model_shape` keys), as far as
     they are known before Megatron's ``validate_args``: an ``ffn_hidden_size`` left out is
-    megatron's ``4 * hidden`` (not under ``--swiglu``, whose default differs), the
-    vocabulary only once Megatron-LM has padded it."""
+    megatron's ``4 * hidden`` (not under ``--swiglu``, whose default differs). Not the
+    vocabulary: megatron pads it (to ``--make-vocab-size-divisible-by``) after this check,
+    and ``profile`` records the size it was given."""
     hidden = getattr(args, "hidden_size", None)
     ffn = getattr(args, "ffn_hidden_size", None)
     if ffn is None and hidden and not getattr(args, "swiglu", False):
@@ -187,7 +188,6 @@ def running_shape(args: argparse.Namespace) -> dict:
         "ffn_hidden_size": ffn,
         "seq_length": getattr(args, "seq_length", None),
         "micro_batch_size": getattr(args, "micro_batch_size", None),
-        "vocab_size": getattr(args, "padded_vocab_size", None),
         "dtype": dtype,
         "transformer_impl": getattr(args, "transformer_impl", None),
         "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),

@@ -14,8 +14,8 @@ and memory are not what tune predicted. Keys are Megatron-LM's argument names::
      "tensor_model_parallel_size": 1, "device": "cuda"}
 
 Only keys both sides give (and neither gives as ``null``) are compared: a hand-written cost
-file may give none, and a run may not know some at its check (Megatron-LM pads the vocabulary
-after the flags are read).
+file may give none, and a run may not know some at its check (the training flags give no
+vocabulary: megatron pads it after the check).
 """
 
 from __future__ import annotations
