@@ -78,7 +78,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "measure the layers a second time with megatron's recomputation on "
         "and write the full_* / selective_* keys (default: off)",
     )
-    p.add_argument("-o", "--out", metavar="FILE", help="write the cost JSON here")
+    p.add_argument(
+        "-o", "--output", "--out", dest="out", metavar="FILE", help="write the cost JSON here"
+    )  # --output as tune and plan spell it; --out kept for older scripts
     p.set_defaults(func=run)
     return p
 

@@ -334,3 +334,17 @@ def test_simulate_bi_columns_sit_under_their_headers(run_cli):
     for column in ("param_bytes", "replica_wait", "replica_sync"):
         start = lines[header].index(column)
         assert lines[header + 1][start] != " " and lines[header + 1][start - 1] == " ", column
+
+
+@pytest.mark.parametrize("command", ["plan", "tune", "profile"])
+def test_every_writing_command_takes_output(command):
+    """profile spelled its -o as --out while tune and plan say --output."""
+    from megatron_prt.cli.main import build_parser
+
+    extra = {"plan": ["--pp", "2", "-m", "4"],
+             "tune": ["--costs", "c.json", "--pp", "2", "-m", "4"],
+             "profile": ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads",
+                         "1", "--seq-length", "8", "--micro-batch-size", "1",
+                         "--vocab-size", "8"]}  # fmt: skip
+    args = build_parser().parse_args([command, *extra.get(command, []), "--output", "f.json"])
+    assert "f.json" in vars(args).values()
