@@ -348,3 +348,19 @@ def test_every_writing_command_takes_output(command):
                          "--vocab-size", "8"]}  # fmt: skip
     args = build_parser().parse_args([command, *extra.get(command, []), "--output", "f.json"])
     assert "f.json" in vars(args).values()
+
+
+def test_wgrad_fraction_leaves_whole_backward_predictions_alone(run_cli):
+    """W times chose the tick length, so a plan without I/W moved with --wgrad-fraction
+    (0.134049 -> 0.1340499 here)."""
+    from pathlib import Path
+
+    costs = Path(__file__).parents[2] / "docs/benchmarks/costs/bert-base-h200-bf16.json"
+    argv = ("simulate", "--costs", costs, "--pp", 4, "-m", 8, "--reuse", 3)
+    argv += ("--placement", "wave", "--json")
+    spans = []
+    for extra in ((), ("--wgrad-fraction", 0.31), ("--wgrad-fraction", 0.07)):
+        code, text, err = run_cli(*argv, *extra)
+        assert code == 0, err
+        spans.append(json.loads(text)["makespan"])
+    assert spans[0] == spans[1] == spans[2]
