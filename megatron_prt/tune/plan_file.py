@@ -100,11 +100,16 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
     tuned = data.get("tuned")
-    recompute = tuned.get("recompute") if isinstance(tuned, dict) else None
+    if tuned is not None and not isinstance(tuned, dict):
+        raise ConfigError(
+            f"{where}: tuned must be an object (what `megatron-prt tune` predicted), got "
+            f"{tuned!r}; write the file with `megatron-prt tune -o FILE`"
+        )
+    recompute = (tuned or {}).get("recompute")
     if recompute is not None:
         _check_recompute(recompute, where)
     try:
-        check_shape(tuned.get("model") if isinstance(tuned, dict) else None, "tuned.model")
+        check_shape((tuned or {}).get("model"), "tuned.model")
     except ConfigError as exc:
         fix = "write the file with `megatron-prt tune -o FILE`"
         raise ConfigError(f"{where}: {exc}; {fix}") from None

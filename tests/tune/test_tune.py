@@ -219,6 +219,16 @@ def test_a_recomputation_megatron_refuses_is_refused(tmp_path, tuned, recompute,
         load_plan(str(path))
 
 
+def test_a_tuned_part_that_is_no_object_is_refused(tmp_path, tuned):
+    """A list as ``tuned`` loaded, then failed with an AttributeError when read."""
+    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
+    data["tuned"] = ["full", "uniform", 1]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"tuned must be an object"):
+        load_plan(str(path))
+
+
 def test_a_split_of_no_layer_is_refused(tmp_path, tuned):
     """All-zero stage_layers loaded: a plan file for a model without layers."""
     data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
