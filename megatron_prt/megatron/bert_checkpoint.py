@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import signal
 import sys
@@ -124,11 +125,64 @@ MODEL_FLAGS = {
 
 
 def model_shape(args: argparse.Namespace) -> dict:
-    """The model a checkpoint holds, as :data:`MODEL_FLAGS` name it (defaults resolved)."""
+    """The model a checkpoint holds, as :data:`MODEL_FLAGS` name it (defaults resolved),
+    and its vocabulary (:data:`VOCAB_KEYS`, once the run has set them)."""
     shape = {name: getattr(args, name) for name in MODEL_FLAGS}
     shape["ffn_hidden_size"] = shape["ffn_hidden_size"] or 4 * args.hidden_size
     shape["max_position_embeddings"] = shape["max_position_embeddings"] or args.seq_length
+    shape.update({key: getattr(args, key, None) for key in VOCAB_KEYS})
+    shape["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by  # not compared
     return shape
+
+
+# [Note: the vocabulary on resume] megatron pads the tokenizer's vocabulary to a multiple of
+# --make-vocab-size-divisible-by x the tensor-parallel size, and megatron-core loads the
+# word-embedding and output-layer tensors with allow_shape_mismatch: rows are cut or zero-
+# filled without a word, and the padded rows' logits are part of every softmax. So another
+# padding (another TP size, another divisor) or another tokenizer would resume another model.
+VOCAB_KEYS = ("vocab_size", "padded_vocab_size")  # the tokenizer's, and as padded
+
+
+def _divisor_for(tokens: int, padded: int, tp: int, saved_divisor, layout: dict) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` that pads ``tokens`` to ``padded`` at
+    tensor-parallel size ``tp``: the saved run's multiple spread over ``tp`` ranks where it
+    divides, else the largest power of two, else the largest; None when none does."""
+
+    def pads(d: int) -> bool:
+        return d > 0 and math.ceil(tokens / (d * tp)) * d * tp == padded
+
+    saved_multiple = (saved_divisor or 0) * layout.get("tensor_model_parallel_size", 0)
+    powers = [1 << k for k in range(padded.bit_length(), -1, -1)]
+    for d in [saved_multiple // tp if saved_multiple % tp == 0 else 0, *powers]:
+        if pads(d):
+            return d
+    return next((d for d in range(padded // tp, 0, -1) if pads(d)), None)
+
+
+def _other_vocab(args: argparse.Namespace, theirs: dict, ours: dict, layout: dict) -> list[str]:
+    """Why the checkpoint's vocabulary is not this run's (checkpoints that predate the
+    record give none): another tokenizer, or another padding with the divisor that
+    reproduces the saved one at this tensor-parallel size."""
+    if theirs.get("vocab_size") not in (None, ours["vocab_size"]):
+        return [
+            f"a tokenizer of {theirs['vocab_size']} tokens there, {ours['vocab_size']} here "
+            "(give the --vocab-file or --tokenizer-model it was saved with)"
+        ]
+    saved = theirs.get("padded_vocab_size")
+    if saved in (None, ours["padded_vocab_size"]):
+        return []
+    tp, tokens = args.tensor_model_parallel_size, ours["vocab_size"]
+    divisor = _divisor_for(tokens, saved, tp, theirs.get("make_vocab_size_divisible_by"), layout)
+    fix = (
+        f"give --make-vocab-size-divisible-by {divisor}"
+        if divisor
+        else f"no --make-vocab-size-divisible-by gives {saved} at --tensor-model-parallel-size "
+        f"{tp}: resume at the tensor-parallel size it was saved with"
+    )
+    return [
+        f"the vocabulary padded to {saved} rows there, {ours['padded_vocab_size']} here (a "
+        f"multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size; {fix})"
+    ]
 
 
 def _other_model(args: argparse.Namespace, saved: dict, folder: Path) -> str | None:
@@ -146,6 +200,7 @@ def _other_model(args: argparse.Namespace, saved: dict, folder: Path) -> str | N
         return f"the binary head there, {flag} here" if theirs.get(name) else f"{flag} there"
 
     differ = [differs(name) for name in MODEL_FLAGS if theirs.get(name) != ours[name]]
+    differ += _other_vocab(args, theirs, ours, saved.get("layout", {}))
     if not differ:
         return None
     return (
