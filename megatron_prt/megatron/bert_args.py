@@ -271,6 +271,12 @@ def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--tensor-model-parallel-size {tp} (each tensor-parallel rank holds whole heads)"
         )
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    if ffn % tp:
+        yield (
+            f"--ffn-hidden-size {ffn} must be a multiple of --tensor-model-parallel-size {tp} "
+            "(each tensor-parallel rank holds an equal slice of the MLP)"
+        )
     args.data_parallel_size = args.world_size // (pp * tp)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.micro_batch_size < 1 or args.global_batch_size % per_step:
@@ -298,6 +304,12 @@ def _parallel_problems(args: argparse.Namespace) -> Iterator[str]:
         )
     if args.sequence_parallel and args.tensor_model_parallel_size < 2:
         yield "--sequence-parallel needs --tensor-model-parallel-size > 1"
+    elif args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        yield (
+            f"--seq-length {args.seq_length} must be a multiple of --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} under --sequence-parallel (each tensor-parallel "
+            "rank holds an equal slice of the sequence)"
+        )
     if args.recompute_granularity == "full" and args.recompute_method is None:
         yield "--recompute-granularity full needs --recompute-method uniform or block"
     if args.recompute_granularity != "full" and args.recompute_method is not None:

@@ -340,6 +340,16 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (  # were megatron tracebacks at the model's build and the first forward
+            ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"],
+            2,
+            "--ffn-hidden-size 33 must be a multiple of --tensor-model-parallel-size 2",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"],
+            2,
+            "--seq-length 33 must be a multiple of --tensor-model-parallel-size 2 under",
+        ),
         (["--recompute-granularity", "full"], 1, "needs --recompute-method uniform or block"),
         (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity"),
         ([*FULL_RECOMPUTE, "--recompute-num-layers", "0"], 1, "must be >= 1, got 0"),  # was 1
