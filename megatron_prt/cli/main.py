@@ -342,12 +342,11 @@ def _write_plan(args, plan: Plan, cost: CostModel) -> int:
         if not args.output:
             raise ConfigError("--format png needs -o FILE")
         result = simulate(plan, cost)
-        write_png(
-            args.output,
-            spans_of(plan, result.timeline),
-            _title(plan, result),
-            plan.placement.stage_to_chunk,
-        )
+        spans = spans_of(plan, result.timeline)
+        try:
+            write_png(args.output, spans, _title(plan, result), plan.placement.stage_to_chunk)
+        except RuntimeError as exc:  # matplotlib missing: one line, as every refusal
+            raise ConfigError(f"--format png: {exc}, or use --format chrome") from None
         print(f"wrote {args.output}")
         return 0
     if fmt == "chrome":

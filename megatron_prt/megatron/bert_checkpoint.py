@@ -372,7 +372,9 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
             state.scheduler.load_state_dict(saved["scheduler"])
         except AssertionError as exc:
             problem = (
-                f"{folder}: {exc}; pass --use-checkpoint-opt_param-scheduler to take the "
+                f"{folder}: {exc} (megatron counts the schedule in samples: iterations x "
+                "--global-batch-size; --lr-decay-iters and --lr-warmup-iters default to "
+                "--train-iters and 0); pass --use-checkpoint-opt_param-scheduler to take the "
                 "checkpoint's schedule or --override-opt_param-scheduler to take the flags'"
             )
     _agree(args, problem)

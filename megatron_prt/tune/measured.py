@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from ..core.actions import Op
+from ..core.layers import check_stage_layers
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
 from ..sim.cost import CostModel, LayerCost
@@ -90,8 +91,8 @@ def measured_cost(
     layer activations: ``act`` 1 per layer and per such end stage (one micro-batch's
     activations of one layer; the traces give no bytes), so the plans of one split compare
     by what they hold; a head whose logits outweigh a layer's activations is undercounted."""
+    counts = check_stage_layers(stage_layers, sum(stage_layers), placement.depth)
     fwd, bwd, w_share = stage_times(placement, gathered)
-    counts = tuple(stage_layers)
     layers: list[LayerCost] = []
     ends: dict[int, LayerCost] = {}
     for k, n in enumerate(counts):

@@ -364,3 +364,21 @@ def test_wgrad_fraction_leaves_whole_backward_predictions_alone(run_cli):
         assert code == 0, err
         spans.append(json.loads(text)["makespan"])
     assert spans[0] == spans[1] == spans[2]
+
+
+def test_png_without_matplotlib_is_one_line(run_cli, tmp_path, monkeypatch):
+    """A plain install (no matplotlib) printed two tracebacks for --format png."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = tmp_path / "p.png"
+    code, _, err = run_cli("plan", "--pp", 2, "--reuse", 2, "-m", 4, "--format", "png", "-o", out)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "pip install 'megatron-prt[plot]', or use --format chrome" in err

@@ -128,6 +128,8 @@ def test_measured_costs_are_the_median_stage_times():
     cost = measured_cost(reuse.placement, (3, 1), [rank0, rank1], split_backward=True)
     times = cost.stage_times(reuse.placement)
     assert times.fwd == pytest.approx((0.31, 0.1)) and cost.stage_layers == (3, 1)
+    with pytest.raises(ConfigError, match=r"must give D = R\*P = 2 counts"):  # an IndexError
+        measured_cost(reuse.placement, (1, 1, 1, 1), [rank0, rank1], split_backward=True)
 
 
 def _train_auto(rank, world, kind, m, reuse, state, clocks=None):
