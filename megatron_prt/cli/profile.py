@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         costs.update(_measure_comm(args, costs))
     except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"megatron-prt profile: error: {message}", file=sys.stderr)
+        print(f"megatron-prt: error: {message}", file=sys.stderr)  # as every command
         return 2
     text = json.dumps(costs, indent=1) + "\n"
     summary = sys.stderr
