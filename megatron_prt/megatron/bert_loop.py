@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..tune.plan_file import describe_recompute, recompute_setting
 from .bert_checkpoint import load_checkpoint, save_checkpoint
 from .bert_setup import build_model, build_training, is_logging_rank, log, padded_vocab_size
 from .bert_step import Launch, MicroBatchSampler, TrainState, evaluate, train_step
@@ -76,6 +77,9 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
         "reuse": None if reuse is None else reuse.placement.reuse,
         "placement": None if reuse is None else reuse.placement.placement,
         "direction": None if reuse is None else reuse.placement.direction,
+        "stage_layers": None if reuse is None else list(reuse.layers_per_stage()),
+        "split_backward": None if reuse is None else reuse.split_backward,
+        "recompute": _recompute(args),
         "num_microbatches": micro,
         "device": args.device,
         "cpu_count": os.cpu_count(),
@@ -162,8 +166,17 @@ def _log_start(args: argparse.Namespace, chunks: list, microbatches: int) -> Non
         f"{args.world_size} ranks (tensor "
         f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size} "
         f"x data {args.data_parallel_size}), "
-        f"{len(chunks)} chunk(s) per rank, {microbatches} micro-batches per iteration; "
-        f"parameters per rank {counts}"
+        f"{len(chunks)} chunk(s) per rank, {microbatches} micro-batches per iteration, "
+        f"recomputation {_recompute(args)}; parameters per rank {counts}"
+    )
+
+
+def _recompute(args: argparse.Namespace) -> str:
+    """The run's activation recomputation in words, e.g. ``full (uniform, 1 layer(s))``."""
+    return describe_recompute(
+        recompute_setting(
+            args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+        )
     )
 
 

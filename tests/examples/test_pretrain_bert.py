@@ -113,6 +113,8 @@ def test_wave_trains_with_decreasing_loss_and_measures_the_pipeline(wave_run):
     assert len(valid) == 2 and float(valid[1]) < float(valid[0])
     summary = demo.summary_of(output.splitlines())
     assert summary["schedule"] == "PRT R=2 wave/uni" and summary["iteration"] == 8
+    assert summary["stage_layers"] == [1, 1, 1, 1] and summary["split_backward"] is False
+    assert summary["recompute"] == "none" and "recomputation none;" in output  # were left out
     assert 0.0 <= summary["bubble"] < 1.0 and summary["predicted_bubble"] > 0
     assert len(summary["peak_activation_bytes"]) == 2
     assert all(b > 0 for b in summary["peak_activation_bytes"])
