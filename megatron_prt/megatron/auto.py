@@ -2,10 +2,12 @@
 predicted plans on the next ones, switch to the fastest measured.
 
 The first :attr:`~megatron_prt.megatron.config.ReuseConfig.auto_iterations` training calls
-run the plan the flags give (the first is warm-up); the later ones are traced (the
-runtime's per-action spans: inputs ready to compute done). After the last of them every
-pipeline rank's spans are gathered over the pipeline group, each model stage's forward and
-backward time is the median over its micro-batches and replicas, and global rank 0 runs
+run the plan the flags give (the first is warm-up, metered for activation memory); the
+later ones are traced (the runtime's per-action spans: inputs ready to compute done).
+After the last of them every pipeline rank's spans and memory timeline are gathered over
+the pipeline group, each model stage's forward and backward time is the median over its
+micro-batches and replicas, its activation bytes the median its forwards kept
+(:func:`~megatron_prt.tune.measured.stage_bytes`), and global rank 0 runs
 :func:`megatron_prt.tune.search_plans.tune_layout` on those costs and broadcasts its
 :attr:`~megatron_prt.megatron.config.ReuseConfig.auto_candidates` best predicted plans
 (``--pipeline-reuse-auto-candidates`` K; distinct plans,
@@ -61,6 +63,7 @@ from ..tune.measured import (
     fastest,
     interleaved_rounds,
     measured_cost,
+    stage_bytes,
     top_candidates,
 )
 from ..tune.search_plans import Candidate, Seed, TuneResult, add_seeds, tune_layout
@@ -91,6 +94,8 @@ class AutoTuner:
         self.reuse = reuse
         self.calls = 0
         self.spans: list[list] = []  # this rank's spans of each traced iteration
+        self.timeline: list = []  # the warm-up call's activation memory, action by action
+        self._metering = False  # what the runtime's measure_memory was before the warm-up
         self.candidates: list[AutoCandidate] = []
         self.queue: list[tuple[int, bool]] = []  # (candidate, timed) of each call still to run
         self.seconds: list[list[float]] = []  # each candidate's timed calls
@@ -104,9 +109,13 @@ class AutoTuner:
         return not self.done
 
     def before(self, pipeline) -> None:
-        """Trace this training call when it is a profiled one after the warm-up."""
+        """Trace this training call when it is a profiled one after the warm-up; meter the
+        warm-up's activation memory (its saved-tensor hooks cost time, so not on a traced
+        call: the tuner prices memory in these bytes, time in the traces)."""
         traced = 0 < self.calls < self.reuse.auto_iterations
         pipeline.trace_enabled = traced or bool(self.reuse.trace_path)
+        if self.calls == 0:
+            self._metering, pipeline.measure_memory = pipeline.measure_memory, True
 
     def timed(self, pipeline, call: Callable[[], object]) -> object:
         """Run ``call`` (one training iteration on ``pipeline``) and return what it returns;
@@ -134,14 +143,19 @@ class AutoTuner:
         return self._final(self._measured_winner())
 
     def _after_profiled(self, pipeline, group) -> Plan | None:
-        if self.calls > 1:
+        if self.calls == 1:
+            self.timeline = pipeline.memory_stats()["timeline"]
+            pipeline.measure_memory = self._metering
+        else:
             self.spans.append(pipeline.trace())
         pipeline.trace_enabled = bool(self.reuse.trace_path)
         if self.calls < self.reuse.auto_iterations:
             return None
         gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, self.spans, group=group)
-        self.candidates = _agreed_candidates(self.reuse, pipeline.plan, gathered)
+        dist.all_gather_object(gathered, (self.spans, self.timeline), group=group)
+        spans, timelines = [g[0] for g in gathered], [g[1] for g in gathered]
+        act = stage_bytes(pipeline.plan.placement, timelines)
+        self.candidates = _agreed_candidates(self.reuse, pipeline.plan, spans, act)
         if len(self.candidates) == 1:
             return self._final(self.candidates[0])
         count, reps = len(self.candidates), self.reuse.auto_pick_reps
@@ -196,14 +210,20 @@ def same_gradients(candidate: Candidate, running: Plan, stage_layers: tuple[int,
     )
 
 
-def _agreed_candidates(reuse: ReuseConfig, running: Plan, gathered: list) -> list[AutoCandidate]:
+def _agreed_candidates(
+    reuse: ReuseConfig, running: Plan, gathered: list, act_bytes: list | None = None
+) -> list[AutoCandidate]:
     """Rank 0 tunes and broadcasts its best predicted plans; every rank checks their hash
-    against every other rank's."""
+    against every other rank's. ``act_bytes``: each model stage's measured activation bytes
+    per micro-batch (:func:`~megatron_prt.tune.measured.stage_bytes`), else memory is
+    counted in layers."""
     payload: list = [None]
     if dist.get_rank() == 0:
         counts = reuse.layers_per_stage()
         try:
-            cost = measured_cost(running.placement, counts, gathered, reuse.split_backward)
+            cost = measured_cost(
+                running.placement, counts, gathered, reuse.split_backward, act_bytes
+            )
             result = _tuned_within_running_memory(reuse, running, cost, counts)
             top = top_candidates(result, reuse.auto_candidates)
             top = [c for c in top if same_gradients(c, running, counts)]
@@ -235,8 +255,8 @@ def _tuned_within_running_memory(
     reuse: ReuseConfig, running: Plan, cost: CostModel, counts: tuple[int, ...]
 ) -> TuneResult:
     """:func:`tune_layout`'s ranking with the running plan among the candidates, and only
-    plans whose busiest rank holds no more layer activations than the running plan's
-    (``cost`` prices memory in layer activations, :func:`measured_cost`): auto switches
+    plans whose busiest rank holds no more activation bytes than the running plan's
+    (``cost`` prices each stage at its metered bytes, :func:`measured_cost`): auto switches
     neither to a plan that is only predicted faster than the one it could keep, nor to
     one that needs more memory than the job was started with (split backward's plans
     held 2-4x the running plan's activations)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from ..core.actions import Op
+from ..core.actions import parse as parse_action
 from ..core.layers import check_stage_layers
 from ..core.placement import ConfigError, Placement
 from ..core.plan import Plan
@@ -82,24 +83,48 @@ def stage_times(placement: Placement, gathered: list) -> tuple[list[float], list
     return medians, back, (w_total / b_total if b_total else 0.0)
 
 
+def stage_bytes(placement: Placement, timelines: list) -> list[float] | None:
+    """Per model stage: the median activation bytes one micro-batch's forward keeps, from
+    every rank's :meth:`~megatron_prt.runtime.PipelineRuntime.memory_stats` timeline
+    (``timelines[rank]``: ``(action label, bytes held after it)``; a forward's rise is what
+    it kept). None when some stage ran no forward in them (nothing to price it by)."""
+    kept = defaultdict(list)
+    for timeline in timelines:
+        before = 0
+        for label, held in timeline:
+            action = parse_action(label)
+            if action.op is Op.F:
+                kept[placement.model_stage(action.stage)].append(max(held - before, 0))
+            before = held
+    if any(not kept[k] for k in range(placement.depth)):
+        return None
+    return [float(statistics.median(kept[k])) for k in range(placement.depth)]
+
+
 def measured_cost(
-    placement: Placement, stage_layers: Sequence[int], gathered: list, split_backward: bool
+    placement: Placement,
+    stage_layers: Sequence[int],
+    gathered: list,
+    split_backward: bool,
+    act_bytes: Sequence[float] | None = None,
 ) -> CostModel:
     """A per-layer cost model in seconds: each model stage's measured time spread evenly
     over its layers (the split is fixed, so only stage sums matter); a stage without
-    layers keeps its time as the embedding (stage 0) or head (last stage). Memory is in
-    layer activations: ``act`` 1 per layer and per such end stage (one micro-batch's
-    activations of one layer; the traces give no bytes), so the plans of one split compare
-    by what they hold; a head whose logits outweigh a layer's activations is undercounted."""
+    layers keeps its time as the embedding (stage 0) or head (last stage). Memory: each
+    stage's measured ``act_bytes`` (:func:`stage_bytes`) spread the same way, the
+    embedding and the head in their stages' bytes; without them, in layer activations
+    (``act`` 1 per layer and per such end stage), where a head whose logits outweigh a
+    layer's activations is undercounted."""
     counts = check_stage_layers(stage_layers, sum(stage_layers), placement.depth)
     fwd, bwd, w_share = stage_times(placement, gathered)
+    act = list(act_bytes) if act_bytes is not None else [float(max(n, 1)) for n in counts]
     layers: list[LayerCost] = []
     ends: dict[int, LayerCost] = {}
     for k, n in enumerate(counts):
         if n:
-            layers += [LayerCost(fwd[k] / n, bwd[k] / n, act=1.0)] * n
+            layers += [LayerCost(fwd[k] / n, bwd[k] / n, act=act[k] / n)] * n
         elif k in (0, placement.depth - 1):
-            ends[k] = LayerCost(fwd[k], bwd[k], act=1.0)
+            ends[k] = LayerCost(fwd[k], bwd[k], act=act[k])
     return CostModel(
         layers=tuple(layers),
         embedding=ends.get(0),

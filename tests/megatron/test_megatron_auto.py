@@ -24,7 +24,7 @@ from megatron_prt.megatron.auto import (
 )
 from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.sim.cost import CostModel, LayerCost
-from megatron_prt.tune.measured import measured_cost, stage_times
+from megatron_prt.tune.measured import measured_cost, stage_bytes, stage_times
 from megatron_prt.tune.search_plans import tune_layout
 
 MODEL = ("--num-layers", 8, "--pipeline-model-parallel-size", 2, "--global-batch-size", 4)
@@ -86,6 +86,31 @@ def test_auto_offers_the_running_plan_and_nothing_holding_more(split, direction)
     assert all(c.peak_bytes <= held for c in result.fitting())
     if split:  # what the unbounded search offered first held more than the running plan
         assert unbounded.winner.peak_bytes > held
+
+
+def test_auto_prices_memory_in_the_measured_bytes_of_each_stage():
+    """Memory was counted in layers, so a last stage whose head keeps 30 layers' worth of
+    logits counted as its 3 layers: auto could switch to a plan holding more of its
+    micro-batches, which the running plan's memory does not hold."""
+    placement, counts, m = Placement(2, 2, "loop", "bi"), (3, 1, 1, 3), 8
+    reuse = ReuseConfig(placement, m, counts, split_backward=True)
+    running = build_plan(placement, m, "zb")
+    spans = [_spans(placement, rank, m, True) for rank in range(2)]
+    fits = {}
+    for name, act in (("layers", None), ("bytes", [1.0, 1.0, 1.0, 30.0])):
+        cost = measured_cost(placement, counts, spans, True, act)
+        result = _tuned_within_running_memory(reuse, running, cost, counts)
+        fits[name] = {(c.label, c.planned_for) for c in result.fitting()}
+    assert fits["bytes"] < fits["layers"]  # admitted by counting layers, over in bytes
+    assert fits["bytes"] == {(RUNNING, "seed")}
+
+
+def test_stage_bytes_are_the_median_rise_of_each_forward():
+    placement = Placement(2, 1)  # stage k on rank k
+    rank0 = [("0F0", 100), ("0F1", 210), ("0B0", 110), ("0F2", 200), ("0B1", 100)]
+    rank1 = [("1F0", 500), ("1B0", 0), ("1F1", 400), ("1B1", 0)]
+    assert stage_bytes(placement, [rank0, rank1]) == [100.0, 450.0]
+    assert stage_bytes(placement, [rank0, []]) is None  # stage 1 never metered
 
 
 def _spans(placement, rank, m, split):
@@ -158,6 +183,8 @@ def _train_auto(rank, world, kind, m, reuse, state, clocks=None):
         "ran": ran.to_dict(),
         "candidates": [c.plan.to_dict() for c in tuner.candidates],
         "pick": None if picked is None else (picked.index, picked.medians),
+        "timeline": tuner.timeline,
+        "metering": made[0].pipeline().measure_memory,
     }
 
 
@@ -179,6 +206,9 @@ def test_auto_switches_and_tracks_the_chosen_plan_from_the_start():
     once = replace(layout, auto_iterations=2, auto_candidates=1)  # K = 1: no measured pick
     auto_run = all_ok(run_local(2, _train_auto, "gpt", m, once, state))
     assert all(r["pick"] is None and len(r["candidates"]) == 1 for r in auto_run)
+    metered = stage_bytes(layout.placement, [r["timeline"] for r in auto_run])
+    assert metered and all(b > 0 for b in metered)  # the warm-up call was metered,
+    assert not any(r["metering"] for r in auto_run)  # and only it
     plans = [Plan.from_dict(r["plan"]) for r in auto_run]
     assert len({plan_hash(p) for p in plans}) == 1  # every rank runs rank 0's choice
     chosen = plans[0]
