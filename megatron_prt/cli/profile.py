@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from ..sim.model_shape import dtype_name
 from .main import check_output, positive_int, recompute_flags
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
@@ -116,7 +117,7 @@ def _profile(args: argparse.Namespace) -> dict:
 
     if args.device == "cpu":
         keep_freed_memory()  # as CPU ranks run: no page faults from re-allocating activations
-    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    dtype = dtype_name(args.bf16, args.fp16)
     return profile_model(
         args.model,
         args.num_layers,

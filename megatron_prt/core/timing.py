@@ -45,11 +45,11 @@ class StageTimes:
 
     def in_ticks(self, resolution: int = 10_000) -> tuple[StageTimes, float]:
         """Integer copy (and the tick length) so that event ties are exact: a schedule must
-        not change with the time unit or with float rounding (1/6 + 1/6 != 2/6)."""
-        # W times do not choose the tick: plans without I/W (which never read them) must
-        # not move with --wgrad-fraction; a W below 1/resolution of every other time rounds
+        not change with the time unit or with float rounding (1/6 + 1/6 != 2/6). The tick is
+        ``1/resolution`` of the shortest positive F, B, hop or message CPU time; W times do
+        not choose it (plans without I/W never read them, and must not move with the W
+        share), so a W under half a tick rounds to 0."""
         positive = [t for t in (*self.fwd, *self.bwd, self.p2p, self.p2p_cpu) if t > 0]
-        positive = positive or [t for t in self.wgt or () if t > 0]
         tick = min(positive) / resolution if positive else 1.0
         as_ticks = lambda ts: tuple(round(t / tick) for t in ts)  # noqa: E731
         wgt = None if self.wgt is None else as_ticks(self.wgt)

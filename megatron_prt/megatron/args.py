@@ -367,15 +367,16 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
     except ConfigError as exc:  # the message starts with the file name
         raise ConfigError(f"--pipeline-reuse-costs {exc}") from exc
     cost = with_model_recompute(cost, args)
-    warn_other_shape(
-        args, cost.model, f"--pipeline-reuse-costs {args.pipeline_reuse_costs} was profiled on",
-        "balance",
-    )  # fmt: skip
     if len(cost.layers) != args.num_layers:
         raise ConfigError(
             f"--pipeline-reuse-costs {args.pipeline_reuse_costs} describes {len(cost.layers)} "
             f"layers, --num-layers is {args.num_layers}; profile the model you train"
         )
+    warn_other_shape(
+        args, cost.model, f"--pipeline-reuse-costs {args.pipeline_reuse_costs} was profiled on",
+        "the layer split is balanced on another model's costs; give --pipeline-reuse-costs "
+        "a profile of this model (`megatron-prt profile` with these flags)",
+    )  # fmt: skip
     microbatches = _microbatches_per_iteration(args)
     if microbatches is None:
         raise ConfigError(

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import torch
 
+from ..sim.model_shape import default_ffn
 from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 PROG = "pretrain_bert.py"
@@ -271,7 +272,7 @@ def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--tensor-model-parallel-size {tp} (each tensor-parallel rank holds whole heads)"
         )
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    ffn = default_ffn(args.ffn_hidden_size, args.hidden_size)
     if ffn % tp:
         yield (
             f"--ffn-hidden-size {ffn} must be a multiple of --tensor-model-parallel-size {tp} "
@@ -338,6 +339,11 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
         yield f"--seq-length {args.seq_length} leaves no room for text ([CLS] A [SEP] B [SEP])"
     if args.train_iters < 1:
         yield f"--train-iters must be >= 1, got {args.train_iters}"
+    if args.make_vocab_size_divisible_by < 1:  # was a ZeroDivisionError at the model's build
+        yield (
+            f"--make-vocab-size-divisible-by must be >= 1, got "
+            f"{args.make_vocab_size_divisible_by} (megatron's default 128)"
+        )
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         yield "pass --lr-warmup-fraction or --lr-warmup-iters, not both"
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import random
 import signal
 import sys
@@ -30,8 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..sim.model_shape import default_ffn
 from .bert_args import PROG, say_error
-from .bert_setup import log
+from .bert_setup import log, pad_vocab
 from .bert_step import TrainState
 
 RNG_KEY = "pretrain_bert.rng_state"  # the byte tensor's name in the checkpoint
@@ -128,7 +128,7 @@ def model_shape(args: argparse.Namespace) -> dict:
     """The model a checkpoint holds, as :data:`MODEL_FLAGS` name it (defaults resolved),
     and its vocabulary (:data:`VOCAB_KEYS`, once the run has set them)."""
     shape = {name: getattr(args, name) for name in MODEL_FLAGS}
-    shape["ffn_hidden_size"] = shape["ffn_hidden_size"] or 4 * args.hidden_size
+    shape["ffn_hidden_size"] = default_ffn(shape["ffn_hidden_size"], args.hidden_size)
     shape["max_position_embeddings"] = shape["max_position_embeddings"] or args.seq_length
     shape.update({key: getattr(args, key, None) for key in VOCAB_KEYS})
     shape["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by  # not compared
@@ -149,7 +149,7 @@ def _divisor_for(tokens: int, padded: int, tp: int, saved_divisor, layout: dict)
     divides, else the largest power of two, else the largest; None when none does."""
 
     def pads(d: int) -> bool:
-        return d > 0 and math.ceil(tokens / (d * tp)) * d * tp == padded
+        return d > 0 and pad_vocab(tokens, d, tp) == padded
 
     saved_multiple = (saved_divisor or 0) * layout.get("tensor_model_parallel_size", 0)
     powers = [1 << k for k in range(padded.bit_length(), -1, -1)]

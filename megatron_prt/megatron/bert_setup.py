@@ -104,7 +104,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     megatron's parallel state."""
     from megatron.core import parallel_state
 
-    multiple = divisible_by * parallel_state.get_tensor_model_parallel_world_size()
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    return pad_vocab(vocab_size, divisible_by, tensor_parallel)
+
+
+def pad_vocab(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by * tensor_parallel``."""
+    multiple = divisible_by * tensor_parallel
     return math.ceil(vocab_size / multiple) * multiple
 
 

@@ -66,6 +66,11 @@ class ReuseConfig:
         )
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the plan runs split backward (I, then W): the flag or the plan file's."""
+        return self.split_backward or (self.plan is not None and self.plan.split_backward)
+
+    @property
     def name(self) -> str:
         """The schedule in a few words, e.g. ``PRT R=2 wave/uni`` (R = 1 uni is 1F1B's order)."""
         c = self.placement
@@ -84,7 +89,7 @@ class ReuseConfig:
             )
         elif self.schedule != "prt":
             parts.append(f"{self.schedule} order")
-        if self.split_backward or (self.plan is not None and self.plan.split_backward):
+        if self.splits_backward:
             parts.append("split backward (I, then W)")
         if self.auto_iterations:
             parts.append(f"auto: tuned after {self.auto_iterations} profiled iterations")

@@ -19,7 +19,7 @@ import argparse
 import warnings
 
 from ..core.placement import ConfigError
-from ..sim.model_shape import differences_message
+from ..sim.model_shape import default_ffn, differences_message, dtype_name
 from ..tune.plan_file import PlanFile, describe_recompute, load_plan, recompute_setting
 
 FLAG = "--pipeline-reuse-plan"
@@ -69,7 +69,11 @@ def apply_plan_file(
     _check_model(args, plan_file, where, microbatches)
     _check_flags(args, plan_file, where, defaults)
     _warn_other_recompute(args, plan_file, where)
-    warn_other_shape(args, plan_file.model, f"{where} was tuned for", "tune")
+    warn_other_shape(
+        args, plan_file.model, f"{where} was tuned for",
+        "the plan runs as written, but its time and memory are not what tune predicted; "
+        "profile this model (`megatron-prt profile` with these flags) and tune again",
+    )  # fmt: skip
     placement = plan_file.plan.placement
     args.pipeline_reuse = placement.reuse
     args.pipeline_reuse_placement = placement.placement
@@ -175,13 +179,14 @@ def running_shape(args: argparse.Namespace) -> dict:
     they are known before Megatron's ``validate_args``: an ``ffn_hidden_size`` left out is
     megatron's ``4 * hidden`` (not under ``--swiglu``, whose default differs). Not the
     vocabulary: megatron pads it (to ``--make-vocab-size-divisible-by``) after this check,
-    and ``profile`` records the size it was given."""
+    and ``profile`` records the size it was given. Not the tensor-parallel size: ``profile``
+    measures one rank, so a tensor-parallel run is priced at its TP 1 layers (docs/tune.md),
+    which no profile could change."""
     hidden = getattr(args, "hidden_size", None)
     ffn = getattr(args, "ffn_hidden_size", None)
-    if ffn is None and hidden and not getattr(args, "swiglu", False):
-        ffn = 4 * hidden
-    dtype = "bfloat16" if getattr(args, "bf16", False) else None
-    dtype = dtype or ("float16" if getattr(args, "fp16", False) else "float32")
+    if hidden and not getattr(args, "swiglu", False):
+        ffn = default_ffn(ffn, hidden)
+    dtype = dtype_name(getattr(args, "bf16", False), getattr(args, "fp16", False))
     return {
         "hidden_size": hidden,
         "num_attention_heads": getattr(args, "num_attention_heads", None),
@@ -190,20 +195,18 @@ def running_shape(args: argparse.Namespace) -> dict:
         "micro_batch_size": getattr(args, "micro_batch_size", None),
         "dtype": dtype,
         "transformer_impl": getattr(args, "transformer_impl", None),
-        "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", None),
         "device": getattr(args, "device", None),
     }
 
 
-def warn_other_shape(args: argparse.Namespace, recorded: dict | None, what: str, fix: str) -> None:
-    """Warn when ``recorded`` (a cost or plan file's model shape) is not the flags' model:
-    the plan runs exactly, at another time and memory than predicted (said, not refused).
-    ``what``: the file, e.g. ``--pipeline-reuse-plan p.json was tuned for``; ``fix``: what to
-    redo after profiling this model (``tune``, or ``balance`` for a cost file)."""
-    message = differences_message(
-        what, recorded, running_shape(args),
-        f"profile this model (`megatron-prt profile` with these flags) and {fix} again",
-    )  # fmt: skip
+def warn_other_shape(
+    args: argparse.Namespace, recorded: dict | None, what: str, consequence: str
+) -> None:
+    """Warn when ``recorded`` (a cost or plan file's model shape) is not the flags' model
+    (said, not refused: the run is exact, only its time and memory are not as predicted).
+    ``what``: the file, e.g. ``--pipeline-reuse-plan p.json was tuned for``;
+    ``consequence``: what that means and the fix."""
+    message = differences_message(what, recorded, running_shape(args), consequence)
     if message is not None:
         warnings.warn(message, stacklevel=3)
 

@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from ..core.placement import ConfigError
 from ..runtime.memory import ActivationMeter
+from ..sim.model_shape import default_ffn
 from ..sim.recompute import check_recompute
 from .pretrain import (
     bert_forward_step,
@@ -207,7 +208,7 @@ def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: st
     for flag in ("--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
                  "--micro-batch-size", "--vocab-size"):  # fmt: skip
         shape[flag[2:].replace("-", "_")] = sizes[flag]
-    shape["ffn_hidden_size"] = shape["ffn_hidden_size"] or 4 * shape["hidden_size"]  # megatron's
+    shape["ffn_hidden_size"] = default_ffn(shape["ffn_hidden_size"], shape["hidden_size"])
     shape.update(dtype=dtype, transformer_impl=transformer_impl, device=device)
     shape["tensor_model_parallel_size"] = 1  # profiled on one rank
     return shape

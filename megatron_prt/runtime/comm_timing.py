@@ -344,9 +344,10 @@ NOISY_SIZE_RATIO = 64  # a hop this many times larger that times faster is noise
 
 
 def _warn_noisy_hops(hops: list) -> None:
-    """Say when the large hop timed faster than the small one although it carries many
-    times the bytes: the line's slope is then clipped to 0 and the bandwidth written as free
-    (``null``), which the noise decided, not the wire."""
+    """Say when the large hop timed faster than the small one although it carries
+    :data:`NOISY_SIZE_RATIO` times the bytes or more: the line's slope is then clipped to 0
+    and the bandwidth written as free (``null``), which the noise decided, not the wire.
+    Closer sizes (messages under 256 KiB) may time either way and are not said."""
     (b0, t0), (b1, t1) = hops
     if b1 >= NOISY_SIZE_RATIO * b0 and t1 < t0:
         warnings.warn(

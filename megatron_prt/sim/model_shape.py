@@ -10,7 +10,7 @@ and memory are not what tune predicted. Keys are Megatron-LM's argument names::
 
     {"model": "bert", "hidden_size": 768, "num_attention_heads": 12,
      "ffn_hidden_size": 3072, "seq_length": 512, "micro_batch_size": 4,
-     "vocab_size": 30592, "dtype": "bfloat16", "transformer_impl": "local",
+     "vocab_size": 30522, "dtype": "bfloat16", "transformer_impl": "local",
      "tensor_model_parallel_size": 1, "device": "cuda"}
 
 Only keys both sides give (and neither gives as ``null``) are compared: a hand-written cost
@@ -78,6 +78,16 @@ def shape_differences(recorded: Mapping | None, running: Mapping | None) -> list
     ]
 
 
+def default_ffn(ffn_hidden_size: int | None, hidden_size: int) -> int:
+    """megatron's FFN size: the one given, else ``4 * hidden_size`` (not under swiglu)."""
+    return ffn_hidden_size or 4 * hidden_size
+
+
+def dtype_name(bf16: bool, fp16: bool) -> str:
+    """The parameter dtype Megatron-LM's ``--bf16`` / ``--fp16`` flags give, by name."""
+    return "bfloat16" if bf16 else "float16" if fp16 else "float32"
+
+
 def describe_shape(shape: Mapping | None) -> str:
     """One line, e.g. ``bert, hidden_size 768, seq_length 512, ...``; ``unknown`` for None."""
     if not shape:
@@ -88,14 +98,12 @@ def describe_shape(shape: Mapping | None) -> str:
 
 
 def differences_message(
-    what: str, recorded: Mapping | None, running: Mapping | None, fix: str
+    what: str, recorded: Mapping | None, running: Mapping | None, consequence: str
 ) -> str | None:
-    """A sentence for a warning or note when ``recorded`` (the file's) and ``running``
-    differ (``what``: e.g. ``--pipeline-reuse-plan plan.json was tuned for``), else None."""
+    """A sentence for a warning when ``recorded`` (the file's) and ``running`` differ
+    (``what``: e.g. ``--pipeline-reuse-plan plan.json was tuned for``; ``consequence``:
+    what that means and the fix), else None."""
     differences = shape_differences(recorded, running)
     if not differences:
         return None
-    return (
-        f"{what} another model shape ({'; '.join(differences)}, file -> this run): the plan "
-        f"runs as written, but its time and memory are not what was predicted; {fix}"
-    )
+    return f"{what} another model shape ({'; '.join(differences)}, file -> this run): {consequence}"

@@ -282,7 +282,8 @@ def hop_in_flight(one_way_s: float, cpu_s: float) -> float:
 
 
 MIN_COMPUTE_SCALE = 1e-3  # below it the traced compute is deemed not the step's (no fit)
-# The simulator rounds every duration to 1/10,000 of the shortest (StageTimes.in_ticks), so
+# The simulator rounds every duration to 1/10,000 of the shortest F, B or message time
+# (StageTimes.in_ticks), so
 # a simulated step moves in jumps of up to a few millionths of itself as the scale moves: a
 # secant can then circle the measured time without coming within a millionth. The closest
 # round within a ten-thousandth is the fit (100 times finer than any timed step repeats).

@@ -28,6 +28,8 @@ from ..core.validate import validate
 from ..sim.model_shape import check_shape
 from ..sim.recompute import check_recompute
 
+_FIX = "write the file with `megatron-prt tune -o FILE`"
+
 
 @dataclass(frozen=True)
 class PlanFile:
@@ -77,7 +79,9 @@ class PlanFile:
 def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     """Read and check a plan file. Raises :class:`ConfigError` starting with ``flag`` and
     ``path`` for a missing or unreadable file, text that is not JSON, a plan that does not
-    parse or validate, or ``stage_layers`` that do not give one count per model stage."""
+    parse or validate, ``stage_layers`` that do not give one count per model stage or split
+    no layer, a ``tuned`` that is not an object, a ``tuned.recompute`` megatron's rules
+    refuse, or a malformed ``tuned.model``."""
     where = f"{flag} {path}"
     try:
         with open(path) as f:
@@ -103,7 +107,7 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     if tuned is not None and not isinstance(tuned, dict):
         raise ConfigError(
             f"{where}: tuned must be an object (what `megatron-prt tune` predicted), got "
-            f"{tuned!r}; write the file with `megatron-prt tune -o FILE`"
+            f"{tuned!r}; {_FIX}"
         )
     recompute = (tuned or {}).get("recompute")
     if recompute is not None:
@@ -111,23 +115,21 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     try:
         check_shape((tuned or {}).get("model"), "tuned.model")
     except ConfigError as exc:
-        fix = "write the file with `megatron-prt tune -o FILE`"
-        raise ConfigError(f"{where}: {exc}; {fix}") from None
+        raise ConfigError(f"{where}: {exc}; {_FIX}") from None
     return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), tuned)
 
 
 def _check_recompute(recompute: object, where: str) -> None:
     """``tuned.recompute``: ``[granularity, method, layers]`` that megatron's rules accept."""
-    fix = "write the file with `megatron-prt tune -o FILE`"
     if not (isinstance(recompute, list) and len(recompute) == 3):
         raise ConfigError(
             f"{where}: tuned.recompute must be [granularity, method, layers], got "
-            f"{recompute!r}; {fix}"
+            f"{recompute!r}; {_FIX}"
         )
     try:
         check_recompute(*recompute)
     except (ConfigError, TypeError) as exc:
-        raise ConfigError(f"{where}: tuned.recompute {recompute!r}: {exc}; {fix}") from None
+        raise ConfigError(f"{where}: tuned.recompute {recompute!r}: {exc}; {_FIX}") from None
 
 
 def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
@@ -139,13 +141,13 @@ def _stage_layers(data: dict, depth: int, where: str) -> tuple[int, ...]:
     ):
         raise ConfigError(
             f"{where}: stage_layers must be a list of whole layer counts, one per model stage, "
-            f"got {raw!r}; write the file with `megatron-prt tune -o FILE`"
+            f"got {raw!r}; {_FIX}"
         )
     counts = check_stage_layers(raw, sum(raw), depth, name=f"{where}: stage_layers")
     if not sum(counts):
         raise ConfigError(
-            f"{where}: stage_layers {list(counts)} split no layer at all; a plan file splits "
-            "the model's transformer layers: write it with `megatron-prt tune -o FILE`"
+            f"{where}: stage_layers {list(counts)} split no layer at all (a plan file splits "
+            f"the model's transformer layers); {_FIX}"
         )
     config = data.get("config", {})
     for key, given, own in (

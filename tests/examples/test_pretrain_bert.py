@@ -292,6 +292,22 @@ def test_another_model_is_refused_naming_the_flags_or_the_tensors(two_checkpoint
     assert "iteration      5/6" not in output
 
 
+def test_the_vocabulary_is_recorded_and_another_padding_refused(two_checkpoints, data_cache):
+    """megatron-core loads the embedding and output layer with allow_shape_mismatch: a
+    resume at another padding cut or zero-filled their rows without a word."""
+    from megatron.core import dist_checkpointing
+
+    folder = str(two_checkpoints / "iter_0000004")
+    model = dist_checkpointing.load_common_state_dict(folder)["extra"]["model"]
+    assert model["padded_vocab_size"] % 128 == 0 and model["make_vocab_size_divisible_by"] == 128
+    assert 0 <= model["padded_vocab_size"] - model["vocab_size"] < 128
+    status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
+                                           "--make-vocab-size-divisible-by", "1000"))  # fmt: skip
+    assert status != 0, output[-3000:]
+    assert f"the vocabulary padded to {model['padded_vocab_size']} rows there" in output
+    assert "give --make-vocab-size-divisible-by 128" in output
+
+
 @pytest.mark.slow  # the record's check, as the binary head's case above
 def test_other_attention_heads_are_refused_naming_the_flag(two_checkpoints, data_cache):
     status, output = run_example(*bi_flags(data_cache, "--load", str(two_checkpoints),
@@ -341,6 +357,7 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
         (["--pipeline-reuse", "2"], 1, "--pipeline-reuse needs a pipeline"),
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by must be >= 1"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (  # were megatron tracebacks at the model's build and the first forward
             ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"],

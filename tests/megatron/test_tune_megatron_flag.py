@@ -248,12 +248,14 @@ def test_a_plan_tuned_for_another_model_shape_is_said(tmp_path, other, said):
         validate_args(parse(*argv))
 
 
-def test_a_plan_tuned_on_one_tensor_rank_warns_under_tensor_parallel(tmp_path):
+def test_a_plan_profiled_on_one_tensor_rank_is_not_said_under_tensor_parallel(tmp_path):
+    """profile measures one rank: a warning under TP 2 that no profile could clear."""
     path = str(tmp_path / "tuned.json")
     PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": SHAPE}).write(path)
-    argv = (*MODEL, "--pipeline-reuse-plan", path, "--tensor-model-parallel-size", 2)
-    with pytest.warns(UserWarning, match=r"tensor_model_parallel_size 1 -> 2"):
-        validate_args(parse(*argv, world_size=16))
+    argv = (*MODEL, "--pipeline-reuse-plan", path, *SAME_SHAPE, "--transformer-impl", "local")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_args(parse(*argv, "--tensor-model-parallel-size", 2, world_size=16))
 
 
 def test_a_malformed_model_shape_in_a_plan_file_is_refused(tmp_path):
