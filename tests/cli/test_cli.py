@@ -382,17 +382,3 @@ def test_png_without_matplotlib_is_one_line(run_cli, tmp_path, monkeypatch):
     code, _, err = run_cli("plan", "--pp", 2, "--reuse", 2, "-m", 4, "--format", "png", "-o", out)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "pip install 'megatron-prt[plot]', or use --format chrome" in err
-
-
-def test_compare_without_torch_says_its_rows_are_missing(run_cli, monkeypatch):
-    """Without torch the torch.distributed.pipelining rows vanished without a note."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
-    )
-    code, text, err = run_cli("compare", "--pp", 4, "--microbatches", 8)
-    assert code == 0, err
-    row = next(line for line in text.splitlines() if line.startswith("torch schedules"))
-    assert "torch is not installed: pip install torch for them" in row

@@ -121,10 +121,12 @@ def test_compare_says_na_with_torch_reason(capsys):
     assert "n/a" in line and "at least as many microbatches as stages" in line
 
 
-def test_compare_without_torch_has_no_peer_rows(capsys, monkeypatch):
+def test_compare_without_torch_has_no_peer_rows_but_says_why(capsys, monkeypatch):
     monkeypatch.setattr(bench_peers.importlib.util, "find_spec", lambda name: None)
     out = _compare(capsys, "--pp", "2", "-m", "4")
-    assert "torch" not in out and "1F1B" in out
+    torch_rows = [line for line in out.splitlines() if line.startswith("torch")]
+    assert torch_rows == [next(x for x in torch_rows if "torch is not installed" in x)]
+    assert "1F1B" in out
 
 
 def test_paper_scale_peer_rows_match_our_1f1b():
