@@ -219,35 +219,40 @@ def test_a_recomputation_megatron_refuses_is_refused(tmp_path, tuned, recompute,
         load_plan(str(path))
 
 
-def test_a_tuned_part_that_is_no_object_is_refused(tmp_path, tuned):
-    """A list as ``tuned`` loaded, then failed with an AttributeError when read."""
+def _refused_when_edited(tmp_path, tuned, edit, match: str) -> None:
+    """The winner's plan file, edited by ``edit(data)``, is refused with ``match``."""
     data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
-    data["tuned"] = ["full", "uniform", 1]
+    edit(data)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"tuned must be an object"):
+    with pytest.raises(ConfigError, match=match):
         load_plan(str(path))
+
+
+def test_a_tuned_part_that_is_no_object_is_refused(tmp_path, tuned):
+    """A list as ``tuned`` loaded, then failed with an AttributeError when read."""
+
+    def edit(data):
+        data["tuned"] = ["full", "uniform", 1]
+
+    _refused_when_edited(tmp_path, tuned, edit, r"tuned must be an object")
 
 
 def test_a_split_of_no_layer_is_refused(tmp_path, tuned):
     """All-zero stage_layers loaded: a plan file for a model without layers."""
-    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
-    zeros = [0] * len(data["stage_layers"])
-    data["stage_layers"] = data["config"]["stage_layers"] = zeros
-    data["num_layers"] = data["config"]["num_layers"] = 0
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"split no layer at all"):
-        load_plan(str(path))
+
+    def edit(data):
+        data["stage_layers"] = data["config"]["stage_layers"] = [0] * len(data["stage_layers"])
+        data["num_layers"] = data["config"]["num_layers"] = 0
+
+    _refused_when_edited(tmp_path, tuned, edit, r"split no layer at all")
 
 
 def test_config_stage_layers_must_agree(tmp_path, tuned):
-    data = PlanFile(tuned.winner.plan, tuned.winner.stage_layers).to_dict()
-    data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"config\.stage_layers .* disagrees"):
-        load_plan(str(path))
+    def edit(data):
+        data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
+
+    _refused_when_edited(tmp_path, tuned, edit, r"config\.stage_layers .* disagrees")
 
 
 def test_cli_tune_writes_what_simulate_predicts(tmp_path, run_cli):
