@@ -117,6 +117,11 @@ def measured_cost(
     layer's activations is undercounted."""
     counts = check_stage_layers(stage_layers, sum(stage_layers), placement.depth)
     fwd, bwd, w_share = stage_times(placement, gathered)
+    if act_bytes is not None and len(act_bytes) != placement.depth:
+        raise ConfigError(
+            f"act_bytes gives {len(act_bytes)} stages, the placement has D = R*P = "
+            f"{placement.depth}; give one per model stage (stage_bytes makes them)"
+        )
     act = list(act_bytes) if act_bytes is not None else [float(max(n, 1)) for n in counts]
     layers: list[LayerCost] = []
     ends: dict[int, LayerCost] = {}

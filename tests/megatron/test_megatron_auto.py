@@ -155,6 +155,8 @@ def test_measured_costs_are_the_median_stage_times():
     assert times.fwd == pytest.approx((0.31, 0.1)) and cost.stage_layers == (3, 1)
     with pytest.raises(ConfigError, match=r"must give D = R\*P = 2 counts"):  # an IndexError
         measured_cost(reuse.placement, (1, 1, 1, 1), [rank0, rank1], split_backward=True)
+    with pytest.raises(ConfigError, match=r"act_bytes gives 3 stages, .* D = R\*P = 2"):
+        measured_cost(reuse.placement, (3, 1), [rank0, rank1], True, [1.0, 2.0, 3.0])
 
 
 def _train_auto(rank, world, kind, m, reuse, state, clocks=None):
