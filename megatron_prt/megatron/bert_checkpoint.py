@@ -139,8 +139,10 @@ def model_shape(args: argparse.Namespace) -> dict:
 # --make-vocab-size-divisible-by x the tensor-parallel size, and megatron-core loads the
 # word-embedding and output-layer tensors with allow_shape_mismatch: rows are cut or zero-
 # filled without a word, and the padded rows' logits are part of every softmax. So another
-# padding (another TP size, another divisor) or another tokenizer would resume another model.
-VOCAB_KEYS = ("vocab_size", "padded_vocab_size")  # the tokenizer's, and as padded
+# padding (another TP size, another divisor) or another tokenizer would resume another model,
+# and so would a tokenizer of the same size whose ids stand for other pieces (the digest), or
+# the same pieces split from the text otherwise (the tokenizer type: cased or not).
+VOCAB_KEYS = ("vocab_size", "padded_vocab_size", "vocab_digest", "tokenizer_type")
 
 
 def _divisor_for(tokens: int, padded: int, tp: int, saved_divisor, layout: dict) -> int | None:
@@ -163,11 +165,15 @@ def _other_vocab(args: argparse.Namespace, theirs: dict, ours: dict, layout: dic
     """Why the checkpoint's vocabulary is not this run's (checkpoints that predate the
     record give none): another tokenizer, or another padding with the divisor that
     reproduces the saved one at this tensor-parallel size."""
+    fix = "give the --vocab-file or --tokenizer-model it was saved with"
     if theirs.get("vocab_size") not in (None, ours["vocab_size"]):
-        return [
-            f"a tokenizer of {theirs['vocab_size']} tokens there, {ours['vocab_size']} here "
-            "(give the --vocab-file or --tokenizer-model it was saved with)"
-        ]
+        sizes = f"{theirs['vocab_size']} tokens there, {ours['vocab_size']} here"
+        return [f"a tokenizer of {sizes} ({fix})"]
+    if theirs.get("vocab_digest") not in (None, ours["vocab_digest"]):
+        return [f"another vocabulary of the same {ours['vocab_size']} tokens there ({fix})"]
+    if theirs.get("tokenizer_type") not in (None, ours["tokenizer_type"]):
+        kind = theirs["tokenizer_type"]
+        return [f"--tokenizer-type {kind} there, {ours['tokenizer_type']} here (give {kind})"]
     saved = theirs.get("padded_vocab_size")
     if saved in (None, ours["padded_vocab_size"]):
         return []

@@ -140,6 +140,7 @@ def train(args: argparse.Namespace, device: torch.device, data: tuple) -> dict:
     tokenizer, train_data, valid_data = data
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
     args.vocab_size, args.padded_vocab_size = tokenizer.vocab_size, vocab_size  # checkpoints
+    args.tokenizer_type, args.vocab_digest = tokenizer.tokenizer_type, tokenizer.vocab_digest
     config, chunks = build_model(args, vocab_size, device)
     training, scheduler = build_training(args, config, chunks)
     if args.reuse is not None:

@@ -118,8 +118,9 @@ class Tokenizer:
     GPT datasets and this package read, computed once: ``vocab_size``, ``vocab``,
     ``inv_vocab``, ``cls``, ``sep``, ``mask``, ``pad``, ``eod``, ``unique_identifiers`` (the
     model file's md5 included, so megatron's sample-index cache notices a retrained model)
-    and ``word_start`` (per id: whether the piece begins a word). Encoding and decoding go
-    through megatron-core's tokenizer."""
+    , ``word_start`` (per id: whether the piece begins a word) and ``vocab_digest`` (sha256 of
+    the pieces in id order: what each embedding row stands for, whatever file held them).
+    Encoding and decoding go through megatron-core's tokenizer."""
 
     megatron: Any
     tokenizer_type: str  # Megatron-LM's --tokenizer-type: one of TOKENIZER_TYPES
@@ -141,6 +142,8 @@ class Tokenizer:
             self.word_start = [p.startswith("▁") or p in SPECIAL_TOKENS for p in self._pieces()]
         else:
             self.word_start = [not p.startswith("##") for p in self._pieces()]
+        pieces = "\n".join(self._pieces()).encode()
+        self.vocab_digest = hashlib.sha256(pieces).hexdigest()  # the ids' meaning, not the file
         digest = hashlib.md5(Path(self.path).read_bytes(), usedforsecurity=False).hexdigest()
         self.unique_identifiers = {
             **self.megatron.unique_identifiers,

@@ -1,11 +1,13 @@
-"""A resume whose vocabulary is padded otherwise, or comes from another tokenizer, is
-refused naming the flag that fixes it ([Note: the vocabulary on resume] in
+"""A resume whose vocabulary is padded otherwise, or comes from another tokenizer (of
+another size, or of the same size with other pieces or another type), is refused naming the
+flag that fixes it ([Note: the vocabulary on resume] in
 megatron_prt/megatron/bert_checkpoint.py): megatron-core loaded the embedding and output
 layer with their rows cut or zero-filled and went on with another model, without a word."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,15 @@ pytest.importorskip("megatron.core")
 from megatron_prt.megatron.bert_checkpoint import _other_model, model_shape
 
 
-def _args(tp: int, divisor: int, tokens: int) -> argparse.Namespace:
+def _args(
+    tp: int, divisor: int, tokens: int, digest: str = "ab12", kind: str = "BertWordPieceCase"
+) -> argparse.Namespace:
     padded = -(-tokens // (divisor * tp)) * divisor * tp
     return argparse.Namespace(
         num_layers=4, hidden_size=32, ffn_hidden_size=None, num_attention_heads=4,
         max_position_embeddings=None, seq_length=32, bert_binary_head=True,
         tensor_model_parallel_size=tp, make_vocab_size_divisible_by=divisor,
-        vocab_size=tokens, padded_vocab_size=padded,
+        vocab_size=tokens, padded_vocab_size=padded, vocab_digest=digest, tokenizer_type=kind,
     )  # fmt: skip
 
 
@@ -46,6 +50,32 @@ def test_another_divisor_and_another_tokenizer_are_refused():
     assert "a tokenizer of 4096 tokens there, 4000 here" in problem
 
 
+def test_a_tokenizer_of_the_same_size_with_other_pieces_or_splitting_is_refused():
+    saved = _saved(_args(1, 128, 4096))
+    problem = _other_model(_args(1, 128, 4096, digest="cd34"), saved, Path("ckpt"))
+    assert "another vocabulary of the same 4096 tokens there" in problem
+    assert "give the --vocab-file or --tokenizer-model it was saved with" in problem
+    problem = _other_model(_args(1, 128, 4096, kind="BertWordPieceLowerCase"), saved, Path("c"))
+    assert "--tokenizer-type BertWordPieceCase there, BertWordPieceLowerCase here" in problem
+
+
+def test_the_digest_follows_the_pieces_not_the_file(tmp_path):
+    """A copy of a tokenizer digests alike; one trained on other text to the same size (its
+    ids stand for other pieces) does not."""
+    pytest.importorskip("sentencepiece")
+    from megatron_prt.megatron.tokenizer import load_tokenizer, train_tokenizer
+
+    cats = "the cat sat on the mat while the other cat ran far away"
+    dogs = "dogs bark loudly at night and wake every sleeping neighbour"
+    texts = {"a": [cats] * 40 + [dogs] * 4, "b": [dogs] * 40 + [cats] * 4}  # the same letters
+    for name, text in texts.items():
+        assert train_tokenizer(text, tmp_path / f"{name}.model", 295) == 295
+    shutil.copy(tmp_path / "a.model", tmp_path / "copy.model")
+    a, copy, b = (load_tokenizer(tmp_path / f"{n}.model") for n in ("a", "copy", "b"))
+    assert a.vocab_size == b.vocab_size == 295
+    assert a.vocab_digest == copy.vocab_digest != b.vocab_digest
+
+
 def test_no_divisor_at_this_tensor_parallel_size_says_so():
     saved = _saved(_args(1, 1, 4097))  # 4097 rows: odd, no multiple of 2 equals it
     problem = _other_model(_args(2, 1, 4097), saved, Path("ckpt"))
@@ -56,6 +86,6 @@ def test_no_divisor_at_this_tensor_parallel_size_says_so():
 
 def test_a_checkpoint_without_the_vocabulary_record_still_loads():
     saved = _saved(_args(1, 128, 4096))
-    for key in ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"):
+    for key in ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "vocab_digest"):
         del saved["model"][key]
     assert _other_model(_args(2, 128, 4096), saved, Path("ckpt")) is None
