@@ -18,6 +18,7 @@ from typing import NoReturn
 import torch
 
 from ..sim.model_shape import default_ffn
+from .plan_flag import is_first_launched
 from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 PROG = "pretrain_bert.py"
@@ -48,7 +49,7 @@ def say_error(message: str, prog: str = PROG) -> None:
 def stop(message: str, status: int, prog: str = PROG) -> NoReturn:
     """Exit with ``status`` after ``prog: error: message`` on stderr (rank 0 only). Every rank
     must call it for the same reason at the same point, so every rank stops."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_first_launched():
         say_error(message, prog)
     else:  # torchrun stops every worker once one exits: let rank 0 say why first
         time.sleep(OTHER_RANKS_WAIT_S)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 from collections.abc import Callable
 
 from ..core.placement import ConfigError
 from .args import add_arguments
 from .args import validate_args as _validate_flags
 from .config import ReuseConfig
+from .plan_flag import is_first_launched
 
 __all__ = [
     "add_arguments",
@@ -66,7 +66,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
 
         stop(str(exc), status=2, prog="megatron-prt")
     if reuse is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_first_launched():
             print(f"megatron-prt: schedule {reuse.describe()}", flush=True)
         import torch
 

@@ -16,6 +16,7 @@ Imports neither torch nor megatron, like :mod:`megatron_prt.megatron.args`.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 from ..core.placement import ConfigError
@@ -24,6 +25,19 @@ from ..tune.plan_file import PlanFile, describe_recompute, load_plan, recompute_
 
 FLAG = "--pipeline-reuse-plan"
 GIVEN = "pipeline_reuse_given"  # the args attribute NotedStore keeps the given dests in
+
+
+def is_first_launched() -> bool:
+    """Whether this process is rank 0 of its launch (torchrun's ``RANK``; a process started
+    without a launcher is). Flags are checked before ``torch.distributed`` starts, on every
+    rank alike, so what they say is said by this one rank, not once per rank."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn(message)`` on the launch's first rank only (:func:`is_first_launched`)."""
+    if is_first_launched():
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 class NotedStore(argparse.Action):
@@ -166,7 +180,7 @@ def _warn_other_recompute(args: argparse.Namespace, plan_file: PlanFile, where: 
     )
     if tuned is None or tuple(running) == tuned:
         return
-    warnings.warn(
+    warn_once(
         f"{where} was tuned with recomputation {describe_recompute(tuned)}, this run has "
         f"{describe_recompute(running)}: the plan runs as written, but its time and memory "
         "are not what tune predicted; tune again with these --recompute-* flags",
@@ -208,7 +222,7 @@ def warn_other_shape(
     ``consequence``: what that means and the fix."""
     message = differences_message(what, recorded, running_shape(args), consequence)
     if message is not None:
-        warnings.warn(message, stacklevel=3)
+        warn_once(message, stacklevel=3)
 
 
 def _conflict(where: str, flag: str, given, own) -> None:

@@ -248,6 +248,22 @@ def test_a_plan_tuned_for_another_model_shape_is_said(tmp_path, other, said):
         validate_args(parse(*argv))
 
 
+def test_the_shape_and_recompute_warnings_are_said_by_the_first_rank_alone(tmp_path, monkeypatch):
+    """Flags are checked on every rank: a 64-rank launch printed each warning 64 times."""
+    path = str(tmp_path / "tuned.json")
+    tuned = {"model": SHAPE, "recompute": ["full", "uniform", 1]}
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, tuned).write(path)
+    argv = (*MODEL, "--pipeline-reuse-plan", path, "--seq-length", 512)
+    for rank, said in [("1", 0), ("0", 2)]:
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            validate_args(parse(*argv))
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == said, messages
+    assert "another model shape" in messages[1] and "recomputation" in messages[0]
+
+
 def test_a_plan_profiled_on_one_tensor_rank_is_not_said_under_tensor_parallel(tmp_path):
     """profile measures one rank: a warning under TP 2 that no profile could clear."""
     path = str(tmp_path / "tuned.json")
