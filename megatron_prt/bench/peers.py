@@ -1,7 +1,7 @@
 """Peer rows for the simulated benchmarks: torch.distributed.pipelining's own schedules
 (:mod:`megatron_prt.runtime.peers`) timed by our simulator under the costs our rows get.
 
-torch loads only inside :func:`simulated_peers`; without it there are no peer rows.
+torch loads only inside :func:`simulated_peers`; without it one row says why there are none.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from ..core.placement import Placement
 from ..core.validate import validate
 from ..sim.cost import CostModel
 from ..sim.simulate import SimResult, simulate
-from .report import md_table
 
 
 @dataclass(frozen=True)
@@ -33,9 +32,10 @@ def simulated_peers(
 ) -> list[PeerRow]:
     """Every torch schedule for ``ranks`` x ``microbatches``, simulated under
     ``cost_of(its placement)``; refused configurations and costs whose ``stage_layers``
-    split another depth give a row with the reason. ``[]`` where torch is not installed."""
+    split another depth give a row with the reason; where torch is not installed, one row
+    saying so."""
     if importlib.util.find_spec("torch") is None:
-        return []
+        return [PeerRow("torch schedules", None, "torch is not installed: pip install torch")]
     from ..runtime.peers import peer_placement, peer_plans
 
     rows = []
@@ -54,39 +54,3 @@ def simulated_peers(
         validate(plan)
         rows.append(PeerRow(label, simulate(plan, cost), "", peer.split_backward))
     return rows
-
-
-def peer_table(model: str, microbatches: int, rows: list[PeerRow], one_f_one_b_ms: float):
-    """Markdown rows for a paper-scale report: iteration time, bubble, speed over our 1F1B
-    (``one_f_one_b_ms``) and the largest per-rank peak (activations + weights), GiB."""
-    header = ("model", "m", "schedule", "iteration ms", "bubble", "vs 1F1B", "peak GiB/rank")
-    cells = []
-    for row in rows:
-        res = row.result
-        if res is None:
-            cells.append((model, microbatches, row.label, "n/a", "", "", row.why))
-            continue
-        peak = max(r.peak_activation_bytes + r.param_bytes for r in res.per_rank)
-        cells.append(
-            (
-                model,
-                microbatches,
-                row.label,
-                f"{res.makespan:.1f}",
-                f"{res.bubble_fraction:.1%}",
-                f"{one_f_one_b_ms / res.makespan:.3f}x",
-                f"{peak / 2**30:.1f}",
-            )
-        )
-    return md_table(header, "lllrrrr", cells)
-
-
-def paper_scale_peers(model: str, link: str, microbatches: int, reuse: int = 2) -> list[PeerRow]:
-    """:func:`simulated_peers` for one paper-scale job: its model and link's costs on
-    :data:`.paper_scale.jobs.RANKS` ranks, as :func:`.paper_scale.jobs.job_cost` gives them."""
-    from .paper_scale.jobs import RANKS, Job, Variant, job_cost
-
-    def cost_of(placement: Placement) -> CostModel:
-        return job_cost(Job(model, link, microbatches, Variant("peer", placement, "", "peer")))
-
-    return simulated_peers(RANKS, microbatches, cost_of, reuse)

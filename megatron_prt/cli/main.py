@@ -20,7 +20,7 @@ from ..core.validate import validate
 from ..core.zerobubble import MEM_CAPS, zero_bubble
 from ..megatron.args import positive_int
 from ..sim.cost import CostModel
-from ..sim.model_shape import shape_differences
+from ..sim.model_shape import differences_message
 from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
@@ -479,14 +479,12 @@ def _plan_from_file(args, cost: CostModel) -> tuple[Plan, CostModel]:
             f"--plan {args.plan} splits {plan_file.num_layers} layers but --costs "
             f"{args.costs} describes {len(cost.layers)}; tune with this cost file"
         )
-    differences = shape_differences(plan_file.model, cost.model)
-    if differences:
-        print(
-            f"megatron-prt simulate: note: --plan {args.plan} was tuned on costs of another "
-            f"model shape than --costs {args.costs} ({'; '.join(differences)}, plan -> costs): "
-            "simulated with --costs as given",
-            file=sys.stderr,
-        )
+    note = differences_message(
+        f"--plan {args.plan} was tuned on costs of", plan_file.model, cost.model,
+        f"simulated with --costs {args.costs} as given", sides="plan -> costs",
+    )  # fmt: skip
+    if note is not None:
+        print(f"megatron-prt simulate: note: {note}", file=sys.stderr)
     return plan_file.plan, _tuned_recompute(args, plan_file, cost)
 
 

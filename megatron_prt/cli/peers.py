@@ -6,8 +6,6 @@ torch loads only when the rows are built, so ``megatron_prt.cli`` imports withou
 
 from __future__ import annotations
 
-import importlib.util
-
 from ..bench.peers import simulated_peers
 from ..sim.cost import CostModel
 from ..sim.simulate import SimResult
@@ -17,12 +15,8 @@ def peer_results(
     pp: int, microbatches: int, reuse: int, cost: CostModel, split_backward: bool
 ) -> list[tuple[str, SimResult | None, str]]:
     """``(label, result, why)`` rows as ``megatron-prt compare`` prints them; without torch
-    one row saying why its schedules are missing (they were dropped without a word).
+    one row saying why its schedules are missing (:func:`simulated_peers`).
     The split-backward orders (ZB1P, ZBV, DualPipeV) only with ``split_backward``, beside
     our own zero-bubble rows: without it the table compares whole-backward schedules."""
-    if importlib.util.find_spec("torch") is None:
-        return [("torch schedules", None, "torch is not installed: pip install torch for them")]
     rows = simulated_peers(pp, microbatches, lambda placement: cost, reuse)
-    return [
-        (row.label, row.result, row.why) for row in rows if split_backward or not row.split_backward
-    ]
+    return [(r.label, r.result, r.why) for r in rows if split_backward or not r.split_backward]

@@ -98,12 +98,16 @@ def describe_shape(shape: Mapping | None) -> str:
 
 
 def differences_message(
-    what: str, recorded: Mapping | None, running: Mapping | None, consequence: str
+    what: str,
+    recorded: Mapping | None,
+    running: Mapping | None,
+    consequence: str,
+    sides: str = "file -> this run",
 ) -> str | None:
     """A sentence for a warning when ``recorded`` (the file's) and ``running`` differ
     (``what``: e.g. ``--pipeline-reuse-plan plan.json was tuned for``; ``consequence``:
-    what that means and the fix), else None."""
+    what that means and the fix; ``sides``: which is which in ``old -> new``), else None."""
     differences = shape_differences(recorded, running)
     if not differences:
         return None
-    return f"{what} another model shape ({'; '.join(differences)}, file -> this run): {consequence}"
+    return f"{what} another model shape ({'; '.join(differences)}, {sides}): {consequence}"

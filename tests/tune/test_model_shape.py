@@ -66,6 +66,7 @@ def test_tune_records_and_prints_the_shape_and_simulate_compares_it(tmp_path, ru
     other = _costs(tmp_path, "other.json", {**SHAPE, "seq_length": 512})
     code, _, err = run_cli("simulate", "--plan", out, "--costs", other)
     assert code == 0, err
-    assert "another model shape than --costs" in err and "seq_length 32 -> 512" in err
+    assert "tuned on costs of another model shape (seq_length 32 -> 512, plan -> costs)" in err
+    assert f"simulated with --costs {other} as given" in err
     code, text, err = run_cli("tune", "--costs", costs, *CLI, "--json")
     assert code == 0 and json.loads(text)["config"]["model"] == SHAPE, err
