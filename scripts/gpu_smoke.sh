@@ -12,7 +12,8 @@
 #   several GPUs: both parity checks over NCCL, one rank per GPU, the message costs over NCCL
 #                (megatron-prt profile --comm nccl: a hop and the bi replica sum between GPUs
 #                0 and 1), and the megatron-core GPT
-#                example with PRT (megatron's DDP, Adam) on all GPUs. The example needs NCCL:
+#                example with PRT (megatron's DDP, Adam) on all GPUs (and, with Transformer
+#                Engine, examples/pretrain_bert.py on TE layers in bf16). These need NCCL:
 #                megatron's DDP all-reduces coalesced CUDA buffers, which gloo refuses.
 # Usage: scripts/gpu_smoke.sh [--full]   (from the repository root or inside the image)
 set -uo pipefail
@@ -101,6 +102,14 @@ if [ "$gpus" -ge 2 ]; then
     step "megatron-core GPT with PRT, P=$gpus" $RUN --nproc-per-node "$gpus" \
         examples/megatron_gpt.py --device cuda --pipeline-model-parallel-size "$gpus" \
         --num-layers $((4 * gpus)) --pipeline-reuse 2 --pipeline-reuse-placement wave
+    if [ -n "$megatron" ] && [ -n "$te" ]; then
+        step "examples/pretrain_bert.py, TE layers, bf16, PRT R=2 wave, P=$gpus" $RUN \
+            --nproc-per-node "$gpus" examples/pretrain_bert.py --device cuda --bf16 \
+            --transformer-impl transformer_engine --pipeline-model-parallel-size "$gpus" \
+            --num-layers $((2 * gpus)) --hidden-size 256 --num-attention-heads 4 \
+            --seq-length 128 --micro-batch-size 4 --global-batch-size $((8 * gpus)) \
+            --pipeline-reuse 2 --pipeline-reuse-placement wave --train-iters 8 --lr 1e-4
+    fi
 fi
 
 printf '%s\n' "" "gpu_smoke report ($gpus GPU(s)):" "${report[@]}"

@@ -9,6 +9,7 @@ every rank stops the same way.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 
 from ..sim.model_shape import default_ffn
 from .plan_flag import is_first_launched
+from .pretrain import TRANSFORMER_IMPLS
 from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 PROG = "pretrain_bert.py"
@@ -150,6 +152,13 @@ def _add_parallel_flags(group) -> None:
     )
     group.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     group.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="megatron-core's layer spec: local (any device) or transformer_engine (--device "
+        "cuda with Transformer Engine installed, as in NVIDIA's PyTorch container)",
+    )
+    group.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)",
@@ -254,6 +263,7 @@ def _problems(args: argparse.Namespace) -> Iterator[str]:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         yield "--device cuda but torch sees no GPU; use --device cpu"
+    yield from _transformer_engine_problems(args)
     yield from _layout_problems(args)
     yield from _parallel_problems(args)
     yield from _size_problems(args)
@@ -361,6 +371,24 @@ def _size_problems(args: argparse.Namespace) -> Iterator[str]:
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             yield f"--{flag.replace('_', '-')} must be >= 1"
+
+
+def _transformer_engine_problems(args: argparse.Namespace) -> Iterator[str]:
+    """Transformer Engine has CUDA kernels only and ships in NVIDIA's container, not on PyPI's
+    CPU wheels: refused before megatron-core fails on import or at its first kernel."""
+    if args.transformer_impl != "transformer_engine":
+        return
+    if args.device != "cuda":
+        yield (
+            "--transformer-impl transformer_engine needs --device cuda (Transformer Engine "
+            "has no CPU kernels); use --transformer-impl local on CPU"
+        )
+    elif importlib.util.find_spec("transformer_engine") is None:
+        yield (
+            "--transformer-impl transformer_engine: Transformer Engine is not installed "
+            "(pip install transformer_engine[pytorch], or NVIDIA's PyTorch container); or use "
+            "--transformer-impl local"
+        )
 
 
 def _tokenizer_problems(args: argparse.Namespace) -> Iterator[str]:

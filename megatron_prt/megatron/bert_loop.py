@@ -80,6 +80,7 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
         "stage_layers": None if reuse is None else list(reuse.layers_per_stage()),
         "split_backward": None if reuse is None else reuse.splits_backward,
         "recompute": _recompute(args),
+        "transformer_impl": args.transformer_impl,
         "num_microbatches": micro,
         "device": args.device,
         "cpu_count": os.cpu_count(),
@@ -168,7 +169,8 @@ def _log_start(args: argparse.Namespace, chunks: list, microbatches: int) -> Non
         f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size} "
         f"x data {args.data_parallel_size}), "
         f"{len(chunks)} chunk(s) per rank, {microbatches} micro-batches per iteration, "
-        f"recomputation {_recompute(args)}; parameters per rank {counts}"
+        f"{args.transformer_impl} layers, recomputation {_recompute(args)}; parameters per "
+        f"rank {counts}"
     )
 
 

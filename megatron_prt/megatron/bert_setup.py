@@ -178,13 +178,14 @@ def _has_fused_softmax() -> bool:
 def _bert_chunk(args: argparse.Namespace, vocab_size: int, config, **role):
     """One BertModel chunk; ``role``: ``pre_process`` / ``post_process`` / ``vp_stage`` from
     :func:`megatron_prt.megatron.build_chunks`."""
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
+
+    from .pretrain import layer_spec_of
 
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
-        transformer_layer_spec=bert_layer_local_spec,
+        transformer_layer_spec=layer_spec_of("bert", args.transformer_impl),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=True,

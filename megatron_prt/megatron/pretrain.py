@@ -102,7 +102,7 @@ def build_model(
     for the transformer layers instead (a TE spec with other options, a custom one)."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
-    spec = layer_spec if layer_spec is not None else _layer_spec(kind, transformer_impl)
+    spec = layer_spec if layer_spec is not None else layer_spec_of(kind, transformer_impl)
     common = dict(
         config=config,
         vocab_size=vocab_size,
@@ -130,7 +130,7 @@ def build_model(
     )
 
 
-def _layer_spec(kind: str, transformer_impl: str):
+def layer_spec_of(kind: str, transformer_impl: str):
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(
             f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, "

@@ -115,6 +115,7 @@ def test_wave_trains_with_decreasing_loss_and_measures_the_pipeline(wave_run):
     assert summary["schedule"] == "PRT R=2 wave/uni" and summary["iteration"] == 8
     assert summary["stage_layers"] == [1, 1, 1, 1] and summary["split_backward"] is False
     assert summary["recompute"] == "none" and "recomputation none;" in output  # were left out
+    assert summary["transformer_impl"] == "local" and "local layers, recomputation" in output
     assert 0.0 <= summary["bubble"] < 1.0 and summary["predicted_bubble"] > 0
     assert len(summary["peak_activation_bytes"]) == 2
     assert all(b > 0 for b in summary["peak_activation_bytes"])
@@ -353,6 +354,7 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
     [
         (["--fp16"], 1, "--fp16 needs --device cuda"),
         (["--bf16"], 1, "--bf16 needs --device cuda"),
+        (["--transformer-impl", "transformer_engine"], 1, "transformer_engine needs --device cuda"),
         (["--pipeline-model-parallel-size", "2"], 2, "--pipeline-reuse 1 for 1F1B"),
         (["--pipeline-reuse", "2"], 1, "--pipeline-reuse needs a pipeline"),
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 must be a positive multiple"),
@@ -399,6 +401,23 @@ def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_transformer_engine_without_transformer_engine_is_refused():
+    """pretrain_bert built local layers whatever the device: a GPU run could not ask for
+    Transformer Engine's. Without it installed the flag is refused before megatron imports it."""
+    import argparse
+
+    from megatron_prt.megatron.bert_args import _transformer_engine_problems
+
+    args = argparse.Namespace(device="cuda", transformer_impl="transformer_engine")
+    problems = list(_transformer_engine_problems(args))
+    if importlib.util.find_spec("transformer_engine") is not None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and "Transformer Engine is not installed" in problems[0]
+    local = argparse.Namespace(device="cpu", transformer_impl="local")
+    assert list(_transformer_engine_problems(local)) == []
 
 
 def test_a_plan_file_alone_implies_pipeline_reuse_on_cpu(tmp_path, monkeypatch):
