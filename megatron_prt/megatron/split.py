@@ -35,7 +35,7 @@ import functools
 import torch
 from megatron.core.tensor_parallel import layers as tp_layers
 
-from ..runtime.wgrad import enable_split_backward, split_linear, splitting
+from ..runtime.wgrad import enable_split_backward, split_form, split_linear
 
 _SPLIT_LINEARS = (tp_layers.ColumnParallelLinear, tp_layers.RowParallelLinear)
 
@@ -72,7 +72,7 @@ def _forward_impl(
     # ``gtp_remat_size``: above 1 the weight is sharded and gathered in megatron's Function)
     megatron_only = sequence_parallel or grad_output_buffer is not None
     megatron_only = megatron_only or newer.get("gtp_remat_size", 1) > 1
-    if megatron_only or not (splitting() and torch.is_grad_enabled() and weight.requires_grad):
+    if megatron_only or not (split_form(weight) and weight.requires_grad):
         return original(
             input=input,
             weight=weight,

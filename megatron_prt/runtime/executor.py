@@ -60,7 +60,7 @@ from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_runni
 from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
-from .wgrad import enable_split_backward, split_forward
+from .wgrad import enable_split_backward, split_backward_pass, split_forward
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable
 
@@ -427,10 +427,13 @@ class PipelineRuntime:
             grad = self.callbacks.loss_grad(op.stage, op.mb, out)
         self._ready_at = time.perf_counter()
         split = op.action.op is Op.I
-        if split:
-            self.callbacks.input_grad(op.stage, op.mb, out, grad)
-        else:
-            self.callbacks.backward(op.stage, op.mb, out, grad)
+        # a recomputation in here takes its forward's form ([Note: recompute sees the
+        # forward's form] in wgrad.py)
+        with split_backward_pass() if self._split else _NO_CONTEXT:
+            if split:
+                self.callbacks.input_grad(op.stage, op.mb, out, grad)
+            else:
+                self.callbacks.backward(op.stage, op.mb, out, grad)
         x = self._saved_inputs.pop(op.where)
         if x is not None:
             self._input_grads[op.where] = x.grad

@@ -7,7 +7,9 @@ except inside a :func:`split_forward` block (the executor opens one around every
 a split plan). There its forward goes through :class:`SplitLinear`, which gives the weight
 and bias no autograd edge: the backward of that graph (``I``) computes only
 ``grad_input = grad_output @ weight`` and appends a :class:`WeightGradWork` (the layer's
-saved input and its output gradient) to the open :func:`deferring_weight_grads` block. So
+saved input and its output gradient) to the open :func:`deferring_weight_grads` block (and
+:func:`split_backward_pass`, open around that backward, lets a checkpointed region recompute
+in the form its forward took). So
 ``I`` neither computes nor touches the weight's gradient, and no hook on its accumulator
 fires early (megatron DDP's ``main_grad`` hook, torch DDP's reducer, post-accumulate hooks).
 :func:`apply_weight_grads` is ``W``: per parameter ``grad_output^T @ input`` (and the bias
@@ -53,22 +55,51 @@ class WeightGradWork(NamedTuple):
 
 
 _splitting: list[bool] = [False]  # inside split_forward
+_recomputing: list[bool] = [False]  # inside split_backward_pass
+_FORM = "_prt_split_form"  # on a weight: whether its layer's last forward took the split form
 
 
 @contextlib.contextmanager
 def split_forward(enabled: bool = True) -> Iterator[None]:
     """While open (and ``enabled``), split-capable layers build split-backward graphs."""
-    before = _splitting[0]
-    _splitting[0] = enabled
+    with _flag(_splitting, enabled):
+        yield
+
+
+@contextlib.contextmanager
+def split_backward_pass(enabled: bool = True) -> Iterator[None]:
+    """While open (and ``enabled``): the backward of a split plan's forward, where a forward
+    that runs is a recomputation and takes its forward's form ([Note: recompute sees the
+    forward's form])."""
+    with _flag(_recomputing, enabled):
+        yield
+
+
+@contextlib.contextmanager
+def _flag(flag: list[bool], value: bool) -> Iterator[None]:
+    before = flag[0]
+    flag[0] = value
     try:
         yield
     finally:
-        _splitting[0] = before
+        flag[0] = before
 
 
-def splitting() -> bool:
-    """Whether a split-capable layer running now should use its split-backward form."""
-    return _splitting[0]
+# [Note: recompute sees the forward's form] torch's non-reentrant checkpoint reruns a region's
+# forward inside the backward and hands its saved tensors, by position, to the nodes the first
+# forward built: the layers must take the form they took then, or the split nodes get a plain
+# linear's tensors (same shapes: wrong weight gradients without a word; else torch's
+# metadata error). So each forward records its form on the weight and a recomputation in
+# split_backward_pass reads it. A reentrant checkpoint (megatron's recomputation) runs its
+# first forward without grad, records the plain form and recomputes plain: its layers' weight
+# gradients stay in I ([Note: full recomputation has no W] in sim/cost.py).
+def split_form(weight: torch.Tensor) -> bool:
+    """Whether the split-capable layer of ``weight``, running now, takes its split form."""
+    if _recomputing[0]:
+        return torch.is_grad_enabled() and weight.__dict__.get(_FORM, False)
+    form = _splitting[0] and torch.is_grad_enabled()
+    weight.__dict__[_FORM] = form
+    return form
 
 
 # Where backward functions append their work: the list of the innermost open block. A plain
@@ -253,7 +284,7 @@ def _anchor(x: torch.Tensor) -> torch.Tensor:
 
 
 def _split_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if splitting() and torch.is_grad_enabled():
+    if split_form(self.weight):
         return split_linear(x, self.weight, self.bias)
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
