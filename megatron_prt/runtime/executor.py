@@ -217,7 +217,10 @@ class PipelineRuntime:
         first stage (None elsewhere); ``targets`` likewise where a last stage sits. Returns m
         entries: micro-batch ``mb``'s detached loss on the rank holding its last stage (under
         ``bi`` that rank depends on ``mb``'s direction), None on every other rank. Gradients
-        accumulate into the stages' parameters, scaled as for the mean loss over the m."""
+        accumulate into the stages' parameters, scaled as for the mean loss over the m. A
+        stage whose output does not depend on its input (it detaches it) hands the stages
+        before a zero gradient: their parameters get zeros where the unpipelined model
+        leaves ``None`` (the same update for an optimizer without weight decay)."""
         if getattr(self.transport, "closed", False):
             raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
         self.callbacks.begin(inputs, targets, forward_only)
@@ -436,7 +439,9 @@ class PipelineRuntime:
                 self.callbacks.backward(op.stage, op.mb, out, grad)
         x = self._saved_inputs.pop(op.where)
         if x is not None:
-            self._input_grads[op.where] = x.grad
+            # no gradient reached the input (the stage detaches or ignores it): the layers
+            # before get a zero gradient, not a backward seeded as for a loss
+            self._input_grads[op.where] = torch.zeros_like(x) if x.grad is None else x.grad
             if self.deallocate_outputs and op.input_from is not None:
                 # A same-rank hand-off: once its consumer's backward ran, the producer's
                 # output data is dead (its backward needs only the grad_fn), as for a send.

@@ -3,6 +3,7 @@ gradients and optimizer trajectory (float64, 1e-10 relative)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -138,6 +139,63 @@ def test_a_stage_without_layers_passes_values_and_gradients():
             assert len(stage_grads) == len(want), (rank, stage)
             for got, ref in zip(stage_grads, want, strict=True):
                 assert _rel(got, ref) <= TOL, (rank, stage)
+
+
+class _Detaching(torch.nn.Module):
+    """A layer that cuts the graph: the layers before it get no gradient."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.detach())
+
+
+def _cut_layer(cut: int, index: int) -> torch.nn.Module:
+    layer = make_layer("mlp", index)
+    return _Detaching(layer) if index == cut else layer
+
+
+def _cut_worker(rank, world, reuse, cut, split, deallocate):
+    plan = build_plan(Placement(world, reuse, "wave"), 3)
+    stages = build_stages(plan.placement, rank, functools.partial(_cut_layer, cut), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, split_backward=split,
+        deallocate_outputs=deallocate,
+    )  # fmt: skip
+    runtime.step(*batch("mlp", 3))
+    return {s: [p.grad for p in m.parameters()] for s, m in stages.items()}
+
+
+@pytest.mark.parametrize(
+    ("world", "reuse", "cut", "split", "deallocate"),
+    [
+        (2, 2, 6, False, True),  # the cut's stage takes its input from the same rank
+        (2, 2, 6, True, False),
+        (2, 2, 3, False, True),  # from the other rank
+        (1, 3, 4, False, False),
+    ],
+)
+def test_a_stage_that_detaches_its_input_gives_the_layers_before_zero_gradients(
+    world, reuse, cut, split, deallocate
+):
+    """The stage's input got no gradient (None) and the backward of the stage before was
+    seeded as a loss's (ones): wrong gradients without a word (deallocate_outputs=False),
+    else a shape error or a misleading 'a stage must return one tensor' TypeError."""
+    model = torch.nn.Sequential(*(_cut_layer(cut, i) for i in range(NUM_LAYERS)))
+    xs, ys = batch("mlp", 3)
+    sum(loss_fn(model(x), y) for x, y in zip(xs, ys, strict=True)).div(3).backward()
+    ranges = layer_ranges(NUM_LAYERS, world * reuse)
+    for grads in all_ok(run_local(world, _cut_worker, reuse, cut, split, deallocate)):
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage]
+            want = [p.grad for layer in model[first : first + count] for p in layer.parameters()]
+            for got, ref in zip(stage_grads, want, strict=True):
+                if ref is None:  # before the cut
+                    assert got is None or not got.any(), stage
+                else:
+                    assert _rel(got, ref) <= TOL, stage
 
 
 class _Recording(StageCallbacks):
