@@ -187,20 +187,28 @@ def pick_plan(
     split, as :func:`~megatron_prt.tune.search_plans.tune_layout`'s do), each run on
     ``stages`` with inputs ``xs`` / targets ``ys`` (this rank's, as ``PipelineRuntime.step``
     takes them). ``runtime_kwargs`` go to every candidate's ``PipelineRuntime`` (e.g.
-    ``dtype=torch.float64`` for float64 stages, ``transport=``). Collective; the parameters
-    are not changed (no optimizer step), their gradients are zeroed."""
+    ``dtype=torch.float64`` for float64 stages, ``transport=``). Collective. The model is
+    left as it was: the parameters (no optimizer step), the buffers (BatchNorm's running
+    statistics move in every timed forward) and the random number generators (dropout
+    draws) are restored; the gradients are zeroed."""
     layouts = {(c.plan.placement, tuple(c.stage_layers)) for c in candidates}
     if len(layouts) > 1:
         raise ConfigError(
             "pick_plan: the candidates need different stage modules (placements or layer "
             "splits differ); build a runner per candidate and call measured_pick"
         )
+    buffers = [(b, b.detach().clone()) for m in stages.values() for b in m.buffers()]
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     runners = [RuntimeRunner(c.plan, stages, loss_fn, xs, ys, **runtime_kwargs) for c in candidates]
     try:
         device = runners[0].runtime.device if runners else "cpu"
-        return measured_pick(candidates, runners, reps, warmup, group=group, device=device)
+        with torch.random.fork_rng(devices=cuda):
+            return measured_pick(candidates, runners, reps, warmup, group=group, device=device)
     finally:
         for runner in runners:
             runner.close()
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
         for module in stages.values():
             module.zero_grad(set_to_none=True)

@@ -134,23 +134,41 @@ PLACEMENT = Placement(2, 2)
 COUNTS = (5, 1, 1, 5)
 
 
+class _Counted(torch.nn.Module):
+    """A layer with a buffer its forward moves (as BatchNorm's statistics) and a dropout
+    draw from the global generator."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.nn.functional.dropout(self.inner(x), 0.1)
+
+
 def _real_pick(rank, world):
-    stages = build_stages(PLACEMENT, rank, lambda i: make_layer("mlp", i), NUM_LAYERS, COUNTS)
-    before = [p.detach().clone() for _, s in sorted(stages.items()) for p in s.parameters()]
+    layer = lambda i: _Counted(make_layer("mlp", i))  # noqa: E731
+    stages = build_stages(PLACEMENT, rank, layer, NUM_LAYERS, COUNTS)
+    state = [t.detach().clone() for _, s in sorted(stages.items()) for t in s.state_dict().values()]
+    generator = torch.get_rng_state()
     cost = CostModel.from_dict(cost_dict())
     cost = CostModel(layers=cost.layers, stage_layers=COUNTS)
     top = top_candidates(tune_layout(cost, PLACEMENT, M), 3)
     xs, ys = batch("mlp", M)
     picked = pick_plan(top, stages, loss_fn, xs, ys, reps=2, dtype=torch.float64)
-    after = [p.detach() for _, s in sorted(stages.items()) for p in s.parameters()]
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    return picked.index, len(top), unchanged
+    after = [t.detach() for _, s in sorted(stages.items()) for t in s.state_dict().values()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(state, after, strict=True))
+    return picked.index, len(top), unchanged, torch.equal(generator, torch.get_rng_state())
 
 
-def test_pick_plan_on_real_runtimes_agrees_and_leaves_weights():
+def test_pick_plan_on_real_runtimes_agrees_and_leaves_the_model_as_it_was():
+    """The weights stayed, but the buffers (BatchNorm's running statistics) moved by every
+    timed forward and the global generator advanced by every dropout draw."""
     results = all_ok(run_local(2, _real_pick, deadline_s=300))
     assert results[0][0] == results[1][0] and 0 <= results[0][0] < results[0][1]
-    assert results[0][1] > 1 and all(r[2] for r in results)
+    assert results[0][1] > 1 and all(r[2] and r[3] for r in results)
 
 
 def test_top_candidates_per_configuration_are_different_configurations():
