@@ -149,6 +149,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self._summed_attr: str | None = None  # see [Note: replica sums accumulate]
         self.deallocate_outputs = deallocate_outputs
         self.trace_enabled = trace
         self.variable_shapes = variable_shapes
@@ -224,6 +225,8 @@ class PipelineRuntime:
         if getattr(self.transport, "closed", False):
             raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
         self.callbacks.begin(inputs, targets, forward_only)
+        if not forward_only and self._summed_attr is not None:
+            self._restart_replica_sums()
         self._run(forward_only)
         losses, self._losses = self._losses, None
         self._size_rings()  # the messages are known now
@@ -262,9 +265,13 @@ class PipelineRuntime:
 
     def reduce_replica_grads(self, grad_attr: str = "grad") -> None:
         """Direction ``bi``: both replicas of every model stage end with the sum of their
-        gradients (read from and written to each parameter's ``grad_attr``). Collective over
+        gradients (read from and written to each parameter's ``grad_attr``) accumulated
+        since they were zeroed: call it once before the optimizer step, or after every
+        :meth:`step` of an accumulation ([Note: replica sums accumulate]). Collective over
         the pipeline group; through shared memory when that is the transport, else
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
+        if self._summed_attr == grad_attr:  # no training step since the last sum
+            return
         placement = self.plan.placement
         self._size_rings()
         if isinstance(self.transport, ShmTransport):
@@ -273,6 +280,22 @@ class PipelineRuntime:
             reduce_replica_grads(
                 placement, self.stages, self._group, grad_attr, timeout_s=self.timeout_s
             )
+        self._summed_attr = grad_attr if placement.direction == "bi" else None
+
+    # [Note: replica sums accumulate] After a sum both replicas hold S, the gradients so far.
+    # A step of an accumulation adds g0 to the first replica and g1 to the second; summing
+    # again would give 2S + g0 + g1. So the first training step after a sum zeroes the second
+    # replicas (pipeline 1's stages, ids D..2D-1), and the next sum gives S + g0 + g1, as one
+    # sum after every step would; a sum with no training step since returns at once.
+    def _restart_replica_sums(self) -> None:
+        attr, depth = self._summed_attr, self.plan.placement.depth
+        self._summed_attr = None
+        with torch.no_grad():
+            for stage, module in self.stages.items():
+                for param in module.parameters() if stage >= depth else ():
+                    grad = getattr(param, attr, None)
+                    if grad is not None:
+                        grad.zero_()
 
     def trace(self) -> list[tuple[Action, float, float]]:
         """Spans ``(action, start_s, end_s)`` of the last traced step, relative to its start."""

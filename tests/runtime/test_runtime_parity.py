@@ -198,6 +198,46 @@ def test_a_stage_that_detaches_its_input_gives_the_layers_before_zero_gradients(
                     assert _rel(got, ref) <= TOL, stage
 
 
+def _accumulating_worker(rank, world, calls, transport):
+    plan = build_plan(Placement(world, 2, "loop", "bi"), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), NUM_LAYERS)
+    runtime = PipelineRuntime(
+        plan, stages, loss_fn, dtype=torch.float64, timeout_s=30, transport=transport
+    )
+    batches = iter([batch("mlp", 4, seed=7), batch("mlp", 4, seed=8)])
+    for call in calls:
+        runtime.step(*next(batches)) if call == "step" else runtime.reduce_replica_grads()
+    runtime.close()
+    return {s: [p.grad for p in m.parameters()] for s, m in stages.items()}
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+@pytest.mark.parametrize(
+    "calls",
+    [
+        ("step", "step", "reduce"),
+        ("step", "reduce", "step", "reduce"),  # was: the first sum counted twice
+        ("step", "reduce", "step", "reduce", "reduce"),
+    ],
+    ids=["once", "after-each-step", "twice-at-the-end"],
+)
+def test_bi_replica_sums_of_an_accumulation_are_its_gradients(calls, transport):
+    """Gradients accumulated over two steps: a sum once at the end and a sum after each step
+    give both replicas the two batches' gradients."""
+    model = torch.nn.Sequential(*(make_layer("mlp", i) for i in range(NUM_LAYERS)))
+    for seed in (7, 8):
+        xs, ys = batch("mlp", 4, seed=seed)
+        sum(loss_fn(model(x), y) for x, y in zip(xs, ys, strict=True)).div(4).backward()
+    depth = 4
+    ranges = layer_ranges(NUM_LAYERS, depth)
+    for grads in all_ok(run_local(2, _accumulating_worker, calls, transport)):
+        for stage, stage_grads in grads.items():
+            first, count = ranges[stage % depth]
+            want = [p.grad for layer in model[first : first + count] for p in layer.parameters()]
+            for got, ref in zip(stage_grads, want, strict=True):
+                assert _rel(got, ref) <= TOL, stage
+
+
 class _Recording(StageCallbacks):
     """Wraps the default callbacks, recording every call and checking its arguments."""
 
