@@ -140,15 +140,8 @@ class TorchTransport:
         dtype = self.dtype if self.dtype is not None else self.dtypes.get(edge)
         if not isinstance(tensor, torch.Tensor) or (dtype is not None and tensor.dtype != dtype):
             raise _not_sendable(key, tensor, dtype)
-        known = self.shapes.get(edge)
-        if known is not None and tensor.shape != known and not self.variable_shapes:
-            raise ValueError(
-                f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
-                f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
-                f"{tuple(known)}: micro-batches whose shapes differ need "
-                "PipelineRuntime(..., variable_shapes=True) (megatron: TransformerConfig("
-                "variable_seq_lengths=True)) or the same shape for all"
-            )
+        if not self.variable_shapes:
+            check_edge_shape(self.shapes, key, tensor)
         peer = self.rank_of_stage(key[2])
         header = None
         if not self.knows(key):
@@ -242,6 +235,22 @@ class TorchTransport:
 
 
 _KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
+
+
+def check_edge_shape(shapes: Mapping[tuple, torch.Size], key: tuple, tensor: torch.Tensor) -> None:
+    """Refuse a message whose shape is not the first one its edge carried (``shapes``: edge
+    -> that shape), as every transport does without ``variable_shapes``: the torch transport
+    posts its receives at the known shapes, so the shared-memory one, which could carry any,
+    refuses too (a script that ran on one CPU host would fail on GPUs)."""
+    known = shapes.get(key[:3])
+    if known is not None and tensor.shape != known:
+        raise ValueError(
+            f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
+            f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
+            f"{tuple(known)}: micro-batches whose shapes differ need "
+            "PipelineRuntime(..., variable_shapes=True) (megatron: TransformerConfig("
+            "variable_seq_lengths=True)) or the same shape for all"
+        )
 
 
 def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exception:
@@ -422,8 +431,12 @@ class ShmTransport:
         timeout_s: float,
         capacity: int | Mapping[int, int] = 32 << 20,
         device: torch.device | str = "cpu",
+        variable_shapes: bool = False,
+        shapes: Mapping[tuple, torch.Size] | None = None,
     ) -> None:
         self.rank_of_stage = rank_of_stage
+        self.variable_shapes = variable_shapes
+        self.shapes = dict(shapes or {})  # edge -> its first message's shape (a sizing step's)
         self.timeout_s = timeout_s
         self.shm_capacity = capacity if isinstance(capacity, int) else None  # for errors
         self.device = torch.device(device)
@@ -479,6 +492,9 @@ class ShmTransport:
                 f"stage {key[1]}, mb {key[3]}: {tensor.dtype} cannot cross the shared-memory "
                 "transport; pass transport='torch'"
             )
+        if key[0] in ("act", "grad") and not self.variable_shapes:
+            check_edge_shape(self.shapes, key, tensor)
+            self.shapes.setdefault(key[:3], tensor.shape)
         dst = self.rank_of_stage(key[2])
         ring = self._out[dst]
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)

@@ -139,7 +139,7 @@ def sized_shm(runtime, kind: str):
             raise PipelineError(shm_too_small(runtime.rank, need, free, None))
         _fall_back(runtime.rank, need, free)
         return _torch(runtime, runtime.dtype)  # every rank decides alike: safe to rebuild
-    return _shm(runtime, sizes)
+    return _shm(runtime, sizes, runtime.transport.shapes)
 
 
 def _largest_by_sender(transport: TorchTransport, placement, rank: int) -> dict[int, int]:
@@ -192,7 +192,8 @@ def _torch(runtime, dtype) -> TorchTransport:
     )
 
 
-def _shm(runtime, capacity) -> ShmTransport:
+def _shm(runtime, capacity, shapes=None) -> ShmTransport:
+    """Rings of ``capacity``; ``shapes``: each edge's first shape (the sizing step's)."""
     placement = runtime.plan.placement
     counts, receivers = ring_traffic(runtime, runtime.rank)
     return ShmTransport(
@@ -202,4 +203,6 @@ def _shm(runtime, capacity) -> ShmTransport:
         runtime.timeout_s,
         capacity,
         runtime.device,
+        runtime.variable_shapes,
+        shapes,
     )

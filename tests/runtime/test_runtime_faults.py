@@ -98,15 +98,27 @@ def ragged_batch(sizes):
 
 
 # -- 1. shapes and dtype on the torch transport ---------------------------------------------
+@pytest.mark.parametrize("transport", ["torch", "shm", "shm-sized"])
 @pytest.mark.parametrize(
     "sizes, forward_only",
-    [((2, 1, 2, 2), True), ((2, 1, 2, 2), False), ((2, 2, 3, 2), True), ((2, 2, 3, 2), False)],
-    ids=["shorter-fwd", "shorter-train", "longer-fwd", "longer-train"],
+    [
+        ((2, 1, 2, 2), True),
+        ((2, 1, 2, 2), False),
+        ((2, 2, 3, 2), True),
+        ((2, 2, 3, 2), False),
+        ((2, 2, 2, 2, 1, 1, 1, 1), False),  # a smaller last batch, at the second step
+    ],
+    ids=["shorter-fwd", "shorter-train", "longer-fwd", "longer-train", "next-step"],
 )
-def test_varying_shapes_without_flag_fail_on_every_rank(sizes, forward_only):
+def test_varying_shapes_without_flag_fail_on_every_rank(sizes, forward_only, transport):
+    """The shared-memory transport carried them (a run on one CPU host passed and failed on
+    GPUs over NCCL): both refuse alike, the rings from their sizing step on."""
+
     def body(rank, world):
-        rt, _ = runtime(rank, world)
-        return rt.step(*ragged_batch(sizes), forward_only=forward_only)
+        sized = {"shm_capacity": None} if transport == "shm-sized" else {}  # after step 1
+        rt, _ = runtime(rank, world, transport=transport.split("-")[0], **sized)
+        for start in range(0, len(sizes), 4):
+            rt.step(*ragged_batch(sizes[start : start + 4]), forward_only=forward_only)
 
     results = run_case(2, body)
     expect_errors(
