@@ -49,6 +49,21 @@ def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) 
 
 
 # -- the failure board -----------------------------------------------------------------------
+# [Note: reports of an earlier runtime] A caller may catch a runtime's error and build the
+# next runtime; a peer can post its error of the earlier runtime after this rank's next
+# check began (both raised at once, in either order), so a time stamp cannot tell the two
+# runtimes' reports apart. Every rank starts its runtimes in the same order (each start is
+# a collective check), so a count of them, the generation, can: a report carries the
+# generation it was posted in, and a rank reads only reports of its own generation.
+_generation = [0]
+
+
+def start_generation() -> None:
+    """A new runtime starts on this rank: reports posted before are not its own."""
+    _generation[0] += 1
+    clear_failure()
+
+
 def _store():
     """The default process group's rendezvous store, or None without one. torch (to 2.13)
     has no public accessor for it, and a store of our own from public parts (a TCPStore
@@ -71,7 +86,8 @@ def post_failure(text: str, root: bool) -> None:
         return
     with contextlib.suppress(Exception):
         first = text.splitlines()[0] if text else ""
-        store.set(f"{_BOARD}{dist.get_rank()}", f"{'R' if root else 'P'}{time.time():.6f} {first}")
+        value = f"{'R' if root else 'P'}{time.time():.6f} {_generation[0]} {first}"
+        store.set(f"{_BOARD}{dist.get_rank()}", value)
 
 
 def clear_failure() -> None:
@@ -83,7 +99,8 @@ def clear_failure() -> None:
 
 
 def _reports(group) -> dict[int, tuple[bool, float, str]]:
-    """Posted errors of ``group``'s ranks: group rank -> (root, time, first line)."""
+    """Posted errors of ``group``'s ranks in this generation ([Note: reports of an earlier
+    runtime]): group rank -> (root, time, first line)."""
     store = _store()
     if store is None:
         return {}
@@ -93,18 +110,17 @@ def _reports(group) -> dict[int, tuple[bool, float, str]]:
             key = f"{_BOARD}{global_rank}"
             if store.check([key]):
                 value = store.get(key).decode()
-                stamp, _, text = value[1:].partition(" ")
-                found[rank] = (value[0] == "R", float(stamp), text)
+                stamp, generation, text = value[1:].split(" ", 2)
+                if int(generation) == _generation[0]:
+                    found[rank] = (value[0] == "R", float(stamp), text)
     return found
 
 
-def failed_since(group, since: float) -> bool:
-    """Whether another rank of ``group`` posted a root-cause report at or after ``since``
-    (``time.time()``): a report of an earlier runtime, caught by its caller, is older."""
+def peer_failed(group) -> bool:
+    """Whether another rank of ``group`` posted a root-cause report in this generation (one
+    of an earlier runtime, caught by its caller, is not this one's)."""
     me = dist.get_rank(group)
-    return any(
-        root and stamp >= since for rank, (root, stamp, _) in _reports(group).items() if rank != me
-    )
+    return any(root for rank, (root, _, _) in _reports(group).items() if rank != me)
 
 
 def root_cause(group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True) -> str:

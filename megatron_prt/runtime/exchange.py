@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import collective, failed_since, is_wait_failure
+from .errors import collective, is_wait_failure, peer_failed
 from .p2p import wire_device
 
 _PREFIX = "megatron_prt/exchange/"
@@ -71,13 +71,13 @@ def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> 
     """Until every rank's key is written; raises when ``timeout_s`` passes or another rank
     posts an error to the failure board meanwhile (a peer that raised before reaching this
     check does not keep the others waiting; a killed one cannot post, so its peers wait
-    ``timeout_s``; a report older than this check, of an earlier runtime whose error was
-    caught, is not this check's). Waits in blocking slices on the store server, so a
-    thousand waiting ranks cost it a few calls a second each."""
+    ``timeout_s``; a report of an earlier runtime whose error was caught is not this
+    check's: [Note: reports of an earlier runtime] in errors.py). Waits in blocking slices
+    on the store server, so a thousand waiting ranks cost it a few calls a second each."""
     if timeout_s is None:
         store.wait(keys)
         return
-    since, start = time.time(), time.monotonic()
+    start = time.monotonic()
     while True:
         left = timeout_s - (time.monotonic() - start)
         try:
@@ -89,7 +89,7 @@ def _wait(store, keys: list[str], what: str, group, timeout_s: float | None) -> 
         missing = _missing(store, keys)
         if not missing:
             return
-        if failed_since(group, since):
+        if peer_failed(group):
             raise ConnectionAbortedError(f"rank(s) {missing} did not reach {what}")
         if time.monotonic() - start >= timeout_s:
             raise TimeoutError(f"rank(s) {missing} did not reach {what} within {timeout_s} s")

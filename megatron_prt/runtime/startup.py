@@ -13,11 +13,11 @@ from ..core.placement import DIRECTIONS, PLACEMENTS
 from ..core.plan import Plan
 from .errors import (
     PipelineError,
-    clear_failure,
     digest,
     refuse_disagreement,
     setting_code,
     setting_text,
+    start_generation,
 )
 from .exchange import gather_ints
 
@@ -36,6 +36,7 @@ def check_same_plan(
     through the group's store (:func:`~megatron_prt.runtime.exchange.gather_ints`: a rank that
     does not arrive within ``timeout_s`` leaves nothing in flight), after which every rank
     raises, naming the ranks that differ."""
+    start_generation()  # reports posted before are not this runtime's
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     placement = plan.placement
     if world != placement.ranks:
@@ -46,7 +47,6 @@ def check_same_plan(
         )
     if not timeout_s > 0:  # also refuses NaN
         raise ValueError(f"rank {rank}: timeout_s={timeout_s!r}; pass a positive number of seconds")
-    clear_failure()  # a report of an earlier runtime in this job is not this one's
     settings = dict(settings or {})
     expected = sorted(placement.rank_stages[rank])
     given = None if stages is None else sorted(stages)
