@@ -35,6 +35,24 @@ def _unflat(flat: torch.Tensor, tensors) -> None:
         offset += t.numel()
 
 
+def _bytes(tensors) -> torch.Tensor:
+    """``tensors``' bytes, one after another (uint8): a copy carries every dtype exactly,
+    where one cat would promote an integer buffer to the parameters' dtype (BatchNorm's
+    ``num_batches_tracked`` 257 became 256 in bf16)."""
+    parts = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _unbytes(flat: torch.Tensor, tensors) -> None:
+    """Inverse of :func:`_bytes`: copy each tensor's bytes back (clone: a slice's offset
+    need not be aligned for the tensor's dtype)."""
+    offset = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        t.copy_(flat[offset : offset + size].clone().view(t.dtype).view_as(t))
+        offset += size
+
+
 def exchange_pairs(
     pairs, rank_of, group, payload, apply, both_ways: bool, timeout_s: float | None = None
 ) -> None:
@@ -102,10 +120,10 @@ def copy_stages(
 
     def apply(stage, received, _own):
         with torch.no_grad():
-            _unflat(received, tensors(stage))
+            _unbytes(received, tensors(stage))
 
     exchange_pairs(
-        pairs, rank_of, group, lambda stage: _flat(tensors(stage)), apply, False, timeout_s
+        pairs, rank_of, group, lambda stage: _bytes(tensors(stage)), apply, False, timeout_s
     )
 
 

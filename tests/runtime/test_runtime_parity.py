@@ -308,3 +308,33 @@ def test_custom_callbacks_see_the_documented_calls_and_keep_parity(placement, di
             for got, ref in zip(stage_grads, want, strict=True):
                 assert _rel(got, ref) <= TOL, stage
     assert seen == set(range(4))
+
+
+def _bn_stage(index):
+    """A bf16 BatchNorm stage whose buffers differ per stage (num_batches_tracked > 256)."""
+    module = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
+    module.running_mean.fill_(0.5 + index)
+    module.num_batches_tracked.fill_(257 + index)
+    return module
+
+
+def _synced_buffers(rank, world):
+    placement = Placement(world, 1, "loop", "bi")
+    stages = {stage: _bn_stage(stage) for stage in placement.rank_stages[rank]}
+    sync_replicas(placement, stages, timeout_s=30)
+    return {s: {k: v.clone() for k, v in m.state_dict().items()} for s, m in stages.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sync_replicas_copies_integer_buffers_exactly(world):
+    """One cat of a bf16 stage's tensors promoted num_batches_tracked to bf16: 257 became
+    256 on the replica."""
+    placement = Placement(world, 1, "loop", "bi")
+    for state in all_ok(run_local(world, _synced_buffers)):
+        for stage, buffers in state.items():
+            want = _bn_stage(stage % placement.depth).state_dict()
+            for name, value in buffers.items():
+                assert value.dtype == want[name].dtype and torch.equal(value, want[name]), (
+                    stage,
+                    name,
+                )
