@@ -282,6 +282,11 @@ class PipelineRuntime:
             )
         self._summed_attr = grad_attr if placement.direction == "bi" else None
 
+    def gradients_restored(self) -> None:
+        """The caller put back gradients from before the last :meth:`reduce_replica_grads`
+        (a timing of the sum): the next sum sums them again instead of returning at once."""
+        self._summed_attr = None
+
     # [Note: replica sums accumulate] After a sum both replicas hold S, the gradients so far.
     # A step of an accumulation adds g0 to the first replica and g1 to the second; summing
     # again would give 2S + g0 + g1. So the first training step after a sum zeroes the second

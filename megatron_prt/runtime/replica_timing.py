@@ -41,6 +41,7 @@ def time_replica_sync(runtime: PipelineRuntime, repeats: int = 5, grad_attr: str
         spans.append(time.perf_counter() - start)
         for param, grad in zip(params, saved, strict=True):
             setattr(param, grad_attr, _clone(grad))
+        runtime.gradients_restored()  # the next run sums again ([Note: replica sums accumulate])
     return statistics.median(spans)
 
 
