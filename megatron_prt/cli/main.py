@@ -302,9 +302,12 @@ def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
     """:func:`build_plan`, except that split-backward plans are sized with the cost model:
     its stage activation bytes and W's share of them (``stage_wgrad_keep``) for the
     memory cap, its ``wgrad_fraction`` for the W times."""
-    times = planning_times(args, cost, placement)
     if schedule not in SPLIT_SCHEDULES:
-        return build_plan(placement, args.microbatches, schedule, times)
+        return build_plan(
+            placement, args.microbatches, schedule, planning_times(args, cost, placement)
+        )
+    # [Note: the split form's own costs] in sim/layer_cost.py
+    times = planning_times(args, cost.split_form(), placement)
     if times is None:  # equal stages, as the runtime's plan, with the costs' W share
         times = StageTimes.uniform(placement.depth)
         if cost.wgrad_fraction is not None:
@@ -324,7 +327,8 @@ def cmd_plan(args) -> int:
     cost = cost_from_args(args)
     plan = _make_plan(args, cost)
     if args.lowered:
-        plan = lower(plan, planning_times(args, cost, plan.placement))
+        planned = cost.split_form() if plan.split_backward else cost
+        plan = lower(plan, planning_times(args, planned, plan.placement))
         validate(plan)
     try:
         return _write_plan(args, plan, cost)

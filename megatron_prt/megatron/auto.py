@@ -292,7 +292,8 @@ def describe(
     w = result.winner
     was = next((c for c in result.ranked if c.plan == running), None)
     before = f"{1e3 * was.makespan:.2f} ms" if was else "not among the candidates"
-    times = cost.stage_times(running.placement)
+    priced = cost.split_form() if running.split_backward else cost
+    times = priced.stage_times(running.placement)
     stages = ", ".join(
         f"{1e3 * f:.2f}/{1e3 * b:.2f}" for f, b in zip(times.fwd, times.bwd, strict=True)
     )

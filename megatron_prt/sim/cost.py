@@ -52,7 +52,10 @@ transfer). All three default to free, which leaves every prediction without the 
 
 Split backward (plans with I and W, :mod:`megatron_prt.core.zerobubble`). ``bwd`` stays the
 whole backward; its weight-gradient share W is ``wgrad`` per entry (a time, at most
-``bwd``), else ``wgrad_fraction`` of ``bwd`` (default 0.5); I is the rest. After I a stage
+``bwd``), else ``wgrad_fraction`` of ``bwd`` (default 0.5); I is the rest. Where the split
+form was measured, ``split_fwd`` and ``split_bwd`` (I + W, then at least ``wgrad``) are its
+forward and backward and price plans with I and W ([Note: the split form's own costs] in
+:mod:`~megatron_prt.sim.layer_cost`). After I a stage
 still holds, until W, ``wact`` bytes per entry (what its weight GEMMs need: their inputs and
 output gradients, as measured by
 :func:`~megatron_prt.runtime.wgrad.measure_split_memory`), else ``wgrad_keep_fraction`` of
@@ -110,6 +113,7 @@ from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
 from .cost_checks import check_bytes_on_every_layer, check_value_types
+from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost
 from .model_shape import check_shape
 from .recompute import (
     KEPT,
@@ -122,89 +126,6 @@ from .recompute import (
 # Share of a backward that is weight-gradient work when a cost model does not say.
 DEFAULT_WGRAD_FRACTION = 0.5
 
-# fp32 Adam keeps weight, gradient and two moments (4 bytes each) per parameter: the
-# gradient is a quarter of ``param``. Used where no ``grad`` bytes are given.
-PARAM_BYTES_PER_GRAD_BYTE = 4.0
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer (or the embedding, or the head) for one micro-batch: times in the cost
-    model's unit, bytes in bytes."""
-
-    fwd: float
-    bwd: float
-    act: float = 0.0  # activation bytes kept for backward, one micro-batch
-    param: float = 0.0  # parameter (+ grad + optimizer state) bytes
-    grad: float | None = None  # gradient bytes; None: param / PARAM_BYTES_PER_GRAD_BYTE
-    wgrad: float | None = None  # weight-gradient part of bwd; None: the model's fraction
-    wact: float | None = None  # bytes of act W still needs after I; None: the model's share
-    full_act: float | None = None  # full recompute, a block of one: bytes kept (its input)
-    full_bwd: float | None = None  # ... and backward time with the rerun forward
-    selective_act: float | None = None  # selective recompute: bytes kept
-    selective_bwd: float | None = None  # ... and backward time with the rerun attention core
-
-    def __post_init__(self) -> None:
-        for name in _LAYER_NUMBERS:
-            value = getattr(self, name)
-            if name not in ("fwd", "bwd", "act", "param") and value is None:
-                continue
-            if not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"layer cost {name} must be a number >= 0, got {value!r}")
-        if self.wgrad is not None and self.wgrad > self.bwd:
-            raise ConfigError(
-                f"layer cost wgrad ({self.wgrad}) is part of bwd ({self.bwd}); give wgrad <= bwd"
-            )
-
-    def wgrad_act(self, keep_fraction: float) -> float:
-        """Bytes held from I until W: ``wact``, or ``keep_fraction`` of ``act``."""
-        return keep_fraction * self.act if self.wact is None else self.wact
-
-    def wgrad_time(self, fraction: float) -> float:
-        """Weight-gradient time: ``wgrad``, or ``fraction`` of ``bwd`` when not given."""
-        return fraction * self.bwd if self.wgrad is None else self.wgrad
-
-    @property
-    def grad_bytes(self) -> float:
-        """Gradient bytes: ``grad``, or the fp32-Adam share of ``param`` when not given."""
-        return self.param / PARAM_BYTES_PER_GRAD_BYTE if self.grad is None else self.grad
-
-    def recomputed(self, granularity: str, message_bytes: float) -> tuple[float, float]:
-        """``(bytes kept, backward time)`` of this layer recomputed under ``granularity``
-        (``full``: as a block of one); the module docstring says where they come from."""
-        act, bwd = getattr(self, f"{granularity}_act"), getattr(self, f"{granularity}_bwd")
-        if granularity == "full":
-            act = message_bytes if act is None else act
-            bwd = self.bwd + self.fwd if bwd is None else bwd
-        return act, bwd
-
-    def times_scaled(self, factor: float) -> LayerCost:
-        """This entry with every time (``fwd``, ``bwd`` and the optional ones) times ``factor``."""
-        given = {k: getattr(self, k) for k in _LAYER_TIMES if getattr(self, k) is not None}
-        return replace(self, **{k: v * factor for k, v in given.items()})
-
-    def to_dict(self) -> dict:
-        """Optional keys left unset are absent rather than null: older readers accept that."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k in _LAYER_NUMBERS[:4]}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str) -> LayerCost:
-        """``where`` names the entry in error messages (e.g. ``layers[3]``)."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"cost {where} must be an object with fwd, bwd, act, param")
-        if set(data) - set(_LAYER_NUMBERS) or not {"fwd", "bwd"} <= set(data):
-            raise ConfigError(
-                f"cost {where} has keys {sorted(data)}; it needs fwd and bwd, optionally "
-                f"{', '.join(_LAYER_NUMBERS[2:])}"
-            )
-        try:  # "layer cost fwd ..." -> "cost layers[3]: fwd ..."
-            return cls(**data)
-        except ConfigError as exc:
-            raise ConfigError(f"cost {where}: {str(exc).removeprefix('layer cost ')}") from None
-
-
-_LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional
-_LAYER_TIMES = ("fwd", "bwd", "wgrad", "full_bwd", "selective_bwd")
 _NON_NEGATIVE = (  # CostModel's fields that may be 0
     "fwd_time bwd_time p2p_latency p2p_cpu activation_bytes param_bytes message_bytes "
     "replica_latency"
@@ -288,6 +209,17 @@ class CostModel:
             recompute_method=method,
             recompute_num_layers=num_layers,
         )
+
+    def split_form(self) -> CostModel:
+        """This model as plans with I and W cost it: every entry's split form ([Note: the
+        split form's own costs] in :mod:`~megatron_prt.sim.layer_cost`); itself when no
+        entry gives one. :func:`~megatron_prt.sim.simulate.simulate` prices such plans so."""
+        parts = (*self.layers, self.embedding, self.head)
+        if all(p is None or (p.split_fwd is None and p.split_bwd is None) for p in parts):
+            return self
+        end = lambda part: None if part is None else part.split_form()  # noqa: E731
+        layers = tuple(layer.split_form() for layer in self.layers)
+        return replace(self, layers=layers, embedding=end(self.embedding), head=end(self.head))
 
     def folded_recompute(self) -> tuple[CostModel, int]:
         """``(model, unit)``: this model (``stage_layers`` dropped) with recomputation folded

@@ -77,6 +77,8 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     """Simulate ``plan`` (compute-only or lowered) under ``cost`` (default: forward 1,
     backward 2 for the whole model, free communication). Times in the cost's unit."""
     cost = cost or CostModel()
+    if plan.split_backward:  # [Note: the split form's own costs] in sim/layer_cost.py
+        cost = cost.split_form()
     placement = plan.placement
     timeline = replay(plan, cost.stage_times(placement))
     act_bytes = cost.stage_activation_bytes(placement)

@@ -53,7 +53,8 @@ def target_row(
         result = simulate(build_plan(config, microbatches, "zb"), cost)
         found.append((_measure(result), config, result))
     (bubble, peak), config, result = min(found, key=lambda f: f[0])
-    bound = split_lower_bound(config, result.plan.mb_pipeline, cost.stage_times(config))
+    times = cost.split_form().stage_times(config)
+    bound = split_lower_bound(config, result.plan.mb_pipeline, times)
     busy = sum(r.busy for r in result.per_rank)
     label = f"R={config.reuse} {config.placement}/{config.direction}"
     zb_h1 = next(f[0] for f in found if f[1].reuse == 1 and f[1].direction == "uni")

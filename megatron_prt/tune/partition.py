@@ -186,6 +186,8 @@ def partition(
     Deterministic. Raises :class:`ConfigError` for bad input or an unreachable budget."""
     _check_request(cost, budget_bytes, slack)
     plan = build_plan(placement, num_microbatches, schedule)
+    if plan.split_backward:  # [Note: the split form's own costs] in sim/layer_cost.py
+        cost = cost.split_form()
     folded, unit = cost.folded_recompute()  # see "Recomputation" above
     problem = Problem(folded, plan)
     pool = Pool(problem)

@@ -330,6 +330,8 @@ def _score_family(
     num_layers: int,
 ) -> list[Candidate]:
     placement, schedule = family.placement, family.schedule
+    if schedule in SPLIT_BACKWARD_SCHEDULES:  # planned and priced in the split form's costs
+        price = _split_form(price)
     cost = price(placement, even_layers(num_layers, placement.depth))
     equal_plan = plan_for(cost, placement, num_microbatches, schedule, None)
     validate(equal_plan)
@@ -356,6 +358,12 @@ def _score_family(
         fitting = [c for c in variants if c.fits(budget_bytes)] or variants
         out.append(min(fitting, key=lambda c: c.makespan))
     return out
+
+
+def _split_form(price: Pricing) -> Pricing:
+    """``price`` in the split form's costs ([Note: the split form's own costs] in
+    :mod:`megatron_prt.sim.layer_cost`)."""
+    return lambda placement, stage_layers: price(placement, stage_layers).split_form()
 
 
 def _count_capped(priced, family, kind, counts, num_microbatches) -> list[Candidate]:
@@ -436,6 +444,7 @@ def tune_layout(
     start = time.perf_counter()
     counts = cost.layer_counts(placement.depth)
     names = SPLIT_BACKWARD_SCHEDULES if split_backward else _whole_backward(placement)
+    cost = cost.split_form() if split_backward else cost  # [Note: the split form's own costs]
     found, skipped = [], []
     for order, schedule in enumerate(names):
         family = Family(order, schedule, placement)

@@ -90,7 +90,7 @@ def profiled(name: str) -> CostModel:
 
     def in_ms(part: LayerCost) -> LayerCost:
         grad = part.param * BF16_GRAD_BYTES / BF16_STATE_BYTES if part.grad is None else part.grad
-        return replace(part, fwd=1e3 * part.fwd, bwd=1e3 * part.bwd, grad=grad)
+        return replace(part.times_scaled(1e3), grad=grad)  # every time, the optional ones too
 
     return replace(
         raw,

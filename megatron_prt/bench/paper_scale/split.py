@@ -23,7 +23,7 @@ def split_plans(placement: Placement, microbatches: int, schedule: str, cost: Co
     return [
         (
             "split backward",
-            build_plan(placement, microbatches, schedule, cost.stage_times(placement)),
+            build_plan(placement, microbatches, schedule, cost.split_form().stage_times(placement)),
         )
     ]
 

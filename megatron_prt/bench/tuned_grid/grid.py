@@ -79,6 +79,7 @@ def _entries(cost: CostModel, placement: Placement, m: int, split: bool) -> list
     out = []
     for kind, counts in splits.items():
         priced = replace(cost, stage_layers=counts)
+        priced = priced.split_form() if split else priced  # as the tuner plans split rows
         try:
             plan = plan_for(priced, placement, m, schedule, priced.stage_times(placement))
         except ConfigError:  # e.g. bi with fewer micro-batches than pipelines

@@ -95,27 +95,29 @@ def shm_capacity(stack: str, args) -> int:
 
 
 def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
-    """Per layer: F, B (whole), and I + W with W as ``wgrad``, seconds; medians over the
-    traced steps' actions, every layer in its own stage; identical on every rank."""
+    """Per layer: F and B (whole), the split form's F and I + W (``split_fwd``,
+    ``split_bwd``) with W as ``wgrad``, seconds; medians over the traced steps' actions,
+    every layer in its own stage; identical on every rank."""
     if args.layers % world:
         raise ValueError(f"--layers {args.layers} must be a multiple of the {world} ranks")
     reuse = args.layers // world
     placement = Placement(world, reuse)
     whole = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
     split = _spans(rank, placement, stack, args, "zb")
-    mine = torch.zeros(args.layers, 4, dtype=torch.float64)
+    mine = torch.zeros(args.layers, 5, dtype=torch.float64)
     for k in range(args.layers):
         for column, (spans, op) in enumerate(
-            ((whole, Op.F), (whole, Op.B), (split, Op.I), (split, Op.W))
+            ((whole, Op.F), (whole, Op.B), (split, Op.F), (split, Op.I), (split, Op.W))
         ):
             times = [e - s for a, s, e in spans if a.op is op and a.stage == k]
             mine[k, column] = statistics.median(times) if times else 0.0
     dist.all_reduce(mine)  # each layer is timed on the one rank that holds it
     grads = [_grad_bytes(layer_maker(stack, args)(k)) for k in range(args.layers)]
-    # bwd: the whole backward; W its share as the split step measured it
+    # the split form's own F and I + W, W as the split step measured it ([Note: the split
+    # form's own costs] in megatron_prt/sim/layer_cost.py)
     return [
-        LayerCost(fwd=f, bwd=b, wgrad=b * w / (i + w) if i + w else 0.0, grad=g)
-        for (f, b, i, w), g in zip(mine.tolist(), grads, strict=True)
+        LayerCost(fwd=f, bwd=b, wgrad=w, split_fwd=sf, split_bwd=i + w, grad=g)
+        for (f, b, sf, i, w), g in zip(mine.tolist(), grads, strict=True)
     ]
 
 

@@ -1,0 +1,100 @@
+"""The split form's own costs ([Note: the split form's own costs] in sim/layer_cost.py):
+plans with I and W are planned and priced with ``split_fwd`` / ``split_bwd`` where a cost
+file gives them; plans without are priced as before. Before, a split form measured slower
+than the whole one was priced at the whole one's times: split-backward candidates were
+predicted 10-15% fast on CPU and led the tuner's ranking."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from tune_costs import cost_dict
+
+from megatron_prt.core.placement import ConfigError, Placement
+from megatron_prt.core.schedules import build_plan
+from megatron_prt.sim.cost import CostModel, LayerCost
+from megatron_prt.sim.simulate import simulate
+from megatron_prt.tune.partition import partition
+from megatron_prt.tune.search_plans import tune
+
+P, M, LAYERS = 2, 4, 6
+
+
+def costs(fwd_factor: float, bwd_factor: float) -> CostModel:
+    """The tuner tests' costs with every layer's split form ``fwd_factor`` / ``bwd_factor``
+    times its whole form, W half of the split backward."""
+    data = cost_dict(LAYERS)
+    for layer in data["layers"]:
+        layer["split_fwd"] = fwd_factor * layer["fwd"]
+        layer["split_bwd"] = bwd_factor * layer["bwd"]
+        layer["wgrad"] = layer["split_bwd"] / 2
+    return CostModel.from_dict(data)
+
+
+def test_the_split_form_swaps_in_its_times_and_round_trips():
+    layer = LayerCost(1.0, 2.0, wgrad=2.5, split_fwd=1.5, split_bwd=3.0)
+    form = layer.split_form()
+    assert (form.fwd, form.bwd, form.wgrad, form.split_fwd, form.split_bwd) == (
+        1.5,
+        3.0,
+        2.5,
+        None,
+        None,
+    )
+    assert LayerCost.from_dict(layer.to_dict(), "layers[0]") == layer
+    model = costs(1.2, 1.5)
+    assert CostModel.from_dict(model.to_dict()) == model
+    plain = CostModel.from_dict(cost_dict(LAYERS))
+    assert plain.split_form() is plain  # nothing measured: the whole form's times
+
+
+def test_wgrad_is_bounded_by_the_split_backward_it_is_part_of():
+    with pytest.raises(ConfigError, match=r"wgrad \(4\.0\) is part of split_bwd \(3\.0\)"):
+        LayerCost(1.0, 2.0, wgrad=4.0, split_bwd=3.0)
+    with pytest.raises(ConfigError, match=r"wgrad \(3\.0\) is part of bwd \(2\.0\)"):
+        LayerCost(1.0, 2.0, wgrad=3.0)
+
+
+@pytest.mark.parametrize("schedule", ["zb", "prt"])
+def test_a_plan_is_priced_in_its_own_form(schedule):
+    cost = costs(1.25, 1.5)
+    plan = build_plan(Placement(P, 2), M, schedule)
+    got = simulate(plan, cost).makespan
+    whole = simulate(plan, CostModel.from_dict(cost_dict(LAYERS))).makespan
+    if schedule == "zb":
+        assert got == simulate(plan, cost.split_form()).makespan and got > whole
+    else:
+        assert got == whole  # no I/W: the split form's numbers are not read
+
+
+def test_the_partitioner_splits_a_split_plan_by_the_split_form():
+    """Split forms slower on the early layers move layers towards the last stage."""
+    data = cost_dict(LAYERS)
+    for i, layer in enumerate(data["layers"]):
+        layer["split_bwd"] = layer["bwd"] * 2 * (LAYERS - i)
+    cost = CostModel.from_dict(data)
+    placement = Placement(P, 1)
+    found = partition(cost, placement, M, budget_bytes=float("inf"), schedule="zb")
+    priced = replace(cost, stage_layers=found.stage_layers)
+    assert found.makespan == simulate(build_plan(placement, M, "zb"), priced).makespan
+    whole = partition(
+        CostModel.from_dict(cost_dict(LAYERS)),
+        placement,
+        M,
+        budget_bytes=float("inf"),
+        schedule="zb",
+    )
+    assert found.stage_layers[0] < whole.stage_layers[0]
+
+
+def test_a_slow_split_form_leaves_split_backward_out_of_the_lead():
+    """The same model, its split form 20% slower forward and 60% slower backward: split
+    backward won on the whole form's times, and must not win on its own."""
+    fast = tune(costs(1.0, 1.0), P, M)
+    slow = tune(costs(1.2, 1.6), P, M)
+    assert fast.winner.plan.split_backward  # equal forms: splitting fills the bubble
+    assert not slow.winner.plan.split_backward
+    for candidate in slow.ranked:
+        priced = replace(costs(1.2, 1.6), stage_layers=candidate.stage_layers)
+        assert candidate.makespan == simulate(candidate.plan, priced).makespan
