@@ -74,6 +74,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="local",
         help="layer spec (Megatron-LM's flag): transformer_engine needs --device cuda and TE",
     )
+    p.add_argument(
+        "--no-split-backward",
+        dest="split_backward",
+        action="store_false",
+        help="skip the split-form passes (the split_fwd / split_bwd / wgrad keys: what the "
+        "forward and I + W cost when the backward is split); the tuner then prices split "
+        "backward at the whole backward's times, W half of it",
+    )
     recompute_flags(
         p,
         "measure the layers a second time with megatron's recomputation on "
@@ -137,6 +145,7 @@ def _profile(args: argparse.Namespace) -> dict:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl,
+        split_backward=args.split_backward,
     )
 
 

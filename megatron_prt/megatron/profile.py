@@ -9,8 +9,9 @@ head (final layer norm, output layer, cross-entropy and loss function; for BERT 
 LM head, pooler and binary head: what the last stage adds). The result is the cost JSON
 the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`)::
 
-    {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes}, ...],
-     "embedding": {...the same five keys}, "head": {...},
+    {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes,
+                 "split_fwd": s, "split_bwd": s, "wgrad": s}, ...],
+     "embedding": {...the same keys}, "head": {...},
      "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
      "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes,
      "model": {"model": kind, "hidden_size": ..., "seq_length": ..., ...}}
@@ -20,6 +21,10 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
   hooks on their outputs), so the parts add up to the whole pass. A layer's forward runs
   from its start to the next layer's start; the head's from the last layer's end to the
   loss; the embedding's includes megatron's forward_step overhead before the first layer.
+* ``split_fwd`` / ``split_bwd`` / ``wgrad`` (unless ``split_backward=False``): the same
+  passes in the split form, megatron's linear layers split-capable: the forward, I + W and
+  W (each part's deferred weight GEMMs applied on their own), the split form's own costs
+  ([Note: the split form's own costs] in :mod:`megatron_prt.sim.layer_cost`).
 * ``act``: bytes held for backward for one micro-batch, as
   :mod:`megatron_prt.runtime.memory` defines them (distinct non-parameter storages that
   autograd saves). Each storage is attributed to the first part that saves it: a layer's
@@ -57,9 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
@@ -79,6 +82,7 @@ from .pretrain import (
     random_batch,
     transformer_config,
 )
+from .profile_passes import Parts, Progress, block_checkpoints, time_passes, time_split_passes
 
 KINDS = ("gpt", "bert")
 DTYPES = {
@@ -87,7 +91,6 @@ DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-Progress = Callable[[str], None]
 
 
 def state_bytes_per_param(dtype: torch.dtype) -> int:
@@ -142,6 +145,7 @@ def profile_model(
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
     transformer_impl: str = "local",
+    split_backward: bool = True,
 ) -> dict:
     """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
     times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
@@ -154,6 +158,8 @@ def profile_model(
     setting is written into the result for the simulator and the partitioner to price.
     ``transformer_impl``: the layer spec (:data:`~megatron_prt.megatron.pretrain.TRANSFORMER_IMPLS`;
     ``transformer_engine`` needs ``device="cuda"`` and Transformer Engine installed).
+    ``split_backward``: also measure the split form (:func:`_add_split_form`), as many
+    passes again.
 
     Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
@@ -188,6 +194,8 @@ def profile_model(
         build = partial(build_model, kind, transformer_impl=transformer_impl)
         fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
         costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
+        if split_backward:
+            _add_split_form(costs, build, kind, config(), shape, reps, say)
         if recompute_granularity is not None:
             _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
     layers = [costs[i] for i in range(layers_built)]
@@ -240,6 +248,30 @@ def _add_recomputed(costs: dict, granularity: str, build, kind, config, shape, r
             cost[f"{granularity}_act"], cost[f"{granularity}_bwd"] = act[part], bwd[part]
 
 
+def _add_split_form(costs: dict, build, kind, config, shape: tuple, reps: int, say) -> None:
+    """Measure a fresh model in the split form (megatron's linear layers split-capable,
+    :func:`~.profile_passes.time_split_passes`; without recomputation) and add each part's
+    ``split_fwd``, ``split_bwd`` (I + W) and ``wgrad`` (W): [Note: the split form's own
+    costs] in :mod:`megatron_prt.sim.layer_cost`. Weight gradients the integration leaves
+    in I (embeddings, norms, Transformer Engine layers) count in I, as they run."""
+    from .split import enable_megatron_split_backward
+
+    seq_length, micro_batch_size, vocab_size, device = shape
+    model = build(config, vocab_size, seq_length)
+    model.to(device=device, dtype=config.params_dtype)
+    enable_megatron_split_backward([model])
+    batch_shape = (seq_length, micro_batch_size, vocab_size)
+    step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
+    parts = Parts(model, kind)
+    try:
+        split = time_split_passes(step, parts, reps, say)
+    finally:
+        parts.remove()
+    for part, cost in costs.items():
+        w = split["wgrad"][part]
+        cost.update(split_fwd=split["fwd"][part], split_bwd=split["input_grad"][part] + w, wgrad=w)
+
+
 def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: Progress):
     """``(fwd, bwd, act, params)`` per part of the model ``build(config, vocab, seq)`` makes
     (``kind``'s): median seconds, bytes held for backward, parameter counts."""
@@ -248,10 +280,10 @@ def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: P
     model.to(device=device, dtype=config.params_dtype)
     batch_shape = (seq_length, micro_batch_size, vocab_size)
     step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
-    parts = _Parts(model, kind)
+    parts = Parts(model, kind)
     try:
-        with _block_checkpoints(parts, config.recompute_granularity == "full"):
-            fwd, bwd = _time_passes(step, parts, reps, say)
+        with block_checkpoints(parts, config.recompute_granularity == "full"):
+            fwd, bwd = time_passes(step, parts, reps, say)
             act = _activation_bytes(step, parts, model)
     finally:
         parts.remove()
@@ -411,140 +443,7 @@ def _model_step(kind: str, data_iterator, model):
     return output, partial(pretrain_loss, batch)
 
 
-# -- the parts of the model ------------------------------------------------------------------
-class _Parts:
-    """Hooks that tell which part of the model runs (``"embedding"``, layer index,
-    ``"head"``), for attributing saved tensors, and stamp the times at part boundaries."""
-
-    def __init__(self, model: torch.nn.Module, kind: str) -> None:
-        block = model.decoder if kind == "gpt" else model.encoder
-        self.embedding = model.embedding
-        self.layers = list(block.layers)
-        self.cuda = next(model.parameters()).is_cuda
-        self.current: object = "embedding"
-        self.started = 0  # the layer that started last
-        self.in_backward = False  # a recomputed layer's rerun forward is not a forward
-        self.stamps: dict[tuple, float] = {}
-        self._handles = [self.embedding.register_forward_hook(self._embedding_done)]
-        for i, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(partial(self._layer_start, i)))
-            self._handles.append(layer.register_forward_hook(partial(self._layer_done, i)))
-
-    def names(self) -> list:
-        return ["embedding", *range(len(self.layers)), "head"]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def now(self) -> float:
-        if self.cuda:  # kernels run asynchronously: a boundary is where they have finished
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def stamp(self, *event) -> None:
-        self.stamps[event] = self.now()
-
-    def _embedding_done(self, module, args, output) -> None:
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(self._grad_hook("embedding"))
-
-    def _layer_start(self, i, module, args) -> None:
-        if self.in_backward:
-            return
-        self.current = self.started = i
-        self.stamp("fwd", i)
-
-    def _layer_done(self, i, module, args, output) -> None:
-        if self.in_backward:
-            return
-        self.current = "head"
-        self.stamp("fwd_end", i)
-        hidden = output[0] if isinstance(output, tuple) else output
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            hidden.register_hook(self._grad_hook(i))
-
-    def _grad_hook(self, part):
-        def hook(grad):
-            self.stamp("grad", part)  # the gradient reached this part's output
-
-        return hook
-
-
-@contextlib.contextmanager
-def _block_checkpoints(parts: _Parts, on: bool) -> Iterator[None]:
-    """Full recomputation: megatron's ``tensor_parallel.checkpoint`` runs a block of layers
-    without autograd and saves the block's input after it ran, when the layer hooks already
-    point past the layer; this attributes that save to the block's (one) layer and times
-    its backward (recompute included) from a gradient hook on the block's output."""
-    if not on:
-        yield
-        return
-    from megatron.core import tensor_parallel
-
-    original = tensor_parallel.checkpoint
-
-    def checkpoint(function, distribute_saved_activations, *args):
-        def run(*inputs):
-            outputs = function(*inputs)
-            parts.current = parts.started  # CheckpointFunction saves the input next
-            return outputs
-
-        outputs = original(run, distribute_saved_activations, *args)
-        parts.current = "head"  # until the next layer starts
-        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-        if not parts.in_backward and torch.is_grad_enabled() and hidden.requires_grad:
-            hidden.register_hook(parts._grad_hook(parts.started))
-        return outputs
-
-    tensor_parallel.checkpoint = checkpoint
-    try:
-        yield
-    finally:
-        tensor_parallel.checkpoint = original
-
-
-def _time_passes(step, parts: _Parts, reps: int, say: Progress) -> tuple[dict, dict]:
-    """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
-    samples: list[tuple[dict, dict]] = []
-    for rep in range(reps + 1):
-        parts.current = "embedding"
-        parts.stamp("start")
-        loss = step()
-        parts.stamp("fwd_done")
-        parts.in_backward = True
-        try:
-            loss.backward()
-        finally:
-            parts.in_backward = False
-        parts.stamp("bwd_done")
-        if rep > 0:
-            samples.append(_durations(parts))
-        say(f"profile: pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
-    fwd = {name: statistics.median(s[0][name] for s in samples) for name in parts.names()}
-    bwd = {name: statistics.median(s[1][name] for s in samples) for name in parts.names()}
-    return fwd, bwd
-
-
-def _durations(parts: _Parts) -> tuple[dict, dict]:
-    """Forward and backward seconds of each part in the pass just stamped."""
-    t = parts.stamps
-    n = len(parts.layers)
-    fwd = {"embedding": t[("fwd", 0)] - t[("start",)]}
-    for i in range(n):
-        end = t[("fwd", i + 1)] if i + 1 < n else t[("fwd_end", i)]
-        fwd[i] = end - t[("fwd", i)]
-    fwd["head"] = t[("fwd_done",)] - t[("fwd_end", n - 1)]
-    # Backward runs head, layer n-1, ..., layer 0, embedding; a part's backward ends when
-    # the gradient reaches the output of the part before it.
-    reached = [t[("grad", "embedding")]] + [t[("grad", i)] for i in range(n)]
-    bwd = {"head": reached[n] - t[("fwd_done",)], "embedding": t[("bwd_done",)] - reached[0]}
-    for i in range(n):
-        bwd[i] = reached[i] - reached[i + 1]
-    return fwd, bwd
-
-
-def _activation_bytes(step, parts: _Parts, model: torch.nn.Module) -> dict:
+def _activation_bytes(step, parts: Parts, model: torch.nn.Module) -> dict:
     """Bytes each part saves for backward in one micro-batch (first part to save a storage
     owns it; storages a second micro-batch saves again are caches and left out)."""
     params = list(model.parameters())
@@ -567,7 +466,7 @@ def _activation_bytes(step, parts: _Parts, model: torch.nn.Module) -> dict:
     return act
 
 
-def _param_counts(model: torch.nn.Module, parts: _Parts) -> dict:
+def _param_counts(model: torch.nn.Module, parts: Parts) -> dict:
     """Parameters per part; the head also counts a tied output weight's copy."""
     counts: dict = {"embedding": _numel(parts.embedding)}
     for i, layer in enumerate(parts.layers):

@@ -26,7 +26,7 @@ from megatron_prt.sim.simulate import simulate
 
 H, B, LAYERS, M = 32, 4, 8, 4
 F64 = 8  # bytes per float64 element
-COST_KEYS = {"fwd", "bwd", "act", "param", "grad"}
+COST_KEYS = {"fwd", "bwd", "act", "param", "grad", "split_fwd", "split_bwd", "wgrad"}
 
 
 def _mlp_layer(i: int) -> torch.nn.Module:
@@ -217,6 +217,8 @@ def test_profile_model_gives_the_cost_json():
     assert len(costs["layers"]) == 3
     assert all(set(p) == COST_KEYS for p in parts)
     assert all(p["fwd"] > 0 and p["bwd"] > 0 and p["act"] > 0 and p["param"] > 0 for p in parts)
+    assert all(p["split_fwd"] > 0 and p["split_bwd"] >= p["wgrad"] >= 0 for p in parts)
+    assert all(layer["wgrad"] > 0 for layer in costs["layers"])  # four linear layers each
     s, b, h, a, f32 = SEQ, MBS, HIDDEN, 4, 4
     # A local-spec GPT layer saves, in elements: its input, LN out, fused QKV (3), context,
     # attention + residual, LN2 out, fc1 out (4), GeLU out (4) = 16 sbh; the two layer
@@ -357,3 +359,45 @@ def test_cli_profile_errors_are_one_line_exit_2(capsys, flag, value, message):
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and message in err
+
+
+def _split_attribution(rank, world):
+    """Each part's W, as :func:`time_split_passes` applies it: the parameter names of the
+    weights in every ``apply_weight_grads`` call, in call order with the part timed."""
+
+    from megatron_models import HIDDEN, MBS, SEQ, VOCAB
+
+    from megatron_prt.megatron import profile, profile_passes
+    from megatron_prt.megatron.pretrain import build_model
+    from megatron_prt.megatron.split import enable_megatron_split_backward
+
+    with profile._single_rank("cpu", 1234):
+        config = profile._config_factory(torch.float32, 2, HIDDEN, None, 4, "cpu")()
+        model = build_model("gpt", config, VOCAB, SEQ)
+        enable_megatron_split_backward([model])
+        names = {id(p): n for n, p in model.named_parameters()}
+        step = partial(profile._forward_step, "gpt", config, model, (SEQ, MBS, VOCAB), "cpu")
+        parts = profile_passes.Parts(model, "gpt")
+        calls = []
+        apply = profile_passes.apply_weight_grads
+        profile_passes.apply_weight_grads = lambda works: calls.append(
+            sorted(names[id(w.weight)] for w in works)
+        )
+        try:
+            profile_passes.time_split_passes(step, parts, 1, lambda message: None)
+        finally:
+            profile_passes.apply_weight_grads = apply
+            parts.remove()
+    return calls[-4:]  # the timed pass: head, layer 1, layer 0, embedding
+
+
+def test_split_profile_gives_each_part_its_own_weight_gradients():
+    """W is timed per part from the work its backward deferred: the tied output weight is
+    the head's, each layer's four linear layers are its own, the embedding has none."""
+    pytest.importorskip("megatron.core")
+    head, layer1, layer0, embedding = all_ok(run_local(1, _split_attribution))[0]
+    assert head == ["embedding.word_embeddings.weight"]  # the output layer's tied weight
+    for index, layer in ((1, layer1), (0, layer0)):
+        prefix = f"decoder.layers.{index}."
+        assert len(layer) == 4 and all(name.startswith(prefix) for name in layer), layer
+    assert embedding == []

@@ -1,0 +1,202 @@
+"""Timing one micro-batch of a megatron-core model part by part (:mod:`.profile`): hooks at
+the part boundaries (the embedding, each transformer layer, the head), whole passes, and
+passes in the split form ([Note: the split form's own costs] in
+:mod:`megatron_prt.sim.layer_cost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+
+from ..runtime.wgrad import apply_weight_grads, deferring_weight_grads, split_forward
+
+Progress = Callable[[str], None]
+
+
+class Parts:
+    """Hooks that tell which part of the model runs (``"embedding"``, layer index,
+    ``"head"``), for attributing saved tensors, and stamp the times at part boundaries."""
+
+    def __init__(self, model: torch.nn.Module, kind: str) -> None:
+        block = model.decoder if kind == "gpt" else model.encoder
+        self.embedding = model.embedding
+        self.layers = list(block.layers)
+        self.cuda = next(model.parameters()).is_cuda
+        self.current: object = "embedding"
+        self.started = 0  # the layer that started last
+        self.in_backward = False  # a recomputed layer's rerun forward is not a forward
+        self.stamps: dict[tuple, float] = {}
+        self.deferred: list | None = None  # a split pass's W work, appended in backward order
+        self.marks: dict[object, int] = {}  # part -> len(deferred) when its backward began
+        self._handles = [self.embedding.register_forward_hook(self._embedding_done)]
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(partial(self._layer_start, i)))
+            self._handles.append(layer.register_forward_hook(partial(self._layer_done, i)))
+
+    def names(self) -> list:
+        return ["embedding", *range(len(self.layers)), "head"]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def now(self) -> float:
+        if self.cuda:  # kernels run asynchronously: a boundary is where they have finished
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def stamp(self, *event) -> None:
+        self.stamps[event] = self.now()
+
+    def _embedding_done(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._grad_hook("embedding"))
+
+    def _layer_start(self, i, module, args) -> None:
+        if self.in_backward:
+            return
+        self.current = self.started = i
+        self.stamp("fwd", i)
+
+    def _layer_done(self, i, module, args, output) -> None:
+        if self.in_backward:
+            return
+        self.current = "head"
+        self.stamp("fwd_end", i)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            hidden.register_hook(self._grad_hook(i))
+
+    def _grad_hook(self, part):
+        def hook(grad):
+            self.stamp("grad", part)  # the gradient reached this part's output
+            if self.deferred is not None:  # the W work so far is the later parts'
+                self.marks[part] = len(self.deferred)
+
+        return hook
+
+
+@contextlib.contextmanager
+def block_checkpoints(parts: Parts, on: bool) -> Iterator[None]:
+    """Full recomputation: megatron's ``tensor_parallel.checkpoint`` runs a block of layers
+    without autograd and saves the block's input after it ran, when the layer hooks already
+    point past the layer; this attributes that save to the block's (one) layer and times
+    its backward (recompute included) from a gradient hook on the block's output."""
+    if not on:
+        yield
+        return
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        def run(*inputs):
+            outputs = function(*inputs)
+            parts.current = parts.started  # CheckpointFunction saves the input next
+            return outputs
+
+        outputs = original(run, distribute_saved_activations, *args)
+        parts.current = "head"  # until the next layer starts
+        hidden = outputs[0] if isinstance(outputs, tuple) else outputs
+        if not parts.in_backward and torch.is_grad_enabled() and hidden.requires_grad:
+            hidden.register_hook(parts._grad_hook(parts.started))
+        return outputs
+
+    tensor_parallel.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        tensor_parallel.checkpoint = original
+
+
+def time_passes(step, parts: Parts, reps: int, say: Progress) -> tuple[dict, dict]:
+    """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
+    samples: list[tuple[dict, dict]] = []
+    for rep in range(reps + 1):
+        parts.current = "embedding"
+        parts.stamp("start")
+        loss = step()
+        parts.stamp("fwd_done")
+        parts.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            parts.in_backward = False
+        parts.stamp("bwd_done")
+        if rep > 0:
+            samples.append(durations(parts))
+        say(f"profile: pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
+    fwd = {name: statistics.median(s[0][name] for s in samples) for name in parts.names()}
+    bwd = {name: statistics.median(s[1][name] for s in samples) for name in parts.names()}
+    return fwd, bwd
+
+
+def durations(parts: Parts) -> tuple[dict, dict]:
+    """Forward and backward seconds of each part in the pass just stamped."""
+    t = parts.stamps
+    n = len(parts.layers)
+    fwd = {"embedding": t[("fwd", 0)] - t[("start",)]}
+    for i in range(n):
+        end = t[("fwd", i + 1)] if i + 1 < n else t[("fwd_end", i)]
+        fwd[i] = end - t[("fwd", i)]
+    fwd["head"] = t[("fwd_done",)] - t[("fwd_end", n - 1)]
+    # Backward runs head, layer n-1, ..., layer 0, embedding; a part's backward ends when
+    # the gradient reaches the output of the part before it.
+    reached = [t[("grad", "embedding")]] + [t[("grad", i)] for i in range(n)]
+    bwd = {"head": reached[n] - t[("fwd_done",)], "embedding": t[("bwd_done",)] - reached[0]}
+    for i in range(n):
+        bwd[i] = reached[i] - reached[i + 1]
+    return fwd, bwd
+
+
+def time_split_passes(step, parts: Parts, reps: int, say: Progress) -> dict[str, dict]:
+    """Median seconds per part over ``reps`` passes (one warm-up) of the split form, the
+    model's linear layers split-capable (``enable_megatron_split_backward``): ``fwd``, the
+    forward inside :func:`~megatron_prt.runtime.wgrad.split_forward`; ``input_grad``, the
+    backward with the weight GEMMs deferred (I, timed as :func:`time_passes` times a
+    backward); ``wgrad``, each part's deferred GEMMs applied on their own (W). A part's W is
+    the work its backward deferred: the work list's length is marked as each part's
+    backward begins (backward runs head, layer n-1, ..., layer 0, embedding)."""
+    samples = []
+    for rep in range(reps + 1):
+        parts.current = "embedding"
+        parts.stamp("start")
+        with split_forward():
+            loss = step()
+        parts.stamp("fwd_done")
+        parts.in_backward, parts.marks = True, {}
+        try:
+            with deferring_weight_grads() as work:
+                parts.deferred = work
+                loss.backward()
+        finally:
+            parts.in_backward, parts.deferred = False, None
+        parts.stamp("bwd_done")
+        fwd, input_grad = durations(parts)
+        wgrad = _time_weight_grads(parts, work)
+        if rep > 0:
+            samples.append({"fwd": fwd, "input_grad": input_grad, "wgrad": wgrad})
+        say(f"profile: split pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
+    return {
+        key: {name: statistics.median(s[key][name] for s in samples) for name in parts.names()}
+        for key in ("fwd", "input_grad", "wgrad")
+    }
+
+
+def _time_weight_grads(parts: Parts, work: list) -> dict:
+    """Seconds of each part's deferred weight GEMMs (:func:`time_split_passes`)."""
+    order = ["head", *reversed(range(len(parts.layers))), "embedding"]
+    ends = [parts.marks.get(part, len(work)) for part in order[1:]] + [len(work)]
+    seconds, first = {}, 0
+    for part, end in zip(order, ends, strict=True):
+        start = parts.now()
+        apply_weight_grads(work[first:end])
+        seconds[part] = parts.now() - start
+        first = end
+    return seconds
