@@ -215,6 +215,16 @@ def format_summary(costs: dict) -> str:
         lines.append(
             f"recomputed layer ({granularity}): bwd {bwd * 1e3:.3f} ms, act {act / 2**20:.3f} MiB"
         )
+    if "split_bwd" in layers[0]:  # the split form's own costs, summed over the parts
+        parts = [costs["embedding"], *layers, costs["head"]]
+        fwd, bwd, w = (
+            sum(part[key] for part in parts) for key in ("split_fwd", "split_bwd", "wgrad")
+        )
+        lines.append(
+            f"split backward: fwd {fwd * 1e3:.3f} ms, I + W {bwd * 1e3:.3f} ms of which W "
+            f"{w * 1e3:.3f} ms ({w / bwd if bwd else 0:.0%}); whole backward "
+            f"{costs['bwd_time'] * 1e3:.3f} ms"
+        )
     if "p2p_latency" in costs:
         lines.append(_comm_row("hop", costs["p2p_latency"], costs["p2p_bandwidth"]))
         lines.append(_comm_row("replica sum", costs["replica_latency"], costs["replica_bandwidth"]))
