@@ -313,7 +313,7 @@ def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> 
     rank = dist.get_rank()
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     waited = is_wait_failure(exc) or isinstance(exc, Terminated)
-    post_failure(f"rank {rank}: saving {folder} failed: {reason}", root=not waited)
+    post_failure(f"rank {rank}: saving {folder} failed: {reason}", root=not waited, final=True)
     cause = root_cause(None, wait_s=0.0 if isinstance(exc, Terminated) else 2.0) if waited else ""
     latest = Path(args.save) / "latest"
     kept = latest.read_text().strip() if latest.is_file() else None

@@ -54,8 +54,12 @@ def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) 
 # check began (both raised at once, in either order), so a time stamp cannot tell the two
 # runtimes' reports apart. Every rank starts its runtimes in the same order (each start is
 # a collective check), so a count of them, the generation, can: a report carries the
-# generation it was posted in, and a rank reads only reports of its own generation.
+# generation it was posted in, and a rank reads only reports of its own generation. A
+# process that is ending posts a final report instead (the generation "*"): it cannot be
+# caught, and a peer that already started its next runtime must still read it (a rank that
+# fails before its next plan check is one generation behind its waiting peers).
 _generation = [0]
+_ANY = "*"  # a final report's generation: read in every generation
 
 
 def start_generation() -> None:
@@ -78,16 +82,31 @@ def _store():
         return None
 
 
-def post_failure(text: str, root: bool) -> None:
+def post_failure(text: str, root: bool, final: bool = False) -> None:
     """Publish this process's error for the other ranks (``root``: its own fault, not a
-    failed wait on a peer). Never raises: reporting must not hide the error itself."""
+    failed wait on a peer; ``final``: the process ends with it, so every generation reads
+    it: [Note: reports of an earlier runtime]). Never raises: reporting must not hide the
+    error itself."""
     store = _store()
     if store is None:
         return
     with contextlib.suppress(Exception):
         first = text.splitlines()[0] if text else ""
-        value = f"{'R' if root else 'P'}{time.time():.6f} {_generation[0]} {first}"
+        generation = _ANY if final else _generation[0]
+        value = f"{'R' if root else 'P'}{time.time():.6f} {generation} {first}"
         store.set(f"{_BOARD}{dist.get_rank()}", value)
+
+
+def finalize_failure() -> None:
+    """The process ends with the error it posted last: make that report final."""
+    store = _store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):
+        key = f"{_BOARD}{dist.get_rank()}"
+        if store.check([key]):
+            head, _, text = store.get(key).decode().split(" ", 2)
+            store.set(key, f"{head} {_ANY} {text}")
 
 
 def clear_failure() -> None:
@@ -111,7 +130,7 @@ def _reports(group) -> dict[int, tuple[bool, float, str]]:
             if store.check([key]):
                 value = store.get(key).decode()
                 stamp, generation, text = value[1:].split(" ", 2)
-                if int(generation) == _generation[0]:
+                if generation in (_ANY, str(_generation[0])):
                     found[rank] = (value[0] == "R", float(stamp), text)
     return found
 

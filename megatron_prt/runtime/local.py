@@ -36,10 +36,12 @@ def _entry(fn, rank, world, store, queue, args, backend="gloo"):
         result = pickle.dumps(fn(rank, world, *args))
         queue.put((rank, "ok", result))
     except BaseException as exc:
-        from .errors import PipelineError, post_failure
+        from .errors import PipelineError, finalize_failure, post_failure
 
-        if not isinstance(exc, PipelineError):  # the runtime posted its own errors already
-            post_failure(f"rank {rank}: {type(exc).__name__}: {exc}", root=True)
+        if isinstance(exc, PipelineError):  # the runtime posted its own errors already
+            finalize_failure()
+        else:
+            post_failure(f"rank {rank}: {type(exc).__name__}: {exc}", root=True, final=True)
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         queue.close()

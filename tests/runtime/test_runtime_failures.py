@@ -94,6 +94,36 @@ def test_peer_that_never_answers_times_out(transport):
     _check_failure(stall=True, transport=transport)
 
 
+def _late_failure_worker(rank, world, earlier_runtime):
+    """Rank 1 raises before its plan check (building its model); rank 0 waits in its own.
+    ``earlier_runtime``: both ran a runtime first, so rank 0 is a generation ahead."""
+    plan = build_plan(Placement(world, 2), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    make = lambda: PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=20)  # noqa: E731
+    if earlier_runtime:
+        make().close()
+    if rank == 1:
+        time.sleep(2.0)
+        raise ValueError("rank 1 could not build its model")
+    start = time.monotonic()
+    try:
+        make()
+    except PipelineError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("earlier_runtime", [False, True], ids=["first", "second"])
+def test_a_peer_failing_before_its_plan_check_is_named_at_once(earlier_runtime):
+    """Rank 1's report was of the generation before rank 0's: rank 0 ignored it, waited its
+    whole timeout_s (20 s) and said rank 1 stopped without reporting an error."""
+    results = run_local(2, _late_failure_worker, earlier_runtime, deadline_s=60)
+    assert results[1][0] == "error" and "could not build its model" in results[1][1]
+    status, (text, _) = results[0]
+    assert status == "ok" and text is not None
+    assert "rank 1 could not build its model" in text, text
+
+
 def _mismatch_worker(rank, world):
     reuse = 2 if rank == 1 else 1
     plan = build_plan(Placement(world, reuse), 4)
