@@ -385,7 +385,9 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
         )
     budget = getattr(args, "pipeline_reuse_memory_budget", None)
     try:
-        result = partition(cost, placement, microbatches, budget_bytes=budget)
+        # a split-backward run is balanced on the split form's costs, as tune balances it
+        schedule = "zb" if getattr(args, "pipeline_reuse_split_backward", False) else "prt"
+        result = partition(cost, placement, microbatches, budget_bytes=budget, schedule=schedule)
     except ConfigError as exc:  # e.g. no split within --pipeline-reuse-memory-budget
         flag = "--pipeline-reuse-memory-budget" if budget else "--pipeline-reuse-partition"
         raise ConfigError(f"{flag}: {exc}") from exc

@@ -33,7 +33,8 @@ def compute_makespan(plan: Plan, cost: CostModel | None = None, posting: str = "
         raise ValueError(f"posting must be one of {', '.join(POSTINGS)}, got {posting!r}")
     cost = cost or CostModel()
     placement, split = plan.placement, plan.split_backward
-    times = cost.stage_times(placement)
+    # [Note: the split form's own costs] in sim/layer_cost.py, as simulate prices it
+    times = (cost.split_form() if split else cost).stage_times(placement)
     streams = [plan.compute_actions(rank) for rank in range(placement.ranks)]
     pos, free, end = [0] * len(streams), [0.0] * len(streams), {}
     before = [0.0] * len(streams)  # per rank: end of the compute before its latest

@@ -19,7 +19,7 @@ from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.ordered import nccl_stuck, post_recvs_early
 from megatron_prt.runtime.split_plan import split_backward_plan
 from megatron_prt.runtime.stages import layer_ranges
-from megatron_prt.sim.cost import CostModel
+from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.posting import compute_makespan
 from megatron_prt.sim.simulate import simulate
 
@@ -207,6 +207,16 @@ def _receives_first_plan():
     plan = lower(build_plan(Placement(2, 1), 4, "1f1b"))
     first = (tuple(sorted(stream, key=lambda a: a.op not in RECVS)) for stream in plan.ranks)
     return replace(plan, ranks=tuple(first))
+
+
+def test_early_receives_price_a_split_plan_in_its_own_form():
+    """compute_makespan priced a split-backward plan at the whole form's times while
+    simulate took the split form's ([Note: the split form's own costs])."""
+    plan = build_plan(Placement(4, 2), 8, "zb")
+    layer = LayerCost(1.0, 2.0, wgrad=1.0, split_fwd=1.5, split_bwd=3.0)
+    cost = CostModel(layers=(layer,) * 8, p2p_latency=0.05)
+    early = compute_makespan(plan, cost, "early")
+    assert early == pytest.approx(simulate(plan, cost).makespan, rel=1e-9)
 
 
 @pytest.mark.parametrize("reuse,schedule", [(1, "1f1b"), (2, "prt"), (2, "zb")])

@@ -98,3 +98,28 @@ def test_a_slow_split_form_leaves_split_backward_out_of_the_lead():
     for candidate in slow.ranked:
         priced = replace(costs(1.2, 1.6), stage_layers=candidate.stage_layers)
         assert candidate.makespan == simulate(candidate.plan, priced).makespan
+
+
+def test_megatron_balanced_partition_of_a_split_run_uses_the_split_form(tmp_path):
+    """``--pipeline-reuse-partition balanced`` with ``--pipeline-reuse-split-backward``
+    balanced the whole form's costs (the partitioner's default schedule)."""
+    import json
+
+    from megatron_flags import BASE, parse
+
+    from megatron_prt.megatron.args import validate_args
+
+    data = cost_dict(8)
+    for i, layer in enumerate(data["layers"]):
+        layer["split_bwd"] = layer["bwd"] * 2 * (8 - i)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    flags = (*BASE, "--pipeline-reuse", 1, "--pipeline-reuse-partition", "balanced")
+    flags += ("--pipeline-reuse-costs", path)
+    split = validate_args(parse(*flags, "--pipeline-reuse-split-backward"))
+    whole = validate_args(parse(*flags))
+    cost = CostModel.load(str(path))
+    for config, schedule in ((split, "zb"), (whole, "prt")):
+        want = partition(cost, config.placement, 4, schedule=schedule)
+        assert config.stage_layers == want.stage_layers, schedule
+    assert split.stage_layers != whole.stage_layers
