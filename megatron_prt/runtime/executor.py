@@ -282,10 +282,17 @@ class PipelineRuntime:
             )
         self._summed_attr = grad_attr if placement.direction == "bi" else None
 
-    def gradients_restored(self) -> None:
-        """The caller put back gradients from before the last :meth:`reduce_replica_grads`
-        (a timing of the sum): the next sum sums them again instead of returning at once."""
-        self._summed_attr = None
+    @property
+    def summed_replicas(self) -> str | None:
+        """The gradient attribute whose replicas were summed with no training step since,
+        or None ([Note: replica sums accumulate])."""
+        return self._summed_attr
+
+    def gradients_restored(self, summed: str | None = None) -> None:
+        """The caller put back gradients of its own (a timing of the sum restores them after
+        each sum): ``summed`` names the attribute whose restored gradients are already
+        summed, as :attr:`summed_replicas` gave it; None, the next sum sums them."""
+        self._summed_attr = summed
 
     # [Note: replica sums accumulate] After a sum both replicas hold S, the gradients so far.
     # A step of an accumulation adds g0 to the first replica and g1 to the second; summing

@@ -31,8 +31,9 @@ def time_replica_sync(runtime: PipelineRuntime, repeats: int = 5, grad_attr: str
         return 0.0
     params = [p for stage in runtime.stages.values() for p in stage.parameters()]
     saved = [_clone(getattr(p, grad_attr, None)) for p in params]
-    spans = []
+    summed, spans = runtime.summed_replicas, []
     for _ in range(repeats):
+        runtime.gradients_restored()  # a sum before this call (a step's) must not skip it
         dist.barrier(group=runtime._group)
         start = time.perf_counter()
         runtime.reduce_replica_grads(grad_attr)
@@ -41,7 +42,7 @@ def time_replica_sync(runtime: PipelineRuntime, repeats: int = 5, grad_attr: str
         spans.append(time.perf_counter() - start)
         for param, grad in zip(params, saved, strict=True):
             setattr(param, grad_attr, _clone(grad))
-        runtime.gradients_restored()  # the next run sums again ([Note: replica sums accumulate])
+    runtime.gradients_restored(summed)  # as before the call
     return statistics.median(spans)
 
 

@@ -224,3 +224,42 @@ def test_time_replica_sync_measures_without_touching_gradients(transport):
     assert t0 > 0 and t1 > 0 and same0 and same1
     # P=2, R=1: rank 0 holds stages 0 and 3, rank 1 their replicas 2 and 1
     assert grads0[0] == grads1[2] and grads0[3] == grads1[1]
+
+
+def _time_after_a_sum(rank, world):
+    import torch
+
+    from megatron_prt.runtime import PipelineRuntime, executor, sync_replicas
+    from megatron_prt.runtime.replica_timing import time_replica_sync
+
+    torch.manual_seed(rank)
+    plan = build_plan(Placement(world, 1, "loop", "bi"), 2)
+    stages = {s: torch.nn.Linear(4, 4) for s in plan.placement.rank_stages[rank]}
+    sync_replicas(plan.placement, stages)
+    runtime = PipelineRuntime(plan, stages, torch.nn.functional.mse_loss, transport="torch")
+    calls = []
+    inner = executor.reduce_replica_grads
+    executor.reduce_replica_grads = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    try:
+        runtime.step([torch.randn(3, 4) for _ in range(2)], [torch.zeros(3, 4)] * 2)
+        runtime.reduce_replica_grads()  # as a bi training step ends
+        summed = [p.grad.clone() for s in stages.values() for p in s.parameters()]
+        before = len(calls)
+        time_replica_sync(runtime, repeats=3)
+        timed = len(calls) - before
+        runtime.reduce_replica_grads()  # no step since the sum: returns at once
+        after = [p.grad for s in stages.values() for p in s.parameters()]
+        return timed, all(torch.equal(a, b) for a, b in zip(summed, after, strict=True))
+    finally:
+        executor.reduce_replica_grads = inner
+        runtime.close()
+
+
+def test_time_replica_sync_after_a_sum_times_every_repetition_and_keeps_the_sum():
+    """After a step's sum, the first repetition returned at once (a sum with no step since)
+    and timed nothing; and a sum after the timing must not count the gradients twice."""
+    pytest.importorskip("torch")
+    from megatron_prt.runtime.local import all_ok, run_local
+
+    for timed, kept in all_ok(run_local(2, _time_after_a_sum)):
+        assert timed == 3 and kept
