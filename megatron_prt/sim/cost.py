@@ -53,9 +53,10 @@ transfer). All three default to free, which leaves every prediction without the 
 Split backward (plans with I and W, :mod:`megatron_prt.core.zerobubble`). ``bwd`` stays the
 whole backward; its weight-gradient share W is ``wgrad`` per entry (a time, at most
 ``bwd``), else ``wgrad_fraction`` of ``bwd`` (default 0.5); I is the rest. Where the split
-form was measured, ``split_fwd`` and ``split_bwd`` (I + W, then at least ``wgrad``) are its
-forward and backward and price plans with I and W ([Note: the split form's own costs] in
-:mod:`~megatron_prt.sim.layer_cost`). After I a stage
+form was measured, ``split_fwd`` and ``split_bwd`` (I + W; ``wgrad`` is then its part, at
+most ``split_bwd``) are its forward and backward and price plans with I and W ([Note: the
+split form's own costs] in :mod:`~megatron_prt.sim.layer_cost`; under recomputation,
+:meth:`CostModel.split_form` says which layers take it). After I a stage
 still holds, until W, ``wact`` bytes per entry (what its weight GEMMs need: their inputs and
 output gradients, as measured by
 :func:`~megatron_prt.runtime.wgrad.measure_split_memory`), else ``wgrad_keep_fraction`` of
@@ -218,8 +219,21 @@ class CostModel:
         if all(p is None or (p.split_fwd is None and p.split_bwd is None) for p in parts):
             return self
         end = lambda part: None if part is None else part.split_form()  # noqa: E731
-        layers = tuple(layer.split_form() for layer in self.layers)
+        layers = tuple(self._split_layer(layer) for layer in self.layers)
         return replace(self, layers=layers, embedding=end(self.embedding), head=end(self.head))
+
+    def _split_layer(self, layer: LayerCost) -> LayerCost:
+        """A transformer layer's split form under this model's recomputation: ``full``
+        reruns its layers plain, without W ([Note: full recomputation has no W]), so they
+        keep the whole form (the block method's kept layers too: priced whole, a few percent
+        fast where the split form is slower); ``selective`` splits its linear layers, so its
+        recomputed backward moves by what splitting adds to the whole one."""
+        if self.recompute_granularity == "full":
+            return layer
+        form = layer.split_form()
+        if layer.selective_bwd is not None and layer.split_bwd is not None:
+            form = replace(form, selective_bwd=layer.selective_bwd + layer.split_bwd - layer.bwd)
+        return form
 
     def folded_recompute(self) -> tuple[CostModel, int]:
         """``(model, unit)``: this model (``stage_layers`` dropped) with recomputation folded

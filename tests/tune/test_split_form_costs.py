@@ -123,3 +123,25 @@ def test_megatron_balanced_partition_of_a_split_run_uses_the_split_form(tmp_path
         want = partition(cost, config.placement, 4, schedule=schedule)
         assert config.stage_layers == want.stage_layers, schedule
     assert split.stage_layers != whole.stage_layers
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recomputed_layers_take_the_form_they_run_in(granularity):
+    """Full recomputation reruns its layers plain: their split keys must not price them
+    (they did). Selective keeps the linear layers split: their recomputed backward moves
+    with the split form (it did not)."""
+    data = cost_dict(LAYERS)
+    for layer in data["layers"]:
+        layer["selective_act"], layer["selective_bwd"] = layer["act"] / 2, layer["bwd"] * 1.2
+    plain = CostModel.from_dict(data)
+    for layer in data["layers"]:
+        layer["split_fwd"], layer["split_bwd"] = layer["fwd"], layer["bwd"] * 2
+    split = CostModel.from_dict(data)
+    method = ("uniform", 1) if granularity == "full" else (None, None)
+    plan = build_plan(Placement(P, 1), 8, "zb")
+    with_split = simulate(plan, split.with_recompute(granularity, *method)).makespan
+    without = simulate(plan, plain.with_recompute(granularity, *method)).makespan
+    if granularity == "full":
+        assert with_split == without
+    else:
+        assert with_split > without
