@@ -8,6 +8,7 @@ Used by the tests and benchmarks, and handy for trying a plan on a laptop:
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -74,6 +75,12 @@ def run_local(
             )
             for r in range(world)
         ]
+        # A forked child inherits the parent's uncollected garbage and collects it there, in
+        # the middle of its timed steps: the profiler's split-capable model (a layer's own
+        # forward override is a reference cycle) stalled `megatron-prt profile
+        # --recompute-granularity selective`'s comm timing until its 300 s deadline, one
+        # child collecting while its peer spun. The parent collects first.
+        gc.collect()
         for p in procs:
             p.start()
         results: dict[int, tuple[str, object]] = {}
