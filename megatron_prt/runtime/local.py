@@ -100,7 +100,11 @@ def run_local(
 
 def all_ok(results) -> list:
     """The per-rank results, or a RuntimeError listing every rank that failed."""
-    errors = [f"rank {r}: {payload}" for r, (s, payload) in enumerate(results) if s != "ok"]
+    errors = [
+        f"rank {r}: " + ("killed: it did not finish by the deadline" if s == "killed" else payload)
+        for r, (s, payload) in enumerate(results)
+        if s != "ok"
+    ]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [payload for _, payload in results]

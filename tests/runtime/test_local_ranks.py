@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
+
 from megatron_prt.runtime.local import all_ok, run_local
 
 FINALISED_IN: list[int] = []  # pids whose collector finalised a _Cycle
@@ -35,3 +37,9 @@ def test_a_child_does_not_collect_the_parents_garbage():
         if enabled:
             gc.enable()
     assert finalised == [False, False]
+
+
+def test_a_killed_rank_is_named_as_killed():
+    """A rank killed at the deadline read "rank 0: None"."""
+    with pytest.raises(RuntimeError, match=r"^rank 0: killed: it did not finish by the deadline$"):
+        all_ok([("killed", None), ("ok", 1)])
