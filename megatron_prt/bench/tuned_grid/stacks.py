@@ -33,7 +33,8 @@ from torch.nn.functional import mse_loss
 from ...core import Placement, build_plan
 from ...core.actions import Op
 from ...runtime import PipelineRuntime, build_stages
-from ...runtime.comm_timing import few_and_many_messages, step_spans
+from ...runtime.comm_timing import few_and_many_messages
+from ...runtime.measured_pick import RuntimeRunner
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
 from ...tune.measured import fit_in_place
@@ -102,8 +103,7 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
         raise ValueError(f"--layers {args.layers} must be a multiple of the {world} ranks")
     reuse = args.layers // world
     placement = Placement(world, reuse)
-    whole = _spans(rank, placement, stack, args, "1f1b" if reuse == 1 else "prt")
-    split = _spans(rank, placement, stack, args, "zb")
+    whole, split = _spans(rank, placement, stack, args, ("1f1b" if reuse == 1 else "prt", "zb"))
     mine = torch.zeros(args.layers, 5, dtype=torch.float64)
     for k in range(args.layers):
         for column, (spans, op) in enumerate(
@@ -121,15 +121,34 @@ def profile_layers(rank: int, world: int, stack: str, args) -> list[LayerCost]:
     ]
 
 
-def _spans(rank: int, placement: Placement, stack: str, args, schedule: str) -> list:
-    """This rank's traced spans of ``args.profile_steps`` steps of ``schedule``."""
+def _spans(rank: int, placement: Placement, stack: str, args, schedules) -> list[list]:
+    """This rank's traced spans of ``args.profile_steps`` steps of each of ``schedules``,
+    the steps interleaved (one of each in turn, after a warm-up step of each): the whole
+    and the split form's times are compared with each other, so they must see the host
+    alike (one after the other, a phase of the host moved one and not the other: the split
+    form came out 25% fast in one launch and 8% slow in another)."""
     m = max(2, placement.ranks)
-    stages = build_stages(placement, rank, layer_maker(stack, args), args.layers)
     xs, ys = batch(stack, args, m)
-    plan = build_plan(placement, m, schedule)
-    spans, _ = step_spans(
-        plan, stages, mse_loss, xs, ys, args.profile_steps, shm_capacity=shm_capacity(stack, args)
-    )
+    runners = [
+        RuntimeRunner(
+            build_plan(placement, m, schedule),
+            build_stages(placement, rank, layer_maker(stack, args), args.layers),
+            mse_loss,
+            xs,
+            ys,
+            trace=True,
+            shm_capacity=shm_capacity(stack, args),
+        )
+        for schedule in schedules
+    ]
+    spans: list[list] = [[] for _ in runners]
+    for step in range(args.profile_steps + 1):
+        for runner, mine in zip(runners, spans, strict=True):
+            runner.zero_grad()
+            runner.step()
+            mine += runner.runtime.trace() if step else []  # the first: a warm-up
+    for runner in runners:
+        runner.close()
     return spans
 
 
