@@ -156,18 +156,13 @@ def profile_model(
     and every layer gets what it keeps and its backward time when recomputed (``full_act``
     / ``full_bwd``, a block of one layer, or ``selective_act`` / ``selective_bwd``); the
     setting is written into the result for the simulator and the partitioner to price.
-    ``transformer_impl``: the layer spec (:data:`~megatron_prt.megatron.pretrain.TRANSFORMER_IMPLS`;
-    ``transformer_engine`` needs ``device="cuda"`` and Transformer Engine installed).
-    ``split_backward``: also measure the split form (:func:`_add_split_form`), as many
-    passes again.
-
-    Runs on one rank: it starts a one-rank process group if none exists (and ends it) and
+    ``transformer_impl``: the layer spec (``transformer_engine`` needs ``device="cuda"`` and
+    TE). ``split_backward``: also measure the split form (:func:`_add_split_form`). Runs on
+    one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
     before, not inside, a multi-rank run. On CPU it installs
-    :func:`megatron_prt.megatron.cpu.enable` (process-wide).
-
-    (Over 60 lines for its signature, one keyword per ``megatron-prt profile`` flag, and
-    this contract.)"""
+    :func:`megatron_prt.megatron.cpu.enable` (process-wide). (Over 60 lines for its
+    signature, one keyword per ``megatron-prt profile`` flag, and this contract.)"""
     sizes = {
         "--num-layers": num_layers,
         "--hidden-size": hidden_size,
@@ -194,20 +189,26 @@ def profile_model(
         build = partial(build_model, kind, transformer_impl=transformer_impl)
         fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
         costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
-        if split_backward:
+        if split_backward:  # as many passes again
             _add_split_form(costs, build, kind, config(), shape, reps, say)
         if recompute_granularity is not None:
             _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
-    layers = [costs[i] for i in range(layers_built)]
-    layers += [dict(layers[-1]) for _ in range(num_layers - layers_built)]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
-    result = _with_totals(layers, costs["embedding"], costs["head"], message_bytes)
+    result = _with_totals(
+        _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes
+    )
     result["model"] = _shape(kind, sizes, dtype, transformer_impl, device)
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
     return result
+
+
+def _all_layers(costs: dict, num_layers: int) -> list[dict]:
+    """Every layer's entry: the profiled ones, then the last one's repeated (``profile_layers``)."""
+    layers = [costs[i] for i in range(num_layers) if i in costs]
+    return layers + [dict(layers[-1]) for _ in range(num_layers - len(layers))]
 
 
 def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: str) -> dict:

@@ -53,8 +53,9 @@ from .errors import (
     root_cause,
 )
 from .memory import ActivationMeter
+from .messages import not_sendable
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
-from .p2p import ShmTransport, not_sendable
+from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
 from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_running_statistics
 from .rings import make_transport, sized_shm

@@ -51,6 +51,8 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 import torch.distributed as dist
 
+from .messages import check_edge_shape, message_not_sendable
+
 _HEADER_LEN = 9  # ndim (and dtype code << 8) + up to 8 dims
 _DTYPES = [  # dtypes a message may carry, by code (headers, ring messages)
     torch.float32,
@@ -139,7 +141,7 @@ class TorchTransport:
         edge = key[:3]
         dtype = self.dtype if self.dtype is not None else self.dtypes.get(edge)
         if not isinstance(tensor, torch.Tensor) or (dtype is not None and tensor.dtype != dtype):
-            raise _not_sendable(key, tensor, dtype)
+            raise message_not_sendable(key, tensor, dtype)
         if not self.variable_shapes:
             check_edge_shape(self.shapes, key, tensor)
         peer = self.rank_of_stage(key[2])
@@ -232,48 +234,6 @@ class TorchTransport:
         code = _DTYPES.index(dtype) if self.dtype is None else 0
         values = [len(shape) | code << 8, *shape] + [0] * (_HEADER_LEN - 1 - len(shape))
         return torch.tensor(values, dtype=torch.int64, device=self.wire)
-
-
-_KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
-
-
-def check_edge_shape(shapes: Mapping[tuple, torch.Size], key: tuple, tensor: torch.Tensor) -> None:
-    """Refuse a message whose shape is not the first one its edge carried (``shapes``: edge
-    -> that shape), as every transport does without ``variable_shapes``: the torch transport
-    posts its receives at the known shapes, so the shared-memory one, which could carry any,
-    refuses too (a script that ran on one CPU host would fail on GPUs)."""
-    known = shapes.get(key[:3])
-    if known is not None and tensor.shape != known:
-        raise ValueError(
-            f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
-            f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
-            f"{tuple(known)}: micro-batches whose shapes differ need "
-            "PipelineRuntime(..., variable_shapes=True) (megatron: TransformerConfig("
-            "variable_seq_lengths=True)) or the same shape for all"
-        )
-
-
-def _not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exception:
-    """The error for a message that is not a tensor of the runtime's dtype."""
-    kind = _KINDS.get(key[0], key[0])
-    return not_sendable(
-        f"stage {key[1]}, mb {key[3]}: the {kind} sent to stage {key[2]}", tensor, dtype
-    )
-
-
-def not_sendable(where: str, tensor: object, dtype: torch.dtype | None) -> TypeError:
-    """The error for ``tensor`` (described by ``where``) that is not a tensor of ``dtype``,
-    the runtime's: what a stage must return, and the fix."""
-    if not isinstance(tensor, torch.Tensor):
-        return TypeError(
-            f"{where} is a {type(tensor).__name__}, not a tensor: a stage must return one "
-            "tensor (pack several into one, or unpack them inside the next stage)"
-        )
-    return TypeError(
-        f"{where} is {tensor.dtype}, the runtime sends {dtype}: pass "
-        f"PipelineRuntime(..., dtype={tensor.dtype}) (megatron: TransformerConfig."
-        f"pipeline_dtype) or cast the model to {dtype}"
-    )
 
 
 # -- shared memory ---------------------------------------------------------------------------
@@ -486,7 +446,7 @@ class ShmTransport:
 
     def send(self, key: tuple, tensor: torch.Tensor) -> _Handle:
         if not isinstance(tensor, torch.Tensor):
-            raise _not_sendable(key, tensor, None)
+            raise message_not_sendable(key, tensor, None)
         if tensor.dtype not in _DTYPES:
             raise TypeError(
                 f"stage {key[1]}, mb {key[3]}: {tensor.dtype} cannot cross the shared-memory "

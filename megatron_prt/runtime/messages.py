@@ -1,0 +1,50 @@
+"""What a message between stages must be: a tensor of the runtime's dtype, of the shape its
+edge carried first (unless the runtime takes variable shapes). Every transport refuses the
+rest alike (:mod:`.p2p`), with errors that name the stage, the micro-batch and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+_KINDS = {"act": "activation", "grad": "gradient", "R": "replica gradient"}  # message_key kinds
+
+
+def check_edge_shape(shapes: Mapping[tuple, torch.Size], key: tuple, tensor: torch.Tensor) -> None:
+    """Refuse a message whose shape is not the first one its edge carried (``shapes``: edge
+    -> that shape), as every transport does without ``variable_shapes``: the torch transport
+    posts its receives at the known shapes, so the shared-memory one, which could carry any,
+    refuses too (a script that ran on one CPU host would fail on GPUs)."""
+    known = shapes.get(key[:3])
+    if known is not None and tensor.shape != known:
+        raise ValueError(
+            f"stage {key[1]}, mb {key[3]}: the {_KINDS.get(key[0], key[0])} sent to stage "
+            f"{key[2]} has shape {tuple(tensor.shape)}, the first on this edge had "
+            f"{tuple(known)}: micro-batches whose shapes differ need "
+            "PipelineRuntime(..., variable_shapes=True) (megatron: TransformerConfig("
+            "variable_seq_lengths=True)) or the same shape for all"
+        )
+
+
+def message_not_sendable(key: tuple, tensor: object, dtype: torch.dtype | None) -> Exception:
+    """The error for a message that is not a tensor of the runtime's dtype."""
+    kind = _KINDS.get(key[0], key[0])
+    return not_sendable(
+        f"stage {key[1]}, mb {key[3]}: the {kind} sent to stage {key[2]}", tensor, dtype
+    )
+
+
+def not_sendable(where: str, tensor: object, dtype: torch.dtype | None) -> TypeError:
+    """The error for ``tensor`` (described by ``where``) that is not a tensor of ``dtype``,
+    the runtime's: what a stage must return, and the fix."""
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(
+            f"{where} is a {type(tensor).__name__}, not a tensor: a stage must return one "
+            "tensor (pack several into one, or unpack them inside the next stage)"
+        )
+    return TypeError(
+        f"{where} is {tensor.dtype}, the runtime sends {dtype}: pass "
+        f"PipelineRuntime(..., dtype={tensor.dtype}) (megatron: TransformerConfig."
+        f"pipeline_dtype) or cast the model to {dtype}"
+    )
