@@ -265,7 +265,9 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     _refuse_megatron_layouts(args)
     config = _reuse_config(args)
     if plan_file is not None:
-        config = replace(config, plan=plan_file.plan)
+        tuned = (plan_file.tuned or {}).get("bubble_fraction")
+        tuned = float(tuned) if isinstance(tuned, (int, float)) else None
+        config = replace(config, plan=plan_file.plan, tuned_bubble=tuned)
     check_recompute_blocks(config, args)
     if auto:
         config = replace(config, auto_iterations=AUTO_ITERATIONS)

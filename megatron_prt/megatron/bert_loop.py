@@ -91,7 +91,8 @@ def summary(args: argparse.Namespace, state: TrainState, meters: Meters, probe, 
         "ms_per_iteration": statistics.fmean(late) * 1e3 if late else None,
         "samples_per_s": args.global_batch_size / statistics.fmean(late) if late else None,
         "bubble": statistics.fmean(late_bubbles) if late_bubbles else None,
-        "predicted_bubble": predicted_bubble(reuse, micro, probe.plan),
+        "predicted_bubble": predicted_bubble(reuse, micro, probe.plan),  # uniform stages
+        "tuned_bubble": None if reuse is None else reuse.tuned_bubble,  # under the plan's costs
         "peak_activation_bytes": probe.peak_bytes,
         "trace": _trace_files(reuse),
     }

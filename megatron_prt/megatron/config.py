@@ -36,6 +36,7 @@ class ReuseConfig:
     timeout_s: float = 60.0
     split_backward: bool = False
     plan: Plan | None = None
+    tuned_bubble: float | None = None  # the plan file's: tune's bubble under its costs
     auto_iterations: int = 0
     auto_candidates: int = 3
     auto_pick_reps: int = 3

@@ -428,13 +428,15 @@ def test_a_plan_file_alone_implies_pipeline_reuse_on_cpu(tmp_path, monkeypatch):
     from megatron_prt.tune.plan_file import PlanFile
 
     path = str(tmp_path / "plan.json")  # TINY: 4 layers, 8 // 2 = 4 micro-batches
-    PlanFile(build_plan(Placement(2, 1, "loop", "bi"), 4), (3, 1)).write(path)
+    tuned = {"bubble_fraction": 0.072}  # what tune predicted under its costs
+    PlanFile(build_plan(Placement(2, 1, "loop", "bi"), 4), (3, 1), tuned).write(path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
     flags = [*TINY, "--pipeline-model-parallel-size", "2", "--pipeline-reuse-plan", path]
     args = pretrain_bert.parse_args(flags)
     placement = args.reuse.placement
     assert (placement.reuse, placement.direction) == (1, "bi")
+    assert args.reuse.tuned_bubble == 0.072  # SUMMARY's tuned_bubble, beside the uniform one
 
 
 def test_tensorboard_without_the_package_is_refused(monkeypatch, capsys):
