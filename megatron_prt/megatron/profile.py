@@ -82,7 +82,7 @@ from .pretrain import (
     random_batch,
     transformer_config,
 )
-from .profile_passes import Parts, Progress, block_checkpoints, time_passes, time_split_passes
+from .profile_passes import Parts, Progress, block_checkpoints, time_passes
 
 KINDS = ("gpt", "bert")
 DTYPES = {
@@ -251,7 +251,7 @@ def _add_recomputed(costs: dict, granularity: str, build, kind, config, shape, r
 
 def _add_split_form(costs: dict, build, kind, config, shape: tuple, reps: int, say) -> None:
     """Measure a fresh model in the split form (megatron's linear layers split-capable,
-    :func:`~.profile_passes.time_split_passes`; without recomputation) and add each part's
+    :func:`~.profile_passes.time_passes` with ``split``; without recomputation) and add each part's
     ``split_fwd``, ``split_bwd`` (I + W) and ``wgrad`` (W): [Note: the split form's own
     costs] in :mod:`megatron_prt.sim.layer_cost`. Weight gradients the integration leaves
     in I (embeddings, norms, Transformer Engine layers) count in I, as they run."""
@@ -265,12 +265,12 @@ def _add_split_form(costs: dict, build, kind, config, shape: tuple, reps: int, s
     step = partial(_forward_step, kind, config, model, batch_shape, torch.device(device))
     parts = Parts(model, kind)
     try:
-        split = time_split_passes(step, parts, reps, say)
+        split = time_passes(step, parts, reps, say, split=True)
     finally:
         parts.remove()
     for part, cost in costs.items():
         w = split["wgrad"][part]
-        cost.update(split_fwd=split["fwd"][part], split_bwd=split["input_grad"][part] + w, wgrad=w)
+        cost.update(split_fwd=split["fwd"][part], split_bwd=split["bwd"][part] + w, wgrad=w)
 
 
 def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: Progress):
@@ -284,7 +284,8 @@ def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: P
     parts = Parts(model, kind)
     try:
         with block_checkpoints(parts, config.recompute_granularity == "full"):
-            fwd, bwd = time_passes(step, parts, reps, say)
+            timed = time_passes(step, parts, reps, say)
+            fwd, bwd = timed["fwd"], timed["bwd"]
             act = _activation_bytes(step, parts, model)
     finally:
         parts.remove()

@@ -115,26 +115,44 @@ def block_checkpoints(parts: Parts, on: bool) -> Iterator[None]:
         tensor_parallel.checkpoint = original
 
 
-def time_passes(step, parts: Parts, reps: int, say: Progress) -> tuple[dict, dict]:
-    """Median forward and backward seconds per part over ``reps`` passes (one warm-up)."""
-    samples: list[tuple[dict, dict]] = []
+def time_passes(step, parts: Parts, reps: int, say: Progress, split: bool = False) -> dict:
+    """Median seconds per part over ``reps`` passes (one warm-up): ``fwd`` and ``bwd``.
+    ``split``: the passes in the split form, the model's linear layers split-capable
+    (``enable_megatron_split_backward``): the forward inside
+    :func:`~megatron_prt.runtime.wgrad.split_forward`, ``bwd`` the backward with the weight
+    GEMMs deferred (I), and ``wgrad`` each part's deferred GEMMs applied on their own (W)."""
+    samples = []
     for rep in range(reps + 1):
-        parts.current = "embedding"
-        parts.stamp("start")
-        loss = step()
-        parts.stamp("fwd_done")
-        parts.in_backward = True
-        try:
-            loss.backward()
-        finally:
-            parts.in_backward = False
-        parts.stamp("bwd_done")
+        sample = _one_pass(step, parts, split)
         if rep > 0:
-            samples.append(durations(parts))
-        say(f"profile: pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
-    fwd = {name: statistics.median(s[0][name] for s in samples) for name in parts.names()}
-    bwd = {name: statistics.median(s[1][name] for s in samples) for name in parts.names()}
-    return fwd, bwd
+            samples.append(sample)
+        kind = "split pass" if split else "pass"
+        say(f"profile: {kind} {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
+    return {
+        key: {name: statistics.median(s[key][name] for s in samples) for name in parts.names()}
+        for key in samples[0]
+    }
+
+
+def _one_pass(step, parts: Parts, split: bool) -> dict:
+    """One stamped forward and backward (:func:`time_passes`). A part's W is the work its
+    backward deferred: the work list's length is marked as each part's backward begins
+    (backward runs head, layer n-1, ..., layer 0, embedding)."""
+    parts.current, parts.marks = "embedding", {}
+    parts.stamp("start")
+    with split_forward(split):
+        loss = step()
+    parts.stamp("fwd_done")
+    parts.in_backward = True
+    try:
+        with deferring_weight_grads() if split else contextlib.nullcontext() as work:
+            parts.deferred = work
+            loss.backward()
+    finally:
+        parts.in_backward, parts.deferred = False, None
+    parts.stamp("bwd_done")
+    fwd, bwd = durations(parts)
+    return {"fwd": fwd, "bwd": bwd, **({"wgrad": _time_weight_grads(parts, work)} if split else {})}
 
 
 def durations(parts: Parts) -> tuple[dict, dict]:
@@ -155,42 +173,8 @@ def durations(parts: Parts) -> tuple[dict, dict]:
     return fwd, bwd
 
 
-def time_split_passes(step, parts: Parts, reps: int, say: Progress) -> dict[str, dict]:
-    """Median seconds per part over ``reps`` passes (one warm-up) of the split form, the
-    model's linear layers split-capable (``enable_megatron_split_backward``): ``fwd``, the
-    forward inside :func:`~megatron_prt.runtime.wgrad.split_forward`; ``input_grad``, the
-    backward with the weight GEMMs deferred (I, timed as :func:`time_passes` times a
-    backward); ``wgrad``, each part's deferred GEMMs applied on their own (W). A part's W is
-    the work its backward deferred: the work list's length is marked as each part's
-    backward begins (backward runs head, layer n-1, ..., layer 0, embedding)."""
-    samples = []
-    for rep in range(reps + 1):
-        parts.current = "embedding"
-        parts.stamp("start")
-        with split_forward():
-            loss = step()
-        parts.stamp("fwd_done")
-        parts.in_backward, parts.marks = True, {}
-        try:
-            with deferring_weight_grads() as work:
-                parts.deferred = work
-                loss.backward()
-        finally:
-            parts.in_backward, parts.deferred = False, None
-        parts.stamp("bwd_done")
-        fwd, input_grad = durations(parts)
-        wgrad = _time_weight_grads(parts, work)
-        if rep > 0:
-            samples.append({"fwd": fwd, "input_grad": input_grad, "wgrad": wgrad})
-        say(f"profile: split pass {rep + 1}/{reps + 1} ({'warm-up' if rep == 0 else 'timed'})")
-    return {
-        key: {name: statistics.median(s[key][name] for s in samples) for name in parts.names()}
-        for key in ("fwd", "input_grad", "wgrad")
-    }
-
-
 def _time_weight_grads(parts: Parts, work: list) -> dict:
-    """Seconds of each part's deferred weight GEMMs (:func:`time_split_passes`)."""
+    """Seconds of each part's deferred weight GEMMs (:func:`_one_pass`)."""
     order = ["head", *reversed(range(len(parts.layers))), "embedding"]
     ends = [parts.marks.get(part, len(work)) for part in order[1:]] + [len(work)]
     seconds, first = {}, 0

@@ -362,7 +362,7 @@ def test_cli_profile_errors_are_one_line_exit_2(capsys, flag, value, message):
 
 
 def _split_attribution(rank, world):
-    """Each part's W, as :func:`time_split_passes` applies it: the parameter names of the
+    """Each part's W, as ``time_passes(..., split=True)`` applies it: the parameter names of the
     weights in every ``apply_weight_grads`` call, in call order with the part timed."""
 
     from megatron_models import HIDDEN, MBS, SEQ, VOCAB
@@ -384,7 +384,7 @@ def _split_attribution(rank, world):
             sorted(names[id(w.weight)] for w in works)
         )
         try:
-            profile_passes.time_split_passes(step, parts, 1, lambda message: None)
+            profile_passes.time_passes(step, parts, 1, lambda message: None, split=True)
         finally:
             profile_passes.apply_weight_grads = apply
             parts.remove()
