@@ -258,18 +258,21 @@ class CostModel:
         for first in range(0, len(self.layers), unit):
             block = self.layers[first : first + unit]
             recomputed = [layer.recomputed(granularity, self.message_bytes) for layer in block]
+            bwd = sum(bwd for _, bwd in recomputed)
             wgrads = [layer.wgrad for layer in block]
             folded.append(
                 LayerCost(
                     fwd=sum(layer.fwd for layer in block),
-                    bwd=sum(bwd for _, bwd in recomputed),
+                    bwd=bwd,
                     act=recomputed[0][0],
                     param=sum(layer.param for layer in block),
                     grad=sum(layer.grad_bytes for layer in block),
-                    # [Note: full recomputation has no W], as stage_wgrad_times prices it
+                    # [Note: full recomputation has no W], as stage_wgrad_times prices it;
+                    # a W measured in the split form may exceed this whole-form backward:
+                    # at most all of it, as stage_wgrad_times bounds it
                     wgrad=0.0
                     if granularity == "full"
-                    else (None if any(w is None for w in wgrads) else sum(wgrads)),
+                    else (None if any(w is None for w in wgrads) else min(sum(wgrads), bwd)),
                 )
             )
         model = replace(self.with_recompute(None), layers=tuple(folded), stage_layers=())

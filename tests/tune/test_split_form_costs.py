@@ -145,3 +145,17 @@ def test_recomputed_layers_take_the_form_they_run_in(granularity):
         assert with_split == without
     else:
         assert with_split > without
+
+
+def test_a_split_w_over_the_whole_backward_folds_under_recomputation():
+    """A W measured in the split form may exceed the whole backward (it is bounded by
+    split_bwd): folding such a layer for selective recomputation raised "wgrad is part of
+    bwd" from a valid cost file."""
+    data = cost_dict(LAYERS)
+    for layer in data["layers"]:
+        layer["split_bwd"], layer["wgrad"] = layer["bwd"] * 2, layer["bwd"] * 1.5
+        layer["selective_act"], layer["selective_bwd"] = layer["act"] / 2, layer["bwd"] * 1.1
+    cost = CostModel.from_dict(data).with_recompute("selective")
+    found = partition(cost, Placement(P, 1), M, budget_bytes=float("inf"))
+    assert sum(found.stage_layers) == LAYERS
+    assert tune(cost, P, M).ranked
