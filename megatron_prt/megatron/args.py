@@ -38,7 +38,14 @@ from ..core.paths import check_trace_prefix
 from ..core.placement import DIRECTIONS, PLACEMENTS, ConfigError, Placement
 from ..tune.memory import parse_bytes
 from .config import ReuseConfig, check_recompute_blocks
-from .plan_flag import GIVEN, NotedStore, add_plan_argument, apply_plan_file, warn_other_shape
+from .plan_flag import (
+    GIVEN,
+    NotedStore,
+    add_plan_argument,
+    apply_plan_file,
+    recorded_vocabularies,
+    warn_other_shape,
+)
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -268,6 +275,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
         tuned = (plan_file.tuned or {}).get("bubble_fraction")
         tuned = float(tuned) if isinstance(tuned, (int, float)) else None
         config = replace(config, plan=plan_file.plan, tuned_bubble=tuned)
+    config = replace(config, recorded_vocab=recorded_vocabularies(args, plan_file))
     check_recompute_blocks(config, args)
     if auto:
         config = replace(config, auto_iterations=AUTO_ITERATIONS)

@@ -18,6 +18,7 @@ from .bert_checkpoint import load_checkpoint, save_checkpoint
 from .bert_setup import build_model, build_training, is_logging_rank, log, padded_vocab_size
 from .bert_step import Launch, MicroBatchSampler, TrainState, evaluate, train_step
 from .pipeline_probe import PipelineProbe, predicted_bubble
+from .plan_flag import warn_other_vocabulary
 
 
 @dataclass
@@ -143,6 +144,8 @@ def train(args: argparse.Namespace, device: torch.device, data: tuple) -> dict:
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
     args.vocab_size, args.padded_vocab_size = tokenizer.vocab_size, vocab_size  # checkpoints
     args.tokenizer_type, args.vocab_digest = tokenizer.tokenizer_type, tokenizer.vocab_digest
+    if args.reuse is not None:
+        warn_other_vocabulary(args.reuse.recorded_vocab, tokenizer.vocab_size, vocab_size)
     config, chunks = build_model(args, vocab_size, device)
     training, scheduler = build_training(args, config, chunks)
     if args.reuse is not None:

@@ -26,7 +26,10 @@ class ReuseConfig:
     and switched (:mod:`megatron_prt.megatron.auto`; 0: off). ``auto_candidates``: how many
     of the tuned plans (best predicted first) auto then times on training iterations before
     it keeps the fastest measured one (1: the predicted best, untimed);
-    ``auto_pick_reps``: timed iterations of each of them."""
+    ``auto_pick_reps``: timed iterations of each of them. ``recorded_vocab``: per cost or
+    plan file that records its model's vocabulary, ``(which file, size)``, checked by
+    :func:`~megatron_prt.megatron.plan_flag.warn_other_vocabulary` once the tokenizer is
+    built (the flags' checks run before it is)."""
 
     placement: Placement
     num_layers: int
@@ -40,6 +43,7 @@ class ReuseConfig:
     auto_iterations: int = 0
     auto_candidates: int = 3
     auto_pick_reps: int = 3
+    recorded_vocab: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction

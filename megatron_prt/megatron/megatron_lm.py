@@ -36,7 +36,7 @@ from ..core.placement import ConfigError
 from .args import add_arguments
 from .args import validate_args as _validate_flags
 from .config import ReuseConfig
-from .plan_flag import is_first_launched
+from .plan_flag import is_first_launched, warn_other_vocabulary
 
 __all__ = [
     "add_arguments",
@@ -151,12 +151,14 @@ def model_provider(provider: Callable) -> Callable:
         from .model import model_provider as placed
         from .model import prepare_chunk
 
+        args = get_args()
         if config is None:
-            config = core_transformer_config_from_args(get_args())
+            config = core_transformer_config_from_args(args)
         config.pipeline_model_parallel_layout = ReuseLayout(reuse)
         model = placed(provider, reuse)(vp_stage=vp_stage, config=config, **kwargs)
         if (vp_stage or 0) == 0:
             built.clear()  # a new model (e.g. a second get_model call)
+            _warn_other_vocabulary(reuse, args)
         built.append(model)
         prepare_chunk(built, reuse)
         install(reuse)
@@ -165,6 +167,19 @@ def model_provider(provider: Callable) -> Callable:
         return model
 
     return build
+
+
+def _warn_other_vocabulary(reuse: ReuseConfig, args: argparse.Namespace) -> None:
+    """The cost and plan files' vocabulary against the tokenizer's, which Megatron-LM has
+    built (and padded, ``args.padded_vocab_size``) by the time it builds the model."""
+    from megatron.training import get_tokenizer
+
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is None:
+        return
+    tokenizer = get_tokenizer()
+    tokens = getattr(tokenizer, "vocab_size", padded) if tokenizer is not None else padded
+    warn_other_vocabulary(reuse.recorded_vocab, tokens, padded)
 
 
 def _answer_chunk_queries() -> None:

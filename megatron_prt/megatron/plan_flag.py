@@ -193,7 +193,7 @@ def running_shape(args: argparse.Namespace) -> dict:
     they are known before Megatron's ``validate_args``: an ``ffn_hidden_size`` left out is
     megatron's ``4 * hidden`` (not under ``--swiglu``, whose default differs). Not the
     vocabulary: megatron pads it (to ``--make-vocab-size-divisible-by``) after this check,
-    and ``profile`` records the size it was given. Not the tensor-parallel size: ``profile``
+    and :func:`warn_other_vocabulary` compares it then. Not the tensor-parallel size: ``profile``
     measures one rank, so a tensor-parallel run is priced at its TP 1 layers (docs/tune.md),
     which no profile could change."""
     hidden = getattr(args, "hidden_size", None)
@@ -223,6 +223,45 @@ def warn_other_shape(
     message = differences_message(what, recorded, running_shape(args), consequence)
     if message is not None:
         warn_once(message, stacklevel=3)
+
+
+def recorded_vocabularies(
+    args: argparse.Namespace, plan_file: PlanFile | None
+) -> tuple[tuple[str, int], ...]:
+    """``(which file, vocabulary size)`` for the plan file and the cost file the flags name,
+    where their recorded model gives a size (``ReuseConfig.recorded_vocab``)."""
+    from ..sim.cost import CostModel
+
+    found = []
+    if plan_file is not None:
+        found.append((f"{FLAG} {args.pipeline_reuse_plan} was tuned for", plan_file.model))
+    costs = getattr(args, "pipeline_reuse_costs", None)
+    if costs is not None:  # the balanced split has loaded it: it loads
+        found.append(
+            (f"--pipeline-reuse-costs {costs} was profiled on", CostModel.load(costs).model)
+        )
+    return tuple(
+        (what, model["vocab_size"]) for what, model in found if (model or {}).get("vocab_size")
+    )
+
+
+def warn_other_vocabulary(recorded: tuple[tuple[str, int], ...], tokens: int, padded: int) -> None:
+    """Warn for each of ``recorded`` (``ReuseConfig.recorded_vocab``) whose size is neither
+    the tokenizer's ``tokens`` nor megatron's ``padded`` size of it. Called once the
+    tokenizer is built: the flags' checks (:func:`warn_other_shape`) run before megatron
+    knows the vocabulary. Said, not refused, as for any other shape: the run is exact, but
+    the embedding and the head were priced at another size, so the balanced split and the
+    predicted times are off (BERT-base's 30,522-token head computes about as much as three
+    of its layers)."""
+    for what, size in recorded:
+        if size not in (tokens, padded):
+            warn_once(
+                f"{what} a vocabulary of {size} tokens, but the tokenizer has {tokens} "
+                f"(padded to {padded}): the embedding and the head were priced at another "
+                f"size, so the layer split and the predicted times are off; profile with "
+                f"--vocab-size {padded} (`megatron-prt profile`) and tune or balance again",
+                stacklevel=3,
+            )
 
 
 def _conflict(where: str, flag: str, given, own) -> None:

@@ -15,7 +15,8 @@ and memory are not what tune predicted. Keys are Megatron-LM's argument names::
 
 Only keys both sides give (and neither gives as ``null``) are compared: a hand-written cost
 file may give none, and a run may not know some at its check (the training flags give no
-vocabulary: megatron pads it after the check).
+vocabulary: megatron pads it after the check, and the megatron layer compares it then,
+``megatron_prt.megatron.plan_flag.warn_other_vocabulary``).
 """
 
 from __future__ import annotations

@@ -191,6 +191,22 @@ def test_distributed_optimizer_overlap_and_recompute_give_the_same_losses(data_c
         assert abs(float(ours[1]) / float(theirs[1]) - 1) < 1e-6, (ours, theirs)
 
 
+def test_a_plan_tuned_for_another_vocabulary_is_said_at_the_start(data_cache, tmp_path):
+    """pretrain_bert trained a plan tuned on costs of a 30,592-token head under its own
+    tokenizer without a word (the flags' check runs before the tokenizer is built)."""
+    from megatron_prt.core.placement import Placement
+    from megatron_prt.core.schedules import build_plan
+    from megatron_prt.tune.plan_file import PlanFile
+
+    path = str(tmp_path / "plan.json")  # TINY: 4 layers, 8 // 2 = 4 micro-batches
+    tuned = {"model": {"vocab_size": 30592}}
+    PlanFile(build_plan(Placement(2, 2, "wave", "uni"), 4), (1, 1, 1, 1), tuned).write(path)
+    flags = ["--pipeline-model-parallel-size", "2", "--pipeline-reuse-plan", path]
+    output = launch(*flags, "--data-cache-path", data_cache, "--train-iters", "1")
+    said = re.findall(r"tuned for a vocabulary of 30592 tokens, but the tokenizer has \d+", output)
+    assert len(said) == 1, output[-4000:]  # once: the first rank alone
+
+
 def test_nan_loss_stops_every_rank_naming_the_iteration(data_cache):
     # lr 1e6: iteration 1 is finite, its step overflows the weights, iteration 2's loss is NaN
     flags = ["--pipeline-model-parallel-size", "2", *WAVE, "--data-cache-path", data_cache]

@@ -378,3 +378,24 @@ def test_script_providers_are_chained_and_kept_without_reuse(monkeypatch):
     _stand_in_training(training_args)  # PRT on: only the first rank, the script not asked
     assert megatron_lm.embedding_ranks_or(script_ranks)([0, 1, 2]) == [0]
     assert seen == [[0, 1, 2]]
+
+
+def test_a_plan_of_another_vocabulary_is_said_when_megatron_lm_builds_the_model(monkeypatch):
+    """Under Megatron-LM the tokenizer is built (and the vocabulary padded) before the model:
+    the provider's first chunk compares them with the plan or cost file's vocabulary."""
+    import argparse
+    import warnings
+
+    from megatron_prt.core.placement import Placement
+    from megatron_prt.megatron.config import ReuseConfig
+
+    training = types.ModuleType("megatron.training")
+    training.get_tokenizer = lambda: types.SimpleNamespace(vocab_size=30522)
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    reuse = ReuseConfig(Placement(2, 2), 4, recorded_vocab=(("p.json was tuned for", 30592),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # padded to 30592 at divisible-by 128: the same
+        megatron_lm._warn_other_vocabulary(reuse, argparse.Namespace(padded_vocab_size=30592))
+    training.get_tokenizer = lambda: types.SimpleNamespace(vocab_size=50257)
+    with pytest.warns(UserWarning, match=r"30592 tokens, but the tokenizer has 50257 \(padded"):
+        megatron_lm._warn_other_vocabulary(reuse, argparse.Namespace(padded_vocab_size=50304))

@@ -248,6 +248,27 @@ def test_a_plan_tuned_for_another_model_shape_is_said(tmp_path, other, said):
         validate_args(parse(*argv))
 
 
+def test_a_plan_tuned_for_another_vocabulary_is_said_once_the_tokenizer_is_known(tmp_path):
+    """The flags' shape check runs before megatron knows the vocabulary, so a plan tuned on
+    costs of a 30,592-token head ran under a 64-token tokenizer without a word."""
+    from megatron_prt.megatron.plan_flag import warn_other_vocabulary
+
+    path = str(tmp_path / "tuned.json")
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": SHAPE}).write(path)
+    local = ("--transformer-impl", "local")
+    config = validate_args(parse(*MODEL, "--pipeline-reuse-plan", path, *SAME_SHAPE, *local))
+    assert config.recorded_vocab == ((f"--pipeline-reuse-plan {path} was tuned for", 30592),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the tokenizer's size or its padded size: nothing said
+        warn_other_vocabulary(config.recorded_vocab, 30522, 30592)
+        warn_other_vocabulary(config.recorded_vocab, 30592, 30720)
+    said = r"tuned for a vocabulary of 30592 tokens, but the tokenizer has 64 \(padded to 128\)"
+    with pytest.warns(UserWarning, match=said + r".*--vocab-size 128"):
+        warn_other_vocabulary(config.recorded_vocab, 64, 128)
+    unshaped = _write(tmp_path, Placement(4, 2), "unshaped.json")
+    assert validate_args(parse(*MODEL, "--pipeline-reuse-plan", unshaped)).recorded_vocab == ()
+
+
 def test_the_shape_and_recompute_warnings_are_said_by_the_first_rank_alone(tmp_path, monkeypatch):
     """Flags are checked on every rank: a 64-rank launch printed each warning 64 times."""
     path = str(tmp_path / "tuned.json")
