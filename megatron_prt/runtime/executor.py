@@ -284,6 +284,11 @@ class PipelineRuntime:
         self._summed_attr = grad_attr if placement.direction == "bi" else None
 
     @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The pipeline's process group (None: the default group), as constructed."""
+        return self._group
+
+    @property
     def summed_replicas(self) -> str | None:
         """The gradient attribute whose replicas were summed with no training step since,
         or None ([Note: replica sums accumulate])."""

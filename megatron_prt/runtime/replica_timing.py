@@ -34,7 +34,7 @@ def time_replica_sync(runtime: PipelineRuntime, repeats: int = 5, grad_attr: str
     summed, spans = runtime.summed_replicas, []
     for _ in range(repeats):
         runtime.gradients_restored()  # a sum before this call (a step's) must not skip it
-        dist.barrier(group=runtime._group)
+        dist.barrier(group=runtime.group)
         start = time.perf_counter()
         runtime.reduce_replica_grads(grad_attr)
         if runtime.device.type == "cuda":

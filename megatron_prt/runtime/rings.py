@@ -86,7 +86,7 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
             f"or a whole number of bytes >= {smallest}, got {shm_capacity!r}"
         )
     shm_capacity = None if shm_capacity is None else int(shm_capacity)
-    group, placement = runtime._group, runtime.plan.placement
+    group, placement = runtime.group, runtime.plan.placement
     if kind != "torch":
         hosts: list = [None] * dist.get_world_size(group)
         with collective("the transport set-up", group):
@@ -117,7 +117,7 @@ def sized_shm(runtime, kind: str):
     shared-memory rings of the measured sizes, or (``auto`` without room for them) that
     transport, kept. Called before any step (a replica sum first), a ring whose messages
     are unknown gets :data:`RING_BOUND`. Collective."""
-    placement, group = runtime.plan.placement, runtime._group
+    placement, group = runtime.plan.placement, runtime.group
     largest = _largest_by_sender(runtime.transport, placement, runtime.rank)
     counts, _ = ring_traffic(runtime, runtime.rank)
     mirrors = replica_peers(placement, runtime.rank)
@@ -183,7 +183,7 @@ def _fall_back(rank: int, need: int, free: int) -> None:
 def _torch(runtime, dtype) -> TorchTransport:
     placement = runtime.plan.placement
     return TorchTransport(
-        runtime._group,
+        runtime.group,
         placement.rank_of,
         runtime.device,
         dtype,
@@ -197,7 +197,7 @@ def _shm(runtime, capacity, shapes=None) -> ShmTransport:
     placement = runtime.plan.placement
     counts, receivers = ring_traffic(runtime, runtime.rank)
     return ShmTransport(
-        runtime._group,
+        runtime.group,
         placement.rank_of,
         (set(counts), receivers),
         runtime.timeout_s,
