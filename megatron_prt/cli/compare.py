@@ -47,7 +47,10 @@ def compare_variants(
             ("ZB R=1 (ZB-H1)", Placement(pp, 1), "zb"),
             ("ZB wave/uni R=2 (ZB-V)", Placement(pp, 2, "wave"), "zb"),
             (f"ZB loop/uni R={reuse}", Placement(pp, reuse, "loop"), "zb"),
-            (f"ZB wave/uni R={reuse}", Placement(pp, reuse, "wave"), "zb"),
+        ]
+        if reuse != 2:  # at R = 2 it is ZB-V's row
+            rows.append((f"ZB wave/uni R={reuse}", Placement(pp, reuse, "wave"), "zb"))
+        rows += [
             ("ZB bi R=1", Placement(pp, 1, "loop", "bi"), "zb"),
             (f"ZB wave/bi R={reuse}", Placement(pp, reuse, "wave", "bi"), "zb"),
         ]

@@ -129,6 +129,17 @@ def test_simulate_adds_the_replica_sync_to_bi(run_cli):
     assert "replica" not in uni and "makespan        4.5" in uni
 
 
+def test_compare_lists_each_split_backward_layout_once(run_cli):
+    """At R = 2 ZB-V is ZB wave/uni R=2: the table showed the same plan twice."""
+    for reuse in (2, 3):
+        code, out, _ = run_cli("compare", "--pp", 4, "-m", 8, "--reuse", reuse, "--split-backward")
+        rows = [line.split("  ")[0] for line in out.splitlines() if line.startswith("ZB ")]
+        assert code == 0 and len(rows) == len(set(rows)) == (5 if reuse == 2 else 6), rows
+        assert ("ZB wave/uni R=2 (ZB-V)" in rows) and (f"ZB wave/uni R={reuse}" in rows) == (
+            reuse != 2
+        ), rows
+
+
 def test_compare_shows_the_replica_sync_column_when_it_costs(run_cli):
     _, free, _ = run_cli("compare", "--pp", 4, "-m", 8, "--reuse", 2)
     code, paid, _ = run_cli("compare", "--pp", 4, "-m", 8, "--reuse", 2, "--replica-sync-time", 1)
