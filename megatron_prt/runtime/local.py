@@ -76,10 +76,11 @@ def run_local(
             for r in range(world)
         ]
         # A forked child inherits the parent's uncollected garbage and collects it there, in
-        # the middle of its timed steps: the profiler's split-capable model (a layer's own
-        # forward override is a reference cycle) stalled `megatron-prt profile
-        # --recompute-granularity selective`'s comm timing until its 300 s deadline, one
-        # child collecting while its peer spun. The parent collects first.
+        # the middle of its timed steps: the profiler's split-capable model (then a
+        # reference cycle: [Note: split-capable by class] in wgrad.py) stalled `megatron-prt
+        # profile --recompute-granularity selective`'s comm timing until its 300 s deadline,
+        # one child collecting while its peer spun. Any garbage a caller left in cycles
+        # would do the same: the parent collects first.
         gc.collect()
         for p in procs:
             p.start()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
@@ -289,6 +288,28 @@ def _split_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+# [Note: split-capable by class] A layer becomes split-capable by moving it to a subclass of
+# its own class that overrides one method, made once per class (:func:`make_split_capable`).
+# An override kept on the layer itself (a method bound to it, or a partial of one) is a
+# reference cycle: a model out of scope waited for the cyclic collector, and a forked rank
+# that collected a copied model mid-step stalled its peer.
+_SPLIT_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def make_split_capable(layer: torch.nn.Module, name: str, method: Callable) -> None:
+    """Move ``layer`` to the subclass of its class whose method ``name`` is ``method``
+    (idempotent; [Note: split-capable by class])."""
+    cls = type(layer)
+    if getattr(cls, "_prt_split_capable", False):
+        return
+    made = _SPLIT_CLASSES.get((cls, name))
+    if made is None:
+        attrs = {name: method, "_prt_split_capable": True, "__module__": cls.__module__}
+        made = type(f"SplitCapable{cls.__name__}", (cls,), attrs)
+        _SPLIT_CLASSES[cls, name] = made
+    layer.__class__ = made
+
+
 def enable_split_backward(module: torch.nn.Module) -> int:
     """Make every plain ``nn.Linear`` in ``module`` split-capable (inside
     :func:`split_forward` its forward goes through :class:`SplitLinear`; values and
@@ -296,12 +317,13 @@ def enable_split_backward(module: torch.nn.Module) -> int:
     their own are left alone. Idempotent; returns how many layers are split-capable."""
     count = 0
     for layer in module.modules():
-        if not isinstance(layer, torch.nn.Linear) or type(layer).forward is not (
-            torch.nn.Linear.forward
-        ):
+        if not isinstance(layer, torch.nn.Linear):
             continue
-        if "forward" not in vars(layer):
-            layer.forward = types.MethodType(_split_linear_forward, layer)
+        cls = type(layer)
+        if not getattr(cls, "_prt_split_capable", False):
+            if cls.forward is not torch.nn.Linear.forward:
+                continue
+            make_split_capable(layer, "forward", _split_linear_forward)
         count += 1
     return count
 

@@ -145,3 +145,35 @@ def test_ddp_training_with_split_backward_tracks_the_reference(kind, placement, 
     state, want = _unpipelined(kind)
     results = all_ok(run_local(2, _train_split, kind, M, reuse, state, w_delay))
     assert_tracks_reference(results, want, TRAIN_TOL)
+
+
+def _freed_without_the_collector(rank, world, kind):
+    """Whether a split-capable model's parallel linears die with their last reference."""
+    import gc
+    import weakref
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_prt.megatron.model import transformer_config_kwargs
+    from megatron_prt.megatron.split import enable_megatron_split_backward
+
+    reuse = _reuse(2, 1, "loop", "uni", False)
+    setup_megatron(2, None)
+    model = model_chunks(kind, transformer_config(**transformer_config_kwargs(reuse)), reuse)
+    count = enable_megatron_split_backward(model)
+    assert enable_megatron_split_backward(model) == count  # idempotent
+    linear = next(m for m in model[0].modules() if isinstance(m, ColumnParallelLinear))
+    alive = weakref.ref(linear)
+    gc.disable()
+    try:
+        del model, linear
+        return count, alive() is None
+    finally:
+        gc.enable()
+
+
+def test_split_capable_megatron_layers_are_freed_without_the_cyclic_collector():
+    """megatron's parallel linears kept a partial of their own bound method on themselves:
+    a reference cycle, so a model out of scope waited for the cyclic collector."""
+    for count, freed in all_ok(run_local(2, _freed_without_the_collector, "gpt")):
+        assert count > 0 and freed

@@ -465,3 +465,24 @@ def test_cost_files_give_w_its_measured_bytes_per_stage(tmp_path):
     assert plain.stage_wgrad_keep(Placement(2)) == (0.25, 0.25)
     with pytest.raises(ConfigError, match="wact"):
         LayerCost(1, 2, act=4, wact=-1)
+
+
+def test_a_split_capable_model_is_freed_without_the_cyclic_collector():
+    """Split-capable layers kept their forward override on themselves (a method bound to
+    the layer): a model out of scope lived on until the cyclic collector ran, and a forked
+    rank collecting a copied model mid-step stalled its peer (tests/runtime/test_local_ranks.py)."""
+    import gc
+    import weakref
+
+    model = _mlp()
+    assert enable_split_backward(model) == 6 and enable_split_backward(model) == 6
+    kinds = {type(layer) for layer in model if isinstance(layer, torch.nn.Linear)}
+    assert len(kinds) == 1 and type(model[0]).__name__ == "SplitCapableLinear"
+    assert type(_mlp()[0]) is torch.nn.Linear  # other models keep their class
+    alive = weakref.ref(model[0])
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
