@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 from collections.abc import Callable
 
 from ..core.placement import ConfigError
@@ -172,14 +173,13 @@ def model_provider(provider: Callable) -> Callable:
 def _warn_other_vocabulary(reuse: ReuseConfig, args: argparse.Namespace) -> None:
     """The cost and plan files' vocabulary against the tokenizer's, which Megatron-LM has
     built (and padded, ``args.padded_vocab_size``) by the time it builds the model."""
-    from megatron.training import get_tokenizer
-
+    training = importlib.import_module("megatron.training")
     padded = getattr(args, "padded_vocab_size", None)
-    if padded is None:
+    if not reuse.recorded_vocab or padded is None:
         return
-    tokenizer = get_tokenizer()
-    tokens = getattr(tokenizer, "vocab_size", padded) if tokenizer is not None else padded
-    warn_other_vocabulary(reuse.recorded_vocab, tokens, padded)
+    get_tokenizer = getattr(training, "get_tokenizer", None)
+    tokenizer = None if get_tokenizer is None else get_tokenizer()
+    warn_other_vocabulary(reuse.recorded_vocab, getattr(tokenizer, "vocab_size", padded), padded)
 
 
 def _answer_chunk_queries() -> None:
