@@ -35,7 +35,13 @@ import functools
 import torch
 from megatron.core.tensor_parallel import layers as tp_layers
 
-from ..runtime.wgrad import enable_split_backward, make_split_capable, split_form, split_linear
+from ..runtime.wgrad import (
+    enable_split_backward,
+    make_split_capable,
+    split_capable_class,
+    split_form,
+    split_linear,
+)
 
 _SPLIT_LINEARS = (tp_layers.ColumnParallelLinear, tp_layers.RowParallelLinear)
 
@@ -47,20 +53,28 @@ def enable_megatron_split_backward(chunks: list) -> int:
     for chunk in chunks:
         for layer in chunk.modules():
             if isinstance(layer, _SPLIT_LINEARS):
-                make_split_capable(layer, "_forward_impl", _split_capable_forward_impl)
+                make_split_capable(layer, SplitForwardImpl)
                 count += 1
         count += enable_split_backward(chunk)
     return count
 
 
-def _split_capable_forward_impl(self, *args, **kwargs):
-    # the layer's class is the split-capable subclass of megatron's ([Note: split-capable by
-    # class] in megatron_prt/runtime/wgrad.py): its parent's method is megatron's own
-    return _forward_impl(super(type(self), self)._forward_impl, *args, **kwargs)
+class SplitForwardImpl:
+    """The mixin of a split-capable megatron parallel linear ([Note: split-capable by class]
+    in megatron_prt/runtime/wgrad.py): its ``_forward_impl`` is :func:`_forward_impl` over
+    megatron's own."""
+
+    def _forward_impl(self, *args, **kwargs):
+        return _forward_impl(super()._forward_impl, self, *args, **kwargs)
+
+
+for _linear in _SPLIT_LINEARS:  # named here, so a whole model pickles and loads
+    split_capable_class(SplitForwardImpl, _linear)
 
 
 def _forward_impl(
     original,
+    layer,
     input,
     weight,
     bias=None,
@@ -76,7 +90,7 @@ def _forward_impl(
     # ``gtp_remat_size``: above 1 the weight is sharded and gathered in megatron's Function)
     megatron_only = sequence_parallel or grad_output_buffer is not None
     megatron_only = megatron_only or newer.get("gtp_remat_size", 1) > 1
-    if megatron_only or not (split_form(weight) and weight.requires_grad):
+    if megatron_only or not (split_form(layer) and weight.requires_grad):
         return original(
             input=input,
             weight=weight,

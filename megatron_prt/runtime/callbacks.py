@@ -103,7 +103,7 @@ class ModuleCallbacks(StageCallbacks):
     ``loss_fn(output, targets[mb])`` and seeds its backward with ``1/m``, so gradients are
     those of the mean loss over the ``num_microbatches`` micro-batches."""
 
-    in_place_weight_grads = True  # the runtime's own stages: no accumulator hooks
+    in_place_weight_grads = True  # the runtime's own stages: no accumulator hooks ...
 
     def __init__(
         self,
@@ -115,6 +115,10 @@ class ModuleCallbacks(StageCallbacks):
         rank: int,
     ) -> None:
         self.stages = stages
+        # ... unless a stage wraps its module in torch's DDP or FSDP, whose reducers hook the
+        # accumulators from C++, out of sight of apply_weight_grads' own check: written in
+        # place, the weight gradients were never reduced across data-parallel ranks
+        self.in_place_weight_grads = not any(map(_reduces_gradients, stages.values()))
         self.rank = rank
         self.loss_fn = loss_fn
         self.placement = placement
@@ -173,3 +177,12 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
         torch.autograd.backward(out, grad)
     else:
         Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+
+
+def _reduces_gradients(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds torch's DistributedDataParallel or FSDP (either API)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    return any(isinstance(m, wrappers) for m in module.modules())

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
+from torch.nn.utils import parametrize
 
 from .memory import ActivationMeter
 
@@ -55,7 +57,7 @@ class WeightGradWork(NamedTuple):
 
 _splitting: list[bool] = [False]  # inside split_forward
 _recomputing: list[bool] = [False]  # inside split_backward_pass
-_FORM = "_prt_split_form"  # on a weight: whether its layer's last forward took the split form
+_FORM = "_prt_split_form"  # on a layer: whether its last forward took the split form
 
 
 @contextlib.contextmanager
@@ -88,16 +90,17 @@ def _flag(flag: list[bool], value: bool) -> Iterator[None]:
 # forward inside the backward and hands its saved tensors, by position, to the nodes the first
 # forward built: the layers must take the form they took then, or the split nodes get a plain
 # linear's tensors (same shapes: wrong weight gradients without a word; else torch's
-# metadata error). So each forward records its form on the weight and a recomputation in
+# metadata error). So each forward records its form on its layer (not on the weight: a
+# parametrized layer makes its weight anew at each access) and a recomputation in
 # split_backward_pass reads it. A reentrant checkpoint (megatron's recomputation) runs its
 # first forward without grad, records the plain form and recomputes plain: its layers' weight
 # gradients stay in I ([Note: full recomputation has no W] in sim/cost.py).
-def split_form(weight: torch.Tensor) -> bool:
-    """Whether the split-capable layer of ``weight``, running now, takes its split form."""
+def split_form(layer: torch.nn.Module) -> bool:
+    """Whether the split-capable ``layer``, running now, takes its split form."""
     if _recomputing[0]:
-        return torch.is_grad_enabled() and weight.__dict__.get(_FORM, False)
+        return torch.is_grad_enabled() and layer.__dict__.get(_FORM, False)
     form = _splitting[0] and torch.is_grad_enabled()
-    weight.__dict__[_FORM] = form
+    layer.__dict__[_FORM] = form
     return form
 
 
@@ -282,50 +285,73 @@ def _anchor(x: torch.Tensor) -> torch.Tensor:
     return _ANCHORS[key]
 
 
-def _split_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if split_form(self.weight):
-        return split_linear(x, self.weight, self.bias)
-    return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
 # [Note: split-capable by class] A layer becomes split-capable by moving it to a subclass of
-# its own class that overrides one method, made once per class (:func:`make_split_capable`).
-# An override kept on the layer itself (a method bound to it, or a partial of one) is a
-# reference cycle: a model out of scope waited for the cyclic collector, and a forked rank
-# that collected a copied model mid-step stalled its peer.
-_SPLIT_CLASSES: dict[tuple[type, str], type] = {}
+# its own class with a mixin first (:func:`make_split_capable`: the mixin's method, calling
+# ``super()`` for the plain form), made once per class and named in the mixin's module, so a
+# whole model pickles and loads. An override kept on the layer itself (a method bound to it,
+# or a partial of one) was a reference cycle: a model out of scope waited for the cyclic
+# collector, and a forked rank that collected a copied model mid-step stalled its peer.
+_SPLIT_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def make_split_capable(layer: torch.nn.Module, name: str, method: Callable) -> None:
-    """Move ``layer`` to the subclass of its class whose method ``name`` is ``method``
-    (idempotent; [Note: split-capable by class])."""
+def make_split_capable(layer: torch.nn.Module, mixin: type) -> None:
+    """Move ``layer`` to the class ``(mixin, type(layer))`` (idempotent; [Note:
+    split-capable by class])."""
     cls = type(layer)
-    if getattr(cls, "_prt_split_capable", False):
-        return
-    made = _SPLIT_CLASSES.get((cls, name))
+    if not issubclass(cls, mixin):
+        layer.__class__ = split_capable_class(mixin, cls)
+
+
+def split_capable_class(mixin: type, cls: type) -> type:
+    """The class ``(mixin, cls)``, made once and kept in ``mixin``'s module by its name
+    (``SplitCapable`` + ``cls``'s, numbered when another class took that name)."""
+    made = _SPLIT_CLASSES.get((mixin, cls))
     if made is None:
-        attrs = {name: method, "_prt_split_capable": True, "__module__": cls.__module__}
-        made = type(f"SplitCapable{cls.__name__}", (cls,), attrs)
-        _SPLIT_CLASSES[cls, name] = made
-    layer.__class__ = made
+        home = sys.modules[mixin.__module__]
+        name = f"SplitCapable{cls.__name__}"
+        while getattr(home, name, None) is not None:
+            name += "_"
+        made = type(name, (mixin, cls), {"__module__": home.__name__, "__qualname__": name})
+        setattr(home, name, made)
+        _SPLIT_CLASSES[mixin, cls] = made
+    return made
+
+
+class SplitLinearForward:
+    """The mixin of a split-capable ``nn.Linear``: inside :func:`split_forward` its forward
+    goes through :class:`SplitLinear`; else it is the layer's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if split_form(self):
+            return split_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+SplitCapableLinear = split_capable_class(SplitLinearForward, torch.nn.Linear)
 
 
 def enable_split_backward(module: torch.nn.Module) -> int:
-    """Make every plain ``nn.Linear`` in ``module`` split-capable (inside
-    :func:`split_forward` its forward goes through :class:`SplitLinear`; values and
-    gradients are unchanged). Subclasses with a forward of
-    their own are left alone. Idempotent; returns how many layers are split-capable."""
+    """Make every ``nn.Linear`` of ``module`` without a forward of its own split-capable
+    (inside :func:`split_forward` its forward goes through :class:`SplitLinear`; values and
+    gradients are unchanged). Left alone, their weight gradients coming in I: subclasses
+    with their own forward, and layers whose weight is not a parameter of their own
+    (``torch.nn.utils.parametrize``, weight norm): a weight made anew at each access.
+    Idempotent; returns how many layers are split-capable."""
     count = 0
     for layer in module.modules():
         if not isinstance(layer, torch.nn.Linear):
             continue
-        cls = type(layer)
-        if not getattr(cls, "_prt_split_capable", False):
-            if cls.forward is not torch.nn.Linear.forward:
+        if not isinstance(layer, SplitLinearForward):
+            if type(layer).forward is not torch.nn.Linear.forward or not _own_weight(layer):
                 continue
-            make_split_capable(layer, "forward", _split_linear_forward)
+            make_split_capable(layer, SplitLinearForward)
         count += 1
     return count
+
+
+def _own_weight(layer: torch.nn.Module) -> bool:
+    """Whether ``layer.weight`` is a parameter registered on the layer itself."""
+    return not parametrize.is_parametrized(layer) and "weight" in layer._parameters
 
 
 def measure_split_overhead(
