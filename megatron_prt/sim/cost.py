@@ -156,6 +156,7 @@ class CostModel:
     recompute_granularity: str | None = None  # megatron's: None, "full" or "selective"
     recompute_method: str | None = None  # full: "uniform" or "block"
     recompute_num_layers: int | None = None  # full: layers per block / recomputed per stage
+    kept_split: bool = False  # full: kept layers in the split form (split_form() sets it)
     model: dict | None = field(default=None, compare=False)  # the shape measured, not priced
 
     def __post_init__(self) -> None:
@@ -220,14 +221,22 @@ class CostModel:
             return self
         end = lambda part: None if part is None else part.split_form()  # noqa: E731
         layers = tuple(self._split_layer(layer) for layer in self.layers)
-        return replace(self, layers=layers, embedding=end(self.embedding), head=end(self.head))
+        kept_split = self.recompute_granularity == "full"
+        return replace(
+            self,
+            layers=layers,
+            embedding=end(self.embedding),
+            head=end(self.head),
+            kept_split=kept_split,
+        )
 
     def _split_layer(self, layer: LayerCost) -> LayerCost:
         """A transformer layer's split form under this model's recomputation: ``full``
         reruns its layers plain, without W ([Note: full recomputation has no W]), so they
-        keep the whole form (the block method's kept layers too: priced whole, a few percent
-        fast where the split form is slower); ``selective`` splits its linear layers, so its
-        recomputed backward moves by what splitting adds to the whole one."""
+        stay whole here and the block method's kept layers, which do split, take the split
+        form by their role (``kept_split``, :meth:`_kept`); ``selective`` splits its
+        linear layers, so its recomputed backward moves by what splitting adds to the
+        whole one."""
         if self.recompute_granularity == "full":
             return layer
         form = layer.split_form()
@@ -275,7 +284,9 @@ class CostModel:
                     else (None if any(w is None for w in wgrads) else min(sum(wgrads), bwd)),
                 )
             )
-        model = replace(self.with_recompute(None), layers=tuple(folded), stage_layers=())
+        model = replace(
+            self.with_recompute(None), layers=tuple(folded), stage_layers=(), kept_split=False
+        )
         return model, unit
 
     def runs_whole_blocks(self, counts: tuple[int, ...]) -> bool:
@@ -296,7 +307,7 @@ class CostModel:
         out = []
         for layer, role in zip(self.layers, self.layer_roles(counts), strict=True):
             if role == KEPT:
-                out.append((layer.act, layer.bwd))
+                out.append((layer.act, self._kept(layer).bwd))
                 continue
             act, bwd = layer.recomputed(self.recompute_granularity, self.message_bytes)
             out.append((0.0 if role == RECOMPUTED_IN_BLOCK else act, bwd))
@@ -363,6 +374,12 @@ class CostModel:
             if self.recompute_granularity is not None and attr in ("act", "bwd"):
                 pairs = self.layer_act_bwd(self.layer_counts(depth))
                 values = [pair[attr == "bwd"] for pair in pairs]
+            elif self.kept_split and attr == "fwd":
+                roles = self.layer_roles(self.layer_counts(depth))
+                values = [
+                    self._kept(layer).fwd if role == KEPT else layer.fwd
+                    for layer, role in zip(self.layers, roles, strict=True)
+                ]
             out, first = [], 0
             for count in self.layer_counts(depth):
                 out.append(sum(values[first : first + count]))
@@ -384,6 +401,10 @@ class CostModel:
         if count or stage == 0 or (stage == depth - 1 and self.head is not None):
             return 0.0
         return self.message_bytes
+
+    def _kept(self, layer: LayerCost) -> LayerCost:
+        """``layer`` as it runs when megatron keeps it: its split form under ``kept_split``."""
+        return layer.split_form() if self.kept_split else layer
 
     def stage_times(self, placement: Placement) -> StageTimes:
         d = placement.depth
@@ -410,9 +431,11 @@ class CostModel:
         if fraction is None:
             fraction = DEFAULT_WGRAD_FRACTION
         bwd = self._per_stage(depth, self.bwd_time, "bwd")
-        wgt = self._per_stage(depth, fraction * self.bwd_time, lambda c: c.wgrad_time(fraction))
+        wgt = self._per_stage(
+            depth, fraction * self.bwd_time, lambda c: self._kept(c).wgrad_time(fraction)
+        )
         if full:  # [Note: full recomputation has no W]
-            layer_w = [layer.wgrad_time(fraction) for layer in self.layers]
+            layer_w = [self._kept(layer).wgrad_time(fraction) for layer in self.layers]
             recomputed = self._recomputed_sum(depth, layer_w)
             wgt = tuple(w - r for w, r in zip(wgt, recomputed, strict=True))
         return tuple(max(0.0, min(w, b)) for w, b in zip(wgt, bwd, strict=True))  # rounding
@@ -534,6 +557,7 @@ class CostModel:
 # Keys :meth:`CostModel.to_dict` leaves out at these values, so that a file without them
 # still reads in versions that do not know them.
 _OPTIONAL_KEYS = {
+    "kept_split": False,
     "embedding": None,
     "head": None,
     "grad_bytes": None,

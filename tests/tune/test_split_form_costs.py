@@ -159,3 +159,29 @@ def test_a_split_w_over_the_whole_backward_folds_under_recomputation():
     found = partition(cost, Placement(P, 1), M, budget_bytes=float("inf"))
     assert sum(found.stage_layers) == LAYERS
     assert tune(cost, P, M).ranked
+
+
+def test_the_block_methods_kept_layers_take_the_split_form():
+    """Full recomputation by the block method keeps the layers past the first N of each
+    stage, and those split: they were priced in the whole form (the split form's slower
+    forward and I + W left out). The recomputed ones rerun plain and stay whole."""
+    data = cost_dict(LAYERS)
+    for layer in data["layers"]:
+        layer["split_fwd"], layer["split_bwd"] = layer["fwd"] * 1.5, layer["bwd"] * 2
+        layer["wgrad"] = layer["bwd"]
+    whole = CostModel.from_dict({**data, "stage_layers": [3, 3]})
+    block = whole.with_recompute("full", "block", 1).split_form()
+    times = block.stage_times(Placement(P, 1))  # per stage: layer 0 recomputed, 1-2 kept
+    for stage, first in enumerate((0, 3)):
+        recomputed, kept = whole.layers[first], whole.layers[first + 1 : first + 3]
+        ends = block.embedding if stage == 0 else block.head
+        fwd = recomputed.fwd + sum(layer.split_fwd for layer in kept) + ends.fwd
+        bwd = recomputed.fwd + recomputed.bwd + sum(layer.split_bwd for layer in kept) + ends.bwd
+        assert times.fwd[stage] == pytest.approx(fwd) and times.bwd[stage] == pytest.approx(bwd)
+        w = sum(layer.wgrad for layer in kept) + ends.wgrad_time(0.5)
+        assert times.wgt[stage] == pytest.approx(w)
+    uniform = whole.with_recompute("full", "uniform", 1).split_form()  # every layer reruns
+    assert (
+        uniform.stage_times(Placement(P, 1)).fwd
+        == whole.with_recompute("full", "uniform", 1).stage_times(Placement(P, 1)).fwd
+    )
