@@ -36,7 +36,7 @@ import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
-from .errors import check_batch
+from .errors import check_batch, post_failure
 from .wgrad import (
     WeightGradWork,
     apply_weight_grads,
@@ -136,6 +136,10 @@ class ModuleCallbacks(StageCallbacks):
             ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
         ):
             check_batch(self.rank, name, data, ends, self.num_microbatches)
+        problem = reducing_too_early(self.stages, self.rank, self.num_microbatches)
+        if problem is not None:
+            post_failure(problem, root=True)
+            raise ValueError(problem)
         self.inputs, self.targets = inputs, targets
 
     def forward(self, stage, mb, x):
@@ -181,8 +185,54 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def _reduces_gradients(module: torch.nn.Module) -> bool:
     """Whether ``module`` holds torch's DistributedDataParallel or FSDP (either API)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
-    return any(isinstance(m, wrappers) for m in module.modules())
+    return any(isinstance(m, (DistributedDataParallel, *_sharding())) for m in module.modules())
+
+
+def _sharding() -> tuple[type, ...]:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return FullyShardedDataParallel, FSDPModule
+
+
+# [Note: data parallelism around the plain runtime] torch's DDP reduces the first backward
+# after a forward and then waits for the next forward: a stage runs several forwards before
+# their backwards (F0 F1 B0 B1), so only one micro-batch's gradients were averaged and the
+# replicas drifted apart, without a word. FSDP reduces and frees a module's gradients when
+# its backward ends, which under split backward is I: W's weight gradients came after, onto
+# parameters already reduced (all lost). The runtime's data parallelism is the caller's
+# all-reduce of the gradients over its data-parallel group after step() (README, "Data
+# parallelism"); a DDP stage may run inside no_sync(), which leaves the reduction to it too.
+def reducing_too_early(stages: Mapping[int, torch.nn.Module], rank: int, m: int) -> str | None:
+    """Why a step over ``m`` micro-batches of these stages would reduce gradients wrong (a
+    stage in torch's DDP outside ``no_sync()``), or None ([Note: data parallelism around
+    the plain runtime])."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if m < 2:
+        return None
+    for stage, module in stages.items():
+        for wrapper in module.modules():
+            if isinstance(wrapper, DistributedDataParallel) and wrapper.require_backward_grad_sync:
+                return (
+                    f"rank {rank}: stage {stage} runs in torch's DistributedDataParallel, which "
+                    f"reduces one backward per forward; a pipeline stage runs {m} forwards "
+                    "before their backwards, so its gradients would come out wrong. Drop the "
+                    "wrapper and all-reduce the gradients over the data-parallel group after "
+                    "step() (README, 'Data parallelism'), or step inside its no_sync()"
+                )
+    return None
+
+
+def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], rank: int) -> None:
+    """Refuse FSDP stages under split backward ([Note: data parallelism around the plain
+    runtime]): ValueError naming the rank, the stage and the fix."""
+    for stage, module in stages.items():
+        if any(isinstance(m, _sharding()) for m in module.modules()):
+            raise ValueError(
+                f"rank {rank}: stage {stage} is sharded by FSDP, which reduces its gradients "
+                "when the backward's I ends, before W adds the weight gradients (they would "
+                "be lost); run FSDP stages with a plan without split backward, or all-reduce "
+                "unwrapped stages' gradients after step() (README, 'Data parallelism')"
+            )

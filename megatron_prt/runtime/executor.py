@@ -45,7 +45,7 @@ from ..core.deps import carries_tensor, consumers, producers
 from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
-from .callbacks import LossFn, ModuleCallbacks, StageCallbacks
+from .callbacks import LossFn, ModuleCallbacks, StageCallbacks, refuse_sharded_split
 from .errors import (
     PipelineError,
     is_wait_failure,
@@ -162,6 +162,7 @@ class PipelineRuntime:
                 self.stages, loss_fn, plan.placement, plan.num_microbatches, self.device, self.rank
             )
             if self.plan.split_backward:
+                refuse_sharded_split(self.stages, self.rank)
                 for module in self.stages.values():
                     enable_split_backward(module)
         self.callbacks = callbacks

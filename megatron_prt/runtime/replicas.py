@@ -138,6 +138,7 @@ def sync_replicas(
     holds the same placement, so ranks that disagree (e.g. ``uni`` against ``bi``) fail here
     with the difference named instead of a timeout. A peer that does not answer within
     ``timeout_s`` seconds (each wait) makes it raise :class:`PipelineError` naming it."""
+    check_pipeline_group(placement, group, "sync_replicas")
     tensors = [t for module in stages.values() for t in (*module.parameters(), *module.buffers())]
     check_same_placement(placement, group, tensors[0].device if tensors else "cpu", timeout_s)
     with collective("sync_replicas", group):
@@ -193,6 +194,20 @@ def check_same_placement(
         )
 
 
+def check_pipeline_group(placement: Placement, group, what: str) -> None:
+    """Refuse a ``group`` of more ranks than the placement's P: in a job of several
+    pipelines (data parallelism) the default group holds them all, and the ranks past P
+    held no stage of the placement's and exchanged nothing, without a word (fewer ranks
+    than P: :func:`exchange_pairs` names the processes to launch)."""
+    world = dist.get_world_size(group)
+    if world > placement.ranks:
+        raise PipelineError(
+            f"rank {dist.get_rank(group)}: {what} over a group of {world} ranks, but the "
+            f"placement has {placement.ranks} pipeline ranks; pass group= this rank's pipeline "
+            "group (dist.new_group of its P ranks, as PipelineRuntime(..., group=) takes)"
+        )
+
+
 def _describe(p: Placement) -> str:
     return f"P={p.ranks} R={p.reuse} {p.placement} {p.direction}"
 
@@ -221,6 +236,7 @@ def reduce_replica_grads(
     def apply(stage, received, own):
         _unflat(own + received, grads(stage))
 
+    check_pipeline_group(placement, group, "reduce_replica_grads")
     with collective("reduce_replica_grads", group):
         exchange_pairs(
             placement.replica_pairs(),

@@ -1,0 +1,172 @@
+"""Data parallelism around the plain runtime: 4 ranks = 2 pipeline ranks x 2 data-parallel
+replicas (gloo). The caller all-reduces the gradients over its data-parallel group after
+``step()``, which equals one process on the whole global batch; torch's DDP outside
+``no_sync()``, FSDP under split backward and replica helpers given every rank are refused
+([Note: data parallelism around the plain runtime] in megatron_prt/runtime/callbacks.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import HIDDEN, loss_fn, make_layer
+from test_runtime_parity import TOL, _rel
+
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.runtime import PipelineRuntime, build_stages, layer_ranges, sync_replicas
+from megatron_prt.runtime.errors import PipelineError
+from megatron_prt.runtime.local import run_local
+from megatron_prt.runtime.replicas import reduce_replica_grads
+
+LAYERS, P, DP, M = 8, 2, 2, 4
+
+
+def _batches(steps: int) -> tuple[list, list]:
+    """``[step][dp][mb]`` inputs and targets."""
+    gen = torch.Generator().manual_seed(7)
+
+    def draw():
+        return torch.randn(2, HIDDEN, generator=gen, dtype=torch.float64)
+
+    xs = [[[draw() for _ in range(M)] for _ in range(DP)] for _ in range(steps)]
+    ys = [[[draw() for _ in range(M)] for _ in range(DP)] for _ in range(steps)]
+    return xs, ys
+
+
+def _reference(steps: int) -> list[list[torch.Tensor]]:
+    """Per layer, its gradients from one process: the mean loss over the global batch of
+    every step, accumulated over the steps."""
+    layers = [make_layer("mlp", i) for i in range(LAYERS)]
+    model = torch.nn.Sequential(*layers)
+    xs, ys = _batches(steps)
+    for step in range(steps):
+        pairs = [pair for d in range(DP) for pair in zip(xs[step][d], ys[step][d], strict=True)]
+        losses = [loss_fn(model(x), y) for x, y in pairs]
+        (sum(losses) / len(losses)).backward()
+    return [[p.grad for p in layer.parameters()] for layer in layers]
+
+
+def _groups() -> tuple:
+    """Pipelines [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3] (every rank makes
+    every group, as new_group needs)."""
+    rank, mine = dist.get_rank(), []
+    for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append(group)
+    return tuple(mine)
+
+
+def _worker(rank, world, where, direction, split, steps, ddp):
+    pipeline, data = _groups()
+    placement = Placement(P, 2, where, direction)
+    plan = build_plan(placement, M, "zb" if split else "prt")
+    modules = build_stages(placement, dist.get_rank(pipeline), lambda i: make_layer("mlp", i), 8)
+    sync_replicas(placement, modules, group=pipeline)
+    stages = modules
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        stages = {s: DistributedDataParallel(m, process_group=data) for s, m in modules.items()}
+    runtime = PipelineRuntime(plan, stages, loss_fn, group=pipeline, dtype=torch.float64)
+    xs, ys = _batches(steps)
+    for step in range(steps):
+        with contextlib.ExitStack() as quiet:  # DDP left to reduce nothing: the caller does
+            for module in stages.values() if ddp else ():
+                quiet.enter_context(module.no_sync())
+            runtime.step(xs[step][dist.get_rank(data)], ys[step][dist.get_rank(data)])
+        runtime.reduce_replica_grads()  # bi: no-op for uni
+    for module in modules.values():  # README, "Data parallelism": the mean over replicas
+        for param in module.parameters():
+            dist.all_reduce(param.grad, group=data)
+            param.grad /= DP
+    runtime.close()
+    ranges = layer_ranges(LAYERS, placement.depth)
+    return {
+        stage: (ranges[placement.model_stage(stage)][0], [p.grad for p in m.parameters()])
+        for stage, m in modules.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("where", "direction", "split", "steps", "ddp"),
+    [
+        ("loop", "uni", False, 1, False),
+        ("wave", "bi", True, 2, False),
+        ("loop", "bi", True, 1, True),
+    ],
+)
+def test_data_parallel_by_all_reduce_equals_the_global_batch(where, direction, split, steps, ddp):
+    """The recipe the README gives: one pipeline group per replica, the gradients averaged
+    over the data-parallel group after step() (and the bi replica sum); with gradient
+    accumulation over two steps, and with DDP stages stepped inside no_sync()."""
+    want = _reference(steps)
+    results = run_local(4, _worker, where, direction, split, steps, ddp, deadline_s=180)
+    for rank, (status, payload) in enumerate(results):
+        assert status == "ok", f"rank {rank}: {payload}"
+        for stage, (first, grads) in payload.items():
+            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
+            for got, expected in zip(grads, ref, strict=True):
+                assert _rel(got, expected) <= TOL, (rank, stage)
+
+
+def _ddp_stepped(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    placement = Placement(world, 1)
+    modules = build_stages(placement, rank, lambda i: make_layer("mlp", i), 4)
+    stages = {s: DistributedDataParallel(m) for s, m in modules.items()}
+    runtime = PipelineRuntime(build_plan(placement, M), stages, loss_fn, dtype=torch.float64)
+    xs, ys = _batches(1)
+    try:
+        runtime.step(xs[0][0], ys[0][0])
+    finally:
+        runtime.close()
+
+
+def test_a_ddp_stage_over_several_microbatches_is_refused():
+    """DDP reduces the first backward after a forward: a stage running F0 F1 B0 B1 had one
+    micro-batch's gradients averaged, the replicas drifting apart without a word (96% off)."""
+    results = run_local(2, _ddp_stepped, deadline_s=120)
+    for rank, (status, payload) in enumerate(results):
+        assert status == "error" and "DistributedDataParallel" in str(payload), payload
+        assert f"rank {rank}: stage" in str(payload) and "no_sync" in str(payload)
+
+
+def _fsdp_split(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    placement = Placement(world, 1)
+    modules = build_stages(placement, rank, lambda i: make_layer("mlp", i), 4)
+    stages = {s: fully_shard(m) for s, m in modules.items()}
+    PipelineRuntime(build_plan(placement, M, "zb"), stages, loss_fn, dtype=torch.float64)
+
+
+def test_fsdp_stages_under_split_backward_are_refused():
+    """FSDP reduces and frees a module's gradients when its backward ends, at I: the weight
+    gradients W added after were lost (all zero at m = 1) without a word."""
+    results = run_local(2, _fsdp_split, deadline_s=120)
+    for status, payload in results:
+        assert status == "error" and "sharded by FSDP" in str(payload), payload
+
+
+def _replicas_over_every_rank(rank, world, helper):
+    placement = Placement(P, 1, "loop", "bi")
+    stages = build_stages(placement, rank % P, lambda i: make_layer("mlp", i), 8)
+    try:
+        helper(placement, stages)
+    except PipelineError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("helper", [sync_replicas, reduce_replica_grads])
+def test_replica_helpers_refuse_a_group_of_several_pipelines(helper):
+    """Called without group= in a job of two pipelines, the ranks of the second held no
+    stage of the placement's ranks and summed nothing, without a word."""
+    results = run_local(4, _replicas_over_every_rank, helper, deadline_s=120)
+    for rank, (status, said) in enumerate(results):
+        assert status == "ok" and said is not None, (rank, said)
+        assert "group of 4 ranks" in said and "pass group=" in said
