@@ -65,11 +65,12 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _check(
     kind, tp, dp, p, r, placement, direction, ddp=(), sp=False, dtype=torch.float64,
-    recompute=None,
+    recompute=None, split_backward=False,
 ):  # fmt: skip
     refs = _reference(kind, tp, dp, ddp, sp, dtype)
     states = {t: refs[(t, 0)]["state"] for t in range(tp)}
-    reuse = ReuseConfig(Placement(p, r, placement, direction), LAYERS_3D)
+    placed = Placement(p, r, placement, direction)
+    reuse = ReuseConfig(placed, LAYERS_3D, split_backward=split_backward)
     world = tp * p * dp
     results = all_ok(
         run_local(
@@ -130,6 +131,23 @@ FAST = [
 @pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction", FAST)
 def test_tp_pp_dp_training_matches_megatron(kind, tp, dp, p, r, placement, direction):
     _check(kind, tp, dp, p, r, placement, direction)
+
+
+# Split backward (I, then W) under tensor and data parallelism: the column and row layers'
+# deferred weight GEMMs on their shards, the input gradient's tensor-parallel all-reduce in I,
+# sequence parallelism's column layers left whole; megatron's DDP sees the same gradients.
+SPLIT = [
+    ("gpt", 2, 1, 2, 2, "wave", "uni", (), False),
+    ("bert", 2, 1, 2, 2, "loop", "bi", (), True),
+    ("gpt-untied", 1, 2, 2, 2, "wave", "bi", (("overlap_grad_reduce", True),), False),
+]
+
+
+@pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction,ddp,sp", SPLIT)
+def test_split_backward_with_tensor_and_data_parallelism_matches_megatron(
+    kind, tp, dp, p, r, placement, direction, ddp, sp
+):
+    _check(kind, tp, dp, p, r, placement, direction, ddp=ddp, sp=sp, split_backward=True)
 
 
 # Every model with every TP x DP size, each under two layouts that together cross R 2 / 3,
