@@ -42,6 +42,7 @@ from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.runtime.local import all_ok, run_local
 
 M = 4
+DISTRIBUTED = (("use_distributed_optimizer", True),)
 
 
 @functools.cache
@@ -150,6 +151,22 @@ def test_split_backward_with_tensor_and_data_parallelism_matches_megatron(
     _check(kind, tp, dp, p, r, placement, direction, ddp=ddp, sp=sp, split_backward=True)
 
 
+# ... and with megatron's distributed optimizer (fp32) and activation recomputation
+# (recomputed layers' weight gradients stay in I: [Note: full recomputation has no W]).
+SPLIT_MORE = [
+    ("gpt", 1, 2, 2, 2, "wave", "bi", DISTRIBUTED, False, torch.float32, None),
+    ("bert", 2, 2, 2, 2, "loop", "uni", DISTRIBUTED, False, torch.float32, None),
+    ("gpt", 2, 1, 2, 2, "wave", "uni", (), False, torch.float64, "full"),
+    ("bert", 1, 2, 2, 2, "loop", "bi", (), False, torch.float64, "selective"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SPLIT_MORE, ids=lambda c: "-".join(map(str, c[:7] + c[-1:])))
+def test_split_backward_with_sharded_optimizer_or_recomputation_matches_megatron(case):
+    _check(*case, split_backward=True)
+
+
 # Every model with every TP x DP size, each under two layouts that together cross R 2 / 3,
 # loop / wave and uni / bi (the other pairing for alternate sizes): 24 runs on 4 or 8 ranks.
 LAYOUTS = (((2, "wave", "uni"), (3, "loop", "bi")), ((2, "loop", "bi"), (3, "wave", "uni")))
@@ -205,7 +222,6 @@ def test_bert_example_trains_with_tensor_parallelism(tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0], output[-2000:]
 
 
-DISTRIBUTED = (("use_distributed_optimizer", True),)
 # megatron's distributed optimizer (fp32: it takes no fp64 parameters), `bi` replica sums
 # before its reduce-scatter; sequence parallelism (fp64), and both.
 SHARDED = [
