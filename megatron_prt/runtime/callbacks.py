@@ -130,13 +130,15 @@ class ModuleCallbacks(StageCallbacks):
     def begin(self, inputs, targets, forward_only) -> None:
         """Refuses (naming the argument, the rank and the fix) a batch this rank cannot read:
         not one tensor per micro-batch where its first stages read inputs or its last stages
-        read targets."""
+        read targets; and a training step whose DDP stage would reduce too early
+        (:func:`reducing_too_early`)."""
         for name, data, ends in (
             ("inputs", inputs, [s for s in self.stages if self.placement.is_first(s)]),
             ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
         ):
             check_batch(self.rank, name, data, ends, self.num_microbatches)
-        problem = reducing_too_early(self.stages, self.rank, self.num_microbatches)
+        m = self.num_microbatches
+        problem = None if forward_only else reducing_too_early(self.stages, self.rank, m)
         if problem is not None:
             post_failure(problem, root=True)
             raise ValueError(problem)

@@ -121,6 +121,7 @@ def _ddp_stepped(rank, world):
     runtime = PipelineRuntime(build_plan(placement, M), stages, loss_fn, dtype=torch.float64)
     xs, ys = _batches(1)
     try:
+        runtime.step(xs[0][0], ys[0][0], forward_only=True)  # evaluation: nothing to reduce
         runtime.step(xs[0][0], ys[0][0])
     finally:
         runtime.close()
