@@ -177,8 +177,10 @@ def _warn_other_vocabulary(reuse: ReuseConfig, args: argparse.Namespace) -> None
     padded = getattr(args, "padded_vocab_size", None)
     if not reuse.recorded_vocab or padded is None:
         return
-    get_tokenizer = getattr(training, "get_tokenizer", None)
-    tokenizer = None if get_tokenizer is None else get_tokenizer()
+    try:  # a tool that set padded_vocab_size by hand may have built no tokenizer
+        tokenizer = training.get_tokenizer()
+    except (AttributeError, AssertionError):
+        tokenizer = None
     warn_other_vocabulary(reuse.recorded_vocab, getattr(tokenizer, "vocab_size", padded), padded)
 
 

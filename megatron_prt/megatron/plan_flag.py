@@ -246,15 +246,17 @@ def recorded_vocabularies(
 
 
 def warn_other_vocabulary(recorded: tuple[tuple[str, int], ...], tokens: int, padded: int) -> None:
-    """Warn for each of ``recorded`` (``ReuseConfig.recorded_vocab``) whose size is neither
-    the tokenizer's ``tokens`` nor megatron's ``padded`` size of it. Called once the
+    """Warn for each of ``recorded`` (``ReuseConfig.recorded_vocab``) whose size lies outside
+    the tokenizer's ``tokens`` (less one: megatron's NullTokenizer counts its end-of-document
+    token on top of ``--vocab-size``) to megatron's ``padded`` size of it: a size within the
+    padding (another tensor-parallel size's) costs the same within a few rows. Called once the
     tokenizer is built: the flags' checks (:func:`warn_other_shape`) run before megatron
     knows the vocabulary. Said, not refused, as for any other shape: the run is exact, but
     the embedding and the head were priced at another size, so the balanced split and the
     predicted times are off (BERT-base's 30,522-token head computes about as much as three
     of its layers)."""
     for what, size in recorded:
-        if size not in (tokens, padded):
+        if not tokens - 1 <= size <= padded:
             warn_once(
                 f"{what} a vocabulary of {size} tokens, but the tokenizer has {tokens} "
                 f"(padded to {padded}): the embedding and the head were priced at another "

@@ -7,8 +7,10 @@ embedding alone, with ``defer_embedding_wgrad_compute``; its local-spec
 autograd Function (``LinearWithGradAccumulationAndAsyncCommunication``). Both layers call
 ``self._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
 sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)``: that one method is
-replaced per layer, so inside :func:`megatron_prt.runtime.wgrad.split_forward` the product
-goes through :func:`megatron_prt.runtime.wgrad.split_linear` with megatron's semantics:
+overridden by moving each layer to a subclass (:class:`SplitForwardImpl` first; [Note:
+split-capable by class] in megatron_prt/runtime/wgrad.py), so inside
+:func:`megatron_prt.runtime.wgrad.split_forward` the product goes through
+:func:`megatron_prt.runtime.wgrad.split_linear` with megatron's semantics:
 
 * the input gradient is ``grad_output @ weight``, all-reduced over the tensor-parallel
   group when ``allreduce_dgrad`` (as megatron, before the weight GEMM);
@@ -39,6 +41,7 @@ from ..runtime.wgrad import (
     enable_split_backward,
     make_split_capable,
     split_capable_class,
+    split_capable_lookup,
     split_form,
     split_linear,
 )
@@ -64,12 +67,16 @@ class SplitForwardImpl:
     in megatron_prt/runtime/wgrad.py): its ``_forward_impl`` is :func:`_forward_impl` over
     megatron's own."""
 
-    def _forward_impl(self, *args, **kwargs):
+    def _forward_impl(self, *args, **kwargs) -> torch.Tensor | tuple:
         return _forward_impl(super()._forward_impl, self, *args, **kwargs)
 
 
-for _linear in _SPLIT_LINEARS:  # named here, so a whole model pickles and loads
+for _linear in _SPLIT_LINEARS:  # made at import: [Note: split-capable by class] in wgrad.py
     split_capable_class(SplitForwardImpl, _linear)
+
+
+def __getattr__(name: str) -> type:  # the others when pickle asks for them
+    return split_capable_lookup(SplitForwardImpl, name)
 
 
 def _forward_impl(

@@ -30,12 +30,14 @@ calls, on the rank that owns ``stage``:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
+from ..core.plan import split_microbatches
 from .errors import check_batch, post_failure
 from .wgrad import (
     WeightGradWork,
@@ -101,7 +103,10 @@ class ModuleCallbacks(StageCallbacks):
     """The plain-PyTorch stages: ``stages[stage]`` is an ``nn.Module`` taking one tensor and
     returning one; a first stage reads ``inputs[mb]``, a last stage returns
     ``loss_fn(output, targets[mb])`` and seeds its backward with ``1/m``, so gradients are
-    those of the mean loss over the ``num_microbatches`` micro-batches."""
+    those of the mean loss over the ``num_microbatches`` micro-batches. W writes weight
+    gradients in place; a hook put on a parameter's gradient accumulator node itself (as
+    Horovod's and DeepSpeed's are) is invisible from Python and would not fire: such stages
+    take a subclass with ``in_place_weight_grads = False``."""
 
     in_place_weight_grads = True  # the runtime's own stages: no accumulator hooks ...
 
@@ -118,7 +123,8 @@ class ModuleCallbacks(StageCallbacks):
         # ... unless a stage wraps its module in torch's DDP or FSDP, whose reducers hook the
         # accumulators from C++, out of sight of apply_weight_grads' own check: written in
         # place, the weight gradients were never reduced across data-parallel ranks
-        self.in_place_weight_grads = not any(map(_reduces_gradients, stages.values()))
+        in_place = type(self).in_place_weight_grads  # a subclass may turn it off
+        self.in_place_weight_grads = in_place and not any(map(_reduces_gradients, stages.values()))
         self.rank = rank
         self.loss_fn = loss_fn
         self.placement = placement
@@ -137,8 +143,8 @@ class ModuleCallbacks(StageCallbacks):
             ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
         ):
             check_batch(self.rank, name, data, ends, self.num_microbatches)
-        m = self.num_microbatches
-        problem = None if forward_only else reducing_too_early(self.stages, self.rank, m)
+        m, where = self.num_microbatches, self.placement
+        problem = None if forward_only else reducing_too_early(self.stages, self.rank, where, m)
         if problem is not None:
             post_failure(problem, root=True)
             raise ValueError(problem)
@@ -193,9 +199,12 @@ def _reduces_gradients(module: torch.nn.Module) -> bool:
 
 
 def _sharding() -> tuple[type, ...]:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    """FSDP's module classes: FullyShardedDataParallel, and fully_shard's FSDPModule where
+    torch.distributed.fsdp exports it (torch 2.6 on; before, only in a private module)."""
+    from torch.distributed import fsdp
 
-    return FullyShardedDataParallel, FSDPModule
+    fully_sharded = getattr(fsdp, "FSDPModule", None)
+    return (fsdp.FullyShardedDataParallel, *([fully_sharded] if fully_sharded else []))
 
 
 # [Note: data parallelism around the plain runtime] torch's DDP reduces the first backward
@@ -206,20 +215,22 @@ def _sharding() -> tuple[type, ...]:
 # parameters already reduced (all lost). The runtime's data parallelism is the caller's
 # all-reduce of the gradients over its data-parallel group after step() (README, "Data
 # parallelism"); a DDP stage may run inside no_sync(), which leaves the reduction to it too.
-def reducing_too_early(stages: Mapping[int, torch.nn.Module], rank: int, m: int) -> str | None:
-    """Why a step over ``m`` micro-batches of these stages would reduce gradients wrong (a
-    stage in torch's DDP outside ``no_sync()``), or None ([Note: data parallelism around
-    the plain runtime])."""
+def reducing_too_early(
+    stages: Mapping[int, torch.nn.Module], rank: int, placement: Placement, m: int
+) -> str | None:
+    """Why a training step over ``m`` micro-batches of these stages would reduce gradients
+    wrong (a stage in torch's DDP, outside ``no_sync()``, that runs more than one of them),
+    or None ([Note: data parallelism around the plain runtime])."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if m < 2:
-        return None
+    per_pipeline = Counter(split_microbatches(m, placement.num_pipelines))
     for stage, module in stages.items():
-        for wrapper in module.modules():
+        runs = per_pipeline[placement.pipeline_of(stage)]
+        for wrapper in module.modules() if runs > 1 else ():
             if isinstance(wrapper, DistributedDataParallel) and wrapper.require_backward_grad_sync:
                 return (
                     f"rank {rank}: stage {stage} runs in torch's DistributedDataParallel, which "
-                    f"reduces one backward per forward; a pipeline stage runs {m} forwards "
+                    f"reduces one backward per forward; the stage runs {runs} forwards "
                     "before their backwards, so its gradients would come out wrong. Drop the "
                     "wrapper and all-reduce the gradients over the data-parallel group after "
                     "step() (README, 'Data parallelism'), or step inside its no_sync()"

@@ -194,13 +194,14 @@ def check_same_placement(
         )
 
 
-def check_pipeline_group(placement: Placement, group, what: str) -> None:
-    """Refuse a ``group`` of more ranks than the placement's P: in a job of several
+def check_pipeline_group(placement: Placement, group: dist.ProcessGroup | None, what: str) -> None:
+    """Refuse a ``group`` of more ranks than a ``bi`` placement's P: in a job of several
     pipelines (data parallelism) the default group holds them all, and the ranks past P
-    held no stage of the placement's and exchanged nothing, without a word (fewer ranks
-    than P: :func:`exchange_pairs` names the processes to launch)."""
+    held no stage of the placement's and exchanged nothing, without a word (``uni`` has
+    nothing to exchange; fewer ranks than P: :func:`exchange_pairs` names the processes to
+    launch)."""
     world = dist.get_world_size(group)
-    if world > placement.ranks:
+    if world > placement.ranks and placement.replica_pairs():
         raise PipelineError(
             f"rank {dist.get_rank(group)}: {what} over a group of {world} ranks, but the "
             f"placement has {placement.ranks} pipeline ranks; pass group= this rank's pipeline "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -287,11 +288,14 @@ def _anchor(x: torch.Tensor) -> torch.Tensor:
 
 # [Note: split-capable by class] A layer becomes split-capable by moving it to a subclass of
 # its own class with a mixin first (:func:`make_split_capable`: the mixin's method, calling
-# ``super()`` for the plain form), made once per class and named in the mixin's module, so a
-# whole model pickles and loads. An override kept on the layer itself (a method bound to it,
-# or a partial of one) was a reference cycle: a model out of scope waited for the cyclic
-# collector, and a forked rank that collected a copied model mid-step stalled its peer.
+# ``super()`` for the plain form), made once per class and kept in the mixin's module under a
+# name that spells the base class (``SplitCapable:torch/nn/modules/linear:Linear``), which the
+# module's ``__getattr__`` makes again in a process that has not: a whole model pickles and
+# loads anywhere. An override kept on the layer itself (a method bound to it, or a partial of
+# one) was a reference cycle: a model out of scope waited for the cyclic collector, and a
+# forked rank that collected a copied model mid-step stalled its peer.
 _SPLIT_CLASSES: dict[tuple[type, type], type] = {}
+_PREFIX = "SplitCapable:"
 
 
 def make_split_capable(layer: torch.nn.Module, mixin: type) -> None:
@@ -303,18 +307,29 @@ def make_split_capable(layer: torch.nn.Module, mixin: type) -> None:
 
 
 def split_capable_class(mixin: type, cls: type) -> type:
-    """The class ``(mixin, cls)``, made once and kept in ``mixin``'s module by its name
-    (``SplitCapable`` + ``cls``'s, numbered when another class took that name)."""
+    """The class ``(mixin, cls)``, made once and kept in ``mixin``'s module under the name
+    that spells ``cls`` (its ``__qualname__`` for pickle)."""
     made = _SPLIT_CLASSES.get((mixin, cls))
     if made is None:
-        home = sys.modules[mixin.__module__]
-        name = f"SplitCapable{cls.__name__}"
-        while getattr(home, name, None) is not None:
-            name += "_"
-        made = type(name, (mixin, cls), {"__module__": home.__name__, "__qualname__": name})
-        setattr(home, name, made)
+        spelled = f"{cls.__module__}:{cls.__qualname__}".replace(".", "/")
+        name = _PREFIX + spelled
+        made = type(f"SplitCapable{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+        made.__qualname__ = name
+        setattr(sys.modules[mixin.__module__], name, made)
         _SPLIT_CLASSES[mixin, cls] = made
     return made
+
+
+def split_capable_lookup(mixin: type, name: str) -> type:
+    """The module ``__getattr__`` of ``mixin``'s module: the split-capable class ``name``
+    spells, made now (pickle asks for it by name in a process that has not made it)."""
+    if not name.startswith(_PREFIX):
+        raise AttributeError(f"module {mixin.__module__!r} has no attribute {name!r}")
+    module, _, qualname = name.removeprefix(_PREFIX).replace("/", ".").partition(":")
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return split_capable_class(mixin, base)
 
 
 class SplitLinearForward:
@@ -328,6 +343,10 @@ class SplitLinearForward:
 
 
 SplitCapableLinear = split_capable_class(SplitLinearForward, torch.nn.Linear)
+
+
+def __getattr__(name: str) -> type:  # [Note: split-capable by class]
+    return split_capable_lookup(SplitLinearForward, name)
 
 
 def enable_split_backward(module: torch.nn.Module) -> int:

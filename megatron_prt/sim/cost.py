@@ -210,6 +210,7 @@ class CostModel:
             recompute_granularity=granularity,
             recompute_method=method,
             recompute_num_layers=num_layers,
+            kept_split=self.kept_split and granularity == "full",
         )
 
     def split_form(self) -> CostModel:
@@ -495,7 +496,10 @@ class CostModel:
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The cost file's keys (``kept_split``, a pricing state of :meth:`split_form`, is
+        none of them)."""
         data = asdict(self)
+        del data["kept_split"]
         data["layers"] = [layer.to_dict() for layer in self.layers]
         data["stage_layers"] = list(self.stage_layers)
         for end in ("embedding", "head"):
@@ -510,7 +514,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f for f in cls.__dataclass_fields__} - {"kept_split"}  # see to_dict
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown cost keys {sorted(unknown)}; known: {sorted(known)}")
@@ -557,7 +561,6 @@ class CostModel:
 # Keys :meth:`CostModel.to_dict` leaves out at these values, so that a file without them
 # still reads in versions that do not know them.
 _OPTIONAL_KEYS = {
-    "kept_split": False,
     "embedding": None,
     "head": None,
     "grad_bytes": None,

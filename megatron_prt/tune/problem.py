@@ -89,8 +89,9 @@ class Problem:
             out[attr] = values
         if self.cost.recompute_granularity is not None:  # block method: depends on the split
             model = replace(self.cost, stage_layers=tuple(counts))
+            times = model.stage_times(self.placement)
             out["act"] = list(model.stage_activation_bytes(self.placement))
-            out["bwd"] = list(model.stage_times(self.placement).bwd)
+            out["fwd"], out["bwd"] = list(times.fwd), list(times.bwd)  # fwd: kept_split
         return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"])
 
     def stage_times(self, counts: Sequence[int]) -> StageTimes:

@@ -594,23 +594,6 @@ def test_runtimes_per_call_shape_are_bounded(monkeypatch):
         assert closed == built[: 20 - kept] and len(pipelines.by_key) == kept
 
 
-def test_balanced_costs_record_their_vocabulary_for_the_tokenizer_check(tmp_path):
-    """A split balanced on a cost file profiled at another vocabulary was not said: the
-    flags' check cannot know the tokenizer's size, so the file's is kept for it."""
-    import json
-
-    from megatron_prt.megatron.plan_flag import warn_other_vocabulary
-
-    path = tmp_path / "shaped.json"
-    path.write_text(json.dumps({**json.loads(open(_costs(tmp_path, 8)).read()),
-                                "model": {"vocab_size": 30592}}))  # fmt: skip
-    balanced = ("--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
-    config = validate_args(parse(*BASE, *balanced, "--pipeline-reuse-costs", path))
-    assert config.recorded_vocab == ((f"--pipeline-reuse-costs {path} was profiled on", 30592),)
-    with pytest.warns(UserWarning, match=r"profiled on a vocabulary of 30592 tokens"):
-        warn_other_vocabulary(config.recorded_vocab, 1000, 1024)
-
-
 def test_balanced_costs_of_another_model_shape_are_said(tmp_path):
     """The cost file's measured shape (``model``) was not compared with the flags: a split
     balanced on costs of seq 32 was trained at seq 512 without a word."""

@@ -261,12 +261,32 @@ def test_a_plan_tuned_for_another_vocabulary_is_said_once_the_tokenizer_is_known
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the tokenizer's size or its padded size: nothing said
         warn_other_vocabulary(config.recorded_vocab, 30522, 30592)
-        warn_other_vocabulary(config.recorded_vocab, 30592, 30720)
+        warn_other_vocabulary(config.recorded_vocab, 30522, 30720)  # padded for TP 2
+        warn_other_vocabulary(config.recorded_vocab, 30593, 30720)  # NullTokenizer: V + 1
     said = r"tuned for a vocabulary of 30592 tokens, but the tokenizer has 64 \(padded to 128\)"
     with pytest.warns(UserWarning, match=said + r".*--vocab-size 128"):
         warn_other_vocabulary(config.recorded_vocab, 64, 128)
     unshaped = _write(tmp_path, Placement(4, 2), "unshaped.json")
     assert validate_args(parse(*MODEL, "--pipeline-reuse-plan", unshaped)).recorded_vocab == ()
+
+
+def test_balanced_costs_record_their_vocabulary_for_the_tokenizer_check(tmp_path):
+    """A split balanced on a cost file profiled at another vocabulary was not said: the
+    flags' check cannot know the tokenizer's size, so the file's is kept for it."""
+    import json
+
+    from test_megatron_args import BASE, _costs
+
+    from megatron_prt.megatron.plan_flag import warn_other_vocabulary
+
+    path = tmp_path / "shaped.json"
+    path.write_text(json.dumps({**json.loads(open(_costs(tmp_path, 8)).read()),
+                                "model": {"vocab_size": 30592}}))  # fmt: skip
+    balanced = ("--pipeline-reuse", 2, "--pipeline-reuse-partition", "balanced")
+    config = validate_args(parse(*BASE, *balanced, "--pipeline-reuse-costs", path))
+    assert config.recorded_vocab == ((f"--pipeline-reuse-costs {path} was profiled on", 30592),)
+    with pytest.warns(UserWarning, match=r"profiled on a vocabulary of 30592 tokens"):
+        warn_other_vocabulary(config.recorded_vocab, 1000, 1024)
 
 
 def test_the_shape_and_recompute_warnings_are_said_by_the_first_rank_alone(tmp_path, monkeypatch):

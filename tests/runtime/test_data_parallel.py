@@ -23,24 +23,24 @@ from megatron_prt.runtime.replicas import reduce_replica_grads
 LAYERS, P, DP, M = 8, 2, 2, 4
 
 
-def _batches(steps: int) -> tuple[list, list]:
+def _batches(steps: int, m: int = M) -> tuple[list, list]:
     """``[step][dp][mb]`` inputs and targets."""
     gen = torch.Generator().manual_seed(7)
 
     def draw():
         return torch.randn(2, HIDDEN, generator=gen, dtype=torch.float64)
 
-    xs = [[[draw() for _ in range(M)] for _ in range(DP)] for _ in range(steps)]
-    ys = [[[draw() for _ in range(M)] for _ in range(DP)] for _ in range(steps)]
+    xs = [[[draw() for _ in range(m)] for _ in range(DP)] for _ in range(steps)]
+    ys = [[[draw() for _ in range(m)] for _ in range(DP)] for _ in range(steps)]
     return xs, ys
 
 
-def _reference(steps: int) -> list[list[torch.Tensor]]:
+def _reference(steps: int, m: int = M) -> list[list[torch.Tensor]]:
     """Per layer, its gradients from one process: the mean loss over the global batch of
     every step, accumulated over the steps."""
     layers = [make_layer("mlp", i) for i in range(LAYERS)]
     model = torch.nn.Sequential(*layers)
-    xs, ys = _batches(steps)
+    xs, ys = _batches(steps, m)
     for step in range(steps):
         pairs = [pair for d in range(DP) for pair in zip(xs[step][d], ys[step][d], strict=True)]
         losses = [loss_fn(model(x), y) for x, y in pairs]
@@ -59,10 +59,10 @@ def _groups() -> tuple:
     return tuple(mine)
 
 
-def _worker(rank, world, where, direction, split, steps, ddp):
+def _worker(rank, world, where, direction, split, steps, ddp, m=M):
     pipeline, data = _groups()
     placement = Placement(P, 2, where, direction)
-    plan = build_plan(placement, M, "zb" if split else "prt")
+    plan = build_plan(placement, m, "zb" if split else "prt")
     modules = build_stages(placement, dist.get_rank(pipeline), lambda i: make_layer("mlp", i), 8)
     sync_replicas(placement, modules, group=pipeline)
     stages = modules
@@ -71,14 +71,14 @@ def _worker(rank, world, where, direction, split, steps, ddp):
 
         stages = {s: DistributedDataParallel(m, process_group=data) for s, m in modules.items()}
     runtime = PipelineRuntime(plan, stages, loss_fn, group=pipeline, dtype=torch.float64)
-    xs, ys = _batches(steps)
+    xs, ys = _batches(steps, m)
     for step in range(steps):
         with contextlib.ExitStack() as quiet:  # DDP left to reduce nothing: the caller does
-            for module in stages.values() if ddp else ():
+            for module in stages.values() if ddp == "no_sync" else ():
                 quiet.enter_context(module.no_sync())
             runtime.step(xs[step][dist.get_rank(data)], ys[step][dist.get_rank(data)])
         runtime.reduce_replica_grads()  # bi: no-op for uni
-    for module in modules.values():  # README, "Data parallelism": the mean over replicas
+    for module in modules.values() if ddp != "synced" else ():  # README: the mean
         for param in module.parameters():
             dist.all_reduce(param.grad, group=data)
             param.grad /= DP
@@ -93,9 +93,9 @@ def _worker(rank, world, where, direction, split, steps, ddp):
 @pytest.mark.parametrize(
     ("where", "direction", "split", "steps", "ddp"),
     [
-        ("loop", "uni", False, 1, False),
-        ("wave", "bi", True, 2, False),
-        ("loop", "bi", True, 1, True),
+        ("loop", "uni", False, 1, None),
+        ("wave", "bi", True, 2, None),
+        ("loop", "bi", True, 1, "no_sync"),
     ],
 )
 def test_data_parallel_by_all_reduce_equals_the_global_batch(where, direction, split, steps, ddp):
@@ -104,6 +104,19 @@ def test_data_parallel_by_all_reduce_equals_the_global_batch(where, direction, s
     accumulation over two steps, and with DDP stages stepped inside no_sync()."""
     want = _reference(steps)
     results = run_local(4, _worker, where, direction, split, steps, ddp, deadline_s=180)
+    for rank, (status, payload) in enumerate(results):
+        assert status == "ok", f"rank {rank}: {payload}"
+        for stage, (first, grads) in payload.items():
+            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
+            for got, expected in zip(grads, ref, strict=True):
+                assert _rel(got, expected) <= TOL, (rank, stage)
+
+
+def test_a_ddp_stage_running_one_microbatch_reduces_it():
+    """bi at m = 2: each pipeline, so each DDP stage, runs one micro-batch, which DDP reduces
+    itself (this was refused for the step's two micro-batches)."""
+    want = _reference(1, 2)
+    results = run_local(4, _worker, "loop", "bi", True, 1, "synced", 2, deadline_s=180)
     for rank, (status, payload) in enumerate(results):
         assert status == "ok", f"rank {rank}: {payload}"
         for stage, (first, grads) in payload.items():
@@ -153,8 +166,8 @@ def test_fsdp_stages_under_split_backward_are_refused():
         assert status == "error" and "sharded by FSDP" in str(payload), payload
 
 
-def _replicas_over_every_rank(rank, world, helper):
-    placement = Placement(P, 1, "loop", "bi")
+def _replicas_over_every_rank(rank, world, helper, direction="bi"):
+    placement = Placement(P, 1, "loop", direction)
     stages = build_stages(placement, rank % P, lambda i: make_layer("mlp", i), 8)
     try:
         helper(placement, stages)
@@ -171,3 +184,5 @@ def test_replica_helpers_refuse_a_group_of_several_pipelines(helper):
     for rank, (status, said) in enumerate(results):
         assert status == "ok" and said is not None, (rank, said)
         assert "group of 4 ranks" in said and "pass group=" in said
+    uni = run_local(4, _replicas_over_every_rank, helper, "uni", deadline_s=120)
+    assert uni == [("ok", None)] * 4  # nothing to exchange: the README's call stays harmless

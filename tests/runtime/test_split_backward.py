@@ -399,21 +399,32 @@ def test_a_layer_whose_weight_is_made_anew_recomputes_in_its_forwards_form(make)
         assert _rel(got.grad, want.grad) <= TOL
 
 
-def test_a_split_capable_model_pickles_and_loads_as_one():
+def test_a_split_capable_model_pickles_and_loads_as_one(tmp_path):
     """torch.save of a whole model whose layers were made split-capable failed (the class
     made for them could not be found by name), or loaded none (an override bound on the
-    layer)."""
-    import io
+    layer); a class made on demand (attention's own linear subclass) loads in a process that
+    never made it."""
+    import subprocess
+    import sys
 
-    model = _mlp()
-    enable_split_backward(model)
-    saved = io.BytesIO()
-    torch.save(model, saved)
-    saved.seek(0)
-    loaded = torch.load(saved, weights_only=False)
-    assert type(loaded[0]) is type(model[0]) and enable_split_backward(loaded) == 6
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(6, 2).out_proj, *_mlp()).double()
+    assert enable_split_backward(model) == 7
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
     x = torch.randn(4, 6, dtype=torch.float64)
-    assert torch.equal(loaded(x), model(x))
+    torch.save((x, model(x)), tmp_path / "io.pt")
+    loads = (
+        "import sys, torch; m = torch.load(sys.argv[1], weights_only=False); "
+        "x, y = torch.load(sys.argv[2]); "
+        "print([type(layer).__name__ for layer in m][:2], torch.equal(m(x), y))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", loads, str(path), str(tmp_path / "io.pt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = "['SplitCapableNonDynamicallyQuantizableLinear', 'SplitCapableLinear']"
+    assert done.stdout.strip() == f"{names} True"
 
 
 def _ddp_worker(rank, world):

@@ -180,6 +180,12 @@ def test_the_block_methods_kept_layers_take_the_split_form():
         assert times.fwd[stage] == pytest.approx(fwd) and times.bwd[stage] == pytest.approx(bwd)
         w = sum(layer.wgrad for layer in kept) + ends.wgrad_time(0.5)
         assert times.wgt[stage] == pytest.approx(w)
+    from megatron_prt.tune.problem import Problem
+
+    plan = build_plan(Placement(P, 1), M, "zb")  # the partitioner's surrogate agrees
+    assert Problem(block, plan).stage_costs([3, 3]).fwd == pytest.approx(list(times.fwd))
+    assert "kept_split" not in block.to_dict()  # a pricing state, not a cost-file key
+    assert not block.with_recompute(None).kept_split  # nothing kept whole-or-split then
     uniform = whole.with_recompute("full", "uniform", 1).split_form()  # every layer reruns
     assert (
         uniform.stage_times(Placement(P, 1)).fwd
