@@ -91,32 +91,24 @@ def _worker(rank, world, where, direction, split, steps, ddp, m=M):
 
 
 @pytest.mark.parametrize(
-    ("where", "direction", "split", "steps", "ddp"),
+    ("where", "direction", "split", "steps", "ddp", "m"),
     [
-        ("loop", "uni", False, 1, None),
-        ("wave", "bi", True, 2, None),
-        ("loop", "bi", True, 1, "no_sync"),
+        ("loop", "uni", False, 1, None, M),
+        ("wave", "bi", True, 2, None, M),
+        ("loop", "bi", True, 1, "no_sync", M),
+        ("loop", "bi", True, 1, "synced", 2),  # one micro-batch per pipeline: DDP reduces it
     ],
 )
-def test_data_parallel_by_all_reduce_equals_the_global_batch(where, direction, split, steps, ddp):
+def test_data_parallel_by_all_reduce_equals_the_global_batch(
+    where, direction, split, steps, ddp, m
+):
     """The recipe the README gives: one pipeline group per replica, the gradients averaged
     over the data-parallel group after step() (and the bi replica sum); with gradient
-    accumulation over two steps, and with DDP stages stepped inside no_sync()."""
-    want = _reference(steps)
-    results = run_local(4, _worker, where, direction, split, steps, ddp, deadline_s=180)
-    for rank, (status, payload) in enumerate(results):
-        assert status == "ok", f"rank {rank}: {payload}"
-        for stage, (first, grads) in payload.items():
-            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
-            for got, expected in zip(grads, ref, strict=True):
-                assert _rel(got, expected) <= TOL, (rank, stage)
-
-
-def test_a_ddp_stage_running_one_microbatch_reduces_it():
-    """bi at m = 2: each pipeline, so each DDP stage, runs one micro-batch, which DDP reduces
-    itself (this was refused for the step's two micro-batches)."""
-    want = _reference(1, 2)
-    results = run_local(4, _worker, "loop", "bi", True, 1, "synced", 2, deadline_s=180)
+    accumulation over two steps, with DDP stages stepped inside no_sync(), and with DDP
+    reducing by itself where each stage runs one micro-batch (bi at m = 2, which was
+    refused for the step's two micro-batches)."""
+    want = _reference(steps, m)
+    results = run_local(4, _worker, where, direction, split, steps, ddp, m, deadline_s=180)
     for rank, (status, payload) in enumerate(results):
         assert status == "ok", f"rank {rank}: {payload}"
         for stage, (first, grads) in payload.items():
