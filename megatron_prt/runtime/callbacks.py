@@ -37,12 +37,13 @@ import torch
 from torch.autograd import Variable
 
 from ..core.placement import Placement
-from ..core.plan import split_microbatches
+from ..core.plan import Plan, split_microbatches
 from .errors import check_batch, post_failure
 from .wgrad import (
     WeightGradWork,
     apply_weight_grads,
     deferring_weight_grads,
+    enable_split_backward,
     held_tensors,
 )
 
@@ -249,3 +250,24 @@ def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], rank: int) -> No
                 "be lost); run FSDP stages with a plan without split backward, or all-reduce "
                 "unwrapped stages' gradients after step() (README, 'Data parallelism')"
             )
+
+
+def module_callbacks(
+    stages: Mapping[int, torch.nn.Module],
+    loss_fn: LossFn | None,
+    plan: Plan,
+    device: torch.device,
+    rank: int,
+) -> ModuleCallbacks:
+    """A runtime's callbacks for plain-PyTorch ``stages`` running ``plan``; under split
+    backward the stages' linear layers made split-capable (FSDP stages refused: [Note: data
+    parallelism around the plain runtime])."""
+    if loss_fn is None:
+        raise ValueError(f"rank {rank}: give loss_fn, or callbacks that compute")
+    placement, m = plan.placement, plan.num_microbatches
+    callbacks = ModuleCallbacks(stages, loss_fn, placement, m, device, rank)
+    if plan.split_backward:
+        refuse_sharded_split(stages, rank)
+        for module in stages.values():
+            enable_split_backward(module)
+    return callbacks

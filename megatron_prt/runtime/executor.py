@@ -45,7 +45,7 @@ from ..core.deps import carries_tensor, consumers, producers
 from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
-from .callbacks import LossFn, ModuleCallbacks, StageCallbacks, refuse_sharded_split
+from .callbacks import LossFn, StageCallbacks, module_callbacks
 from .errors import (
     PipelineError,
     is_wait_failure,
@@ -61,7 +61,7 @@ from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_runni
 from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
-from .wgrad import enable_split_backward, split_backward_pass, split_forward
+from .wgrad import split_backward_pass, split_forward
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable
 
@@ -155,17 +155,9 @@ class PipelineRuntime:
         self.trace_enabled = trace
         self.variable_shapes = variable_shapes
         self.measure_memory = measure_memory
-        if callbacks is None:
-            if loss_fn is None:
-                raise ValueError(f"rank {self.rank}: give loss_fn, or callbacks that compute")
-            callbacks = ModuleCallbacks(
-                self.stages, loss_fn, plan.placement, plan.num_microbatches, self.device, self.rank
-            )
-            if self.plan.split_backward:
-                refuse_sharded_split(self.stages, self.rank)
-                for module in self.stages.values():
-                    enable_split_backward(module)
-        self.callbacks = callbacks
+        self.callbacks = callbacks or module_callbacks(
+            self.stages, loss_fn, self.plan, self.device, self.rank
+        )
         warn_running_statistics(plan.placement, self.stages)
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
@@ -191,6 +183,13 @@ class PipelineRuntime:
             Op.RECV_B: self._post_recv,
         }
         auto = early_recvs is None and dist.get_backend(group) == "nccl" and not variable_shapes
+        self._compile_programs(bool(early_recvs), auto)
+        self.transport, self._sizing = make_transport(self, transport, shm_capacity)
+
+    def _compile_programs(self, early_recvs: bool, auto: bool) -> None:
+        """This rank's lowered, validated program for training and for forward-only steps;
+        with ``early_recvs``, or ``auto`` (NCCL's default) up to :data:`EARLY_RECVS_AUTO`
+        messages (the cost of the pass), also the order that posts receives early."""
         self._programs, self._early = {}, {}
         for forward_only in (False, True):
             compute = self.plan.forward_only() if forward_only else self.plan
@@ -198,11 +197,10 @@ class PipelineRuntime:
             validate(lowered)
             self._programs[forward_only] = (lowered, *self._compile(lowered.ranks[self.rank]))
             messages = sum(not a.op.is_compute for stream in lowered.ranks for a in stream)
-            if early_recvs or (auto and messages <= EARLY_RECVS_AUTO):  # (cost of the pass)
+            if early_recvs or (auto and messages <= EARLY_RECVS_AUTO):
                 # the plan's own order runs until every edge's shape is exchanged
                 early = post_recvs_early(lowered)
                 self._early[forward_only] = (early, *self._compile(early.ranks[self.rank]))
-        self.transport, self._sizing = make_transport(self, transport, shm_capacity)
 
     def close(self) -> None:
         """Release transport resources (shared memory); the runtime is unusable after."""
