@@ -173,10 +173,10 @@ def model_provider(provider: Callable) -> Callable:
 def _warn_other_vocabulary(reuse: ReuseConfig, args: argparse.Namespace) -> None:
     """The cost and plan files' vocabulary against the tokenizer's, which Megatron-LM has
     built (and padded, ``args.padded_vocab_size``) by the time it builds the model."""
-    training = importlib.import_module("megatron.training")
     padded = getattr(args, "padded_vocab_size", None)
     if not reuse.recorded_vocab or padded is None:
         return
+    training = importlib.import_module("megatron.training")
     try:  # a tool that set padded_vocab_size by hand may have built no tokenizer
         tokenizer = training.get_tokenizer()
     except (AttributeError, AssertionError):

@@ -236,7 +236,7 @@ def recorded_vocabularies(
     if plan_file is not None:
         found.append((f"{FLAG} {args.pipeline_reuse_plan} was tuned for", plan_file.model))
     costs = getattr(args, "pipeline_reuse_costs", None)
-    if costs is not None:  # the balanced split has loaded it: it loads
+    if costs is not None:  # already loaded once by the balanced split, so it is valid
         found.append(
             (f"--pipeline-reuse-costs {costs} was profiled on", CostModel.load(costs).model)
         )

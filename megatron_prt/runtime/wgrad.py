@@ -370,7 +370,8 @@ def enable_split_backward(module: torch.nn.Module) -> int:
 
 def _own_weight(layer: torch.nn.Module) -> bool:
     """Whether ``layer.weight`` is a parameter registered on the layer itself."""
-    return not parametrize.is_parametrized(layer) and "weight" in layer._parameters
+    own = dict(layer.named_parameters(recurse=False))
+    return not parametrize.is_parametrized(layer) and "weight" in own
 
 
 def measure_split_overhead(
