@@ -216,12 +216,18 @@ def _sharding() -> tuple[type, ...]:
 # parameters already reduced (all lost). The runtime's data parallelism is the caller's
 # all-reduce of the gradients over its data-parallel group after step() (README, "Data
 # parallelism"); a DDP stage may run inside no_sync(), which leaves the reduction to it too.
+# FSDP1 (FullyShardedDataParallel) is DDP's case or worse: unsharded (NO_SHARD) it reduces like
+# DDP (96% off), sharded it frees the gathered parameters at the first micro-batch's backward,
+# which the next one still needs. fully_shard (FSDP2) gathers again per backward and reduces
+# once at the end: it runs as it is.
 def reducing_too_early(
     stages: Mapping[int, torch.nn.Module], rank: int, placement: Placement, m: int
 ) -> str | None:
     """Why a training step over ``m`` micro-batches of these stages would reduce gradients
-    wrong (a stage in torch's DDP, outside ``no_sync()``, that runs more than one of them),
-    or None ([Note: data parallelism around the plain runtime])."""
+    wrong or fail (a stage that runs more than one of them in torch's DDP outside
+    ``no_sync()``, or in FSDP1), or None ([Note: data parallelism around the plain
+    runtime])."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     per_pipeline = Counter(split_microbatches(m, placement.num_pipelines))
@@ -235,6 +241,16 @@ def reducing_too_early(
                     "before their backwards, so its gradients would come out wrong. Drop the "
                     "wrapper and all-reduce the gradients over the data-parallel group after "
                     "step() (README, 'Data parallelism'), or step inside its no_sync()"
+                )
+            if isinstance(wrapper, FullyShardedDataParallel):
+                return (
+                    f"rank {rank}: stage {stage} runs in torch's FullyShardedDataParallel "
+                    f"(FSDP1), and the stage runs {runs} forwards before their backwards: "
+                    "unsharded it reduces one backward per forward (wrong gradients), sharded "
+                    "it frees the parameters the next backward needs. Shard the stage with "
+                    "fully_shard (FSDP2) instead, or drop the wrapper and all-reduce the "
+                    "gradients over the data-parallel group after step() (README, 'Data "
+                    "parallelism')"
                 )
     return None
 
@@ -252,6 +268,29 @@ def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], rank: int) -> No
             )
 
 
+def refuse_sharded_replicas(
+    stages: Mapping[int, torch.nn.Module], rank: int, placement: Placement
+) -> None:
+    """Refuse fully_shard (FSDP2) stages of a ``bi`` placement: their gradients are shards
+    (DTensors) that the replica sum cannot add, and whether the mirrored ranks hold the same
+    shard depends on how the data-parallel groups were made. ValueError naming the rank, the
+    stage and the fix."""
+    from torch.distributed import fsdp
+
+    fully_sharded = getattr(fsdp, "FSDPModule", None)
+    if placement.direction != "bi" or fully_sharded is None:
+        return
+    for stage, module in stages.items():
+        if any(isinstance(m, fully_sharded) for m in module.modules()):
+            raise ValueError(
+                f"rank {rank}: stage {stage} is sharded by fully_shard (FSDP2) and the "
+                f"placement is bi ({placement.ranks} ranks, R={placement.reuse}): the replica "
+                "sum cannot add sharded gradients. Run FSDP2 stages with a uni placement, or "
+                "all-reduce unwrapped stages' gradients after step() and "
+                "reduce_replica_grads() (README, 'Data parallelism')"
+            )
+
+
 def module_callbacks(
     stages: Mapping[int, torch.nn.Module],
     loss_fn: LossFn | None,
@@ -260,12 +299,13 @@ def module_callbacks(
     rank: int,
 ) -> ModuleCallbacks:
     """A runtime's callbacks for plain-PyTorch ``stages`` running ``plan``; under split
-    backward the stages' linear layers made split-capable (FSDP stages refused: [Note: data
-    parallelism around the plain runtime])."""
+    backward the stages' linear layers made split-capable (FSDP stages refused there, and
+    FSDP2 stages of bi placements: [Note: data parallelism around the plain runtime])."""
     if loss_fn is None:
         raise ValueError(f"rank {rank}: give loss_fn, or callbacks that compute")
     placement, m = plan.placement, plan.num_microbatches
     callbacks = ModuleCallbacks(stages, loss_fn, placement, m, device, rank)
+    refuse_sharded_replicas(stages, rank, placement)
     if plan.split_backward:
         refuse_sharded_split(stages, rank)
         for module in stages.values():
