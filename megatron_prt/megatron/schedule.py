@@ -47,6 +47,7 @@ from ..runtime.callbacks import StageCallbacks, run_backward
 from ..runtime.errors import PipelineError
 from ..runtime.executor import PipelineRuntime
 from ..runtime.split_plan import split_backward_plan
+from ..runtime.stages import tag_layer_split
 from ..runtime.trace import gather_spans, write_measured
 from .auto import AutoTuner
 from .chunk_data import chunk_data
@@ -389,6 +390,7 @@ class _Pipelines:
                 self.by_key.pop(next(iter(self.by_key))).close()
             plan = self._plan(shape[0], forward_only)
             device = device_of(model[0])
+            tag_layer_split(model, self.reuse.layers_per_stage())  # checked across ranks
             self.by_key[key] = MegatronPipeline(
                 plan,
                 model,

@@ -20,6 +20,7 @@ from .errors import (
     start_generation,
 )
 from .exchange import gather_ints
+from .stages import layer_split_of
 
 
 def check_same_plan(
@@ -50,8 +51,10 @@ def check_same_plan(
     settings = dict(settings or {})
     expected = sorted(placement.rank_stages[rank])
     given = None if stages is None else sorted(stages)
+    split = None if stages is None else layer_split_of(stages)
     values = [digest(plan.fingerprint()), int(given not in (None, expected)), *_plan_fields(plan)]
     values += [setting_code(v) for v in settings.values()]
+    values.append(0 if split is None else digest(repr(split)))
     rows = gather_ints(values, "the plan check at start-up", group, timeout_s, device)
     if given not in (None, expected):
         raise ValueError(f"rank {rank}: stages {given} given, the plan places {expected} here")
@@ -67,6 +70,24 @@ def check_same_plan(
     for name, column in columns.items():
         show = (lambda code: f"{code:016x} ({described[code]})") if name == "plan" else setting_text
         refuse_disagreement(rank, name, [row[column] for row in rows], show)
+    _refuse_other_splits(rank, split, [row[-1] for row in rows])
+
+
+def _refuse_other_splits(rank: int, split: tuple | None, codes: list[int]) -> None:
+    """Raise unless every rank whose stages record a layer split (0: none recorded) holds
+    this one ([Note: every rank builds the same layer split] in runtime/stages.py)."""
+    if split is None:
+        return
+    mine = digest(repr(split))
+    others = [r for r, code in enumerate(codes) if code not in (0, mine)]
+    if others:
+        raise PipelineError(
+            f"rank {rank}: ranks {others} built their stages with another layer split than "
+            f"this rank's ({','.join(map(str, split))} layers per model stage), so layers "
+            "would be left out or run twice; pass every rank the same num_layers and "
+            "stage_layers (a plan file's: load_plan(path).stage_layers; megatron: the same "
+            "--pipeline-reuse-plan / --pipeline-reuse-stage-layers)"
+        )
 
 
 _FIELDS = 5  # R, placement, direction, m, split backward: what a message names of a plan

@@ -8,10 +8,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_models import build_model, setup_megatron, transformer_config
+from megatron_models import MBS, SEQ, build_model, setup_megatron, transformer_config
 
 from megatron_prt.core import Placement
 from megatron_prt.megatron.config import ReuseConfig
+from megatron_prt.runtime.errors import PipelineError
 from megatron_prt.runtime.local import run_local
 
 
@@ -67,3 +68,41 @@ def test_chunks_built_as_another_model_are_refused(direction, how, said, kind):
         else:  # a rank with a wrong chunk says how; one whose chunks are right names them
             assert said in error or "refused their chunk" in error, error
     assert said is None or any(said in error for _, error in results)
+
+
+def _other_split(rank, world):
+    """Each rank's chunks are built right for its own flags, and the flags' layer splits
+    differ (two plan files): rank 1 ran layers rank 0 also ran, and the gradients came out
+    18% off without a word."""
+    from functools import partial
+
+    from megatron_models import batches, forward_step, model_chunks
+
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    split = (3, 3, 1, 1) if rank == 0 else (2, 2, 2, 2)
+    reuse = ReuseConfig(Placement(2, 2, "loop", "uni"), 8, split)
+    setup_megatron(2, reuse.placement.chunks_per_rank)
+    model = model_chunks("gpt", transformer_config(**transformer_config_kwargs(reuse)), reuse)
+    prepare_model(model, reuse)
+    forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    try:
+        forward_backward(
+            forward_step_func=partial(forward_step, "gpt", False),
+            data_iterator=[iter(batches(2)) for _ in model],
+            model=model,
+            num_microbatches=2,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
+    except PipelineError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_other_layer_splits_are_refused():
+    results = run_local(2, _other_split, deadline_s=120)
+    for rank, (status, said) in enumerate(results):
+        assert status == "ok" and said is not None, (rank, said)
+        assert f"ranks [{1 - rank}] built their stages with another layer split" in said

@@ -36,6 +36,15 @@ def _stages_of(rank_for_stages):
     return body
 
 
+def _other_split(rank, world):
+    """Rank 1 builds its stages with another layer split (as from another plan file): each
+    rank's stages are right by themselves, and the model lacked layer 3 without a word."""
+    plan = build_plan(Placement(world, 2), 4)
+    split = (3, 3, 3, 3) if rank == 0 else (4, 2, 3, 3)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 12, split)
+    PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
+
+
 def _extra_stage(rank, world):
     plan = build_plan(Placement(world, 2), 4)
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
@@ -245,6 +254,11 @@ ERROR_CASES = {
             ],
             "r0": ["rank 1"],
         },
+    ),
+    "layer-split-disagrees": (
+        _other_split,
+        ["built their stages with another layer split than this rank's", "same num_layers"],
+        {"r0": ["ranks [1]", "(3,3,3,3 layers"], "r1": ["ranks [0]", "(4,2,3,3 layers"]},
     ),
     "dtype-disagrees": (
         _per_rank(dtype=(torch.float64, torch.float32)),
