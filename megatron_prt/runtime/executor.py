@@ -138,6 +138,12 @@ class PipelineRuntime:
         if split_backward:
             plan = split_backward_plan(plan)
         self.plan = plan.compute_only()
+        if not self.plan.has_backward:  # step() would train with zero gradients
+            raise ValueError(
+                f"rank {self.rank}: the plan has no backward (no B, nor I and W); give the "
+                "training plan (build_plan, load_plan): step(forward_only=True) runs its "
+                "forwards alone"
+            )
         settings = {
             "dtype": dtype,
             "variable_shapes": variable_shapes,

@@ -101,8 +101,13 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     try:
         plan = Plan.from_dict(data).compute_only()
         validate(plan)
-    except (KeyError, TypeError, ValueError, ConfigError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as exc:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
+    if not plan.has_backward:  # it validates (evaluation runs such plans) but trains nothing
+        raise ConfigError(
+            f"{where}: the plan has no backward (no B, nor I and W): it would train with zero "
+            f"gradients; {_FIX}"
+        )
     tuned = data.get("tuned")
     if tuned is not None and not isinstance(tuned, dict):
         raise ConfigError(

@@ -45,6 +45,13 @@ def _other_split(rank, world):
     PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
 
 
+def _forward_only_plan(rank, world):
+    """A plan of forwards alone trained with zero gradients and the right losses."""
+    plan = build_plan(Placement(world, 2), 4).forward_only()
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S).step(*batch("mlp", 4))
+
+
 def _extra_stage(rank, world):
     plan = build_plan(Placement(world, 2), 4)
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
@@ -260,6 +267,7 @@ ERROR_CASES = {
         ["built their stages with another layer split than this rank's", "same num_layers"],
         {"r0": ["ranks [1]", "(3,3,3,3 layers"], "r1": ["ranks [0]", "(4,2,3,3 layers"]},
     ),
+    "plan-without-backward": (_forward_only_plan, ["the plan has no backward"], {}),
     "dtype-disagrees": (
         _per_rank(dtype=(torch.float64, torch.float32)),
         [

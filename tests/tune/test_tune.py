@@ -248,6 +248,27 @@ def test_a_split_of_no_layer_is_refused(tmp_path, tuned):
     _refused_when_edited(tmp_path, tuned, edit, r"split no layer at all")
 
 
+def test_a_plan_without_backward_is_refused(tmp_path, tuned):
+    """Every B (or I and W) dropped: the plan validated, simulated at a third of its time,
+    and trained with zero gradients and the right losses, in both runtimes."""
+
+    def edit(data):
+        for rank, actions in data["ranks"].items():
+            data["ranks"][rank] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
+
+    _refused_when_edited(tmp_path, tuned, edit, r"the plan has no backward")
+
+
+def test_an_action_that_is_no_text_is_refused(tmp_path, tuned):
+    """A number for an action ended in a bare AttributeError traceback."""
+
+    def edit(data):
+        first = next(iter(data["ranks"]))
+        data["ranks"][first][0] = 5
+
+    _refused_when_edited(tmp_path, tuned, edit, r"not a valid plan")
+
+
 def test_config_stage_layers_must_agree(tmp_path, tuned):
     def edit(data):
         data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
