@@ -133,6 +133,7 @@ class ModuleCallbacks(StageCallbacks):
         self.device = device
         self.inputs: Sequence[torch.Tensor] | None = None
         self.targets: Sequence[torch.Tensor] | None = None
+        self.training = True  # the step's: begin() sets it
 
     def begin(self, inputs, targets, forward_only) -> None:
         """Refuses (naming the argument, the rank and the fix) a batch this rank cannot read:
@@ -150,27 +151,37 @@ class ModuleCallbacks(StageCallbacks):
             post_failure(problem, root=True)
             raise ValueError(problem)
         self.inputs, self.targets = inputs, targets
+        self.training = not forward_only
 
     def forward(self, stage, mb, x):
         if x is None:
             x = self.inputs[mb].to(self.device)
         out = self.stages[stage](x)
         if self.placement.is_last(stage):
-            out = self.loss_fn(out, self.targets[mb].to(self.device))
-            _check_loss(out, stage, mb)
+            loss = self.loss_fn(out, self.targets[mb].to(self.device))
+            _check_loss(loss, stage, mb, self.training and out.requires_grad)
+            return loss
         return out
 
     def loss_grad(self, stage, mb, loss):
         return torch.full_like(loss, 1.0 / self.num_microbatches)
 
 
-def _check_loss(loss, stage: int, mb: int) -> None:
-    """A loss the backward can seed with ``1/m``: one number. A loss of another shape would
-    be seeded element by element, giving the gradients of its sum without a word."""
+def _check_loss(loss, stage: int, mb: int, needs_graph: bool = False) -> None:
+    """A loss the backward can seed with ``1/m``: one number, and with ``needs_graph`` (a
+    training step whose stage output requires grad) one that does. A loss of another shape
+    would be seeded element by element, giving the gradients of its sum without a word; a
+    loss without a graph (computed under ``no_grad``, detached) left every gradient zero."""
     if not isinstance(loss, torch.Tensor):
         got = f"a {type(loss).__name__}"
     elif loss.numel() != 1:
         got = f"a tensor of shape {tuple(loss.shape)}"
+    elif needs_graph and not loss.requires_grad:
+        raise ValueError(
+            f"loss_fn returned a loss that does not require grad for micro-batch {mb} at "
+            f"stage {stage} (computed under torch.no_grad() or detached?): the backward "
+            "would leave every gradient zero; return the loss with its graph"
+        )
     else:
         return
     raise ValueError(

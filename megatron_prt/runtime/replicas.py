@@ -223,16 +223,10 @@ def reduce_replica_grads(
     """Both replicas of every model stage end with the sum of their gradients, read from and
     written to each parameter's ``grad_attr`` (``main_grad`` under megatron-core's DDP);
     ``timeout_s`` bounds the wait for the peers on gloo (None, and NCCL: the process group's
-    own timeout)."""
-
-    def params(stage):
-        return [p for p in stages[stage].parameters() if p.requires_grad]
-
-    def grads(stage):
-        for p in params(stage):
-            if getattr(p, grad_attr, None) is None:
-                setattr(p, grad_attr, torch.zeros_like(p))
-        return [getattr(p, grad_attr) for p in params(stage)]
+    own timeout). It sums what it finds: once per accumulation, after its last step (called
+    after every step, earlier sums count again); :meth:`PipelineRuntime.reduce_replica_grads`
+    may also be called after every step ([Note: replica sums accumulate])."""
+    grads = _replica_grads(placement, stages, grad_attr)
 
     def apply(stage, received, own):
         _unflat(own + received, grads(stage))
@@ -248,6 +242,30 @@ def reduce_replica_grads(
             both_ways=True,
             timeout_s=timeout_s,
         )
+
+
+def _replica_grads(placement: Placement, stages: Mapping[int, torch.nn.Module], grad_attr: str):
+    """``grads(stage)``: the ``grad_attr`` of the stage's parameters that need one (zeros
+    where none yet), each parameter in one stage only. A parameter two stages of this rank
+    share (a tied weight: wave puts the first and the last stage on rank 0) holds both
+    stages' gradients already; it goes with the first replica pair that holds it, so the
+    sum adds it once (summed per pair, it came out twice). The peer holds the mirror image
+    of the tie and leaves out the same parameter."""
+    seen: set[int] = set()
+    params: dict[int, list] = {}
+    for pair in placement.replica_pairs():
+        for stage in (s for s in pair if s in stages):
+            own = [p for p in stages[stage].parameters() if p.requires_grad]
+            params[stage] = [p for p in own if id(p) not in seen]
+            seen.update(map(id, own))
+
+    def grads(stage):
+        for p in params[stage]:
+            if getattr(p, grad_attr, None) is None:
+                setattr(p, grad_attr, torch.zeros_like(p))
+        return [getattr(p, grad_attr) for p in params[stage]]
+
+    return grads
 
 
 def replica_peers(placement: Placement, rank: int) -> set[int]:
@@ -274,13 +292,7 @@ def reduce_replica_grads_shm(
     receive, so neither ring can fill while its reader waits. ``rank``: this process's
     pipeline rank."""
 
-    def grads(stage):
-        params = [p for p in stages[stage].parameters() if p.requires_grad]
-        for p in params:
-            if getattr(p, grad_attr, None) is None:
-                setattr(p, grad_attr, torch.zeros_like(p))
-        return [getattr(p, grad_attr) for p in params]
-
+    grads = _replica_grads(placement, stages, grad_attr)
     with collective("reduce_replica_grads", None):
         for a, b in placement.replica_pairs():
             _reduce_pair_shm(placement, transport, rank, a, b, grads)

@@ -133,6 +133,15 @@ def _loss_per_element(rank, world):
     return rt.step(*batch("mlp", 4))
 
 
+def _loss_without_graph(rank, world):
+    """A loss computed from a detached output trained with every gradient zero."""
+    plan = build_plan(Placement(world, 2), 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    detached = lambda out, y: loss_fn(out.detach(), y)  # noqa: E731
+    rt = PipelineRuntime(plan, stages, detached, dtype=torch.float64, timeout_s=WAIT_S)
+    return rt.step(*batch("mlp", 4))
+
+
 def _per_rank(**by_rank):
     """Runtime keyword arguments that differ by rank: ``name=(rank 0's, rank 1's)``."""
 
@@ -268,6 +277,11 @@ ERROR_CASES = {
         {"r0": ["ranks [1]", "(3,3,3,3 layers"], "r1": ["ranks [0]", "(4,2,3,3 layers"]},
     ),
     "plan-without-backward": (_forward_only_plan, ["the plan has no backward"], {}),
+    "loss-without-graph": (
+        _loss_without_graph,
+        [],
+        {"r1": ["loss that does not require grad for micro-batch 0 at stage 3"], "r0": ["rank 1"]},
+    ),
     "dtype-disagrees": (
         _per_rank(dtype=(torch.float64, torch.float32)),
         [
