@@ -148,6 +148,7 @@ class Plan:
         m, given = data["num_microbatches"], cfg.get("microbatches")
         if given is not None and given != m:
             raise ValueError(f"config.microbatches {given!r} disagrees with num_microbatches {m!r}")
+        _check_action_count(m, placement.depth, data["ranks"])
         ranks = tuple(
             tuple(parse(a) for a in data["ranks"][str(r)]) for r in range(placement.ranks)
         )
@@ -188,6 +189,20 @@ class Plan:
     def fingerprint(self) -> str:
         """Stable hash of everything a rank must agree on (used to detect mismatched ranks)."""
         return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+
+
+def _check_action_count(m: object, depth: int, ranks: dict) -> None:
+    """``m`` a whole number of micro-batches that the file's actions can hold: each runs a
+    forward and a backward at every stage of its pipeline (checked before anything sized by
+    ``m`` is made: a file of a few lines asking for 10**9 micro-batches ran out of memory)."""
+    if type(m) is not int or m < 1:
+        raise ValueError(f"num_microbatches must be a whole number >= 1, got {m!r}")
+    actions = sum(len(acts) for acts in ranks.values()) if isinstance(ranks, dict) else 0
+    if actions < 2 * m * depth:
+        raise ValueError(
+            f"num_microbatches {m} needs at least {2 * m * depth} actions ({depth} stages, a "
+            f"forward and a backward each), the file holds {actions}"
+        )
 
 
 def vouch(plan: Plan) -> Plan:

@@ -101,10 +101,21 @@ def load_checkpoint_state(
     skipped = optional if optimizer is not None else (*optional, "optimizer.")
     _refuse_other_model(directory, {k for k in missing if not k.startswith(skipped)}, unexpected)
     for c, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(state[f"chunk{c}"])
+        if f"chunk{c}" in state or _holds_tensors(request[f"chunk{c}"]):
+            unwrap(chunk).load_state_dict(state[f"chunk{c}"])
+        # else a stage of no layer, embedding or head: nothing asked, nothing returned
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return state
+
+
+def _holds_tensors(sharded: dict) -> bool:
+    """Whether a chunk's sharded state dict asks for any tensor (megatron's load returns
+    only the keys it loaded)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return any(isinstance(value, ShardedBase) for value in nested_values(sharded))
 
 
 def _refuse_other_model(directory: str, extra_keys: set, lacking_keys: set) -> None:

@@ -101,7 +101,9 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
     try:
         plan = Plan.from_dict(data).compute_only()
         validate(plan)
-    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as exc:
+    except KeyError as exc:
+        raise ConfigError(f"{where}: not a valid plan (no {exc} in the file); {_FIX}") from exc
+    except (TypeError, ValueError, AttributeError, ConfigError) as exc:
         raise ConfigError(f"{where}: not a valid plan ({exc})") from exc
     if not plan.has_backward:  # it validates (evaluation runs such plans) but trains nothing
         raise ConfigError(

@@ -81,3 +81,27 @@ def test_resumed_under_another_layout_continues_the_run(checkpoint, tp, placemen
     resumed, _ = _train("gpt", tp, placement, dp, (2, 4), load=checkpoint)
     tol = SAME_TP if tp == SAVED[0] else OTHER_TP
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[2:]), **tol)
+
+
+def test_a_layout_with_an_empty_middle_stage_resumes(tmp_path):
+    """A stage of no layer, embedding or head asks the checkpoint for nothing, and megatron's
+    load returns only the keys it loaded: the resume failed with KeyError 'chunk1', called
+    the checkpoint damaged and told the user to start again, even under the same layout."""
+    placement = Placement(2, 2, "wave", "uni")  # stage 2: rank 1's second chunk, empty
+    reuse = ReuseConfig(placement, LAYERS, (2, 1, 0, 3))
+    saved = str(tmp_path / "step1")
+
+    def run(steps, load=None, save=None):
+        ckpt = {"steps": steps, "load": load, "save": save}
+        results = all_ok(
+            run_local(
+                2, parallel_train, "gpt", 1, G, reuse, None, None, False, torch.float64, ckpt,
+                deadline_s=300,
+            )
+        )  # fmt: skip
+        return next(r["losses"] for r in results if r["losses"] and r["losses"][0])
+
+    whole = run((0, 2))
+    run((0, 1), save=saved)
+    resumed = run((1, 2), load=saved)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[1:]), **SAME_TP)

@@ -256,7 +256,7 @@ def test_a_plan_without_backward_is_refused(tmp_path, tuned):
         for rank, actions in data["ranks"].items():
             data["ranks"][rank] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
 
-    _refused_when_edited(tmp_path, tuned, edit, r"the plan has no backward")
+    _refused_when_edited(tmp_path, tuned, edit, r"a forward and a backward|has no backward")
 
 
 def test_an_action_that_is_no_text_is_refused(tmp_path, tuned):
@@ -267,6 +267,19 @@ def test_an_action_that_is_no_text_is_refused(tmp_path, tuned):
         data["ranks"][first][0] = 5
 
     _refused_when_edited(tmp_path, tuned, edit, r"not a valid plan")
+
+
+@pytest.mark.parametrize("m", [10**9, 4.0, "4", True])
+def test_a_micro_batch_count_the_actions_cannot_hold_is_refused(tmp_path, tuned, m):
+    """m = 10**9 with no mb_pipeline made tables of m entries before any check (out of
+    memory from a file of a few lines); a float or text m failed with a message naming no
+    field."""
+
+    def edit(data):
+        data["num_microbatches"] = data["config"]["microbatches"] = m
+        data["mb_pipeline"] = []
+
+    _refused_when_edited(tmp_path, tuned, edit, r"num_microbatches")
 
 
 def test_config_stage_layers_must_agree(tmp_path, tuned):
