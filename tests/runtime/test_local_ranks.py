@@ -1,6 +1,6 @@
-"""run_local's forked ranks start without the parent's garbage: collected in a child, in the
+"""run_local's forked ranks start without the parent's garbage (collected in a child, in the
 middle of its timed steps, it stalled `megatron-prt profile --recompute-granularity
-selective`'s comm timing until the deadline."""
+selective`'s comm timing until the deadline), and leave no process of theirs behind."""
 
 from __future__ import annotations
 
@@ -43,3 +43,31 @@ def test_a_killed_rank_is_named_as_killed():
     """A rank killed at the deadline read "rank 0: None"."""
     with pytest.raises(RuntimeError, match=r"^rank 0: killed: it did not finish by the deadline$"):
         all_ok([("killed", None), ("ok", 1)])
+
+
+def _start_a_child(rank, world):
+    """A rank that starts a process of its own, as megatron's checkpoint writer does on each
+    rank that saves (a rank is daemonic, which multiprocessing checks at start only)."""
+    import multiprocessing
+    import time
+
+    multiprocessing.current_process().daemon = False
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))
+    child.start()
+    return child.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_rank_leaves_no_process_behind():
+    """A rank exits by os._exit, which skips multiprocessing's finalizers: every save of a
+    megatron checkpoint in a test left its writer's Manager server (some 270 MB) running."""
+    pids = all_ok(run_local(2, _start_a_child, deadline_s=120))
+    assert not [pid for pid in pids if _alive(pid)], pids
