@@ -149,6 +149,7 @@ class Plan:
         if given is not None and given != m:
             raise ValueError(f"config.microbatches {given!r} disagrees with num_microbatches {m!r}")
         _check_action_count(m, placement.depth, data["ranks"])
+        split_microbatches(m, placement.num_pipelines)  # its refusals hold for a given split
         ranks = tuple(
             tuple(parse(a) for a in data["ranks"][str(r)]) for r in range(placement.ranks)
         )

@@ -266,3 +266,18 @@ def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> No
         else f"pass the same {name}= on every rank"
     )
     raise PipelineError(f"rank {rank}: ranks disagree on the {name} ({what}); {fix}")
+
+
+# what a stage's error says -> why, and the fix, appended to it
+KNOWN_FIXES = {
+    "a leaf Variable that requires grad is being used in an in-place operation": (
+        "the stage changes its input in place (e.g. ReLU(inplace=True) first); a stage gets "
+        "its input as a leaf tensor that requires grad, so make that operation out of place"
+    ),
+}
+
+
+def with_fix(text: str) -> str:
+    """``text``, an error a stage raised, with the fix of :data:`KNOWN_FIXES` it matches."""
+    fixes = [fix for said, fix in KNOWN_FIXES.items() if said in text]
+    return ": ".join([text, *fixes])

@@ -46,12 +46,7 @@ from ..core.lower import comm_key, lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
 from .callbacks import LossFn, StageCallbacks, module_callbacks
-from .errors import (
-    PipelineError,
-    is_wait_failure,
-    pipeline_error,
-    root_cause,
-)
+from .errors import PipelineError, is_wait_failure, pipeline_error, root_cause, with_fix
 from .memory import ActivationMeter
 from .messages import not_sendable
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
@@ -578,7 +573,7 @@ def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
             f"give {plan.num_microbatches} per call (megatron: each chunk's data_iterator)"
         )
     if not is_wait_failure(exc):
-        return text
+        return with_fix(text)
     cause = root_cause(None, name_silent=False)
     if cause:
         return f"{cause}\n  this rank saw: {text}"

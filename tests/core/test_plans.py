@@ -127,3 +127,18 @@ def test_prt_plans_ranks_whose_stages_take_no_time(placement, direction):
     plan = prt(place, 4, times)
     validate(lower(plan), full=True)
     assert replay(plan, times).makespan <= replay(prt(place, 4), times).makespan
+
+
+def test_a_plan_file_of_bi_at_one_micro_batch_is_refused():
+    """bi at m = 1 with the file's own mb_pipeline loaded and simulated (the runtime refused
+    it only at step()); it is now refused as build_plan refuses it."""
+    data = build_plan(Placement(2, 1, "loop", "bi"), 2).to_dict()
+    data["num_microbatches"] = data["config"]["microbatches"] = 1
+    data["mb_pipeline"] = [0]
+    # pipeline 0's actions of micro-batch 0, twice: as many as the count check asks for
+    data["ranks"] = {
+        r: [a for a in acts if a.endswith("F0") or a.endswith("B0")] * 2
+        for r, acts in data["ranks"].items()
+    }
+    with pytest.raises(ConfigError, match="direction bi needs >= 2 micro-batches"):
+        Plan.from_dict(data)

@@ -142,6 +142,18 @@ def _loss_without_graph(rank, world):
     return rt.step(*batch("mlp", 4))
 
 
+def _in_place_on_input(rank, world):
+    """Layers starting with ReLU(inplace=True): torch's leaf-variable error named no cause."""
+
+    def make(i):
+        return torch.nn.Sequential(torch.nn.ReLU(inplace=True), make_layer("mlp", i))
+
+    plan = build_plan(Placement(world, 2), 4)
+    stages = build_stages(plan.placement, rank, make, 8)
+    rt = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, timeout_s=WAIT_S)
+    return rt.step(*batch("mlp", 4))
+
+
 def _per_rank(**by_rank):
     """Runtime keyword arguments that differ by rank: ``name=(rank 0's, rank 1's)``."""
 
@@ -281,6 +293,11 @@ ERROR_CASES = {
         _loss_without_graph,
         [],
         {"r1": ["loss that does not require grad for micro-batch 0 at stage 3"], "r0": ["rank 1"]},
+    ),
+    "in-place-on-input": (
+        _in_place_on_input,
+        ["ReLU(inplace=True) first", "make that operation out of place"],
+        {},
     ),
     "dtype-disagrees": (
         _per_rank(dtype=(torch.float64, torch.float32)),
