@@ -16,9 +16,15 @@ from parity_models import HIDDEN, loss_fn, make_layer
 from test_runtime_parity import TOL, _rel
 
 from megatron_prt.core import Placement, build_plan
-from megatron_prt.runtime import PipelineRuntime, build_stages, layer_ranges, sync_replicas
+from megatron_prt.runtime import (
+    PipelineRuntime,
+    build_stages,
+    data_parallel_groups,
+    layer_ranges,
+    sync_replicas,
+)
 from megatron_prt.runtime.errors import PipelineError
-from megatron_prt.runtime.local import run_local
+from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.runtime.replicas import reduce_replica_grads
 
 LAYERS, P, DP, M = 8, 2, 2, 4
@@ -50,14 +56,8 @@ def _reference(steps: int, m: int = M) -> list[list[torch.Tensor]]:
 
 
 def _groups() -> tuple:
-    """Pipelines [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3] (every rank makes
-    every group, as new_group needs)."""
-    rank, mine = dist.get_rank(), []
-    for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine.append(group)
-    return tuple(mine)
+    """Pipelines [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3]."""
+    return data_parallel_groups(P)
 
 
 def _worker(rank, world, where, direction, split, steps, ddp, m=M):
@@ -252,3 +252,16 @@ def test_replica_helpers_refuse_a_group_of_several_pipelines(helper):
         assert "group of 4 ranks" in said and "pass group=" in said
     uni = run_local(4, _replicas_over_every_rank, helper, "uni", deadline_s=120)
     assert uni == [("ok", None)] * 4  # nothing to exchange: the README's call stays harmless
+
+
+def _groups_of(rank, world, pipeline_ranks):
+    try:
+        data_parallel_groups(pipeline_ranks)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_world_that_makes_no_whole_pipelines_is_refused():
+    results = all_ok(run_local(4, _groups_of, 3, deadline_s=60))
+    assert all("4 ranks do not make pipelines of 3 ranks" in said for said in results), results
