@@ -99,13 +99,27 @@ def _results(args: argparse.Namespace, cost: CostModel) -> list[tuple[str, SimRe
     return results + filled_rows(peers, cost, args.costs)
 
 
+def _model_costs(cost: CostModel) -> tuple[float, float, float, str]:
+    """The whole model's forward and backward time per micro-batch, the activation unit
+    (bytes) and its words: one micro-batch through the whole model, from a per-layer cost
+    file's own sums (its ``fwd_time``, ``bwd_time`` and ``activation_bytes`` are unused
+    defaults) or from the flags; MiB where the file keeps no activation bytes."""
+    what = "in units of one micro-batch through the whole model"
+    if not cost.layers:
+        return cost.fwd_time, cost.bwd_time, cost.activation_bytes, what
+    parts = [p for p in (*cost.layers, cost.embedding, cost.head) if p is not None]
+    fwd, bwd = sum(p.fwd for p in parts), sum(p.bwd for p in parts)
+    held = sum(p.act for p in parts)
+    return (fwd, bwd, held, what) if held > 0 else (fwd, bwd, 2**20, "in MiB")
+
+
 def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> None:
     base = results[0][1].makespan
     sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
+    fwd, bwd, unit, what = _model_costs(cost)
     print(
-        f"P={args.pp} m={args.microbatches} fwd={cost.fwd_time:g} bwd={cost.bwd_time:g} "
-        f"hop={cost.hop_time:g}   (activation memory in units of one micro-batch through the"
-        " whole model)"
+        f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={cost.hop_time:g}   "
+        f"(activation memory {what})"
     )
     header = (
         f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
@@ -118,7 +132,7 @@ def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> No
         if res is None:
             print(f"{label:<22} {'n/a':>9}  ({why.split(';')[0]})")
             continue
-        peaks = [r.peak_activation_bytes / cost.activation_bytes for r in res.per_rank]
+        peaks = [r.peak_activation_bytes / unit for r in res.per_rank]
         ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
         bi = res.plan.placement.direction == "bi"
         print(

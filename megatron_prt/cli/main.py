@@ -299,20 +299,21 @@ def _schedule(args) -> str:
 
 
 def build(args, cost: CostModel, placement: Placement, schedule: str) -> Plan:
-    """:func:`build_plan`, except that split-backward plans are sized with the cost model:
-    its stage activation bytes and W's share of them (``stage_wgrad_keep``) for the
-    memory cap, its ``wgrad_fraction`` for the W times."""
-    if schedule not in SPLIT_SCHEDULES:
-        return build_plan(
-            placement, args.microbatches, schedule, planning_times(args, cost, placement)
-        )
+    """:func:`build_plan`, the plan the runtime and megatron run, unless ``--plan-from-costs``
+    or ``--mem-cap`` ask for another: then split-backward plans are sized with the cost
+    model (its stage activation bytes and W's share of them, ``stage_wgrad_keep``, for the
+    memory cap; its times, or equal stages with its ``wgrad_fraction``, for the order)."""
+    times = planning_times(args, cost, placement)
+    explicit_cap = getattr(args, "mem_cap", None)
+    if schedule not in SPLIT_SCHEDULES or (times is None and explicit_cap is None):
+        return build_plan(placement, args.microbatches, schedule, times)
     # [Note: the split form's own costs] in sim/layer_cost.py
     times = planning_times(args, cost.split_form(), placement)
-    if times is None:  # equal stages, as the runtime's plan, with the costs' W share
+    if times is None:  # equal stages with the costs' W share, under the cap asked for
         times = StageTimes.uniform(placement.depth)
         if cost.wgrad_fraction is not None:
             times = times.with_wgrad_fraction(cost.wgrad_fraction)
-    cap = getattr(args, "mem_cap", None) or ("zb-h2" if schedule == "zb-h2" else "1f1b")
+    cap = explicit_cap or ("zb-h2" if schedule == "zb-h2" else "1f1b")
     return zero_bubble(
         placement,
         args.microbatches,

@@ -393,3 +393,39 @@ def test_png_without_matplotlib_is_one_line(run_cli, tmp_path, monkeypatch):
     code, _, err = run_cli("plan", "--pp", 2, "--reuse", 2, "-m", 4, "--format", "png", "-o", out)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "pip install 'megatron-prt[plot]', or use --format chrome" in err
+
+
+@pytest.mark.parametrize("placement", ["loop", "wave"])
+def test_split_backward_simulates_the_plan_the_runtime_runs(run_cli, tmp_path, placement):
+    """A cost file whose stages keep unequal bytes (a head) sized the CLI's zero-bubble plan
+    with them, while the runtime and megatron run build_plan's: simulate priced another
+    plan (wave: 60 for the runtime's 50, peaks 2048/2048 B for 3072/3584)."""
+    from megatron_prt.core import Placement, build_plan
+    from megatron_prt.sim.cost import CostModel
+
+    layer = {"fwd": 1, "bwd": 2, "act": 256, "wact": 512, "param": 0}
+    costs = {"layers": [layer] * 8, "head": {"fwd": 0, "bwd": 0, "act": 512, "wact": 0}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({**costs, "message_bytes": 256}))
+    flags = ["--pp", 2, "--reuse", 2, "--placement", placement, "-m", 4, "--split-backward"]
+    code, out, err = run_cli("simulate", *flags, "--costs", path, "--json")
+    assert code == 0, err
+    runs = simulate(build_plan(Placement(2, 2, placement), 4, "zb"), CostModel.load(str(path)))
+    said = json.loads(out)
+    assert said["makespan"] == pytest.approx(runs.makespan)
+    peaks = [rank["peak_activation_bytes"] for rank in said["per_rank"]]
+    assert peaks == [rank.peak_activation_bytes for rank in runs.per_rank]
+
+
+def test_compare_with_per_layer_costs_says_the_files_totals(run_cli, tmp_path):
+    """With a per-layer cost file the header printed the flags' defaults (fwd=1 bwd=2) and the
+    peaks were raw bytes under a header that said units of one micro-batch (2048.000 for
+    0.8 of a micro-batch)."""
+    layer = {"fwd": 1, "bwd": 2, "act": 256, "param": 0}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"layers": [layer] * 8, "head": {"fwd": 0, "bwd": 0, "act": 512}}))
+    code, out, err = run_cli("compare", "--pp", 2, "-m", 4, "--reuse", 2, "--costs", path)
+    assert code == 0, err
+    assert out.startswith("P=2 m=4 fwd=8 bwd=16 ")
+    one_f_one_b = next(line for line in out.splitlines() if line.startswith("1F1B"))
+    assert one_f_one_b.split()[4:] == ["0.800", "1.33", "0.80", "0.60"]  # of 2,560 B
