@@ -200,6 +200,18 @@ class CostModel:
                 "selective_act / selective_bwd (selective has no derivation); profile with "
                 "`megatron-prt profile ... --recompute-granularity selective`"
             )
+        unsized = [
+            i
+            for i, layer in enumerate(self.layers)
+            if granularity == "full" and layer.full_act is None and layer.act > 0
+        ]
+        if unsized and self.message_bytes <= 0:  # a recomputed layer would keep 0 bytes
+            raise ConfigError(
+                f"--recompute-granularity full: layers{unsized[:3]} have no full_act and the "
+                "cost file no message_bytes, so a recomputed block's kept input has no size; "
+                "give message_bytes (the hidden state a stage sends per micro-batch) or "
+                "profile with `megatron-prt profile ... --recompute-granularity full`"
+            )
 
     def with_recompute(
         self, granularity: str | None, method: str | None = None, num_layers: int | None = None

@@ -68,6 +68,16 @@ def test_measured_recompute_numbers_win_and_ends_are_never_recomputed():
     assert full.stage_times(ONE_F_ONE_B).bwd == (2 * 3.5, 2 * 3.5 + 1.0)
 
 
+def test_full_recompute_needs_the_size_of_what_it_keeps():
+    """No full_act and no message_bytes priced every recomputed layer at 0 bytes, so any
+    budget fitted; the kept input's size is asked for, and either key gives it."""
+    with pytest.raises(ConfigError, match=r"give message_bytes .* --recompute-granularity full"):
+        CostModel(layers=(LAYER,) * 4).with_recompute("full", "uniform", 1)
+    sized = LayerCost(fwd=1.0, bwd=2.0, act=ACT, full_act=INPUT)
+    cost = CostModel(layers=(sized,) * 4).with_recompute("full", "uniform", 1)
+    assert cost.stage_activation_bytes(ONE_F_ONE_B) == (2 * INPUT, 2 * INPUT)
+
+
 def test_selective_needs_measured_numbers():
     with pytest.raises(ConfigError, match=r"profile .*--recompute-granularity selective"):
         _cost().with_recompute("selective")
