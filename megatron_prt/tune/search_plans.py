@@ -27,7 +27,10 @@ Memory is the simulator's per-rank peak activation bytes plus the rank's paramet
 candidate fits when its largest per-rank peak is at most the budget.
 
 Ranking (deterministic, documented tie-break): :attr:`Candidate.key` = (predicted iteration
-time, largest per-rank peak, p2p messages, enumeration order). The enumeration order is
+time, largest per-rank peak, p2p messages, enumeration order), times within
+:data:`TIME_TIE` of each other counted equal (:func:`ranked`: each plan is replayed in ticks
+of its own stage times, which moves its makespan by some 1e-5 relative, and that noise had
+decided between plans of equal time before memory could). The enumeration order is
 schedule family (1f1b, interleaved, prt, then split backward), R ascending, loop before wave,
 uni before bi, uniform before balanced, seeds last in the order given. Same inputs give the
 same winner.
@@ -236,7 +239,7 @@ def tune(
             skipped.append((family.label, scored))
         else:
             found += scored
-    ranked = tuple(sorted(found, key=lambda c: c.key))
+    ranked = rank(found)
     fits = [c for c in ranked if c.fits(budget_bytes)]
     if not fits:
         raise _nothing_fits(ranked, budget_bytes, skipped)
@@ -277,9 +280,27 @@ def add_seeds(result: TuneResult, price: Pricing, seeds: Sequence[Seed]) -> Tune
     """``result`` with ``seeds`` scored under ``price`` and ranked among its candidates
     (the same as passing them to :func:`tune`, without searching again)."""
     first = 1 + max((c.family.order for c in result.ranked), default=-1)
-    ranked = tuple(sorted((*result.ranked, *seed_candidates(price, seeds, first)), key=_key))
+    ranked = rank((*result.ranked, *seed_candidates(price, seeds, first)))
     fits = [c for c in ranked if c.fits(result.budget_bytes)]
     return replace(result, ranked=ranked, winner=fits[0] if fits else result.winner)
+
+
+TIME_TIE = 1e-4  # relative: predicted times this close rank as equal
+
+
+def rank(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """``candidates`` best first by :attr:`Candidate.key`, with predicted times within
+    :data:`TIME_TIE` (relative) of the fastest of a run of them ranked as one time."""
+    by_time = sorted(candidates, key=_key)
+    out: list[Candidate] = []
+    start = 0
+    while start < len(by_time):
+        limit, end = by_time[start].makespan * (1 + TIME_TIE), start + 1
+        while end < len(by_time) and by_time[end].makespan <= limit:
+            end += 1
+        out += sorted(by_time[start:end], key=lambda c: c.key[1:])
+        start = end
+    return tuple(out)
 
 
 def _key(candidate: Candidate) -> tuple:
@@ -462,7 +483,7 @@ def tune_layout(
             validate(plan)
             result = simulate(plan, cost)
             found.append(Candidate(family, "given", planned_for, counts, plan, result))
-    ranked = tuple(sorted(found, key=_key))
+    ranked = rank(found)
     fits = [c for c in ranked if c.fits(budget_bytes)]
     if not fits:
         raise _nothing_fits(ranked, budget_bytes, skipped)

@@ -25,6 +25,7 @@ from megatron_prt.tune.search_plans import (
     families,
     max_reuse,
     plan_for,
+    rank,
     tune,
 )
 
@@ -78,7 +79,7 @@ def test_every_candidate_is_what_the_simulator_says(cost, tuned):
 
 def test_winner_is_the_fastest_and_beats_the_baselines(cost, tuned):
     assert tuned.winner is tuned.ranked[0]
-    assert [c.key for c in tuned.ranked] == sorted(c.key for c in tuned.ranked)
+    assert tuned.ranked == rank(tuned.ranked)  # by key, times within TIME_TIE as one
     # the baselines, built here from outside the tuner, are no faster
     for placement, schedule in ((Placement(P, 1), "1f1b"), (Placement(P, 2), "prt")):
         plan = build_plan(placement, M, schedule)
@@ -253,8 +254,8 @@ def test_a_plan_without_backward_is_refused(tmp_path, tuned):
     and trained with zero gradients and the right losses, in both runtimes."""
 
     def edit(data):
-        for rank, actions in data["ranks"].items():
-            data["ranks"][rank] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
+        for which, actions in data["ranks"].items():
+            data["ranks"][which] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
 
     _refused_when_edited(tmp_path, tuned, edit, r"a forward and a backward|has no backward")
 
@@ -356,3 +357,31 @@ def test_cli_refusals(tmp_path, run_cli):
 def test_parallel_scoring_gives_the_same_ranking(cost, tuned):
     parallel = tune(cost, P, M, jobs=2)
     assert [(c.key, c.plan) for c in parallel.ranked] == [(c.key, c.plan) for c in tuned.ranked]
+
+
+def test_plans_of_equal_time_rank_by_memory_not_by_tick_rounding():
+    """Each plan is replayed in ticks of its own stage times: the top eight here all take 71
+    exactly, and 70.999995 (28,500 B) ranked above 71.00001 (27,300 B)."""
+    from megatron_prt.sim.cost import CostModel, LayerCost
+    from megatron_prt.tune.search_plans import TIME_TIE, tune
+
+    layers = tuple(
+        LayerCost(
+            fwd=1.0 + 0.1 * i, bwd=2.0 + 0.15 * i, act=1000 + 50 * i, param=400,
+            wgrad=0.9 + 0.05 * i, wact=900 + 40 * i,
+        )
+        for i in range(8)
+    )  # fmt: skip
+    cost = CostModel(
+        layers=layers,
+        embedding=LayerCost(fwd=0.2, bwd=0.3, act=200, param=3000),
+        head=LayerCost(fwd=1.5, bwd=2.5, act=4000, param=3000, wact=0),
+        message_bytes=250,
+        p2p_latency=0.05,
+        p2p_bandwidth=10000.0,
+    )
+    ranked = tune(cost, 2, 4).ranked
+    fastest = ranked[0].makespan
+    tied = [c for c in ranked if c.makespan <= fastest * (1 + TIME_TIE)]
+    assert len(tied) > 1 and fastest == pytest.approx(71.0, rel=1e-6)
+    assert [c.peak_bytes for c in tied] == sorted(c.peak_bytes for c in tied)
