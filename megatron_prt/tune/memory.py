@@ -2,9 +2,10 @@
 in-flight count vectors dotted with its stages' activation sizes.
 
 The plan fixes the order of every rank's actions, so it fixes which (stage, micro-batch)
-activations are alive after every forward whatever the partition: the vectors come from the
-simulator's rule (:func:`megatron_prt.sim.simulate.held_activations`) once per plan, and
-each candidate partition only changes the sizes they are dotted with.
+activations are alive after every forward whatever the partition: the vectors follow the
+simulator's rule (:func:`megatron_prt.sim.simulate.held_activations`: all of an activation
+from F until B, or until I and then W's share until W) once per plan, and each candidate
+partition only changes the sizes they are dotted with.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from ..core.actions import Op
 from ..core.plan import Plan
-from ..sim.simulate import held_activations
 
 
 def dot(counts: Sequence[float], sizes: Sequence[float]) -> float:
@@ -22,16 +23,24 @@ def dot(counts: Sequence[float], sizes: Sequence[float]) -> float:
 
 
 def inflight_vectors(plan: Plan, rank: int) -> list[tuple[int, ...]]:
-    """Activations alive on ``rank`` right after each forward, per slot (the rank's stages
-    in chunk order), keeping only vectors no other one dominates. Counted in plan order,
-    which :func:`~megatron_prt.sim.simulate.held_activations` documents as the time order
-    (so the peaks equal the simulator's)."""
+    """Activations alive on ``rank`` right after each action that can raise its bytes, per
+    slot (the rank's stages in chunk order), keeping only vectors no other one dominates.
+    Under split backward each slot counts twice: whole activations (F until I) and the
+    parts W keeps (I until W), priced apart (:func:`peak_activation`'s ``sizes``: every
+    slot's activation bytes, then every slot's kept bytes), since the kept share depends on
+    the split and I raises the bytes where it is above 1. Counted in plan order, which
+    :func:`~megatron_prt.sim.simulate.held_activations` documents as the time order (so the
+    peaks equal the simulator's)."""
     slot_of = {stage: i for i, stage in enumerate(plan.placement.rank_stages[rank])}
-    alive = [0] * len(slot_of)
+    n = len(slot_of)
+    alive = [0] * (2 * n if plan.split_backward else n)
+    moves = {Op.F: ((0, 1),), Op.B: ((0, -1),), Op.I: ((0, -1), (n, 1)), Op.W: ((n, -1),)}
     seen: set[tuple[int, ...]] = set()
-    for action, change in held_activations(plan.compute_actions(rank)):
-        alive[slot_of[action.stage]] += change
-        if change > 0:
+    for action in plan.compute_actions(rank):
+        slot = slot_of[action.stage]
+        for offset, change in moves[action.op]:
+            alive[offset + slot] += change
+        if action.op in (Op.F, Op.I):
             seen.add(tuple(alive))
     kept: list[tuple[int, ...]] = []
     for v in sorted(seen, key=lambda v: (-sum(v), v)):  # a dominating vector comes first

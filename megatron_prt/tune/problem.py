@@ -29,12 +29,14 @@ def min_stage_layers(cost: CostModel, depth: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per model stage: forward and backward time, activation and parameter bytes."""
+    """Per model stage: forward and backward time, activation and parameter bytes, and under
+    split backward the bytes held from I until W."""
 
     fwd: list[float]
     bwd: list[float]
     act: list[float]
     param: list[float]
+    kept: list[float] | None = None  # split backward: what W keeps after I (bytes)
 
 
 class Problem:
@@ -48,6 +50,7 @@ class Problem:
         self.num_layers = len(cost.layers)
         self.lows = min_stage_layers(cost, self.depth)
         self.layer_costs = [(c.fwd, c.bwd, c.act, c.param) for c in cost.layers]
+        self.layer_kept = [c.wgrad_act(cost.wgrad_keep_fraction) for c in cost.layers]
         self.prefix = {
             attr: (0.0, *accumulate(getattr(layer, attr) for layer in cost.layers))
             for attr in ("fwd", "bwd", "act", "param")
@@ -92,7 +95,12 @@ class Problem:
             times = model.stage_times(self.placement)
             out["act"] = list(model.stage_activation_bytes(self.placement))
             out["fwd"], out["bwd"] = list(times.fwd), list(times.bwd)  # fwd: kept_split
-        return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"])
+        kept = None
+        if self.plan.split_backward:  # the simulator's share, of this split's layers
+            model = replace(self.cost, stage_layers=tuple(counts))
+            shares = model.stage_wgrad_keep(self.placement)
+            kept = [share * act for share, act in zip(shares, out["act"], strict=True)]
+        return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"], kept)
 
     def stage_times(self, counts: Sequence[int]) -> StageTimes:
         """The simulator's stage times for ``counts`` (same sums, same rounding)."""
@@ -102,7 +110,10 @@ class Problem:
         """Per rank: peak activation bytes + parameter bytes."""
         out = []
         for rank, slots in enumerate(self.slots):
-            peak_act = peak_activation(self.vectors[rank], [costs.act[k] for k in slots])
+            sizes = [costs.act[k] for k in slots]
+            if costs.kept is not None:
+                sizes += [costs.kept[k] for k in slots]
+            peak_act = peak_activation(self.vectors[rank], sizes)
             out.append(peak_act + sum(costs.param[k] for k in slots))
         return out
 

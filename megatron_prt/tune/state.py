@@ -37,6 +37,8 @@ class State:
             first = problem.first[rank]
             self.lbs.append(fwd_before[first] + bwd_before[first] + work)
             sizes = [costs.act[k] for k in slots]
+            if costs.kept is not None:  # split backward: what W keeps, per slot, after them
+                sizes += [costs.kept[k] for k in slots]
             self.dots.append([dot(v, sizes) for v in problem.vectors[rank]])
             self.acts.append(max(self.dots[-1], default=0.0))
             self.params.append(sum(costs.param[k] for k in slots))
@@ -153,6 +155,9 @@ class State:
                 lb_delta[rank] = lb_delta.get(rank, 0.0) + sign * mbs * (layer[0] + layer[1])
                 param_delta[rank] = param_delta.get(rank, 0.0) + sign * layer[3]
                 act_terms.setdefault(rank, []).append((slot, sign * layer[2]))
+                if pr.plan.split_backward:  # what W keeps, counted after the slots' own
+                    kept = pr.layer_kept[lost_index if sign < 0 else gained_index]
+                    act_terms[rank].append((len(pr.slots[rank]) + slot, sign * kept))
         new_lbs = {r: self.lbs[r] + d for r, d in lb_delta.items()}
         new_mems = {
             r: self.params[r] + param_delta[r] + self._act_after(r, terms)
