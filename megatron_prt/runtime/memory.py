@@ -35,10 +35,12 @@ be reused while counted.
 Against a simulator prediction from profiled per-layer ``act`` (which frees a stage's
 bytes when its backward ends) the measured peak is higher by exactly: a cache saved by
 every micro-batch, once per rank (megatron's causal mask, ``seq**2`` bytes: the profiler
-leaves caches out); an output handed to a stage on the same rank, from the consumer's
-backward to the producer's (the executor keeps the producer's output object, and with it
-the storage, until then: one message); without ``deallocate_outputs``, every sent output
-until its stage's backward.
+leaves caches out); an output handed to a stage on the same rank while the consumer's
+forward has not begun or its backward has ended (the executor keeps the producer's output
+object, and with it the storage, from the producer's forward to its backward; the
+simulator counts it inside the consumer's activation only: one message per hand-off
+pending at the peak, seen on wave placements); without ``deallocate_outputs``, every sent
+output until its stage's backward.
 
 On CUDA the meter also reports the allocator's view: the peak of
 ``torch.cuda.max_memory_allocated`` over the step, minus what was allocated when the step
