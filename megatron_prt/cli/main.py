@@ -114,7 +114,12 @@ def cost_flags(p: argparse.ArgumentParser) -> None:
         type=_fraction,
         help="share of the backward time that is weight-gradient (W) work (default 0.5)",
     )
-    g.add_argument("--p2p-time", type=non_negative_float, help="time of one p2p hop (default 0)")
+    g.add_argument(
+        "--p2p-time",
+        type=non_negative_float,
+        help="latency of one p2p hop (default 0): the cost file's p2p_latency; its "
+        "message_bytes / p2p_bandwidth, where it gives them, add to it",
+    )
     g.add_argument(
         "--replica-sync-time",
         type=non_negative_float,
