@@ -52,7 +52,7 @@ from .messages import not_sendable
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
-from .replicas import reduce_replica_grads, reduce_replica_grads_shm, warn_running_statistics
+from .replicas import BufferWatch, reduce_replica_grads, reduce_replica_grads_shm
 from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
@@ -159,7 +159,7 @@ class PipelineRuntime:
         self.callbacks = callbacks or module_callbacks(
             self.stages, loss_fn, self.plan, self.device, self.rank
         )
-        warn_running_statistics(plan.placement, self.stages)
+        self._buffers = BufferWatch.of(plan.placement, self.stages)  # bi: says drifting ones
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -229,6 +229,8 @@ class PipelineRuntime:
         if not forward_only and self._summed_attr is not None:
             self._restart_replica_sums()
         self._run(forward_only)
+        if self._buffers is not None and not forward_only:
+            self._buffers = self._buffers.check()  # once
         losses, self._losses = self._losses, None
         self._size_rings()  # the messages are known now
         return losses

@@ -163,8 +163,62 @@ def warn_running_statistics(placement: Placement, stages: Mapping[int, torch.nn.
             "replica updates its own from its pipeline's micro-batches, so they drift apart "
             "while the weights stay equal; call sync_replicas(placement, stages) before "
             "evaluating or saving (it copies pipeline 0's), or use LayerNorm / GroupNorm",
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+class BufferWatch:
+    """Under ``bi``, says once which of the stages' buffers the first training step changed
+    (counters, moving averages: anything but BatchNorm's running statistics, which
+    :func:`warn_running_statistics` names at construction): each replica updates its own
+    from its pipeline's micro-batches and nothing reduces buffers, so the two copies of a
+    stage drift apart without a word."""
+
+    @classmethod
+    def of(cls, placement: Placement, stages: Mapping[int, torch.nn.Module]) -> BufferWatch | None:
+        """A watch of the ``bi`` stages' buffers, or None (``uni``, or no buffer to watch);
+        stages keeping running statistics are named now (:func:`warn_running_statistics`)."""
+        if placement.direction != "bi":
+            return None
+        warn_running_statistics(placement, stages)
+        watched = [
+            (stage, module, name)
+            for stage, module in sorted(stages.items())
+            for name, _ in module.named_buffers()
+            if not _running_statistic(module, name)
+        ]
+        return cls(watched) if watched else None
+
+    def __init__(self, watched: list[tuple[int, torch.nn.Module, str]]) -> None:
+        self.before = [(s, m, n, m.get_buffer(n).detach().clone()) for s, m, n in watched]
+
+    def check(self) -> None:
+        """Warn naming the stages and buffers a step changed (read anew: a buffer may have
+        been replaced rather than changed in place). Returns None: the watch is over."""
+        changed = [
+            f"stage {stage} {name}"
+            for stage, module, name, old in self.before
+            if not _same(module.get_buffer(name), old)
+        ]
+        if changed:
+            warnings.warn(
+                f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''} changed in "
+                "the step: under direction bi each replica of a stage updates its own buffers "
+                "from its pipeline's micro-batches and they are not reduced, so the copies "
+                "drift apart; call sync_replicas(placement, stages) before evaluating or "
+                "saving (it copies pipeline 0's)",
+                stacklevel=3,
+            )
+
+
+def _running_statistic(module: torch.nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` (dotted) belongs to a module that keeps running statistics."""
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return bool(getattr(owner, "track_running_stats", False))
+
+
+def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
+    return now.shape == before.shape and bool(torch.equal(now.detach(), before))
 
 
 def check_same_placement(

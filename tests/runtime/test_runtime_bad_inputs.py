@@ -509,6 +509,47 @@ def test_bi_stages_with_running_statistics_are_named_once():
             assert not said or f"stage(s) {stages} keep BatchNorm" in running[0]
 
 
+class _Counted(torch.nn.Module):
+    """A layer that counts its forwards in a buffer (as a moving average would change)."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.layer = make_layer("mlp", i)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layer(x)
+
+
+def _buffer_warnings(direction):
+    def body(rank, world):
+        import warnings
+
+        placement = Placement(world, 1, "loop", direction)
+        stages = build_stages(placement, rank, _Counted, 4)
+        rt = PipelineRuntime(build_plan(placement, 4), stages, loss_fn, dtype=torch.float64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rt.step(*batch("mlp", 4), forward_only=True)  # evaluation: not watched
+            for _ in range(2):
+                rt.step(*batch("mlp", 4))
+        return [str(w.message) for w in caught if "changed in the step" in str(w.message)]
+
+    return body
+
+
+def test_bi_buffers_a_step_changes_are_named_once():
+    """Buffers other than BatchNorm's statistics drifted apart between bi replicas without a
+    word; the first training step's changes are named once; uni says nothing."""
+    for direction, said in (("bi", 1), ("uni", 0)):
+        results = run_case(2, _buffer_warnings(direction))
+        for status, payload in results:
+            assert status == "ok" and payload["error"] is None, payload
+            assert len(payload["value"]) == said, payload["value"]
+            assert not said or "0.calls" in payload["value"][0]
+
+
 def _stall_before(call):
     """Rank 1 stalls (until the harness kills it) before ``call``; rank 0 makes it."""
 
