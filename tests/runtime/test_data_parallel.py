@@ -55,6 +55,16 @@ def _reference(steps: int, m: int = M) -> list[list[torch.Tensor]]:
     return [[p.grad for p in layer.parameters()] for layer in layers]
 
 
+def _expect_the_global_batch(results: list, want: list) -> None:
+    """Every rank ran, and each stage's gradients are the one-process reference's."""
+    for rank, (status, payload) in enumerate(results):
+        assert status == "ok", f"rank {rank}: {payload}"
+        for stage, (first, grads) in payload.items():
+            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
+            for got, expected in zip(grads, ref, strict=True):
+                assert _rel(got, expected) <= TOL, (rank, stage)
+
+
 def _groups() -> tuple:
     """Pipelines [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3]."""
     return data_parallel_groups(P)
@@ -110,12 +120,7 @@ def test_data_parallel_by_all_reduce_equals_the_global_batch(
     refused for the step's two micro-batches)."""
     want = _reference(steps, m)
     results = run_local(4, _worker, where, direction, split, steps, ddp, m, deadline_s=180)
-    for rank, (status, payload) in enumerate(results):
-        assert status == "ok", f"rank {rank}: {payload}"
-        for stage, (first, grads) in payload.items():
-            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
-            for got, expected in zip(grads, ref, strict=True):
-                assert _rel(got, expected) <= TOL, (rank, stage)
+    _expect_the_global_batch(results, want)
 
 
 def _ddp_stepped(rank, world):
@@ -224,12 +229,7 @@ def test_fully_sharded_stages_reduce_the_global_batch():
     one process on the global batch."""
     want = _reference(1)
     results = run_local(4, _fully_sharded, "wave", deadline_s=180)
-    for rank, (status, payload) in enumerate(results):
-        assert status == "ok", f"rank {rank}: {payload}"
-        for stage, (first, grads) in payload.items():
-            ref = [g for layer in want[first : first + len(grads) // 2] for g in layer]
-            for got, expected in zip(grads, ref, strict=True):
-                assert _rel(got, expected) <= TOL, (rank, stage)
+    _expect_the_global_batch(results, want)
 
 
 def _replicas_over_every_rank(rank, world, helper, direction="bi"):
