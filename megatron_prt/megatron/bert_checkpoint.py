@@ -22,12 +22,14 @@ import random
 import signal
 import sys
 import threading
+from importlib.metadata import version
 from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..sim.model_shape import default_ffn
 from .bert_args import PROG, say_error
@@ -437,12 +439,42 @@ def _read_common(args: argparse.Namespace) -> tuple[int | None, dict | None, str
         common = dist_checkpointing.load_common_state_dict(str(folder))
         if "layout" not in common.get("extra", {}):
             raise KeyError("no 'extra.layout' entry")
-    except Exception as exc:  # truncated file, foreign pickle, another script's checkpoint
+    except (Exception, CheckpointException) as exc:  # truncated file, foreign pickle, another
+        # script's checkpoint (torch's CheckpointException, 0.19's reader, is no Exception)
+        if _newer_format(folder):
+            return (
+                iteration,
+                None,
+                (
+                    f"--load {args.load}: {folder} was written by megatron-core 0.19 or newer "
+                    "(its plain state is inside the tensors, no common.pt), which this "
+                    "megatron-core cannot read; resume with megatron-core >= 0.19 "
+                    "(requirements-next.txt)"
+                ),
+            )
         reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:300]
         why = f"cannot read {folder} ({type(exc).__name__}: {reason}): it is "
         why += "truncated, damaged or not written by this script"
         return iteration, None, f"{why}; {_earlier(args, iteration)}"
     return iteration, common, None
+
+
+def _newer_format(folder: Path) -> bool:
+    """A checkpoint of megatron-core 0.19 or newer (no ``common.pt``, and a
+    ``metadata.json`` that names no ``common_backend``: older ones name it) under an older
+    megatron-core, which cannot read it."""
+    try:
+        metadata = json.loads((folder / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return False
+    newer = not (folder / "common.pt").exists() and "common_backend" not in metadata
+    return newer and not reads_newer_format()
+
+
+def reads_newer_format() -> bool:
+    """Whether the installed megatron-core reads checkpoints of 0.19's format."""
+    major, minor = (int(part) for part in version("megatron-core").split(".")[:2])
+    return (major, minor) >= (0, 19)
 
 
 def is_complete(folder: Path) -> bool:
