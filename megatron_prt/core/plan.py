@@ -193,16 +193,17 @@ class Plan:
 
 
 def _check_action_count(m: object, depth: int, ranks: dict) -> None:
-    """``m`` a whole number of micro-batches that the file's actions can hold: each runs a
-    forward and a backward at every stage of its pipeline (checked before anything sized by
-    ``m`` is made: a file of a few lines asking for 10**9 micro-batches ran out of memory)."""
+    """``m`` a whole number of micro-batches that the file's actions can hold: each runs at
+    least a forward at every stage of its pipeline (checked before anything sized by ``m``
+    is made: a file of a few lines asking for 10**9 micro-batches ran out of memory)."""
     if type(m) is not int or m < 1:
         raise ValueError(f"num_microbatches must be a whole number >= 1, got {m!r}")
     actions = sum(len(acts) for acts in ranks.values()) if isinstance(ranks, dict) else 0
-    if actions < 2 * m * depth:
+    if actions < m * depth:
         raise ValueError(
-            f"num_microbatches {m} needs at least {2 * m * depth} actions ({depth} stages, a "
-            f"forward and a backward each), the file holds {actions}"
+            f"num_microbatches {m} needs at least {m * depth} actions (a forward at each of "
+            f"{depth} stages), the file holds {actions}: write num_microbatches as the "
+            "plan's micro-batch count"
         )
 
 

@@ -52,7 +52,7 @@ from .messages import not_sendable
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
-from .replicas import BufferWatch, reduce_replica_grads, reduce_replica_grads_shm
+from .replicas import BufferWatch, reduce_replica_grads, reduce_replica_grads_shm, replica_params
 from .rings import make_transport, sized_shm
 from .split_plan import split_backward_plan
 from .startup import check_same_plan
@@ -228,9 +228,12 @@ class PipelineRuntime:
         self.callbacks.begin(inputs, targets, forward_only)
         if not forward_only and self._summed_attr is not None:
             self._restart_replica_sums()
+        watch, self._buffers = (None, self._buffers) if forward_only else (self._buffers, None)
+        if watch is not None:  # the first training step's changes to bi buffers
+            watch.begin()
         self._run(forward_only)
-        if self._buffers is not None and not forward_only:
-            self._buffers = self._buffers.check()  # once
+        if watch is not None:
+            watch.check()
         losses, self._losses = self._losses, None
         self._size_rings()  # the messages are known now
         return losses
@@ -310,9 +313,9 @@ class PipelineRuntime:
     def _restart_replica_sums(self) -> None:
         attr, depth = self._summed_attr, self.plan.placement.depth
         self._summed_attr = None
-        with torch.no_grad():
-            for stage, module in self.stages.items():
-                for param in module.parameters() if stage >= depth else ():
+        with torch.no_grad():  # each summed parameter once: a tie may span the pipelines
+            for stage, params in replica_params(self.plan.placement, self.stages).items():
+                for param in params if stage >= depth else ():
                     grad = getattr(param, attr, None)
                     if grad is not None:
                         grad.zero_()

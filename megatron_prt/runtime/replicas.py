@@ -184,17 +184,22 @@ class BufferWatch:
         watched = [
             (stage, module, name)
             for stage, module in sorted(stages.items())
-            for name, _ in module.named_buffers()
+            for name in _persistent_buffers(module)
             if not _running_statistic(module, name)
         ]
         return cls(watched) if watched else None
 
     def __init__(self, watched: list[tuple[int, torch.nn.Module, str]]) -> None:
-        self.before = [(s, m, n, m.get_buffer(n).detach().clone()) for s, m, n in watched]
+        self.watched, self.before = watched, []
+
+    def begin(self) -> None:
+        """Copy the buffers, right before the first training step (not at construction:
+        evaluation and caches built on a first forward would count)."""
+        self.before = [(s, m, n, m.get_buffer(n).detach().clone()) for s, m, n in self.watched]
 
     def check(self) -> None:
-        """Warn naming the stages and buffers a step changed (read anew: a buffer may have
-        been replaced rather than changed in place). Returns None: the watch is over."""
+        """Warn naming the stages and buffers the step changed (read anew: a buffer may have
+        been replaced rather than changed in place)."""
         changed = [
             f"stage {stage} {name}"
             for stage, module, name, old in self.before
@@ -209,6 +214,12 @@ class BufferWatch:
                 "saving (it copies pipeline 0's)",
                 stacklevel=3,
             )
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[str]:
+    """Names of the buffers ``module`` saves (a non-persistent one is a cache, rebuilt)."""
+    saved = set(module.state_dict(keep_vars=True))
+    return [name for name, _ in module.named_buffers() if name in saved]
 
 
 def _running_statistic(module: torch.nn.Module, name: str) -> bool:
@@ -298,13 +309,17 @@ def reduce_replica_grads(
         )
 
 
-def _replica_grads(placement: Placement, stages: Mapping[int, torch.nn.Module], grad_attr: str):
-    """``grads(stage)``: the ``grad_attr`` of the stage's parameters that need one (zeros
-    where none yet), each parameter in one stage only. A parameter two stages of this rank
-    share (a tied weight: wave puts the first and the last stage on rank 0) holds both
-    stages' gradients already; it goes with the first replica pair that holds it, so the
-    sum adds it once (summed per pair, it came out twice). The peer holds the mirror image
-    of the tie and leaves out the same parameter."""
+def replica_params(
+    placement: Placement, stages: Mapping[int, torch.nn.Module]
+) -> dict[int, list[torch.nn.Parameter]]:
+    """Per stage of this rank in a replica pair, its parameters that need a gradient, each
+    parameter in one stage only. A parameter two stages of this rank share (a tied weight:
+    wave puts the first and the last stage on rank 0; loop under bi puts pipeline 0's first
+    and pipeline 1's last there) holds both stages' gradients already; it goes with the
+    first replica pair that holds it, so the sum adds it once (summed per pair, it came out
+    twice) and the first step after a sum zeroes it where that pair's pipeline-1 stage is
+    ([Note: replica sums accumulate]). The peer holds the mirror image of the tie and
+    leaves out the same parameter."""
     seen: set[int] = set()
     params: dict[int, list] = {}
     for pair in placement.replica_pairs():
@@ -312,6 +327,13 @@ def _replica_grads(placement: Placement, stages: Mapping[int, torch.nn.Module], 
             own = [p for p in stages[stage].parameters() if p.requires_grad]
             params[stage] = [p for p in own if id(p) not in seen]
             seen.update(map(id, own))
+    return params
+
+
+def _replica_grads(placement: Placement, stages: Mapping[int, torch.nn.Module], grad_attr: str):
+    """``grads(stage)``: the ``grad_attr`` of :func:`replica_params`' parameters of the
+    stage (zeros where none yet)."""
+    params = replica_params(placement, stages)
 
     def grads(stage):
         for p in params[stage]:

@@ -54,7 +54,7 @@ SPLIT_ATTR = "prt_stage_layers"  # on a stage module: every model stage's layer 
 def tag_layer_split(modules: Iterable[torch.nn.Module], counts: Sequence[int]) -> None:
     """Record ``counts`` (layers of every model stage ``0..D-1``) on ``modules``."""
     for module in modules:
-        setattr(module, SPLIT_ATTR, tuple(counts))
+        setattr(module, SPLIT_ATTR, tuple(int(count) for count in counts))  # numpy ints too
 
 
 def layer_split_of(stages: Mapping[int, torch.nn.Module]) -> tuple[int, ...] | None:

@@ -407,8 +407,9 @@ def plan_for(
     times,
     count_cap: bool = False,
 ) -> Plan:
-    """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb``
-    sizes them (:func:`megatron_prt.cli.main.build`): the cost's stage activation bytes and
+    """:func:`build_plan`; split-backward plans sized as ``megatron-prt plan --schedule zb
+    --plan-from-costs`` sizes them (:func:`megatron_prt.cli.main.build`; without that flag
+    the CLI builds the runtime's plan, equal bytes per stage): the cost's stage activation bytes and
     W's share of them per stage (``stage_wgrad_keep``) under the schedule's cap
     (``count_cap``: equal bytes per stage, the cap counted in micro-batches), equal stages
     with the cost's W share when ``times`` is None."""

@@ -142,3 +142,10 @@ def test_a_plan_file_of_bi_at_one_micro_batch_is_refused():
     }
     with pytest.raises(ConfigError, match="direction bi needs >= 2 micro-batches"):
         Plan.from_dict(data)
+
+
+def test_a_forward_only_plan_round_trips():
+    """The micro-batch count's check before loading asked for a backward per forward, so a
+    valid forward-only plan no longer loaded from its own JSON."""
+    plan = build_plan(Placement(4, 2, "wave", "bi"), 4).forward_only()
+    assert Plan.from_json(plan.to_json()) == plan

@@ -52,8 +52,8 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
     return {"shared": model[0][0].weight.grad, "bias": model[-1].bias.grad}
 
 
-def _worker(rank, world, direction, split, steps):
-    placement = Placement(world, 2, "wave", direction)
+def _worker(rank, world, where, direction, split, steps):
+    placement = Placement(world, 2, where, direction)
     stages = build_stages(placement, rank, _layers(), LAYERS)
     sync_replicas(placement, stages)
     plan = build_plan(placement, M, "zb" if split else "prt")
@@ -67,10 +67,22 @@ def _worker(rank, world, direction, split, steps):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize(("direction", "steps"), [("uni", 1), ("bi", 1), ("bi", 2)])
-def test_a_weight_two_stages_of_a_rank_share_gets_the_reference_gradient(direction, steps, split):
+@pytest.mark.parametrize(
+    ("where", "direction", "steps"),
+    [
+        ("wave", "uni", 1),
+        ("wave", "bi", 1),
+        ("wave", "bi", 2),
+        ("loop", "bi", 2),  # pipeline 0's first stage and pipeline 1's last share rank 0
+    ],
+)
+def test_a_weight_two_stages_of_a_rank_share_gets_the_reference_gradient(
+    where, direction, steps, split
+):
+    """Loop under bi ties across the pipelines on one rank: the first step after a sum
+    zeroed the weight on both ranks (half the reference after two steps)."""
     want = _reference(steps)
-    results = all_ok(run_local(2, _worker, direction, split, steps, deadline_s=120))
+    results = all_ok(run_local(2, _worker, where, direction, split, steps, deadline_s=120))
     held = [grads for result in results for grads in result.values()]
     assert len(held) == (2 if direction == "bi" else 1)  # the last stage and its replica
     for grads in held:

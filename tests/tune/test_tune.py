@@ -257,7 +257,7 @@ def test_a_plan_without_backward_is_refused(tmp_path, tuned):
         for which, actions in data["ranks"].items():
             data["ranks"][which] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
 
-    _refused_when_edited(tmp_path, tuned, edit, r"a forward and a backward|has no backward")
+    _refused_when_edited(tmp_path, tuned, edit, r"the plan has no backward")
 
 
 def test_an_action_that_is_no_text_is_refused(tmp_path, tuned):
@@ -381,7 +381,7 @@ def test_plans_of_equal_time_rank_by_memory_not_by_tick_rounding():
         p2p_bandwidth=10000.0,
     )
     ranked = tune(cost, 2, 4).ranked
-    fastest = ranked[0].makespan
+    fastest = min(c.makespan for c in ranked)  # ranked[0] is its tie's least memory
     tied = [c for c in ranked if c.makespan <= fastest * (1 + TIME_TIE)]
     assert len(tied) > 1 and fastest == pytest.approx(71.0, rel=1e-6)
     assert [c.peak_bytes for c in tied] == sorted(c.peak_bytes for c in tied)
