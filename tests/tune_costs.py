@@ -27,3 +27,16 @@ def write_costs(tmp_path, num_layers: int = NUM_LAYERS) -> str:
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(cost_dict(num_layers)))
     return str(path)
+
+
+def assert_ranked(candidates) -> None:
+    """The tuner's order, checked from its rule rather than by ranking again: no candidate
+    comes after one slower by more than TIME_TIE, and of two at the very same time the one
+    with the smaller rest of the key (peak memory, messages, enumeration order) comes first."""
+    from megatron_prt.tune.search_plans import TIME_TIE
+
+    for i, earlier in enumerate(candidates):
+        for later in candidates[i + 1 :]:
+            assert earlier.makespan <= later.makespan * (1 + TIME_TIE), (earlier, later)
+            if earlier.makespan == later.makespan:
+                assert earlier.key[1:] <= later.key[1:], (earlier, later)

@@ -74,20 +74,20 @@ def check_same_plan(
 
 
 def _refuse_other_splits(rank: int, split: tuple | None, codes: list[int]) -> None:
-    """Raise unless every rank whose stages record a layer split (0: none recorded) holds
-    this one ([Note: every rank builds the same layer split] in runtime/stages.py)."""
-    if split is None:
+    """Raise on every rank, those whose stages record no split (0) too, unless all ranks
+    that record one hold the same ([Note: every rank builds the same layer split] in
+    runtime/stages.py)."""
+    if len({code for code in codes if code}) <= 1:
         return
-    mine = digest(repr(split))
+    mine = 0 if split is None else digest(repr(split))
     others = [r for r, code in enumerate(codes) if code not in (0, mine)]
-    if others:
-        raise PipelineError(
-            f"rank {rank}: ranks {others} built their stages with another layer split than "
-            f"this rank's ({','.join(map(str, split))} layers per model stage), so layers "
-            "would be left out or run twice; pass every rank the same num_layers and "
-            "stage_layers (a plan file's: load_plan(path).stage_layers; megatron: the same "
-            "--pipeline-reuse-plan / --pipeline-reuse-stage-layers)"
-        )
+    said = "no split" if split is None else f"{','.join(map(str, split))} layers per model stage"
+    raise PipelineError(
+        f"rank {rank}: ranks {others} built their stages with another layer split than "
+        f"this rank's ({said}), so layers would be left out or run twice; pass every rank "
+        "the same num_layers and stage_layers (a plan file's: load_plan(path).stage_layers; "
+        "megatron: the same --pipeline-reuse-plan / --pipeline-reuse-stage-layers)"
+    )
 
 
 _FIELDS = 5  # R, placement, direction, m, split backward: what a message names of a plan

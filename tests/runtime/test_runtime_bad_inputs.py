@@ -581,3 +581,21 @@ def test_peer_stalling_before_a_replica_exchange_times_out(call):
     head = f"rank 0: the placement check of {what}" if call == "sync" else f"rank 0: {what}"
     slowest = expect_errors(results, head, "rank(s) [1]", ranks=[0])  # the silent peer named
     assert slowest < TIMEOUT_S + 30
+
+
+def _untagged_third(rank, world):
+    """Ranks 0 and 1 built with other splits; rank 2 built its stage by hand (no record)."""
+    plan = build_plan(Placement(world, 1), 2)
+    split = (4, 4, 4) if rank == 0 else (3, 5, 4)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 12, split)
+    if rank == 2:
+        stages = {s: torch.nn.Sequential(*m) for s, m in stages.items()}
+    PipelineRuntime(plan, stages, loss_fn, timeout_s=WAIT_S)
+
+
+def test_a_rank_without_a_split_record_also_stops_when_the_others_disagree():
+    """The rank without a record returned from the check and waited for peers that had
+    already failed, until its timeout."""
+    results = run_local(3, _untagged_third, deadline_s=120)
+    for status, payload in results:
+        assert status == "error" and "another layer split" in str(payload), payload

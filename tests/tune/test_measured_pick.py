@@ -7,12 +7,12 @@ weights are untouched."""
 from __future__ import annotations
 
 import pytest
-from tune_costs import cost_dict
+from tune_costs import assert_ranked, cost_dict
 
 from megatron_prt.core.placement import ConfigError, Placement
 from megatron_prt.sim.cost import CostModel
 from megatron_prt.tune.measured import fastest, interleaved_rounds, pick_fastest, top_candidates
-from megatron_prt.tune.search_plans import rank, tune, tune_layout
+from megatron_prt.tune.search_plans import tune, tune_layout
 
 M = 4
 
@@ -25,7 +25,7 @@ def test_top_candidates_are_distinct_runs_in_predicted_order():
     result = _result()
     top = top_candidates(result, 4)
     assert len(top) == 4 and top[0] is result.winner
-    assert tuple(top) == rank(top)
+    assert_ranked(top)
     runs = {(c.stage_layers, c.plan.compute_only().to_json()) for c in top}
     assert len(runs) == 4
     with pytest.raises(ConfigError, match="--top"):
@@ -183,7 +183,7 @@ def test_top_candidates_per_configuration_are_different_configurations():
     diverse = top_candidates(result, 6, per_configuration=True)
     assert len({config(c) for c in diverse}) == len(diverse) == 6
     assert diverse[0] is result.winner
-    assert tuple(diverse) == rank(diverse)
+    assert_ranked(diverse)
     # each is its configuration's best predicted fitting candidate
     for c in diverse:
         assert c is next(x for x in result.fitting() if config(x) == config(c))

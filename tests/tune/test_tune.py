@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tune_costs import cost_dict, write_costs
+from tune_costs import assert_ranked, cost_dict, write_costs
 
 from megatron_prt.cli.partition import parse_bytes
 from megatron_prt.core.layers import even_layers
@@ -25,7 +25,6 @@ from megatron_prt.tune.search_plans import (
     families,
     max_reuse,
     plan_for,
-    rank,
     tune,
 )
 
@@ -79,7 +78,7 @@ def test_every_candidate_is_what_the_simulator_says(cost, tuned):
 
 def test_winner_is_the_fastest_and_beats_the_baselines(cost, tuned):
     assert tuned.winner is tuned.ranked[0]
-    assert tuned.ranked == rank(tuned.ranked)  # by key, times within TIME_TIE as one
+    assert_ranked(tuned.ranked)
     # the baselines, built here from outside the tuner, are no faster
     for placement, schedule in ((Placement(P, 1), "1f1b"), (Placement(P, 2), "prt")):
         plan = build_plan(placement, M, schedule)
@@ -254,8 +253,8 @@ def test_a_plan_without_backward_is_refused(tmp_path, tuned):
     and trained with zero gradients and the right losses, in both runtimes."""
 
     def edit(data):
-        for which, actions in data["ranks"].items():
-            data["ranks"][which] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
+        for rank, actions in data["ranks"].items():
+            data["ranks"][rank] = [a for a in actions if a.rstrip("0123456789")[-1] == "F"]
 
     _refused_when_edited(tmp_path, tuned, edit, r"the plan has no backward")
 
