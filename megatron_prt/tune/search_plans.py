@@ -375,10 +375,16 @@ def _score_family(
                 )
         if schedule in SPLIT_BACKWARD_SCHEDULES:
             variants += _count_capped(priced, family, kind, counts, num_microbatches)
-        # the faster plan of those that fit (of all when none does); a tie keeps equal stages
-        fitting = [c for c in variants if c.fits(budget_bytes)] or variants
-        out.append(min(fitting, key=lambda c: c.makespan))
+        out.append(fastest_variant(variants, budget_bytes))
     return out
+
+
+def fastest_variant(variants: Sequence[Candidate], budget_bytes: float | None) -> Candidate:
+    """The variant :func:`rank` puts first among those that fit (among all when none
+    does): times within :data:`TIME_TIE` tie, then less memory wins, then the earlier
+    variant (equal stages first)."""
+    fitting = [c for c in variants if c.fits(budget_bytes)] or variants
+    return rank(fitting)[0]
 
 
 def _split_form(price: Pricing) -> Pricing:

@@ -384,3 +384,41 @@ def test_plans_of_equal_time_rank_by_memory_not_by_tick_rounding():
     tied = [c for c in ranked if c.makespan <= fastest * (1 + TIME_TIE)]
     assert len(tied) > 1 and fastest == pytest.approx(71.0, rel=1e-6)
     assert [c.peak_bytes for c in tied] == sorted(c.peak_bytes for c in tied)
+
+
+def test_a_partitions_plan_variants_of_equal_time_keep_the_one_with_less_memory(monkeypatch):
+    """zb-h2 wave/uni R=3 here: the plan for equal stages and the plan for the costs both
+    take 32.275; the first was kept whatever its memory (17,100 B against 16,200 B)."""
+    import megatron_prt.tune.search_plans as search_plans
+    from megatron_prt.sim.cost import CostModel, LayerCost
+
+    rows = [
+        (1.5, 2.0, 2000, 1.0, 900), (1.5, 3.0, 2000, 0.9, 500), (1.5, 2.0, 1000, 1.0, 500),
+        (1.5, 2.0, 1000, 1.0, 900), (2.0, 2.0, 2000, 1.0, 900), (2.0, 2.0, 2000, 1.0, 900),
+    ]  # fmt: skip
+    cost = CostModel(
+        layers=tuple(
+            LayerCost(fwd=f, bwd=b, act=a, param=400, wgrad=w, wact=wa) for f, b, a, w, wa in rows
+        ),
+        embedding=LayerCost(fwd=0.2, bwd=0.3, act=200, param=3000),
+        head=LayerCost(fwd=0.5, bwd=2.5, act=4000, param=3000, wact=0),
+        message_bytes=250,
+        p2p_latency=0.0,
+        p2p_bandwidth=10000.0,
+    )
+    picks = []
+    choose = search_plans.fastest_variant
+    monkeypatch.setattr(
+        search_plans,
+        "fastest_variant",
+        lambda variants, budget: picks.append((variants, choose(variants, budget))) or picks[-1][1],
+    )
+    search_plans.tune(cost, 2, 2)
+    tied_on_time = 0
+    for variants, pick in picks:
+        for other in variants:
+            if other.makespan <= pick.makespan * (1 + search_plans.TIME_TIE):
+                assert other.makespan >= pick.makespan / (1 + search_plans.TIME_TIE), (other, pick)
+                assert other.peak_bytes >= pick.peak_bytes, (other.planned_for, pick.planned_for)
+                tied_on_time += other is not pick
+    assert tied_on_time > 0  # the case above is in the grid
