@@ -119,6 +119,7 @@ class ModuleCallbacks(StageCallbacks):
         num_microbatches: int,
         device: torch.device,
         rank: int,
+        who: str | None = None,
     ) -> None:
         self.stages = stages
         # ... unless a stage wraps its module in torch's DDP or FSDP, whose reducers hook the
@@ -127,6 +128,7 @@ class ModuleCallbacks(StageCallbacks):
         in_place = type(self).in_place_weight_grads  # a subclass may turn it off
         self.in_place_weight_grads = in_place and not any(map(_reduces_gradients, stages.values()))
         self.rank = rank
+        self.who = who or f"rank {rank}"  # how messages name it (errors.rank_label)
         self.loss_fn = loss_fn
         self.placement = placement
         self.num_microbatches = num_microbatches
@@ -144,9 +146,9 @@ class ModuleCallbacks(StageCallbacks):
             ("inputs", inputs, [s for s in self.stages if self.placement.is_first(s)]),
             ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
         ):
-            check_batch(self.rank, name, data, ends, self.num_microbatches)
+            check_batch(self.who, name, data, ends, self.num_microbatches)
         m, where = self.num_microbatches, self.placement
-        problem = None if forward_only else reducing_too_early(self.stages, self.rank, where, m)
+        problem = None if forward_only else reducing_too_early(self.stages, self.who, where, m)
         if problem is not None:
             post_failure(problem, root=True)
             raise ValueError(problem)
@@ -232,7 +234,7 @@ def _sharding() -> tuple[type, ...]:
 # which the next one still needs. fully_shard (FSDP2) gathers again per backward and reduces
 # once at the end: it runs as it is.
 def reducing_too_early(
-    stages: Mapping[int, torch.nn.Module], rank: int, placement: Placement, m: int
+    stages: Mapping[int, torch.nn.Module], who: str, placement: Placement, m: int
 ) -> str | None:
     """Why a training step over ``m`` micro-batches of these stages would reduce gradients
     wrong or fail (a stage that runs more than one of them in torch's DDP outside
@@ -247,7 +249,7 @@ def reducing_too_early(
         for wrapper in module.modules() if runs > 1 else ():
             if isinstance(wrapper, DistributedDataParallel) and wrapper.require_backward_grad_sync:
                 return (
-                    f"rank {rank}: stage {stage} runs in torch's DistributedDataParallel, which "
+                    f"{who}: stage {stage} runs in torch's DistributedDataParallel, which "
                     f"reduces one backward per forward; the stage runs {runs} forwards "
                     "before their backwards, so its gradients would come out wrong. Drop the "
                     "wrapper and all-reduce the gradients over the data-parallel group after "
@@ -255,7 +257,7 @@ def reducing_too_early(
                 )
             if isinstance(wrapper, FullyShardedDataParallel):
                 return (
-                    f"rank {rank}: stage {stage} runs in torch's FullyShardedDataParallel "
+                    f"{who}: stage {stage} runs in torch's FullyShardedDataParallel "
                     f"(FSDP1), and the stage runs {runs} forwards before their backwards: "
                     "unsharded it reduces one backward per forward (wrong gradients), sharded "
                     "it frees the parameters the next backward needs. Shard the stage with "
@@ -266,13 +268,13 @@ def reducing_too_early(
     return None
 
 
-def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], rank: int) -> None:
+def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], who: str) -> None:
     """Refuse FSDP stages under split backward ([Note: data parallelism around the plain
     runtime]): ValueError naming the rank, the stage and the fix."""
     for stage, module in stages.items():
         if any(isinstance(m, _sharding()) for m in module.modules()):
             raise ValueError(
-                f"rank {rank}: stage {stage} is sharded by FSDP, which reduces its gradients "
+                f"{who}: stage {stage} is sharded by FSDP, which reduces its gradients "
                 "when the backward's I ends, before W adds the weight gradients (they would "
                 "be lost); run FSDP stages with a plan without split backward, or all-reduce "
                 "unwrapped stages' gradients after step() (README, 'Data parallelism')"
@@ -280,7 +282,7 @@ def refuse_sharded_split(stages: Mapping[int, torch.nn.Module], rank: int) -> No
 
 
 def refuse_sharded_replicas(
-    stages: Mapping[int, torch.nn.Module], rank: int, placement: Placement
+    stages: Mapping[int, torch.nn.Module], who: str, placement: Placement
 ) -> None:
     """Refuse fully_shard (FSDP2) stages of a ``bi`` placement: their gradients are shards
     (DTensors) that the replica sum cannot add, and whether the mirrored ranks hold the same
@@ -294,7 +296,7 @@ def refuse_sharded_replicas(
     for stage, module in stages.items():
         if any(isinstance(m, fully_sharded) for m in module.modules()):
             raise ValueError(
-                f"rank {rank}: stage {stage} is sharded by fully_shard (FSDP2) and the "
+                f"{who}: stage {stage} is sharded by fully_shard (FSDP2) and the "
                 f"placement is bi ({placement.ranks} ranks, R={placement.reuse}): the replica "
                 "sum cannot add sharded gradients. Run FSDP2 stages with a uni placement, or "
                 "all-reduce unwrapped stages' gradients after step() and "
@@ -308,17 +310,19 @@ def module_callbacks(
     plan: Plan,
     device: torch.device,
     rank: int,
+    who: str | None = None,
 ) -> ModuleCallbacks:
     """A runtime's callbacks for plain-PyTorch ``stages`` running ``plan``; under split
     backward the stages' linear layers made split-capable (FSDP stages refused there, and
     FSDP2 stages of bi placements: [Note: data parallelism around the plain runtime])."""
+    who = who or f"rank {rank}"
     if loss_fn is None:
-        raise ValueError(f"rank {rank}: give loss_fn, or callbacks that compute")
+        raise ValueError(f"{who}: give loss_fn, or callbacks that compute")
     placement, m = plan.placement, plan.num_microbatches
-    callbacks = ModuleCallbacks(stages, loss_fn, placement, m, device, rank)
-    refuse_sharded_replicas(stages, rank, placement)
+    callbacks = ModuleCallbacks(stages, loss_fn, placement, m, device, rank, who)
+    refuse_sharded_replicas(stages, who, placement)
     if plan.split_backward:
-        refuse_sharded_split(stages, rank)
+        refuse_sharded_split(stages, who)
         for module in stages.values():
             enable_split_backward(module)
     return callbacks

@@ -17,8 +17,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..core.actions import Action
+from ..core.actions import Action, Op
+from ..core.deps import carries_tensor, producers
 from ..core.grid import format_grid
+from ..core.lower import comm_key
+from ..core.plan import Plan
 
 _BOARD = "megatron_prt/failure/"
 _WAIT_WORDS = ("timeout", "timed out", "closed", "reset", "connection", "broken pipe")
@@ -37,10 +40,31 @@ def is_wait_failure(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or any(w in text for w in _WAIT_WORDS)
 
 
-def pipeline_error(plan, rank: int, step: int, action: Action | None, why: str) -> PipelineError:
-    """The error of ``rank`` at lowered ``step``; also posted to the failure board, as a root
-    cause unless the exception being handled is a failed wait on a peer."""
-    where = f"rank {rank}, step {step}"
+def rank_label(rank: int, group=None) -> str:
+    """How messages name ``rank`` of the pipeline ``group``: ``rank r``, and where the group
+    is not the whole world (data parallelism: every pipeline has a rank r) also its global
+    rank, ``rank r (global rank g)``."""
+    if _part_of_world(group):
+        return f"rank {rank} (global rank {dist.get_global_rank(group, rank)})"
+    return f"rank {rank}"
+
+
+def _part_of_world(group) -> bool:
+    """Whether ``group`` is a process group smaller than the world (False when unsure)."""
+    if group is None or not dist.is_initialized():
+        return False
+    with contextlib.suppress(Exception):
+        return dist.get_world_size(group) != dist.get_world_size()
+    return False
+
+
+def pipeline_error(
+    plan, rank: int, step: int, action: Action | None, why: str, who: str | None = None
+) -> PipelineError:
+    """The error of ``rank`` (named ``who``, by default ``rank r``) at lowered ``step``;
+    also posted to the failure board, as a root cause unless the exception being handled is
+    a failed wait on a peer."""
+    where = f"{who or f'rank {rank}'}, step {step}"
     if action is not None:
         where += f": {action} (stage {action.stage}, mb {action.mb})"
     handling = sys.exc_info()[1]
@@ -142,10 +166,13 @@ def peer_failed(group) -> bool:
     return any(root for rank, (root, _, _) in _reports(group).items() if rank != me)
 
 
-def root_cause(group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True) -> str:
+def root_cause(
+    group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True, said: str = "rank"
+) -> str:
     """What the other ranks of ``group`` reported: the first root-cause report (waiting up
     to ``wait_s`` for one to appear), else (``name_silent``) the ranks that stopped without
-    a word; empty if neither."""
+    a word; empty if neither. ``said``: how a rank of the default group (``group`` None) is
+    called (``global rank`` where the caller's pipeline is a part of it)."""
     me = dist.get_rank(group)
     deadline = time.monotonic() + wait_s
     while True:
@@ -153,7 +180,8 @@ def root_cause(group, wait_s: float = REPORT_WAIT_S, name_silent: bool = True) -
         roots = sorted((stamp, r, text) for r, (root, stamp, text) in reports.items() if root)
         if roots:
             _, rank, text = roots[0]
-            return f"rank {rank} failed first: {text}"
+            name = rank_label(rank, group) if group is not None else f"{said} {rank}"
+            return f"{name} failed first: {text}"
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -178,7 +206,7 @@ def collective(what: str, group):
     except Exception as exc:
         rank = dist.get_rank(group)
         detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-        head = f"rank {rank}: {what} failed"
+        head = f"{rank_label(rank, group)}: {what} failed"
         post_failure(f"{head}: {detail}", root=not is_wait_failure(exc))
         cause = root_cause(group) if is_wait_failure(exc) else ""
         text = f"{head}: {cause}\n  this rank saw: {detail}" if cause else f"{head}: {detail}"
@@ -186,35 +214,33 @@ def collective(what: str, group):
 
 
 # -- argument checks -------------------------------------------------------------------------
-def check_batch(rank: int, name: str, data, ends: list[int], m: int) -> None:
+def check_batch(who: str, name: str, data, ends: list[int], m: int) -> None:
     """``data`` (``inputs`` or ``targets`` of step) holds one tensor per micro-batch where
     this rank reads it: at the stages in ``ends`` (first stages for inputs, last for
     targets); elsewhere it may be None. A refusal is posted for the other ranks, which are
     by then waiting for this one."""
-    problem = _batch_problem(rank, name, data, ends, m)
+    problem = _batch_problem(who, name, data, ends, m)
     if problem is not None:
         post_failure(str(problem), root=True)
         raise problem
 
 
-def _batch_problem(rank: int, name: str, data, ends: list[int], m: int) -> Exception | None:
+def _batch_problem(who: str, name: str, data, ends: list[int], m: int) -> Exception | None:
     if data is None:
         if ends:
             return ValueError(
-                f"rank {rank}: {name}=None, but this rank holds stage(s) {ends} which read "
+                f"{who}: {name}=None, but this rank holds stage(s) {ends} which read "
                 f"{name}; pass a list of {m} tensors, one per micro-batch"
             )
         return None
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
-        return TypeError(
-            f"rank {rank}: {name} is a {type(data).__name__}; pass a list of {m} tensors"
-        )
+        return TypeError(f"{who}: {name} is a {type(data).__name__}; pass a list of {m} tensors")
     if len(data) != m:
-        return ValueError(f"rank {rank}: {len(data)} {name} for {m} micro-batches")
+        return ValueError(f"{who}: {len(data)} {name} for {m} micro-batches")
     for mb in range(m) if ends else ():
         if not isinstance(data[mb], torch.Tensor):
             return TypeError(
-                f"rank {rank}: {name}[{mb}] is a {type(data[mb]).__name__}, not a tensor "
+                f"{who}: {name}[{mb}] is a {type(data[mb]).__name__}, not a tensor "
                 f"(stage {ends[0]}, mb {mb}): each micro-batch's {name[:-1]} must be one "
                 "tensor; pack several into one, or unpack them inside the stage module"
             )
@@ -250,9 +276,9 @@ def setting_text(code: int) -> str:
     return repr(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
 
 
-def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> None:
+def refuse_disagreement(who: str, name: str, values: list[int], show=str) -> None:
     """Raise on every rank unless all ranks gathered the same ``values`` of ``name``
-    (``show`` writes a value for the message)."""
+    (``show`` writes a value for the message; ``who`` names this rank: :func:`rank_label`)."""
     if len(set(values)) == 1:
         return
     holders: dict[int, list[int]] = {}
@@ -265,7 +291,7 @@ def refuse_disagreement(rank: int, name: str, values: list[int], show=str) -> No
         if name == "plan"
         else f"pass the same {name}= on every rank"
     )
-    raise PipelineError(f"rank {rank}: ranks disagree on the {name} ({what}); {fix}")
+    raise PipelineError(f"{who}: ranks disagree on the {name} ({what}); {fix}")
 
 
 # what a stage's error says -> why, and the fix, appended to it
@@ -281,3 +307,34 @@ def with_fix(text: str) -> str:
     """``text``, an error a stage raised, with the fix of :data:`KNOWN_FIXES` it matches."""
     fixes = [fix for said, fix in KNOWN_FIXES.items() if said in text]
     return ": ".join([text, *fixes])
+
+
+def why_failed(exc: Exception, action: Action | None, plan: Plan, group=None) -> str:
+    """The reason for the error text of ``action`` (of ``plan``, on the pipeline ``group``);
+    a failed wait on a peer names the root cause the other ranks posted, else the rank
+    waited on."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, StopIteration) and action is not None:  # its text is empty
+        return (
+            f"StopIteration: the data ran out at micro-batch {action.mb} (stage {action.stage}): "
+            f"give {plan.num_microbatches} per call (megatron: each chunk's data_iterator)"
+        )
+    if not is_wait_failure(exc):
+        return with_fix(text)
+    said = "global rank" if _part_of_world(group) else "rank"
+    cause = root_cause(None, name_silent=False, said=said)
+    if cause:
+        return f"{cause}\n  this rank saw: {text}"
+    if action is None:
+        return text
+    placement = plan.placement
+    peer = None
+    if action.op.is_compute:  # the rank of the action's tensor input, if any
+        fed = producers(action, placement, plan.split_backward)
+        peer = next((placement.rank_of(p.stage) for p in fed if carries_tensor(p, action)), None)
+    else:
+        _, src, dst, _ = comm_key(action, placement, plan.split_backward)
+        peer = placement.rank_of(dst if action.op in (Op.SEND_F, Op.SEND_B) else src)
+    if peer is not None:
+        text += f" (waiting on {rank_label(peer, group)}: it may have failed or be stuck)"
+    return text

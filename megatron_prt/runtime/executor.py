@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from ..core.actions import Action, Op
 from ..core.deps import carries_tensor, consumers, producers
-from ..core.lower import comm_key, lower, message_ends, message_key
+from ..core.lower import lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
 from .callbacks import LossFn, StageCallbacks, module_callbacks
-from .errors import PipelineError, is_wait_failure, pipeline_error, root_cause, with_fix
+from .errors import PipelineError, pipeline_error, rank_label, why_failed
 from .memory import ActivationMeter
 from .messages import not_sendable
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
@@ -130,12 +130,13 @@ class PipelineRuntime:
         early_recvs: bool | None = None,
     ) -> None:
         self.rank = dist.get_rank(group)
+        self.who = rank_label(self.rank, group)  # what errors call this rank
         if split_backward:
             plan = split_backward_plan(plan)
         self.plan = plan.compute_only()
         if not self.plan.has_backward:  # step() would train with zero gradients
             raise ValueError(
-                f"rank {self.rank}: the plan has no backward (no B, nor I and W); give the "
+                f"{self.who}: the plan has no backward (no B, nor I and W); give the "
                 "training plan (build_plan, load_plan): step(forward_only=True) runs its "
                 "forwards alone"
             )
@@ -157,7 +158,7 @@ class PipelineRuntime:
         self.variable_shapes = variable_shapes
         self.measure_memory = measure_memory
         self.callbacks = callbacks or module_callbacks(
-            self.stages, loss_fn, self.plan, self.device, self.rank
+            self.stages, loss_fn, self.plan, self.device, self.rank, self.who
         )
         self._buffers = BufferWatch.of(plan.placement, self.stages)  # bi: says drifting ones
         self._memory: ActivationMeter | None = None
@@ -224,7 +225,7 @@ class PipelineRuntime:
         before a zero gradient: their parameters get zeros where the unpipelined model
         leaves ``None`` (the same update for an optimizer without weight decay)."""
         if getattr(self.transport, "closed", False):
-            raise RuntimeError(f"rank {self.rank}: step() after close(); build a new runtime")
+            raise RuntimeError(f"{self.who}: step() after close(); build a new runtime")
         self.callbacks.begin(inputs, targets, forward_only)
         if not forward_only and self._summed_attr is not None:
             self._restart_replica_sums()
@@ -266,7 +267,12 @@ class PipelineRuntime:
             raise
         except Exception as exc:
             raise pipeline_error(
-                lowered, self.rank, step, action, _describe(exc, action, self.plan)
+                lowered,
+                self.rank,
+                step,
+                action,
+                why_failed(exc, action, self.plan, self._group),
+                self.who,
             ) from exc
 
     def reduce_replica_grads(self, grad_attr: str = "grad") -> None:
@@ -566,32 +572,3 @@ class PipelineRuntime:
             self._sends.popleft()
             if free is not None:
                 free_data(free)
-
-
-def _describe(exc: Exception, action: Action | None, plan: Plan) -> str:
-    """The reason for the error text; a failed wait on a peer names the root cause the other
-    ranks posted (:mod:`megatron_prt.runtime.errors`), else the rank waited on."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    if isinstance(exc, StopIteration) and action is not None:  # its text is empty
-        return (
-            f"StopIteration: the data ran out at micro-batch {action.mb} (stage {action.stage}): "
-            f"give {plan.num_microbatches} per call (megatron: each chunk's data_iterator)"
-        )
-    if not is_wait_failure(exc):
-        return with_fix(text)
-    cause = root_cause(None, name_silent=False)
-    if cause:
-        return f"{cause}\n  this rank saw: {text}"
-    if action is None:
-        return text
-    placement = plan.placement
-    peer = None
-    if action.op.is_compute:  # the rank of the action's tensor input, if any
-        fed = producers(action, placement, plan.split_backward)
-        peer = next((placement.rank_of(p.stage) for p in fed if carries_tensor(p, action)), None)
-    else:
-        _, src, dst, _ = comm_key(action, placement, plan.split_backward)
-        peer = placement.rank_of(dst if action.op in (Op.SEND_F, Op.SEND_B) else src)
-    if peer is not None:
-        text += f" (waiting on rank {peer}: it may have failed or be stuck)"
-    return text

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.placement import DIRECTIONS, PLACEMENTS, Placement
-from .errors import PipelineError, collective
+from .errors import PipelineError, collective, rank_label
 from .exchange import gather_ints
 from .p2p import wire_device
 
@@ -66,8 +66,9 @@ def exchange_pairs(
     if beyond:  # a send to a rank the group lacks waits forever, on every backend
         needed = 1 + max(rank_of(s) for s in beyond)
         raise PipelineError(
-            f"rank {rank}: stage(s) {beyond} sit on ranks {sorted({rank_of(s) for s in beyond})}"
-            f", the group has {world} rank(s): the placement is for {needed} pipeline ranks; "
+            f"{rank_label(rank, group)}: stage(s) {beyond} sit on ranks "
+            f"{sorted({rank_of(s) for s in beyond})}, the group has {world} rank(s): the "
+            f"placement is for {needed} pipeline ranks; "
             f"launch one process per pipeline rank (torchrun --nproc-per-node {needed}) or "
             f"pass group= a group of {needed} ranks"
         )
@@ -254,8 +255,8 @@ def check_same_placement(
             holders.setdefault(p, []).append(r)
         what = "; ".join(f"ranks {r} hold {_describe(p)}" for p, r in holders.items())
         raise PipelineError(
-            f"rank {rank}: ranks disagree on the placement ({what}); every rank must pass the "
-            "same P, reuse, placement and direction (--direction uni|bi)"
+            f"{rank_label(rank, group)}: ranks disagree on the placement ({what}); every rank "
+            "must pass the same P, reuse, placement and direction (--direction uni|bi)"
         )
 
 

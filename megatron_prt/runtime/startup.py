@@ -14,6 +14,7 @@ from ..core.plan import Plan
 from .errors import (
     PipelineError,
     digest,
+    rank_label,
     refuse_disagreement,
     setting_code,
     setting_text,
@@ -39,15 +40,16 @@ def check_same_plan(
     raises, naming the ranks that differ."""
     start_generation()  # reports posted before are not this runtime's
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    who = rank_label(rank, group)
     placement = plan.placement
     if world != placement.ranks:
         raise PipelineError(
-            f"rank {rank}: the plan is for P = {placement.ranks} pipeline ranks, the group has "
+            f"{who}: the plan is for P = {placement.ranks} pipeline ranks, the group has "
             f"{world}; build the plan for Placement({world}, ...) or pass group= a group of "
             f"{placement.ranks} ranks"
         )
     if not timeout_s > 0:  # also refuses NaN
-        raise ValueError(f"rank {rank}: timeout_s={timeout_s!r}; pass a positive number of seconds")
+        raise ValueError(f"{who}: timeout_s={timeout_s!r}; pass a positive number of seconds")
     settings = dict(settings or {})
     expected = sorted(placement.rank_stages[rank])
     given = None if stages is None else sorted(stages)
@@ -57,11 +59,11 @@ def check_same_plan(
     values.append(0 if split is None else digest(repr(split)))
     rows = gather_ints(values, "the plan check at start-up", group, timeout_s, device)
     if given not in (None, expected):
-        raise ValueError(f"rank {rank}: stages {given} given, the plan places {expected} here")
+        raise ValueError(f"{who}: stages {given} given, the plan places {expected} here")
     wrong = [r for r, row in enumerate(rows) if row[1]]
     if wrong:
         raise PipelineError(
-            f"rank {rank}: rank(s) {wrong} were given other stages than the plan places there "
+            f"{who}: rank(s) {wrong} were given other stages than the plan places there "
             "(see their errors); pass each rank the stages of build_stages(plan.placement, rank, "
             "...)"
         )
@@ -69,11 +71,11 @@ def check_same_plan(
     columns = {"plan": 0, **{name: 2 + _FIELDS + i for i, name in enumerate(settings)}}
     for name, column in columns.items():
         show = (lambda code: f"{code:016x} ({described[code]})") if name == "plan" else setting_text
-        refuse_disagreement(rank, name, [row[column] for row in rows], show)
-    _refuse_other_splits(rank, split, [row[-1] for row in rows])
+        refuse_disagreement(who, name, [row[column] for row in rows], show)
+    _refuse_other_splits(who, split, [row[-1] for row in rows])
 
 
-def _refuse_other_splits(rank: int, split: tuple | None, codes: list[int]) -> None:
+def _refuse_other_splits(who: str, split: tuple | None, codes: list[int]) -> None:
     """Raise on every rank, those whose stages record no split (0) too, unless all ranks
     that record one hold the same ([Note: every rank builds the same layer split] in
     runtime/stages.py)."""
@@ -83,7 +85,7 @@ def _refuse_other_splits(rank: int, split: tuple | None, codes: list[int]) -> No
     others = [r for r, code in enumerate(codes) if code not in (0, mine)]
     said = "no split" if split is None else f"{','.join(map(str, split))} layers per model stage"
     raise PipelineError(
-        f"rank {rank}: ranks {others} built their stages with another layer split than "
+        f"{who}: ranks {others} built their stages with another layer split than "
         f"this rank's ({said}), so layers would be left out or run twice; pass every rank "
         "the same num_layers and stage_layers (a plan file's: load_plan(path).stage_layers; "
         "megatron: the same --pipeline-reuse-plan / --pipeline-reuse-stage-layers)"

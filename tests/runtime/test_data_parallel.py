@@ -147,6 +147,46 @@ def test_a_ddp_stage_over_several_microbatches_is_refused():
         assert f"rank {rank}: stage" in str(payload) and "no_sync" in str(payload)
 
 
+def _ddp_in_pipelines(rank, world, fault):
+    from torch.nn.parallel import DistributedDataParallel
+
+    pipeline, data = _groups()
+    placement = Placement(P, 1)
+    modules = build_stages(placement, dist.get_rank(pipeline), lambda i: make_layer("mlp", i), 4)
+    wrap = fault == "ddp"
+    stages = {
+        s: DistributedDataParallel(m, process_group=data) if wrap else m for s, m in modules.items()
+    }
+    runtime = PipelineRuntime(
+        build_plan(placement, M), stages, loss_fn, group=pipeline, dtype=torch.float64
+    )
+    xs, ys = _batches(1)
+    inputs = None if fault == "no inputs" else xs[0][dist.get_rank(data)]
+    try:
+        runtime.step(inputs, ys[0][dist.get_rank(data)])
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("fault", ["ddp", "no inputs"])
+def test_errors_in_a_data_parallel_job_name_the_global_rank(fault):
+    """Every pipeline has a rank 0 and a rank 1: in two pipelines of two ranks an error said
+    "rank 1" whether it came from global rank 1 or 3, and a waiting rank named the rank that
+    failed first by its global number as "rank 2"."""
+    results = run_local(4, _ddp_in_pipelines, fault, deadline_s=120)
+    for rank, (status, payload) in enumerate(results):
+        text = str(payload)
+        assert status == "error", text
+        assert f"rank {rank % P} (global rank {rank})" in text.splitlines()[0], text
+        if fault == "ddp":
+            assert f"stage {rank % P} runs in torch's DistributedDataParallel" in text, text
+        elif rank % P:  # waited for its peer, which refused the missing inputs
+            assert "global rank " in text.split("failed first")[0].split("step 0")[1], text
+            assert "inputs=None" in text, text
+        else:
+            assert "inputs=None" in text, text
+
+
 def _fsdp_split(rank, world):
     from torch.distributed.fsdp import fully_shard
 
