@@ -2,12 +2,12 @@
 
 Two figures the simulator reads (:mod:`megatron_prt.sim.cost`), in seconds and bytes:
 
-* a stage-boundary hop, ``p2p_latency + bytes / p2p_bandwidth``: a two-stage pipeline of
-  identity stages (``P=2``, one micro-batch, forward only) is stepped after a barrier and the
-  last rank's step time is the hop plus the runtime's fixed work per step. The median at a
-  small size (4 KiB) is the latency (the fixed work included: a real step pays it too), the
-  slope to the median at the model's message size the inverse bandwidth; with ``p2p_cpu``
-  fitted (below), both ends' CPU is taken out of both hops first (:func:`comm_keys`);
+* a stage-boundary hop, ``p2p_latency + bytes / p2p_bandwidth``: one micro-batch is stepped
+  forward through chains of identity stages on 2 ranks, of 1 hop and of 15, and a hop is the
+  slope of the median step time over the hops (:func:`_hops_seconds`: the step's fixed work
+  is no message's), at a small size (4 KiB) and at the model's message size; the line
+  through the two prices both as timed. With ``p2p_cpu`` fitted (below), both ends' CPU is
+  taken out of both hops first (:func:`comm_keys`);
 * for ``bi``, the replica-gradient sum: :func:`megatron_prt.runtime.replica_timing.
   calibrate_replica_sync` on two ``bi`` runtimes whose stages hold a small and a large
   gradient, giving ``replica_latency``, ``replica_bandwidth`` and ``replica_add_bandwidth``;
@@ -67,31 +67,70 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _hop_seconds(size: int, transport: str, repeats: int) -> float:
-    """Median seconds of one forward-only step of a 2-stage identity pipeline: one hop."""
-    plan = build_plan(Placement(2, 1), 1)
+CHAIN_REUSE = 8  # the long chain: Placement(2, 8), 16 identity stages, 15 hops
+WARM_STEPS = 3  # untimed steps of each chain before any is timed (the first ones run cold)
+
+
+def _chain(size: int, transport: str, reuse: int) -> tuple[PipelineRuntime, list, int]:
+    """A forward-only runtime of one micro-batch through ``2 * reuse`` identity stages on 2
+    ranks (loop: every boundary a hop), its input, and its hop count ``2 * reuse - 1``."""
+    placement = Placement(2, reuse)
     rank, device = dist.get_rank(), _device()
-    stages = {rank: torch.nn.Identity()}
-    shm = max(1 << 20, 4 * size)
-    runtime = PipelineRuntime(  # a loss reading one element: the step is the hop
-        plan,
+    stages = {stage: torch.nn.Identity() for stage in placement.rank_stages[rank]}
+    runtime = PipelineRuntime(  # a loss reading one element: the step is the hops
+        build_plan(placement, 1),
         stages,
         lambda out, _: out.reshape(-1)[:1].sum(),
         device=device,
         transport=transport,
-        shm_capacity=shm,
+        shm_capacity=max(1 << 20, 4 * size),
     )
-    x = [torch.ones(max(1, size // FLOAT), device=device)]
-    spans = []
-    for _ in range(repeats + 1):  # the first step warms the transport up
+    return runtime, [torch.ones(max(1, size // FLOAT), device=device)], 2 * reuse - 1
+
+
+def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[float]:
+    """Seconds of one more hop at each of ``sizes``: the median step time of a chain of 15
+    hops less one of 1, over the 14 hops between (:func:`marginal_hop`). Every chain is
+    stepped :data:`WARM_STEPS` times untimed, then all are timed in shuffled rounds.
+
+    [Note: a hop is what one more message costs] A step pays fixed work once (its set-up,
+    the loss, the barrier's skew: 0.1-0.25 ms on shared memory here), a message 11-43 us:
+    one step's time as the hop charged that fixed work to every message a plan sends (a
+    step of 24 more messages simulated 2.3 ms slower where it ran 0.1 ms slower). And a
+    size timed first, right after its warm-up step, ran 2-35 times slower than when timed
+    again on shared memory, which wrote a hop latency of 2-3 ms in 3 of 5 profiles."""
+    chains = [_chain(size, transport, reuse) for size in sizes for reuse in (1, CHAIN_REUSE)]
+    rank, device = dist.get_rank(), _device()
+    spans: list[list[float]] = [[] for _ in chains]
+
+    def step(k: int) -> float:
+        runtime, x, _ = chains[k]
         dist.barrier()
         start = time.perf_counter()
         runtime.step(x if rank == 0 else None, x if rank == 1 else None, forward_only=True)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the hop has landed, not just been queued
-        spans.append(time.perf_counter() - start)
-    runtime.close()
-    return statistics.median(spans[1:])
+            torch.cuda.synchronize(device)  # the hops have landed, not just been queued
+        return time.perf_counter() - start
+
+    for k in range(len(chains)):
+        for _ in range(WARM_STEPS):
+            step(k)
+    for order in interleaved_rounds(len(chains), repeats):
+        for k in order:
+            spans[k].append(step(k))
+    for runtime, _, _ in chains:
+        runtime.close()
+    medians = [
+        (chain[2], statistics.median(times)) for chain, times in zip(chains, spans, strict=True)
+    ]
+    return [marginal_hop(*medians[i : i + 2]) for i in range(0, len(medians), 2)]
+
+
+def marginal_hop(short: tuple[int, float], long: tuple[int, float]) -> float:
+    """Seconds per hop between two chains of ``(hops, step seconds)``: the slope, not the
+    step time ([Note: a hop is what one more message costs]); never below 0."""
+    (hops_short, short_s), (hops_long, long_s) = short, long
+    return max((long_s - short_s) / (hops_long - hops_short), 0.0)
 
 
 def _replica_runtime(size: int, transport: str) -> PipelineRuntime:
@@ -110,7 +149,8 @@ def _replica_runtime(size: int, transport: str) -> PipelineRuntime:
 
 
 def _worker(rank, world, message_bytes, grad_bytes, transport, repeats, message_cpu):
-    hops = [(b, _hop_seconds(b, transport, repeats)) for b in (SMALL_BYTES, message_bytes)]
+    sizes = (SMALL_BYTES, message_bytes)
+    hops = list(zip(sizes, _hops_seconds(sizes, transport, repeats), strict=True))
     small, large = (_replica_runtime(b, transport) for b in (SMALL_BYTES, grad_bytes))
     replica = calibrate_replica_sync(small, large, repeats)
     small.close()
@@ -360,12 +400,13 @@ def _warn_noisy_hops(hops: list) -> None:
 
 def _hop_line(hops: list, cpu: float) -> dict:
     """``p2p_latency`` and ``p2p_bandwidth`` of the line through the two hops, each less
-    ``2 * cpu`` (never below 0): the small hop's time is the latency (its bytes cost next
-    to nothing; unlike the intercept of the line, noise cannot make it 0 or negative)."""
+    ``2 * cpu`` (never below 0), so that it prices the large hop (the model's message) as
+    timed: the latency is the line's value at 0 bytes, or the small hop's time where the
+    large one timed no slower (noise: the bandwidth is then free)."""
     (b0, t0), (b1, t1) = hops
     small, large = hop_in_flight(t0, cpu), hop_in_flight(t1, cpu)
     slope = max((large - small) / (b1 - b0), 0.0)
-    return {"p2p_latency": small, "p2p_bandwidth": _per_second(slope)}
+    return {"p2p_latency": max(small - b0 * slope, 0.0), "p2p_bandwidth": _per_second(slope)}
 
 
 def _stand_in_cpu(cost: CostModel, timed: list) -> float:

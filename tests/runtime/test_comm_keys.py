@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_prt.core import Placement, build_plan
-from megatron_prt.runtime.comm_timing import comm_keys
+from megatron_prt.runtime.comm_timing import comm_keys, marginal_hop
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
 
@@ -36,20 +36,39 @@ def test_the_fitted_cpu_comes_out_of_the_hop(in_flight, cpu):
     assert keys["p2p_bandwidth"] is None
 
 
+def _priced(keys: dict, size: int) -> float:
+    return keys["p2p_latency"] + size / keys["p2p_bandwidth"]
+
+
 def test_the_line_is_the_hops_less_the_cpu():
     stand_in = _stand_in(0.1, 0.2)
     hops = [(4096, 0.5), (BYTES + 4096, 0.5 + BYTES * 1e-6)]
     keys = comm_keys(hops, REPLICA, stand_in)
-    assert keys["p2p_latency"] == pytest.approx(0.5 - 2 * keys["p2p_cpu"])
+    cpu = keys["p2p_cpu"]
     assert keys["p2p_bandwidth"] == pytest.approx(1e6)
+    for size, seconds in hops:
+        assert _priced(keys, size) == pytest.approx(seconds - 2 * cpu)
 
 
-def test_without_the_cpu_fit_the_hops_are_taken_as_timed():
+def test_without_the_cpu_fit_the_line_prices_both_hops_as_timed():
+    """The small hop's time was the latency, so the model's message (the large hop) was
+    priced at its time plus the small one's bytes over the bandwidth: 16% over the timed
+    hop for a 16 KiB message."""
     hops = [(4096, 0.5), (BYTES + 4096, 0.5 + BYTES * 1e-6)]
     keys = comm_keys(hops, REPLICA, None)
     assert "p2p_cpu" not in keys
-    assert keys["p2p_latency"] == 0.5 and keys["p2p_bandwidth"] == pytest.approx(1e6)
+    for size, seconds in hops:
+        assert _priced(keys, size) == pytest.approx(seconds)
     assert keys["replica_latency"] == 0.5 and keys["replica_add_bandwidth"] is None
+    keys = comm_keys([(4096, 1.0), (8192, 5.0)], REPLICA, None)  # the line crosses 0 above
+    assert keys["p2p_latency"] == 0.0  # 0 bytes: never below 0
+
+
+def test_a_hop_is_the_slope_of_step_time_over_hops():
+    """[Note: a hop is what one more message costs]: a step's fixed work, paid once, is not
+    a message's."""
+    assert marginal_hop((1, 0.25), (15, 0.25 + 14 * 0.03)) == pytest.approx(0.03)
+    assert marginal_hop((1, 0.25), (15, 0.2)) == 0.0  # noise: never below 0
 
 
 def test_a_large_hop_timed_faster_than_a_small_one_is_said():
