@@ -124,8 +124,10 @@ def cost_flags(p: argparse.ArgumentParser) -> None:
         "--replica-sync-time",
         type=non_negative_float,
         default=None,
-        help="bi: time two mirrored ranks take to exchange and sum their replica gradients "
-        "after the step (the cost file's replica_latency; default 0)",
+        help="bi: the fixed part of the time two mirrored ranks take to exchange and sum "
+        "their replica gradients after the step (the cost file's replica_latency; default "
+        "0); the cost file's replica_bandwidth and replica_add_bandwidth, where it gives "
+        "them, add their bytes' time to it",
     )
     g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
     recompute_flags(g)

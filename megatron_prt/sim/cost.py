@@ -160,14 +160,14 @@ class CostModel:
     model: dict | None = field(default=None, compare=False)  # the shape measured, not priced
 
     def __post_init__(self) -> None:
-        for name in _NON_NEGATIVE:
-            if getattr(self, name) < 0:
+        for name in _NON_NEGATIVE:  # `not >=`: NaN is refused too
+            if not getattr(self, name) >= 0:
                 raise ConfigError(f"cost {name} must be >= 0, got {getattr(self, name)}")
-        if self.grad_bytes is not None and self.grad_bytes < 0:
+        if self.grad_bytes is not None and not self.grad_bytes >= 0:
             raise ConfigError(f"cost grad_bytes must be >= 0, got {self.grad_bytes}")
         for name in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"cost {name} must be > 0")
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"cost {name} must be > 0, got {getattr(self, name)}")
         for name in ("wgrad_fraction", "wgrad_keep_fraction"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
@@ -175,6 +175,19 @@ class CostModel:
         if self.stage_layers:  # the depth is checked where it is known: layer_counts
             check_stage_layers(self.stage_layers, len(self.layers))
         self._check_recompute()
+
+    def _check_some_compute(self) -> None:
+        """Refuse costs read from a file whose every compute time is 0: every plan then
+        takes no time, and the ranking is the tie rule's alone (the fits scale the compute
+        to 0 on purpose: only :meth:`from_dict` asks)."""
+        parts = [*self.layers, self.embedding, self.head] if self.layers else []
+        times = [t for part in parts if part is not None for t in (part.fwd, part.bwd)]
+        if not any(times or (self.fwd_time, self.bwd_time)):
+            raise ConfigError(
+                "the costs give every stage zero time (every forward and backward time is "
+                "0), so every plan takes none; give measured times (`megatron-prt profile` "
+                "writes them)"
+            )
 
     def _check_recompute(self) -> None:
         check_recompute(
@@ -544,7 +557,9 @@ class CostModel:
         for key in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
             if data.get(key) is None:  # null: free
                 data.pop(key, None)
-        return cls(**data)
+        model = cls(**data)
+        model._check_some_compute()
+        return model
 
     @classmethod
     def load(cls, path: str) -> CostModel:

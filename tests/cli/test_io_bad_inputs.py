@@ -121,6 +121,11 @@ CLI_CASES = {
         {"fwd_time": 0, "bwd_time": 0},
         "the costs give every stage zero time",
     ),
+    "tune: per-layer costs of zero time": (  # 30 plans ranked, all at time 0
+        ["tune", "--pp", 2, "-m", 4, "--costs", "COSTS"],
+        {"layers": [{"fwd": 0.0, "bwd": 0.0, "act": 8.0, "param": 4.0}] * 4},
+        "the costs give every stage zero time",
+    ),
     "plan: -o is a directory": (
         ["plan", "--pp", 2, "-m", 4, "-o", "DIR"],
         None,

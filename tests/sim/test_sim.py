@@ -76,3 +76,15 @@ def test_message_cpu_cost_is_charged_to_both_ends():
     # a wave turn is a same-rank hand-off: no message, no cpu charge at the turn
     wave = simulate(build_plan(Placement(1, 2, "wave"), 1), cost)
     assert wave.makespan == pytest.approx(6)
+
+
+@pytest.mark.parametrize(
+    "field", ["replica_latency", "p2p_latency", "p2p_cpu", "message_bytes", "p2p_bandwidth"]
+)
+def test_a_cost_of_nan_is_refused(field):
+    """A NaN passed every `< 0` check: replica_latency=NaN simulated as 0 without a word,
+    others failed in the tick conversion ("cannot convert float NaN to integer")."""
+    from megatron_prt.core.placement import ConfigError
+
+    with pytest.raises(ConfigError, match=f"cost {field} must be"):
+        CostModel(**{field: float("nan")})
