@@ -336,5 +336,8 @@ def why_failed(exc: Exception, action: Action | None, plan: Plan, group=None) ->
         _, src, dst, _ = comm_key(action, placement, plan.split_backward)
         peer = placement.rank_of(dst if action.op in (Op.SEND_F, Op.SEND_B) else src)
     if peer is not None:
-        text += f" (waiting on {rank_label(peer, group)}: it may have failed or be stuck)"
+        text += (
+            f" (waiting on {rank_label(peer, group)}: it may have failed or be stuck, or run "
+            "another step: every rank calls step() alike, with the same forward_only)"
+        )
     return text

@@ -48,7 +48,7 @@ from ..core.validate import validate
 from .callbacks import LossFn, StageCallbacks, module_callbacks
 from .errors import PipelineError, pipeline_error, rank_label, why_failed
 from .memory import ActivationMeter
-from .messages import not_sendable
+from .messages import not_sendable, step_stamp
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import ShmTransport
 from .program import Compute, free_data, is_recv
@@ -161,6 +161,7 @@ class PipelineRuntime:
             self.stages, loss_fn, self.plan, self.device, self.rank, self.who
         )
         self._buffers = BufferWatch.of(plan.placement, self.stages)  # bi: says drifting ones
+        self._steps_begun, self._failed = 0, None  # see [Note: every message carries its step]
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -226,12 +227,15 @@ class PipelineRuntime:
         leaves ``None`` (the same update for an optimizer without weight decay)."""
         if getattr(self.transport, "closed", False):
             raise RuntimeError(f"{self.who}: step() after close(); build a new runtime")
+        self._refuse_after_failure("step()")
         self.callbacks.begin(inputs, targets, forward_only)
         if not forward_only and self._summed_attr is not None:
             self._restart_replica_sums()
         watch, self._buffers = (None, self._buffers) if forward_only else (self._buffers, None)
         if watch is not None:  # the first training step's changes to bi buffers
             watch.begin()
+        self.transport.stamp = step_stamp(self._steps_begun, forward_only)
+        self._steps_begun += 1
         self._run(forward_only)
         if watch is not None:
             watch.check()
@@ -243,7 +247,18 @@ class PipelineRuntime:
         """Build the shared-memory rings once, after the first step (or before the first
         replica sum); see :mod:`megatron_prt.runtime.rings`. Collective."""
         if self._sizing is not None:
+            stamp = self.transport.stamp
             self.transport, self._sizing = sized_shm(self, self._sizing), None
+            self.transport.stamp = stamp
+
+    def _refuse_after_failure(self, call: str) -> None:
+        """A step that failed may have left messages unread or read the peers' next ones:
+        none of its runtime's later calls could trust their pairing."""
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{self.who}: {call} after a failed step ({self._failed}); build a new "
+                "runtime (every rank: messages of the failed step may be left unread)"
+            )
 
     def _run(self, forward_only: bool) -> None:
         """Run this rank's program once: each entry's handler on its precomputed operand."""
@@ -263,9 +278,10 @@ class PipelineRuntime:
                         self.spans.append((action, self._ready_at - t0, end - t0))
                     self._reap_sends(block=False)
             self._reap_sends(block=True)
-        except PipelineError:
-            raise
         except Exception as exc:
+            self._failed = f"{type(exc).__name__} at step index {step}"
+            if isinstance(exc, PipelineError):
+                raise
             raise pipeline_error(
                 lowered,
                 self.rank,
@@ -284,6 +300,7 @@ class PipelineRuntime:
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
         if self._summed_attr == grad_attr:  # no training step since the last sum
             return
+        self._refuse_after_failure("reduce_replica_grads()")
         placement = self.plan.placement
         self._size_rings()
         if isinstance(self.transport, ShmTransport):

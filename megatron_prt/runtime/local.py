@@ -104,7 +104,7 @@ def run_local(
         except Exception:
             pass
         for rank, p in enumerate(procs):
-            p.join(timeout=5 if rank in results else 0)
+            p.join(timeout=30 if rank in results else 0)  # ending its children takes time
             if p.is_alive():
                 p.kill()
                 p.join()

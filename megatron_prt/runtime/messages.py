@@ -48,3 +48,31 @@ def not_sendable(where: str, tensor: object, dtype: torch.dtype | None) -> TypeE
         f"PipelineRuntime(..., dtype={tensor.dtype}) (megatron: TransformerConfig."
         f"pipeline_dtype) or cast the model to {dtype}"
     )
+
+
+# [Note: every message carries its step] Messages between two ranks are matched by their
+# order alone: ranks that disagree on a step (one calls step(forward_only=True) where its
+# peer trains, or calls step() once more) leave messages one of them never reads, and the
+# next steps read them as their own, training on another step's gradients without a word
+# (1.5-1.8 relative off). So every message carries its step's stamp, the count of steps
+# this runtime began and whether the step is forward-only; the shared-memory transport
+# refuses one of another stamp when it hands it to a receive, the torch transport sends it
+# as the message tag, so no receive of another step can match it (the wait times out).
+def step_stamp(steps_begun: int, forward_only: bool) -> int:
+    """The stamp of the step after ``steps_begun`` earlier ones: below 2**31 (a tag)."""
+    return (2 * steps_begun + int(forward_only)) % (1 << 31)
+
+
+def other_step(src: int, theirs: int, mine: int) -> RuntimeError:
+    """The error for a message of stamp ``theirs`` from rank ``src`` received in a step of
+    stamp ``mine`` ([Note: every message carries its step])."""
+
+    def said(stamp: int) -> str:
+        kind = "forward-only" if stamp & 1 else "training"
+        return f"step {stamp // 2 + 1} ({kind})"
+
+    return RuntimeError(
+        f"a message from rank {src} belongs to its {said(theirs)}, this rank runs its "
+        f"{said(mine)}: every rank must call step() alike (the same forward_only, the same "
+        "number of times) and build a new runtime after a failed step"
+    )

@@ -51,7 +51,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 import torch.distributed as dist
 
-from .messages import check_edge_shape, message_not_sendable
+from .messages import check_edge_shape, message_not_sendable, other_step
 
 _HEADER_LEN = 9  # ndim (and dtype code << 8) + up to 8 dims
 _DTYPES = [  # dtypes a message may carry, by code (headers, ring messages)
@@ -77,11 +77,12 @@ def wire_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.
 class _Handle:
     """Completion of one message; ``tensor`` is the received data (recv handles)."""
 
-    __slots__ = ("keep", "peer", "tensor", "work")
+    __slots__ = ("keep", "peer", "stamp", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor | None = None, keep: object = None):
         self.tensor, self.keep, self.work = tensor, keep, None
         self.peer: int | None = None  # shared memory: the rank a receive drains from
+        self.stamp = 0  # shared memory: the step stamp a receive takes
 
 
 class TorchTransport:
@@ -124,6 +125,7 @@ class TorchTransport:
         # microseconds a message on the critical path of every hop.
         self._pg = dist.group.WORLD if group is None else group
         self.closed = False
+        self.stamp = 0  # the running step's ([Note: every message carries its step])
 
     def _global_rank(self, rank: int) -> int:
         """The global rank of ``group``'s ``rank`` (what dist.P2POp and dist.irecv take)."""
@@ -162,7 +164,8 @@ class TorchTransport:
         if not self.knows(key):  # first message on this edge (or any, if shapes vary)
             self.flush()
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
-            dist.irecv(header, self._global_rank(peer), self.group).wait(self.timeout)
+            peer_rank = self._global_rank(peer)
+            dist.irecv(header, peer_rank, self.group, tag=self.stamp).wait(self.timeout)
             ndim, code = int(header[0]) & 0xFF, int(header[0]) >> 8
             shape = torch.Size(int(d) for d in header[1 : 1 + ndim])
             self._learn(edge, shape, _DTYPES[code] if self.dtype is None else self.dtype)
@@ -188,8 +191,9 @@ class TorchTransport:
                     tensor,
                     self._global_rank(peer),
                     self.group,
+                    tag,
                 )
-                for is_send, tensor, peer in self._ops
+                for is_send, tensor, peer, tag in self._ops
             ]
             works = dist.batch_isend_irecv(ops)
             if len(works) != len(ops):  # coalesced: one work for the whole batch
@@ -200,11 +204,12 @@ class TorchTransport:
             handle.work = work
         self._ops, self._handles = [], []
 
-    def _start(self, is_send: bool, tensor: torch.Tensor, peer: int) -> dist.Work:
-        """Post one queued message (unbatched) on the process group."""
+    def _start(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post one queued message (unbatched) on the process group; its tag is its step's
+        stamp ([Note: every message carries its step] in :mod:`.messages`)."""
         if tensor.is_complex():  # as dist.isend / dist.irecv pass it
             tensor = torch.view_as_real(tensor)
-        return (self._pg.send if is_send else self._pg.recv)([tensor], peer, 0)
+        return (self._pg.send if is_send else self._pg.recv)([tensor], peer, tag)
 
     def is_completed(self, handle: _Handle) -> bool:
         return handle.work.is_completed()
@@ -220,7 +225,7 @@ class TorchTransport:
 
     def _queue(self, is_send: bool, tensor: torch.Tensor, peer: int, handle: _Handle) -> None:
         """Queue a message to or from ``peer`` (its rank in ``group``) for :meth:`flush`."""
-        self._ops.append((is_send, tensor, peer))
+        self._ops.append((is_send, tensor, peer, self.stamp))
         self._handles.append(handle)
 
     def _header(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -302,7 +307,7 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
-_MSG = struct.Struct("<11q")  # payload bytes, dtype code, ndim, 8 dims
+_MSG = struct.Struct("<12q")  # payload bytes, dtype code, ndim, 8 dims, step stamp
 _CURSORS = struct.Struct("<2q")  # write, read
 _CURSOR = struct.Struct("<q")
 _CAPACITY_AT = 16  # the ring's data bytes, written by its creator (the receiver)
@@ -360,20 +365,29 @@ class _Ring:
         self._copy_in(pos + len(header), payload)
         _CURSOR.pack_into(self.buf, 0, pos + message_bytes(len(payload)))
 
-    def read(self) -> torch.Tensor:
+    def read(self) -> tuple[int, torch.Tensor]:
+        """The next message: (its step stamp, its tensor)."""
         pos = self.cursors()[1]
         header = bytearray(_MSG.size)
         self._copy_out(pos, memoryview(header))
-        nbytes, code, ndim, *dims = _MSG.unpack(header)
+        nbytes, code, ndim, *dims, stamp = _MSG.unpack(header)
         out = torch.empty(nbytes, dtype=torch.uint8)
         self._copy_out(pos + _MSG.size, memoryview(out.numpy()))
         _CURSOR.pack_into(self.buf, 8, pos + message_bytes(nbytes))
-        return out.view(_DTYPES[code]).view(dims[:ndim])
+        return stamp, out.view(_DTYPES[code]).view(dims[:ndim])
 
 
 def message_bytes(payload: int) -> int:
     """Ring bytes one message of ``payload`` bytes takes (header, 8-byte aligned data)."""
     return _MSG.size + (payload + 7) // 8 * 8
+
+
+def _own(src: int, stamp: int, tensor: torch.Tensor, handle: _Handle) -> torch.Tensor:
+    """``tensor`` for ``handle``'s receive, unless its step is another ([Note: every message
+    carries its step] in :mod:`.messages`)."""
+    if stamp != handle.stamp:
+        raise other_step(src, stamp, handle.stamp)
+    return tensor
 
 
 class ShmTransport:
@@ -401,6 +415,7 @@ class ShmTransport:
         self.shm_capacity = capacity if isinstance(capacity, int) else None  # for errors
         self.device = torch.device(device)
         self.closed = False
+        self.stamp = 0  # the running step's ([Note: every message carries its step])
         me = dist.get_rank(group)
         senders, receivers = peers
         sizes = {src: capacity if isinstance(capacity, int) else capacity[src] for src in senders}
@@ -473,17 +488,18 @@ class ShmTransport:
             )
         self._spin(lambda: ring.free_space() >= need, f"rank {dst} to make room", dst)
         dims = list(tensor.shape) + [0] * (8 - tensor.dim())
-        header = _MSG.pack(len(payload), _DTYPES.index(tensor.dtype), tensor.dim(), *dims)
+        code = _DTYPES.index(tensor.dtype)
+        header = _MSG.pack(len(payload), code, tensor.dim(), *dims, self.stamp)
         ring.write(header, payload)
         return _Handle(keep=None)
 
     def recv(self, key: tuple) -> _Handle:
         src = self.rank_of_stage(key[1])
         handle = _Handle()
-        handle.peer = src
+        handle.peer, handle.stamp = src, self.stamp
         _, pending, early = self._in[src]
         if early:  # drained while this rank waited (then no receive was pending)
-            handle.tensor = early.popleft()
+            handle.tensor = _own(src, *early.popleft(), handle)
             return handle
         pending.append(handle)
         self._drain(src)
@@ -527,11 +543,12 @@ class ShmTransport:
         (``every``: all of them, the rest kept for their receives)."""
         ring, pending, early = self._in[src]
         while (pending or every) and ring.available():
-            tensor = ring.read().to(self.device)
+            stamp, tensor = ring.read()
             if pending:
-                pending.popleft().tensor = tensor
+                handle = pending.popleft()
+                handle.tensor = _own(src, stamp, tensor.to(self.device), handle)
             else:
-                early.append(tensor)
+                early.append((stamp, tensor.to(self.device)))
 
     def _spin(self, ready: Callable[[], bool], what: str, peer: int) -> None:
         """Poll ``ready``: yield the core for the first ~2 ms (a rank waiting for a peer has

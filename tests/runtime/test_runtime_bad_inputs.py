@@ -3,6 +3,7 @@ problem (checked per rank) or in the right result, within the run's deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -170,6 +171,33 @@ def _after_close(rank, world):
     rt, _ = runtime(rank, world, transport="shm")
     rt.close()
     return rt.step(*batch("mlp", 4))
+
+
+def _steps_disagree(transport):
+    """Rank 0 evaluates where rank 1 trains (a rank-local condition), then both train: with
+    R = 1 both finished that step and rank 0 read rank 1's unread gradients as its next
+    step's, 1.5-1.8 relative off, without a word."""
+
+    def body(rank, world):
+        placement = Placement(world, 1)
+        rt, _ = runtime(rank, world, transport=transport, placement=placement, timeout_s=TIMEOUT_S)
+        rt.step(*batch("mlp", 4))
+        rt.step(*batch("mlp", 4), forward_only=rank == 0)
+        return [rt.step(*batch("mlp", 4)) for _ in range(2)]
+
+    return body
+
+
+def _step_after_a_failed_step(rank, world):
+    """A caught step failure, then the same runtime stepped again: messages the failed
+    step left in the rings were read by the next step (losses 3.4e-3 off on shared memory)."""
+    from megatron_prt.runtime.errors import PipelineError
+
+    rt, _ = runtime(rank, world, transport="shm", timeout_s=TIMEOUT_S)
+    inputs, targets = batch("mlp", 4)
+    with contextlib.suppress(PipelineError):  # rank 1's loss fails: rank 0 stops waiting
+        rt.step(inputs, [t[:, :3] for t in targets] if rank == world - 1 else targets)
+    return rt.step(inputs, targets)
 
 
 def _stall(rank, world):
@@ -372,6 +400,13 @@ ERROR_CASES = {
         {},
     ),
     "step-after-close": (_after_close, ["step() after close(); build a new runtime"], {}),
+    "steps-disagree-shm": (_steps_disagree("shm"), ["every rank must call step() alike"], {}),
+    "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),
+    "step-after-a-failed-step": (
+        _step_after_a_failed_step,
+        ["step() after a failed step", "build a new runtime"],
+        {},
+    ),
     "killed-mid-step-shm": (_killed_mid_step("shm"), ["rank 1", "exited while"], {}),
     "killed-mid-step-torch": (_killed_mid_step("torch"), ["waiting on rank 1"], {}),
 }
