@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -97,9 +98,11 @@ def run_local(
         for p in procs:
             p.start()
         results: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + deadline_s  # for the whole run, not each report
         try:
             while not wait_for <= set(results):
-                rank, status, payload = queue.get(timeout=deadline_s)
+                left = max(deadline - time.monotonic(), 0.001)
+                rank, status, payload = queue.get(timeout=left)
                 results[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
         except Exception:
             pass

@@ -91,11 +91,15 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
         hosts: list = [None] * dist.get_world_size(group)
         with collective("the transport set-up", group):
             dist.all_gather_object(hosts, (socket.gethostname(), shm_free_bytes()), group)
-    if kind == "auto":
+    if kind != "torch":
         # The ring publishes a message with a plain store after the copy; only x86's
         # store order makes that safe without a fence, so elsewhere auto means torch.
+        names = sorted({h for h, _ in hosts})
+        same_host = len(names) == 1 and platform.machine() in _TSO_MACHINES
+        if kind == "shm" and not same_host:
+            raise PipelineError(_no_shm_here(runtime.who, names))
+    if kind == "auto":
         staged = runtime.device.type == "cpu" or dist.get_backend(group) == "gloo"
-        same_host = len({h for h, _ in hosts}) == 1 and platform.machine() in _TSO_MACHINES
         kind = "auto" if staged and same_host else "torch"
     if kind == "torch":
         return _torch(runtime, runtime.dtype), None
@@ -110,6 +114,19 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
         raise PipelineError(shm_too_small(runtime.rank, need, free, shm_capacity))
     _fall_back(runtime.rank, need, free)
     return _torch(runtime, runtime.dtype), None
+
+
+def _no_shm_here(who: str, hosts: list[str]) -> str:
+    """Why an explicit ``transport='shm'`` cannot run: ranks on several hosts (no segment
+    to attach: an unclear FileNotFoundError), or a host whose stores may be seen out of
+    order (the ring could hand out a message before its bytes: silently wrong data)."""
+    if len(hosts) > 1:
+        why = f"every rank on one host; the ranks run on {len(hosts)} hosts ({', '.join(hosts)})"
+    else:
+        why = (
+            f"an x86 host (its rings rely on x86's store order); this host is {platform.machine()}"
+        )
+    return f"{who}: transport='shm' needs {why}: pass transport='auto' or 'torch'"
 
 
 def sized_shm(runtime, kind: str):

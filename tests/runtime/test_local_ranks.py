@@ -71,3 +71,21 @@ def test_a_rank_leaves_no_process_behind():
     megatron checkpoint in a test left its writer's Manager server (some 270 MB) running."""
     pids = all_ok(run_local(2, _start_a_child, deadline_s=120))
     assert not [pid for pid in pids if _alive(pid)], pids
+
+
+def _late_and_hung(rank, world):
+    import time
+
+    time.sleep(2.5 if rank == 0 else 120)  # rank 0 reports late, rank 1 never
+    return rank
+
+
+def test_the_deadline_bounds_the_whole_run():
+    """Each report got the whole deadline: a rank reporting just before it let a hung peer
+    run a second deadline (3 s given, 5.5 s here; up to world x the deadline)."""
+    import time
+
+    start = time.monotonic()
+    results = run_local(2, _late_and_hung, deadline_s=3)
+    assert results == [("ok", 0), ("killed", None)]
+    assert time.monotonic() - start < 5.0

@@ -200,6 +200,15 @@ def _step_after_a_failed_step(rank, world):
     return rt.step(inputs, targets)
 
 
+def _shm_off_x86(rank, world):
+    """transport='shm' asked for by name skipped auto's host checks: on aarch64 the rings,
+    which rely on x86's store order, ran (possibly handing out torn messages)."""
+    import platform
+
+    platform.machine = lambda: "aarch64"  # this rank's process only
+    return _step(rank, world, transport="shm")
+
+
 def _stall(rank, world):
     rt, _ = runtime(rank, world, timeout_s=TIMEOUT_S)
     if rank == 1:
@@ -400,6 +409,7 @@ ERROR_CASES = {
         {},
     ),
     "step-after-close": (_after_close, ["step() after close(); build a new runtime"], {}),
+    "shm-off-x86": (_shm_off_x86, ["transport='shm' needs an x86 host", "aarch64"], {}),
     "steps-disagree-shm": (_steps_disagree("shm"), ["every rank must call step() alike"], {}),
     "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),
     "step-after-a-failed-step": (
