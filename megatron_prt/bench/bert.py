@@ -218,6 +218,15 @@ def _row_cells(row: dict) -> tuple:
     )
 
 
+def _stage_md(costs: dict) -> str:
+    """The work each stage's step adds, where the costs give it ([Note: every stage pays
+    its step's work] in sim/cost.py)."""
+    stage = costs.get("stage")
+    if stage is None:
+        return ""
+    return f"each stage's step {stage['fwd'] * 1e3:.3f} / {stage['bwd'] * 1e3:.3f} ms; "
+
+
 def costs_md(args, summary: dict) -> str:
     costs = summary["costs"]
     layers = costs["layers"]
@@ -228,7 +237,8 @@ def costs_md(args, summary: dict) -> str:
         f"forward {fwd * 1e3:.3f} ms, backward {bwd * 1e3:.3f} ms (mean of {len(layers)}); "
         f"embedding {costs['embedding']['fwd'] * 1e3:.3f} / {costs['embedding']['bwd'] * 1e3:.3f}"
         f" ms; head (LM head, binary head, losses) {costs['head']['fwd'] * 1e3:.3f} / "
-        f"{costs['head']['bwd'] * 1e3:.3f} ms; whole model {costs['fwd_time'] * 1e3:.2f} / "
+        f"{costs['head']['bwd'] * 1e3:.3f} ms; {_stage_md(costs)}whole model "
+        f"{costs['fwd_time'] * 1e3:.2f} / "
         f"{costs['bwd_time'] * 1e3:.2f} ms. Per message ({costs['message_bytes'] / 1024:.0f} "
         f"KiB, shared memory, measured in the launch): {wire_md(summary['wire'])}. "
         "Replica-gradient sum (bi), timed in the launch on the "

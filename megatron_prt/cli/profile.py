@@ -189,8 +189,9 @@ def _measure_comm(args: argparse.Namespace, costs: dict) -> dict:
 
 
 def format_summary(costs: dict) -> str:
-    """Embedding, layers (one row each up to :data:`LAYER_ROWS`, else their mean), head
-    and the whole model; times in ms, sizes in MiB."""
+    """Embedding, layers (one row each up to :data:`LAYER_ROWS`, else their mean), head,
+    the work every stage's step adds and the whole model (one pass: that work once); times
+    in ms, sizes in MiB."""
     layers = costs["layers"]
     if len(layers) <= LAYER_ROWS:
         rows = [(f"layer {i}", layer) for i, layer in enumerate(layers)]
@@ -198,6 +199,8 @@ def format_summary(costs: dict) -> str:
         mean = {key: sum(layer[key] for layer in layers) / len(layers) for key in layers[0]}
         rows = [(f"layer x{len(layers)}", mean)]
     rows = [("embedding", costs["embedding"]), *rows, ("head", costs["head"])]
+    if "stage" in costs:  # [Note: every stage pays its step's work] in sim/cost.py
+        rows.append(("each stage", costs["stage"]))
     total = {
         "fwd": costs["fwd_time"],
         "bwd": costs["bwd_time"],
@@ -217,8 +220,11 @@ def format_summary(costs: dict) -> str:
         )
     if "split_bwd" in layers[0]:  # the split form's own costs, summed over the parts
         parts = [costs["embedding"], *layers, costs["head"]]
+        stage = costs.get("stage", {})  # the same in the split form, no W
+        step_work = {"split_fwd": stage.get("fwd", 0.0), "split_bwd": stage.get("bwd", 0.0)}
         fwd, bwd, w = (
-            sum(part[key] for part in parts) for key in ("split_fwd", "split_bwd", "wgrad")
+            sum(part[key] for part in parts) + step_work.get(key, 0.0)
+            for key in ("split_fwd", "split_bwd", "wgrad")
         )
         lines.append(
             f"split backward: fwd {fwd * 1e3:.3f} ms, I + W {bwd * 1e3:.3f} ms of which W "

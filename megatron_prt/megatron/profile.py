@@ -11,7 +11,7 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
 
     {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes,
                  "split_fwd": s, "split_bwd": s, "wgrad": s}, ...],
-     "embedding": {...the same keys}, "head": {...},
+     "embedding": {...the same keys}, "head": {...}, "stage": {"fwd": s, "bwd": s, ...},
      "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
      "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes,
      "model": {"model": kind, "hidden_size": ..., "seq_length": ..., ...}}
@@ -20,7 +20,10 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
   hooks at the part boundaries (forward hooks on the embedding and the layers; gradient
   hooks on their outputs), so the parts add up to the whole pass. A layer's forward runs
   from its start to the next layer's start; the head's from the last layer's end to the
-  loss; the embedding's includes megatron's forward_step overhead before the first layer.
+  loss. ``stage``: what a middle chunk of one layer spends outside it in megatron's
+  ``forward_step`` and its backward, the work every pipeline stage's step adds; taken out
+  of the embedding's forward and the head's backward, where the one pass profiled put it
+  ([Note: every stage pays its step's work] in :mod:`megatron_prt.sim.cost`).
 * ``split_fwd`` / ``split_bwd`` / ``wgrad`` (unless ``split_backward=False``): the same
   passes in the split form, megatron's linear layers split-capable: the forward, I + W and
   W (each part's deferred weight GEMMs applied on their own), the split form's own costs
@@ -82,7 +85,7 @@ from .pretrain import (
     random_batch,
     transformer_config,
 )
-from .profile_passes import Parts, Progress, block_checkpoints, time_passes
+from .profile_passes import Parts, Progress, block_checkpoints, time_passes, time_stage_work
 
 KINDS = ("gpt", "bert")
 DTYPES = {
@@ -193,10 +196,12 @@ def profile_model(
             _add_split_form(costs, build, kind, config(), shape, reps, say)
         if recompute_granularity is not None:
             _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
+        stage = _stage_work(build, kind, config(num_layers=1), shape, reps, say)
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
+    _take_stage_work(costs["embedding"], costs["head"], stage)
     result = _with_totals(
-        _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes
+        _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes, stage
     )
     result["model"] = _shape(kind, sizes, dtype, transformer_impl, device)
     if recompute_granularity is not None:
@@ -347,12 +352,57 @@ def _check_model_options(recompute: tuple, transformer_impl: str, device: str) -
         check_transformer_engine()
 
 
-def _with_totals(layers: list[dict], embedding: dict, head: dict, message_bytes: int) -> dict:
-    parts = [*layers, embedding, head]
+def _stage_work(build: Callable, kind: str, config, shape: tuple, reps: int, say) -> dict:
+    """The cost file's ``stage`` entry: what a middle chunk of one layer spends outside it
+    in megatron's ``forward_step`` and its backward, timed as the pipeline runs a stage; the
+    same work is taken out of the embedding's forward and the head's backward by
+    :func:`_take_stage_work` ([Note: every stage pays its step's work] in
+    :mod:`megatron_prt.sim.cost`)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    seq_length, micro_batch_size, vocab_size, device = shape
+    model = build(config, vocab_size, seq_length, pre_process=False, post_process=False)
+    model.to(device=device, dtype=config.params_dtype)
+    on = torch.device(device)
+
+    batch = random_batch(vocab_size, micro_batch_size, seq_length, device=on)  # the loader's
+
+    def step(chunk, hidden):
+        step_fn = partial(_model_step, kind)
+        out, _ = schedules.forward_step(
+            step_fn, iter([batch]), chunk, 1, hidden, [], config, 1, is_last_stage=False
+        )
+        return out
+
+    size = (seq_length, micro_batch_size, config.hidden_size)
+    hidden = torch.randn(size, device=on, dtype=config.params_dtype)
+    say(f"timing a middle stage's step work ({reps} passes)")
+    fwd, bwd = time_stage_work(model, kind, step, hidden, reps)
+    return {"fwd": fwd, "bwd": bwd, "act": 0.0, "param": 0.0, "grad": 0.0, "wgrad": 0.0}
+
+
+def _take_stage_work(embedding: dict, head: dict, stage: dict) -> None:
+    """Take ``stage``'s work out of the embedding's forward and the head's backward, where
+    the one profiled pass put it (at most what they hold)."""
+    for part, keys, work in ((embedding, ("fwd", "split_fwd"), stage["fwd"]),
+                             (head, ("bwd", "split_bwd"), stage["bwd"])):  # fmt: skip
+        for key in keys:
+            if key in part:
+                part[key] -= min(part[key], work)
+    if "wgrad" in head and "split_bwd" in head:
+        head["wgrad"] = min(head["wgrad"], head["split_bwd"])
+
+
+def _with_totals(
+    layers: list[dict], embedding: dict, head: dict, message_bytes: int, stage: dict
+) -> dict:
+    """The cost file: the parts, and the whole pass's totals (one step: ``stage`` once)."""
+    parts = [*layers, embedding, head, stage]
     return {
         "layers": layers,
         "embedding": embedding,
         "head": head,
+        "stage": stage,
         "message_bytes": message_bytes,
         "fwd_time": sum(p["fwd"] for p in parts),
         "bwd_time": sum(p["bwd"] for p in parts),

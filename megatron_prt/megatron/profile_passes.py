@@ -184,3 +184,50 @@ def _time_weight_grads(parts: Parts, work: list) -> dict:
         seconds[part] = parts.now() - start
         first = end
     return seconds
+
+
+def time_stage_work(
+    model: torch.nn.Module, kind: str, step: Callable, hidden: torch.Tensor, reps: int
+) -> tuple[float, float]:
+    """Median seconds a middle model chunk (``model``: no embedding, no head) spends outside
+    its layers in ``step(model, input)`` (megatron's ``schedules.forward_step`` as the
+    pipeline runs it) and in the backward from its output to ``hidden``'s gradient, over
+    ``reps`` passes after one warm-up ([Note: every stage pays its step's work] in
+    :mod:`megatron_prt.sim.cost`); never below 0."""
+    block = model.decoder if kind == "gpt" else model.encoder
+    first, last = block.layers[0], block.layers[-1]
+    cuda = hidden.is_cuda
+    marks: dict[str, float] = {}
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(name: str) -> Callable:
+        return lambda *_: marks.__setitem__(name, now())
+
+    def last_done(module, args, output) -> None:
+        marks["layers_end"] = now()
+        out = output[0] if isinstance(output, tuple) else output
+        out.register_hook(mark("grad_in"))
+
+    handles = [first.register_forward_pre_hook(mark("layers_start"))]
+    handles.append(last.register_forward_hook(last_done))
+    outside: list[tuple[float, float]] = []
+    try:
+        for _ in range(reps + 1):
+            x = hidden.detach().clone().requires_grad_(True)
+            x.register_hook(mark("grad_out"))
+            start = now()
+            out = step(model, x)
+            forward = now() - start - (marks["layers_end"] - marks["layers_start"])
+            start = now()
+            torch.autograd.backward(out, torch.ones_like(out))
+            backward = now() - start - (marks["grad_out"] - marks["grad_in"])
+            outside.append((forward, backward))
+    finally:
+        for handle in handles:
+            handle.remove()
+    fwd, bwd = (statistics.median(column) for column in zip(*outside[1:], strict=True))
+    return max(fwd, 0.0), max(bwd, 0.0)

@@ -24,6 +24,15 @@ adds its time, activation and parameter bytes to that stage on top of the stage'
      "head": {"fwd": 0.3, "bwd": 0.6, "act": 5e7, "param": 1e8},
      "p2p_latency": 0.01, "p2p_bandwidth": 2e10, "p2p_cpu": 0.0, "message_bytes": 1.6e7}
 
+``"stage"`` (optional, the same shape, times only) is what every model stage's step does
+around its parts: megatron's ``forward_step`` / ``backward_step`` and the model chunk's own
+forward (rotary embeddings, masks). [Note: every stage pays its step's work] A profile of
+one whole pass runs one step, so that work lands once, in the embedding's forward and the
+head's backward, where a pipeline of D stages pays it D times (0.1-0.2 ms a stage on CPU):
+plans of more stages looked cheaper than they run. `megatron-prt profile` times it on a
+middle chunk, writes it as ``stage`` and takes it out of the embedding and the head, so
+the first and last stages cost what they did and every other stage pays it too.
+
 Per entry: ``fwd``/``bwd`` the forward/backward time of one micro-batch, ``act`` the
 activation bytes one micro-batch keeps from its forward until its backward, ``param`` the
 bytes the weights cost while training (weights, gradients and optimizer state), ``grad``
@@ -158,6 +167,7 @@ class CostModel:
     recompute_num_layers: int | None = None  # full: layers per block / recomputed per stage
     kept_split: bool = False  # full: kept layers in the split form (split_form() sets it)
     model: dict | None = field(default=None, compare=False)  # the shape measured, not priced
+    stage: LayerCost | None = None  # on every model stage: the step's work around its parts
 
     def __post_init__(self) -> None:
         for name in _NON_NEGATIVE:  # `not >=`: NaN is refused too
@@ -180,7 +190,7 @@ class CostModel:
         """Refuse costs read from a file whose every compute time is 0: every plan then
         takes no time, and the ranking is the tie rule's alone (the fits scale the compute
         to 0 on purpose: only :meth:`from_dict` asks)."""
-        parts = [*self.layers, self.embedding, self.head] if self.layers else []
+        parts = [*self.layers, self.embedding, self.head, self.stage] if self.layers else []
         times = [t for part in parts if part is not None for t in (part.fwd, part.bwd)]
         if not any(times or (self.fwd_time, self.bwd_time)):
             raise ConfigError(
@@ -253,6 +263,7 @@ class CostModel:
             layers=layers,
             embedding=end(self.embedding),
             head=end(self.head),
+            stage=end(self.stage),
             kept_split=kept_split,
         )
 
@@ -362,12 +373,12 @@ class CostModel:
     def compute_scaled(self, factor: float) -> CostModel:
         """Every compute time (layers, embedding, head, whole-model totals) times ``factor``;
         messages, the replica sum and bytes unchanged (a calibration: tune/measured.py)."""
-        embedding, head = (
-            part and part.times_scaled(factor) for part in (self.embedding, self.head)
+        embedding, head, stage = (
+            part and part.times_scaled(factor) for part in (self.embedding, self.head, self.stage)
         )
         layers = tuple(layer.times_scaled(factor) for layer in self.layers)
         totals = {"fwd_time": self.fwd_time * factor, "bwd_time": self.bwd_time * factor}
-        return replace(self, layers=layers, embedding=embedding, head=head, **totals)
+        return replace(self, layers=layers, embedding=embedding, head=head, stage=stage, **totals)
 
     def without_replica_sync(self) -> CostModel:
         """This cost model with a free replica-gradient sum."""
@@ -414,6 +425,8 @@ class CostModel:
             out[0] += value(self.embedding)
         if self.head is not None:
             out[-1] += value(self.head)
+        if self.stage is not None:  # [Note: every stage pays its step's work]
+            out = [total + value(self.stage) for total in out]
         if attr == "act" and self.layers:
             counts = self.layer_counts(depth)
             out = [a + self.empty_stage_act(k, counts[k], depth) for k, a in enumerate(out)]
@@ -527,7 +540,7 @@ class CostModel:
         del data["kept_split"]
         data["layers"] = [layer.to_dict() for layer in self.layers]
         data["stage_layers"] = list(self.stage_layers)
-        for end in ("embedding", "head"):
+        for end in ("embedding", "head", "stage"):
             part = getattr(self, end)
             data[end] = None if part is None else part.to_dict()
         for key, default in _OPTIONAL_KEYS.items():  # absent: older readers accept the file
@@ -551,7 +564,7 @@ class CostModel:
         )
         data["stage_layers"] = tuple(data.get("stage_layers", ()))
         data["model"] = check_shape(data.get("model"))
-        for end in ("embedding", "head"):
+        for end in ("embedding", "head", "stage"):
             if data.get(end) is not None:
                 data[end] = LayerCost.from_dict(data[end], end)
         for key in ("p2p_bandwidth", "replica_bandwidth", "replica_add_bandwidth"):
@@ -598,4 +611,5 @@ _OPTIONAL_KEYS = {
     "wgrad_keep_fraction": WGRAD_KEEP_FRACTION,
     **dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers")),
     "model": None,
+    "stage": None,
 }

@@ -16,7 +16,8 @@ def check_value_types(data: object, model: type, layer: type) -> None:
     (passed in: this module sits below them). Keys and ranges are from_dict's to check."""
     if not isinstance(data, dict):
         raise ConfigError(f"expected a JSON object of cost keys, got {type(data).__name__}")
-    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict, "model": dict}
+    parts = {"layers": list, "stage_layers": list, "embedding": dict, "head": dict}
+    parts |= {"stage": dict, "model": dict}
     for key, kind in parts.items():
         value = data.get(key)
         if value is not None and not isinstance(value, kind):
@@ -30,7 +31,8 @@ def check_value_types(data: object, model: type, layer: type) -> None:
         if isinstance(count, bool) or not isinstance(count, int):
             raise ConfigError(f"key stage_layers[{index}] must be an integer, got {count!r}")
     entries = [(f"layers[{i}]", layer) for i, layer in enumerate(data.get("layers") or ())]
-    entries += [(end, data[end]) for end in ("embedding", "head") if data.get(end) is not None]
+    ends = ("embedding", "head", "stage")
+    entries += [(end, data[end]) for end in ends if data.get(end) is not None]
     for where, entry in entries:
         if not isinstance(entry, dict):
             raise ConfigError(f"key {where} must be an object with fwd, bwd, act, param")

@@ -55,7 +55,7 @@ class Problem:
             attr: (0.0, *accumulate(getattr(layer, attr) for layer in cost.layers))
             for attr in ("fwd", "bwd", "act", "param")
         }
-        ends = (cost.embedding, cost.head)
+        ends = (cost.embedding, cost.head, cost.stage)  # stage: on every one of them
         self.ends = {
             attr: tuple(getattr(e, attr) if e is not None else 0.0 for e in ends)
             for attr in ("fwd", "bwd", "act", "param")
@@ -84,6 +84,7 @@ class Problem:
             values = [prefix[starts[k + 1]] - prefix[starts[k]] for k in range(self.depth)]
             values[0] += self.ends[attr][0]
             values[-1] += self.ends[attr][1]
+            values = [v + self.ends[attr][2] for v in values]  # see CostModel.stage
             if attr == "act":
                 values = [
                     v + self.cost.empty_stage_act(k, counts[k], self.depth)

@@ -199,6 +199,7 @@ def test_profile_model_gives_the_cost_json():
         "param_bytes",
         "grad_bytes",
         "model",
+        "stage",
     }
     assert costs["model"] == {  # what the costs hold for: sim/model_shape.py
         "model": "gpt",
@@ -216,8 +217,13 @@ def test_profile_model_gives_the_cost_json():
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     assert len(costs["layers"]) == 3
     assert all(set(p) == COST_KEYS for p in parts)
-    assert all(p["fwd"] > 0 and p["bwd"] > 0 and p["act"] > 0 and p["param"] > 0 for p in parts)
-    assert all(p["split_fwd"] > 0 and p["split_bwd"] >= p["wgrad"] >= 0 for p in parts)
+    assert all(p["fwd"] >= 0 and p["bwd"] >= 0 and p["act"] > 0 and p["param"] > 0 for p in parts)
+    assert all(layer["fwd"] > 0 and layer["bwd"] > 0 for layer in costs["layers"])
+    # [Note: every stage pays its step's work]: timed on a middle chunk, time only
+    stage = costs["stage"]
+    assert stage["fwd"] + stage["bwd"] > 0 and stage["act"] == stage["param"] == 0
+    assert stage["wgrad"] == 0  # all of it before W
+    assert all(p["split_fwd"] >= 0 and p["split_bwd"] >= p["wgrad"] >= 0 for p in parts)
     assert all(layer["wgrad"] > 0 for layer in costs["layers"])  # four linear layers each
     s, b, h, a, f32 = SEQ, MBS, HIDDEN, 4, 4
     # A local-spec GPT layer saves, in elements: its input, LN out, fused QKV (3), context,
@@ -241,12 +247,13 @@ def test_profile_model_gives_the_cost_json():
         ("param_bytes", "param"),
         ("grad_bytes", "grad"),
     ):
-        assert costs[total] == pytest.approx(sum(p[key] for p in parts))
+        assert costs[total] == pytest.approx(sum(p[key] for p in (*parts, stage)))
     assert json.loads(json.dumps(costs)) == costs
     if "head" not in CostModel.__dataclass_fields__:
         pytest.skip("CostModel does not read embedding/head yet")
     model = CostModel.from_dict(costs)
     assert model.head == LayerCost(**costs["head"])
+    assert model.stage == LayerCost(**costs["stage"])
     assert len(model.layers) == 3
 
 

@@ -88,3 +88,31 @@ def test_a_cost_of_nan_is_refused(field):
 
     with pytest.raises(ConfigError, match=f"cost {field} must be"):
         CostModel(**{field: float("nan")})
+
+
+def test_every_stage_pays_the_steps_work():
+    """[Note: every stage pays its step's work]: a profile's one pass put that work in the
+    embedding and the head alone, so plans of more stages priced it fewer times than they
+    run it. The `stage` entry adds it to every model stage (and round-trips through JSON)."""
+    from megatron_prt.tune.problem import Problem
+
+    layer = LayerCost(fwd=1.0, bwd=2.0, act=10.0, param=4.0)
+    cost = CostModel(
+        layers=(layer,) * 4,
+        embedding=LayerCost(fwd=0.5, bwd=0.5),
+        head=LayerCost(fwd=1.5, bwd=3.0),
+        stage=LayerCost(fwd=0.25, bwd=0.125, wgrad=0.0),
+    )
+    placement = Placement(2, 2)
+    times = cost.stage_times(placement)
+    assert times.fwd == (1.75, 1.25, 1.25, 2.75)
+    assert times.bwd == (2.625, 2.125, 2.125, 5.125)
+    assert cost.stage_activation_bytes(placement) == (10.0,) * 4  # time only
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    without = CostModel(layers=cost.layers, embedding=cost.embedding, head=cost.head)
+    plan = build_plan(placement, 4)
+    assert simulate(plan, cost).makespan > simulate(plan, without).makespan
+    problem = Problem(cost.split_form(), build_plan(placement, 4, "zb"))
+    counts = (1, 1, 1, 1)
+    stage_costs = problem.stage_costs(counts)
+    assert tuple(stage_costs.fwd) == problem.stage_times(counts).fwd  # the partitioner's sums
