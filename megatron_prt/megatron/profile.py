@@ -197,9 +197,7 @@ def profile_model(
         if recompute_granularity is not None:
             _add_recomputed(costs, recompute_granularity, build, kind, config, shape, reps, say)
         stage = _stage_work(build, kind, config(num_layers=1), shape, reps, say)
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    message_bytes = seq_length * micro_batch_size * hidden_size * itemsize
-    _take_stage_work(costs["embedding"], costs["head"], stage)
+    message_bytes = seq_length * micro_batch_size * hidden_size * torch_dtype.itemsize
     result = _with_totals(
         _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes, stage
     )
@@ -396,7 +394,9 @@ def _take_stage_work(embedding: dict, head: dict, stage: dict) -> None:
 def _with_totals(
     layers: list[dict], embedding: dict, head: dict, message_bytes: int, stage: dict
 ) -> dict:
-    """The cost file: the parts, and the whole pass's totals (one step: ``stage`` once)."""
+    """The cost file: the parts (``stage``'s work out of the embedding and the head:
+    :func:`_take_stage_work`), and the whole pass's totals (one step: ``stage`` once)."""
+    _take_stage_work(embedding, head, stage)
     parts = [*layers, embedding, head, stage]
     return {
         "layers": layers,

@@ -122,13 +122,17 @@ from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
 from ..core.timing import StageTimes
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
-from .cost_checks import check_bytes_on_every_layer, check_value_types
+from .cost_checks import (
+    check_bytes_on_every_layer,
+    check_recompute_costs,
+    check_some_compute,
+    check_value_types,
+)
 from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost
 from .model_shape import check_shape
 from .recompute import (
     KEPT,
     RECOMPUTED_IN_BLOCK,
-    check_recompute,
     layer_roles,
     runs_whole_blocks,
 )
@@ -184,57 +188,7 @@ class CostModel:
                 raise ConfigError(f"cost {name} must be in [0, 1], got {value}")
         if self.stage_layers:  # the depth is checked where it is known: layer_counts
             check_stage_layers(self.stage_layers, len(self.layers))
-        self._check_recompute()
-
-    def _check_some_compute(self) -> None:
-        """Refuse costs read from a file whose every compute time is 0: every plan then
-        takes no time, and the ranking is the tie rule's alone (the fits scale the compute
-        to 0 on purpose: only :meth:`from_dict` asks)."""
-        parts = [*self.layers, self.embedding, self.head, self.stage] if self.layers else []
-        times = [t for part in parts if part is not None for t in (part.fwd, part.bwd)]
-        if not any(times or (self.fwd_time, self.bwd_time)):
-            raise ConfigError(
-                "the costs give every stage zero time (every forward and backward time is "
-                "0), so every plan takes none; give measured times (`megatron-prt profile` "
-                "writes them)"
-            )
-
-    def _check_recompute(self) -> None:
-        check_recompute(
-            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        )
-        granularity = self.recompute_granularity
-        if granularity is None:
-            return
-        if not self.layers:
-            raise ConfigError(
-                '--recompute-granularity needs per-layer costs: give a "layers" list '
-                "(`megatron-prt profile ... --recompute-granularity ...` writes one)"
-            )
-        missing = [
-            i
-            for i, layer in enumerate(self.layers)
-            if granularity == "selective"
-            and (layer.selective_act is None or layer.selective_bwd is None)
-        ]
-        if missing:
-            raise ConfigError(
-                f"--recompute-granularity selective: layers{missing[:3]} have no measured "
-                "selective_act / selective_bwd (selective has no derivation); profile with "
-                "`megatron-prt profile ... --recompute-granularity selective`"
-            )
-        unsized = [
-            i
-            for i, layer in enumerate(self.layers)
-            if granularity == "full" and layer.full_act is None and layer.act > 0
-        ]
-        if unsized and self.message_bytes <= 0:  # a recomputed layer would keep 0 bytes
-            raise ConfigError(
-                f"--recompute-granularity full: layers{unsized[:3]} have no full_act and the "
-                "cost file no message_bytes, so a recomputed block's kept input has no size; "
-                "give message_bytes (the hidden state a stage sends per micro-batch) or "
-                "profile with `megatron-prt profile ... --recompute-granularity full`"
-            )
+        check_recompute_costs(self)
 
     def with_recompute(
         self, granularity: str | None, method: str | None = None, num_layers: int | None = None
@@ -571,7 +525,7 @@ class CostModel:
             if data.get(key) is None:  # null: free
                 data.pop(key, None)
         model = cls(**data)
-        model._check_some_compute()
+        check_some_compute(model)
         return model
 
     @classmethod

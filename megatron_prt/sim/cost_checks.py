@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ..core.placement import ConfigError
+from .recompute import check_recompute
 
 
 def check_value_types(data: object, model: type, layer: type) -> None:
@@ -64,3 +65,54 @@ def check_bytes_on_every_layer(layers) -> None:
                 f"cost layers{missing[:8]} have no {key} while other layers do: give {key} "
                 "for every layer (or for none, and no memory is priced)"
             )
+
+
+def check_some_compute(model) -> None:
+    """Refuse costs read from a file whose every compute time is 0: every plan then
+    takes no time, and the ranking is the tie rule's alone (the fits scale the compute
+    to 0 on purpose: only ``CostModel.from_dict`` asks)."""
+    parts = [*model.layers, model.embedding, model.head, model.stage] if model.layers else []
+    times = [t for part in parts if part is not None for t in (part.fwd, part.bwd)]
+    if not any(times or (model.fwd_time, model.bwd_time)):
+        raise ConfigError(
+            "the costs give every stage zero time (every forward and backward time is "
+            "0), so every plan takes none; give measured times (`megatron-prt profile` "
+            "writes them)"
+        )
+
+
+def check_recompute_costs(model) -> None:
+    """Refuse a recomputation setting the costs cannot price (``model``: a CostModel)."""
+    check_recompute(model.recompute_granularity, model.recompute_method, model.recompute_num_layers)
+    granularity = model.recompute_granularity
+    if granularity is None:
+        return
+    if not model.layers:
+        raise ConfigError(
+            '--recompute-granularity needs per-layer costs: give a "layers" list '
+            "(`megatron-prt profile ... --recompute-granularity ...` writes one)"
+        )
+    missing = [
+        i
+        for i, layer in enumerate(model.layers)
+        if granularity == "selective"
+        and (layer.selective_act is None or layer.selective_bwd is None)
+    ]
+    if missing:
+        raise ConfigError(
+            f"--recompute-granularity selective: layers{missing[:3]} have no measured "
+            "selective_act / selective_bwd (selective has no derivation); profile with "
+            "`megatron-prt profile ... --recompute-granularity selective`"
+        )
+    unsized = [
+        i
+        for i, layer in enumerate(model.layers)
+        if granularity == "full" and layer.full_act is None and layer.act > 0
+    ]
+    if unsized and model.message_bytes <= 0:  # a recomputed layer would keep 0 bytes
+        raise ConfigError(
+            f"--recompute-granularity full: layers{unsized[:3]} have no full_act and the "
+            "cost file no message_bytes, so a recomputed block's kept input has no size; "
+            "give message_bytes (the hidden state a stage sends per micro-batch) or "
+            "profile with `megatron-prt profile ... --recompute-granularity full`"
+        )
