@@ -107,7 +107,7 @@ def _model_costs(cost: CostModel) -> tuple[float, float, float, str]:
     what = "in units of one micro-batch through the whole model"
     if not cost.layers:
         return cost.fwd_time, cost.bwd_time, cost.activation_bytes, what
-    parts = [p for p in (*cost.layers, cost.embedding, cost.head) if p is not None]
+    parts = [p for p in (*cost.layers, cost.embedding, cost.head, cost.stage) if p is not None]
     fwd, bwd = sum(p.fwd for p in parts), sum(p.bwd for p in parts)
     held = sum(p.act for p in parts)
     return (fwd, bwd, held, what) if held > 0 else (fwd, bwd, 2**20, "in MiB")

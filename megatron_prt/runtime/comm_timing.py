@@ -50,6 +50,7 @@ from ..tune.measured import (
 from .executor import PipelineRuntime
 from .local import all_ok, run_local
 from .measured_pick import RuntimeRunner, slowest_step_seconds
+from .p2p import SHM_DIR
 from .replica_timing import calibrate_replica_sync
 from .stages import build_stages
 
@@ -99,7 +100,7 @@ def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[
     step of 24 more messages simulated 2.3 ms slower where it ran 0.1 ms slower). And a
     size timed first, right after its warm-up step, ran 2-35 times slower than when timed
     again on shared memory, which wrote a hop latency of 2-3 ms in 3 of 5 profiles."""
-    chains = [_chain(size, transport, reuse) for size in sizes for reuse in (1, CHAIN_REUSE)]
+    chains = _chains(sizes, transport)
     rank, device = dist.get_rank(), _device()
     spans: list[list[float]] = [[] for _ in chains]
 
@@ -115,6 +116,18 @@ def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[
     for k in range(len(chains)):
         for _ in range(WARM_STEPS):
             step(k)
+    if len({type(runtime.transport) for runtime, _, _ in chains}) > 1:
+        for runtime, _, _ in chains:  # auto put some chains on shm, some on torch
+            runtime.close()
+        warnings.warn(
+            f"{SHM_DIR} had room for the rings of some hop-timing chains only: every hop is "
+            "timed over the torch transport (give /dev/shm more room for shared memory's)",
+            stacklevel=2,
+        )
+        chains = _chains(sizes, "torch")
+        for k in range(len(chains)):
+            for _ in range(WARM_STEPS):
+                step(k)
     for order in interleaved_rounds(len(chains), repeats):
         for k in order:
             spans[k].append(step(k))
@@ -124,6 +137,11 @@ def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[
         (chain[2], statistics.median(times)) for chain, times in zip(chains, spans, strict=True)
     ]
     return [marginal_hop(*medians[i : i + 2]) for i in range(0, len(medians), 2)]
+
+
+def _chains(sizes: tuple[int, ...], transport: str) -> list[tuple]:
+    """The short and the long chain (:func:`_chain`) of every size, in that order."""
+    return [_chain(size, transport, reuse) for size in sizes for reuse in (1, CHAIN_REUSE)]
 
 
 def marginal_hop(short: tuple[int, float], long: tuple[int, float]) -> float:

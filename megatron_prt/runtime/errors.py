@@ -22,6 +22,7 @@ from ..core.deps import carries_tensor, producers
 from ..core.grid import format_grid
 from ..core.lower import comm_key
 from ..core.plan import Plan
+from .messages import SAME_STEPS, step_said
 
 _BOARD = "megatron_prt/failure/"
 _WAIT_WORDS = ("timeout", "timed out", "closed", "reset", "connection", "broken pipe")
@@ -341,3 +342,34 @@ def why_failed(exc: Exception, action: Action | None, plan: Plan, group=None) ->
             "another step: every rank calls step() alike, with the same forward_only)"
         )
     return text
+
+
+def check_same_step(stamp: int, group, device, who: str) -> None:
+    """[Note: every message carries its step] where the backend ignores tags: every rank's
+    step stamp, gathered over the pipeline ``group``; a :class:`PipelineError` on every
+    rank, naming the ranks and their steps, when they differ."""
+    mine = torch.tensor([stamp], dtype=torch.int64, device=device)
+    stamps = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(stamps, mine, group=group)
+    held: dict[int, list[int]] = {}
+    for rank, value in enumerate(int(t) for t in stamps):
+        held.setdefault(value, []).append(rank)
+    if len(held) > 1:
+        steps = "; ".join(f"ranks {ranks} run their {step_said(s)}" for s, ranks in held.items())
+        raise PipelineError(f"{who}: ranks disagree on the step ({steps}): {SAME_STEPS}")
+
+
+def refuse_after_failure(failed: str | None, who: str, call: str) -> None:
+    """Refuse ``call`` of a runtime one of whose steps failed (``failed`` says how; None:
+    none did): that step may have left messages unread or read the peers' next ones, so no
+    later call could trust its pairing. Posted for the peers, which learn why at once."""
+    if failed is None:
+        return
+    text = (
+        f"{who}: {call} after a failed step ({failed}); build a new runtime on every rank "
+        "(messages of the failed step may be left unread); over the torch transport a wait "
+        "that timed out also closed its connection: then start the process group (or the "
+        "job) again"
+    )
+    post_failure(text, root=True)
+    raise RuntimeError(text)

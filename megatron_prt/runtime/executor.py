@@ -45,12 +45,20 @@ from ..core.deps import carries_tensor, consumers, producers
 from ..core.lower import lower, message_ends, message_key
 from ..core.plan import Plan
 from ..core.validate import validate
+from . import messages
 from .callbacks import LossFn, StageCallbacks, module_callbacks
-from .errors import PipelineError, pipeline_error, rank_label, why_failed
+from .errors import (
+    PipelineError,
+    check_same_step,
+    pipeline_error,
+    rank_label,
+    refuse_after_failure,
+    why_failed,
+)
 from .memory import ActivationMeter
 from .messages import not_sendable, step_stamp
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
-from .p2p import ShmTransport
+from .p2p import ShmTransport, TorchTransport
 from .program import Compute, free_data, is_recv
 from .replicas import BufferWatch, reduce_replica_grads, reduce_replica_grads_shm, replica_params
 from .rings import make_transport, sized_shm
@@ -162,6 +170,7 @@ class PipelineRuntime:
         )
         self._buffers = BufferWatch.of(plan.placement, self.stages)  # bi: says drifting ones
         self._steps_begun, self._failed = 0, None  # see [Note: every message carries its step]
+        self._tags_ignored = dist.get_backend(group) in messages.TAGS_IGNORED_BY
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -227,7 +236,7 @@ class PipelineRuntime:
         leaves ``None`` (the same update for an optimizer without weight decay)."""
         if getattr(self.transport, "closed", False):
             raise RuntimeError(f"{self.who}: step() after close(); build a new runtime")
-        self._refuse_after_failure("step()")
+        refuse_after_failure(self._failed, self.who, "step()")
         self.callbacks.begin(inputs, targets, forward_only)
         if not forward_only and self._summed_attr is not None:
             self._restart_replica_sums()
@@ -236,6 +245,8 @@ class PipelineRuntime:
             watch.begin()
         self.transport.stamp = step_stamp(self._steps_begun, forward_only)
         self._steps_begun += 1
+        if isinstance(self.transport, TorchTransport) and self._tags_ignored:
+            check_same_step(self.transport.stamp, self._group, self.device, self.who)
         self._run(forward_only)
         if watch is not None:
             watch.check()
@@ -250,15 +261,6 @@ class PipelineRuntime:
             stamp = self.transport.stamp
             self.transport, self._sizing = sized_shm(self, self._sizing), None
             self.transport.stamp = stamp
-
-    def _refuse_after_failure(self, call: str) -> None:
-        """A step that failed may have left messages unread or read the peers' next ones:
-        none of its runtime's later calls could trust their pairing."""
-        if self._failed is not None:
-            raise RuntimeError(
-                f"{self.who}: {call} after a failed step ({self._failed}); build a new "
-                "runtime (every rank: messages of the failed step may be left unread)"
-            )
 
     def _run(self, forward_only: bool) -> None:
         """Run this rank's program once: each entry's handler on its precomputed operand."""
@@ -300,7 +302,7 @@ class PipelineRuntime:
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
         if self._summed_attr == grad_attr:  # no training step since the last sum
             return
-        self._refuse_after_failure("reduce_replica_grads()")
+        refuse_after_failure(self._failed, self.who, "reduce_replica_grads()")
         placement = self.plan.placement
         self._size_rings()
         if isinstance(self.transport, ShmTransport):

@@ -58,6 +58,11 @@ def not_sendable(where: str, tensor: object, dtype: torch.dtype | None) -> TypeE
 # this runtime began and whether the step is forward-only; the shared-memory transport
 # refuses one of another stamp when it hands it to a receive, the torch transport sends it
 # as the message tag, so no receive of another step can match it (the wait times out).
+# NCCL ignores tags: on it the runtime gathers every rank's stamp at the start of each step
+# instead (one small all_gather per step, :data:`TAGS_IGNORED_BY`).
+TAGS_IGNORED_BY = ("nccl",)  # backends whose p2p ignores tags: the step is gathered
+
+
 def step_stamp(steps_begun: int, forward_only: bool) -> int:
     """The stamp of the step after ``steps_begun`` earlier ones: below 2**31 (a tag)."""
     return (2 * steps_begun + int(forward_only)) % (1 << 31)
@@ -67,12 +72,19 @@ def other_step(src: int, theirs: int, mine: int) -> RuntimeError:
     """The error for a message of stamp ``theirs`` from rank ``src`` received in a step of
     stamp ``mine`` ([Note: every message carries its step])."""
 
-    def said(stamp: int) -> str:
-        kind = "forward-only" if stamp & 1 else "training"
-        return f"step {stamp // 2 + 1} ({kind})"
-
     return RuntimeError(
-        f"a message from rank {src} belongs to its {said(theirs)}, this rank runs its "
-        f"{said(mine)}: every rank must call step() alike (the same forward_only, the same "
-        "number of times) and build a new runtime after a failed step"
+        f"a message from rank {src} belongs to its {step_said(theirs)}, this rank runs its "
+        f"{step_said(mine)}: {SAME_STEPS}"
     )
+
+
+SAME_STEPS = (
+    "every rank must call step() alike (the same forward_only, the same number of times) "
+    "and build a new runtime after a failed step"
+)
+
+
+def step_said(stamp: int) -> str:
+    """A step stamp in words: ``step 3 (training)``."""
+    kind = "forward-only" if stamp & 1 else "training"
+    return f"step {stamp // 2 + 1} ({kind})"

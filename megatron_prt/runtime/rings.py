@@ -74,7 +74,7 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
     falls back to torch with one warning line. Reads ``runtime``'s rank, group, plan,
     programs, device, dtype, timeout_s and variable_shapes."""
     if kind not in ("auto", "torch", "shm"):
-        raise ValueError(f"rank {runtime.rank}: transport must be auto, torch or shm, got {kind!r}")
+        raise ValueError(f"{runtime.who}: transport must be auto, torch or shm, got {kind!r}")
     smallest = message_bytes(0)
     if shm_capacity is not None and (
         isinstance(shm_capacity, bool)
@@ -82,7 +82,7 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
         or shm_capacity < smallest
     ):
         raise ValueError(
-            f"rank {runtime.rank}: shm_capacity must be None (rings sized from the messages) "
+            f"{runtime.who}: shm_capacity must be None (rings sized from the messages) "
             f"or a whole number of bytes >= {smallest}, got {shm_capacity!r}"
         )
     shm_capacity = None if shm_capacity is None else int(shm_capacity)
@@ -111,7 +111,7 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
     if need <= free:
         return _shm(runtime, shm_capacity), None
     if kind == "shm":
-        raise PipelineError(shm_too_small(runtime.rank, need, free, shm_capacity))
+        raise PipelineError(shm_too_small(runtime.who, need, free, shm_capacity))
     _fall_back(runtime.rank, need, free)
     return _torch(runtime, runtime.dtype), None
 
@@ -153,7 +153,7 @@ def sized_shm(runtime, kind: str):
     need, free = sum(n for n, _ in gathered), min(f for _, f in gathered)
     if need > free:
         if kind == "shm":
-            raise PipelineError(shm_too_small(runtime.rank, need, free, None))
+            raise PipelineError(shm_too_small(runtime.who, need, free, None))
         _fall_back(runtime.rank, need, free)
         return _torch(runtime, runtime.dtype)  # every rank decides alike: safe to rebuild
     return _shm(runtime, sizes, runtime.transport.shapes)

@@ -126,6 +126,7 @@ from .cost_checks import (
     check_bytes_on_every_layer,
     check_recompute_costs,
     check_some_compute,
+    check_stage_entry,
     check_value_types,
 )
 from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost
@@ -186,6 +187,8 @@ class CostModel:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
                 raise ConfigError(f"cost {name} must be in [0, 1], got {value}")
+        if self.stage is not None:
+            object.__setattr__(self, "stage", check_stage_entry(self.stage))
         if self.stage_layers:  # the depth is checked where it is known: layer_counts
             check_stage_layers(self.stage_layers, len(self.layers))
         check_recompute_costs(self)

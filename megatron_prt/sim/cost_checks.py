@@ -4,6 +4,7 @@ reads them (stdlib only)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..core.placement import ConfigError
 from .recompute import check_recompute
@@ -116,3 +117,21 @@ def check_recompute_costs(model) -> None:
             "give message_bytes (the hidden state a stage sends per micro-batch) or "
             "profile with `megatron-prt profile ... --recompute-granularity full`"
         )
+
+
+def check_stage_entry(stage):
+    """The cost file's ``stage`` entry (a LayerCost), its W set to 0 where not given: the
+    step's work around a stage's parts is time only, all of it before W ([Note: every
+    stage pays its step's work] in :mod:`megatron_prt.sim.cost`). ConfigError for bytes, a
+    W share or a split or recomputed form, which no step's work has."""
+    extra = [
+        name
+        for name, value in vars(stage).items()
+        if name not in ("fwd", "bwd", "act", "param", "grad", "wgrad") and value is not None
+    ]
+    if stage.act or stage.param or stage.grad or stage.wgrad or extra:
+        raise ConfigError(
+            "cost stage (the work every stage's step adds) is time only: give fwd and bwd "
+            f"(act, param, grad and wgrad 0 or absent), got {stage}"
+        )
+    return replace(stage, wgrad=0.0)

@@ -381,8 +381,8 @@ def _score_family(
 
 def fastest_variant(variants: Sequence[Candidate], budget_bytes: float | None) -> Candidate:
     """The variant :func:`rank` puts first among those that fit (among all when none
-    does): times within :data:`TIME_TIE` tie, then less memory wins, then the earlier
-    variant (equal stages first)."""
+    does): times within :data:`TIME_TIE` tie, then less memory wins, then fewer messages,
+    then the faster."""
     fitting = [c for c in variants if c.fits(budget_bytes)] or variants
     return rank(fitting)[0]
 

@@ -173,12 +173,17 @@ def _after_close(rank, world):
     return rt.step(*batch("mlp", 4))
 
 
-def _steps_disagree(transport):
+def _steps_disagree(transport, gathered=False):
     """Rank 0 evaluates where rank 1 trains (a rank-local condition), then both train: with
     R = 1 both finished that step and rank 0 read rank 1's unread gradients as its next
-    step's, 1.5-1.8 relative off, without a word."""
+    step's, 1.5-1.8 relative off, without a word. ``gathered``: gloo taken for a backend
+    that ignores tags (NCCL), whose steps are gathered at each start instead."""
 
     def body(rank, world):
+        if gathered:
+            from megatron_prt.runtime import messages
+
+            messages.TAGS_IGNORED_BY = ("gloo",)  # this rank's process only
         placement = Placement(world, 1)
         rt, _ = runtime(rank, world, transport=transport, placement=placement, timeout_s=TIMEOUT_S)
         rt.step(*batch("mlp", 4))
@@ -412,6 +417,11 @@ ERROR_CASES = {
     "shm-off-x86": (_shm_off_x86, ["transport='shm' needs an x86 host", "aarch64"], {}),
     "steps-disagree-shm": (_steps_disagree("shm"), ["every rank must call step() alike"], {}),
     "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),
+    "steps-disagree-nccl-like": (
+        _steps_disagree("torch", gathered=True),
+        ["ranks disagree on the step", "ranks [0] run their step 2 (forward-only)"],
+        {},
+    ),
     "step-after-a-failed-step": (
         _step_after_a_failed_step,
         ["step() after a failed step", "build a new runtime"],

@@ -116,3 +116,15 @@ def test_every_stage_pays_the_steps_work():
     counts = (1, 1, 1, 1)
     stage_costs = problem.stage_costs(counts)
     assert tuple(stage_costs.fwd) == problem.stage_times(counts).fwd  # the partitioner's sums
+
+
+def test_the_stage_entry_is_time_only():
+    """A hand-written stage entry without wgrad put half its backward into W, though the
+    step's work is all before W; bytes on it would be counted on every stage."""
+    from megatron_prt.core.placement import ConfigError
+
+    layers = (LayerCost(fwd=1.0, bwd=2.0, wgrad=1.0),) * 2
+    cost = CostModel(layers=layers, stage=LayerCost(fwd=0.5, bwd=0.5))
+    assert cost.stage_wgrad_times(2) == (1.0, 1.0)
+    with pytest.raises(ConfigError, match=r"cost stage .* is time only"):
+        CostModel(layers=layers, stage=LayerCost(fwd=0.5, bwd=0.5, act=100.0))
