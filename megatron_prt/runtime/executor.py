@@ -170,7 +170,6 @@ class PipelineRuntime:
         )
         self._buffers = BufferWatch.of(plan.placement, self.stages)  # bi: says drifting ones
         self._steps_begun, self._failed = 0, None  # see [Note: every message carries its step]
-        self._tags_ignored = dist.get_backend(group) in messages.TAGS_IGNORED_BY
         self._memory: ActivationMeter | None = None
         # Receives posted ahead of the plan: gloo's p2p and shared memory are fully
         # asynchronous, so posting early only moves data sooner. NCCL serialises p2p on a
@@ -245,7 +244,8 @@ class PipelineRuntime:
             watch.begin()
         self.transport.stamp = step_stamp(self._steps_begun, forward_only)
         self._steps_begun += 1
-        if isinstance(self.transport, TorchTransport) and self._tags_ignored:
+        ignored = dist.get_backend(self._group) in messages.TAGS_IGNORED_BY
+        if ignored and isinstance(self.transport, TorchTransport):
             check_same_step(self.transport.stamp, self._group, self.device, self.who)
         self._run(forward_only)
         if watch is not None:
