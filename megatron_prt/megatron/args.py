@@ -43,6 +43,7 @@ from .plan_flag import (
     NotedStore,
     add_plan_argument,
     apply_plan_file,
+    recorded_kinds,
     recorded_vocabularies,
     warn_other_shape,
 )
@@ -275,7 +276,11 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
         tuned = (plan_file.tuned or {}).get("bubble_fraction")
         tuned = float(tuned) if isinstance(tuned, (int, float)) else None
         config = replace(config, plan=plan_file.plan, tuned_bubble=tuned)
-    config = replace(config, recorded_vocab=recorded_vocabularies(args, plan_file))
+    config = replace(
+        config,
+        recorded_vocab=recorded_vocabularies(args, plan_file),
+        recorded_kind=recorded_kinds(args, plan_file),
+    )
     check_recompute_blocks(config, args)
     if auto:
         config = replace(config, auto_iterations=AUTO_ITERATIONS)

@@ -29,7 +29,9 @@ class ReuseConfig:
     ``auto_pick_reps``: timed iterations of each of them. ``recorded_vocab``: per cost or
     plan file that records its model's vocabulary, ``(which file, size)``, checked by
     :func:`~megatron_prt.megatron.plan_flag.warn_other_vocabulary` once the tokenizer is
-    built (the flags' checks run before it is)."""
+    built (the flags' checks run before it is); ``recorded_kind`` likewise its model kind,
+    checked once the first chunk is built (the flags do not say which model a script
+    trains)."""
 
     placement: Placement
     num_layers: int
@@ -44,6 +46,7 @@ class ReuseConfig:
     auto_candidates: int = 3
     auto_pick_reps: int = 3
     recorded_vocab: tuple[tuple[str, int], ...] = ()
+    recorded_kind: tuple[tuple[str, str], ...] = ()  # (which file, "gpt" | "bert")
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction

@@ -36,6 +36,7 @@ from ..runtime.p2p import wire_device
 from ..runtime.replicas import copy_stages, exchange_pairs
 from .config import ReuseConfig, check_recompute_blocks
 from .layout import ReuseLayout, built_problem, chunk_roles, layout_problem
+from .plan_flag import warn_other_kind
 
 _PREPARED = "_megatron_prt_prepared"
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("megatron_prt_chunk", default=None)
@@ -121,6 +122,8 @@ def model_provider(provider: Callable, reuse: ReuseConfig) -> Callable:
             **kwargs,
         )
         model.vp_stage = vp_stage
+        if (vp_stage or 0) == 0:
+            warn_other_kind(reuse.recorded_kind, model)
         return model
 
     return build

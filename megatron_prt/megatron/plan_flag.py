@@ -230,6 +230,18 @@ def recorded_vocabularies(
 ) -> tuple[tuple[str, int], ...]:
     """``(which file, vocabulary size)`` for the plan file and the cost file the flags name,
     where their recorded model gives a size (``ReuseConfig.recorded_vocab``)."""
+    return _recorded(args, plan_file, "vocab_size")
+
+
+def recorded_kinds(
+    args: argparse.Namespace, plan_file: PlanFile | None
+) -> tuple[tuple[str, str], ...]:
+    """``(which file, model kind)`` for the plan file and the cost file the flags name, where
+    their recorded model gives one (``ReuseConfig.recorded_kind``)."""
+    return _recorded(args, plan_file, "model")
+
+
+def _recorded(args: argparse.Namespace, plan_file: PlanFile | None, key: str) -> tuple:
     from ..sim.cost import CostModel
 
     found = []
@@ -240,9 +252,24 @@ def recorded_vocabularies(
         found.append(
             (f"--pipeline-reuse-costs {costs} was profiled on", CostModel.load(costs).model)
         )
-    return tuple(
-        (what, model["vocab_size"]) for what, model in found if (model or {}).get("vocab_size")
-    )
+    return tuple((what, model[key]) for what, model in found if (model or {}).get(key))
+
+
+def warn_other_kind(recorded: tuple[tuple[str, str], ...], model: object) -> None:
+    """Warn for each of ``recorded`` (``ReuseConfig.recorded_kind``) whose model kind is not
+    the one built (``model``: a chunk, its class named ``GPTModel`` or ``BertModel``; other
+    classes are not compared). Said, not refused: the run is exact, but every layer was
+    priced as another model's."""
+    built = {"GPTModel": "gpt", "BertModel": "bert"}.get(type(model).__name__)
+    for what, kind in recorded:
+        if built is not None and kind.split("-")[0] != built:
+            warn_once(
+                f"{what} a {kind} model, but this run builds a {built} model: the layers, "
+                "the embedding and the head were priced as another model's, so the layer "
+                "split and the predicted times are off; profile this model (`megatron-prt "
+                "profile --model ...` with these flags) and tune or balance again",
+                stacklevel=3,
+            )
 
 
 def warn_other_vocabulary(recorded: tuple[tuple[str, int], ...], tokens: int, padded: int) -> None:

@@ -321,3 +321,23 @@ def test_a_malformed_model_shape_in_a_plan_file_is_refused(tmp_path):
     PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": shape}).write(path)
     with pytest.raises(ConfigError, match=r"tuned.model.hidden_size must be a positive integer"):
         load_plan(path)
+
+
+def test_a_plan_tuned_for_another_model_kind_is_said_once_the_model_is_built(tmp_path):
+    """A plan tuned on a BERT profile trained a GPT without a word: the flags do not say
+    which model a script builds, so the first chunk built is compared."""
+    from megatron_prt.megatron.plan_flag import warn_other_kind
+
+    path = str(tmp_path / "tuned.json")
+    PlanFile(build_plan(Placement(4, 2), 4), STAGE_LAYERS, {"model": SHAPE}).write(path)
+    local = ("--transformer-impl", "local")
+    config = validate_args(parse(*MODEL, "--pipeline-reuse-plan", path, *SAME_SHAPE, *local))
+    assert config.recorded_kind == ((f"--pipeline-reuse-plan {path} was tuned for", "bert"),)
+    GPTModel = type("GPTModel", (), {})  # noqa: N806 (megatron's class names are compared)
+    BertModel = type("BertModel", (), {})  # noqa: N806
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_other_kind(config.recorded_kind, BertModel())
+        warn_other_kind(config.recorded_kind, object())  # another class: not compared
+    with pytest.warns(UserWarning, match=r"tuned for a bert model, but this run builds a gpt"):
+        warn_other_kind(config.recorded_kind, GPTModel())
