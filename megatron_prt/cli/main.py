@@ -402,11 +402,12 @@ def _plan_text(plan: Plan, cost: CostModel) -> str:
     )
 
 
-def _metrics_text(result: SimResult) -> str:
+def _metrics_text(result: SimResult, seconds: bool = False) -> str:
+    """The simulation in words; ``seconds``: the costs are a profile's (times in s)."""
     bi = result.plan.placement.direction == "bi"
     rows = [
         _title(result.plan, result),
-        f"makespan        {result.makespan:.6g}",
+        f"makespan        {result.makespan:.6g}" + (" s" if seconds else ""),
         f"bubble fraction {result.bubble_fraction:.4f}",
         f"p2p messages    {result.p2p_messages}  ({result.p2p_bytes:.6g} bytes)",
     ]
@@ -453,7 +454,8 @@ def cmd_simulate(args) -> int:
             )
         )
     result = simulate(plan, cost)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else _metrics_text(result))
+    text = _metrics_text(result, seconds=cost.model is not None)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else text)
     return 0
 
 

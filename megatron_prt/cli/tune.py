@@ -176,7 +176,8 @@ def _as_json(result: TuneResult, args: argparse.Namespace, model: dict | None = 
 
 
 def format_result(result: TuneResult, args: argparse.Namespace, model: dict | None = None) -> str:
-    """The ranked table and the winner; ``model``: the costs' shape, a line when given."""
+    """The ranked table and the winner; ``model``: the costs' shape, a line when given (a
+    profiled file: its times are seconds, said in the header)."""
     budget = "none" if result.budget_bytes is None else format_bytes(result.budget_bytes)
     fitting = result.fitting()
     lines = [
@@ -186,7 +187,8 @@ def format_result(result: TuneResult, args: argparse.Namespace, model: dict | No
         f"{len(fitting)} fit; top {min(args.top, len(fitting))}:",
         "",
         f"{'#':>3}  {'schedule':<26}{'partition':<10}{'planned for':<18}"
-        f"{'time':>10}{'vs 1F1B':>9}{'bubble':>8}{'peak/rank':>11}{'msgs':>7}",
+        f"{'time s' if model else 'time':>10}{'vs 1F1B':>9}{'bubble':>8}{'peak/rank':>11}"
+        f"{'msgs':>7}",
     ]
     base = _one_f_one_b(result)
     for i, c in enumerate(fitting[: args.top], 1):

@@ -429,3 +429,17 @@ def test_compare_with_per_layer_costs_says_the_files_totals(run_cli, tmp_path):
     assert out.startswith("P=2 m=4 fwd=8 bwd=16 ")
     one_f_one_b = next(line for line in out.splitlines() if line.startswith("1F1B"))
     assert one_f_one_b.split()[4:] == ["0.800", "1.33", "0.80", "0.60"]  # of 2,560 B
+
+
+def test_times_of_a_profiled_cost_file_are_said_in_seconds(run_cli, tmp_path):
+    """tune and simulate printed a profile's times without a unit, while the flags' own
+    times are in any unit: `--p2p-time 0.05` meant as ms was 50 ms a hop."""
+    layers = [{"fwd": 0.001, "bwd": 0.002, "act": 1e6, "param": 1e6}] * 4
+    for model, unit in (({"model": "gpt"}, " s"), (None, "")):
+        costs = tmp_path / "c.json"
+        costs.write_text(json.dumps({"layers": layers, "model": model}))
+        code, out, _ = run_cli("simulate", "--pp", 2, "-m", 4, "--costs", costs)
+        makespan = next(line for line in out.splitlines() if line.startswith("makespan"))
+        assert code == 0 and makespan.endswith(" s") == bool(unit), makespan
+        code, out, _ = run_cli("tune", "--pp", 2, "-m", 4, "--costs", costs, "--no-split-backward")
+        assert code == 0 and ("time s" in out) == bool(unit), out
