@@ -456,7 +456,8 @@ def _reuse_config(args: argparse.Namespace) -> ReuseConfig:
 
 def _check_auto_candidates(args: argparse.Namespace, auto: bool) -> None:
     candidates = getattr(args, "pipeline_reuse_auto_candidates", DEFAULT_AUTO_CANDIDATES)
-    if not auto and candidates != DEFAULT_AUTO_CANDIDATES:
+    given = "pipeline_reuse_auto_candidates" in getattr(args, GIVEN, ())  # its default too
+    if not auto and (given or candidates != DEFAULT_AUTO_CANDIDATES):
         plan_file = getattr(args, "pipeline_reuse_plan", None)
         if plan_file is not None:
             raise ConfigError(

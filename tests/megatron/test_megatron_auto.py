@@ -46,6 +46,9 @@ def test_auto_candidates_flag():
     message = refusal(*MODEL, "--pipeline-reuse", 2, "--pipeline-reuse-auto-candidates", 5)
     assert "--pipeline-reuse-auto-candidates 5 given with --pipeline-reuse 2" in message
     assert "auto:2" in message
+    # its default given by name was accepted without auto, any other value refused
+    message = refusal(*MODEL, "--pipeline-reuse", 2, "--pipeline-reuse-auto-candidates", 3)
+    assert "--pipeline-reuse-auto-candidates 3 given with --pipeline-reuse 2" in message
     message = refusal(*MODEL, "--pipeline-reuse-auto-candidates", 5)
     assert "--pipeline-reuse-auto-candidates given without --pipeline-reuse" in message
     with pytest.raises((SystemExit, argparse.ArgumentTypeError)):
