@@ -113,11 +113,14 @@ def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[
             torch.cuda.synchronize(device)  # the hops have landed, not just been queued
         return time.perf_counter() - start
 
-    for k in range(len(chains)):
-        for _ in range(WARM_STEPS):
-            step(k)
+    def warm() -> None:  # after sizing, auto may have put some chains on shm, some on torch
+        for k in range(len(chains)):
+            for _ in range(WARM_STEPS):
+                step(k)
+
+    warm()
     if len({type(runtime.transport) for runtime, _, _ in chains}) > 1:
-        for runtime, _, _ in chains:  # auto put some chains on shm, some on torch
+        for runtime, _, _ in chains:
             runtime.close()
         warnings.warn(
             f"{SHM_DIR} had room for the rings of some hop-timing chains only: every hop is "
@@ -125,9 +128,7 @@ def _hops_seconds(sizes: tuple[int, ...], transport: str, repeats: int) -> list[
             stacklevel=2,
         )
         chains = _chains(sizes, "torch")
-        for k in range(len(chains)):
-            for _ in range(WARM_STEPS):
-                step(k)
+        warm()
     for order in interleaved_rounds(len(chains), repeats):
         for k in order:
             spans[k].append(step(k))

@@ -277,21 +277,25 @@ def setting_text(code: int) -> str:
     return repr(_SETTINGS[code]) if code < len(_SETTINGS) else f"a value hashing to {code:016x}"
 
 
-def refuse_disagreement(who: str, name: str, values: list[int], show=str) -> None:
+def refuse_disagreement(
+    who: str, name: str, values: list[int], show=str, fix: str | None = None
+) -> None:
     """Raise on every rank unless all ranks gathered the same ``values`` of ``name``
-    (``show`` writes a value for the message; ``who`` names this rank: :func:`rank_label`)."""
+    (``show`` writes a value for the message; ``who`` names this rank: :func:`rank_label`;
+    ``fix``: what to do, by default what the plan or the setting ``name`` asks)."""
     if len(set(values)) == 1:
         return
     holders: dict[int, list[int]] = {}
     for r, value in enumerate(values):
         holders.setdefault(value, []).append(r)
     what = "; ".join(f"ranks {r} hold {name} {show(v)}" for v, r in holders.items())
-    fix = (
-        "every rank must build the same plan (same P, R, placement, direction, micro-batches, "
-        "schedule, split_backward)"
-        if name == "plan"
-        else f"pass the same {name}= on every rank"
-    )
+    if fix is None:
+        fix = (
+            "every rank must build the same plan (same P, R, placement, direction, "
+            "micro-batches, schedule, split_backward)"
+            if name == "plan"
+            else f"pass the same {name}= on every rank"
+        )
     raise PipelineError(f"{who}: ranks disagree on the {name} ({what}); {fix}")
 
 
@@ -351,12 +355,8 @@ def check_same_step(stamp: int, group, device, who: str) -> None:
     mine = torch.tensor([stamp], dtype=torch.int64, device=device)
     stamps = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(stamps, mine, group=group)
-    held: dict[int, list[int]] = {}
-    for rank, value in enumerate(int(t) for t in stamps):
-        held.setdefault(value, []).append(rank)
-    if len(held) > 1:
-        steps = "; ".join(f"ranks {ranks} run their {step_said(s)}" for s, ranks in held.items())
-        raise PipelineError(f"{who}: ranks disagree on the step ({steps}): {SAME_STEPS}")
+    said = lambda stamp: step_said(stamp).removeprefix("step ")  # noqa: E731
+    refuse_disagreement(who, "step", [int(t) for t in stamps], said, SAME_STEPS)
 
 
 def refuse_after_failure(failed: str | None, who: str, call: str) -> None:

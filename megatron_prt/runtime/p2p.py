@@ -264,18 +264,17 @@ def ring_bytes(capacity: int) -> int:
     return (_DATA + capacity + _PAGE - 1) // _PAGE * _PAGE
 
 
-def shm_too_small(who: int | str, need: int, free: int, capacity: int | None) -> str:
+def shm_too_small(who: str, need: int, free: int, capacity: int | None) -> str:
     """The error (or ``auto``'s warning) for rings that do not fit ``free`` bytes; ``who``:
-    the rank or its name (errors.rank_label); ``capacity``: ``shm_capacity=`` if given
-    (every ring that size), else None (sized)."""
+    the rank's name (errors.rank_label); ``capacity``: ``shm_capacity=`` if given (every
+    ring that size), else None (sized)."""
     rings = (
         f"rings of shm_capacity={capacity} bytes"
         if capacity
         else "rings sized from the first step's messages"
     )
-    name = who if isinstance(who, str) else f"rank {who}"
     return (
-        f"{name}: transport='shm' needs {need} bytes in {SHM_DIR} ({rings}), {free} are "
+        f"{who}: transport='shm' needs {need} bytes in {SHM_DIR} ({rings}), {free} are "
         "free; give the container more shared memory (docker run --shm-size=1g, or "
         "--ipc=host), pass a smaller shm_capacity= (bytes of every ring, at least the largest "
         "message), or use transport='torch' (a full /dev/shm kills the ranks with SIGBUS)"
@@ -432,7 +431,7 @@ class ShmTransport:
         need = sum(nbytes for *_, nbytes in infos)
         free = min(free for _, _, free, _ in infos)
         if need > free:
-            raise RuntimeError(shm_too_small(me, need, free, self.shm_capacity))
+            raise RuntimeError(shm_too_small(f"rank {me}", need, free, self.shm_capacity))
         remove_stale_segments()
         self._owned = []
         # sender -> (ring, posted receives in order, messages drained before their receive)

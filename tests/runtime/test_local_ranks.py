@@ -73,19 +73,15 @@ def test_a_rank_leaves_no_process_behind():
     assert not [pid for pid in pids if _alive(pid)], pids
 
 
-def _late_and_hung(rank, world):
+def _late_and_later(rank, world):
     import time
 
-    time.sleep(2.5 if rank == 0 else 120)  # rank 0 reports late, rank 1 never
+    time.sleep(3 if rank == 0 else 7.5)  # rank 1 reports past the 6 s deadline
     return rank
 
 
 def test_the_deadline_bounds_the_whole_run():
-    """Each report got the whole deadline: a rank reporting just before it let a hung peer
-    run a second deadline (3 s given, 5.5 s here; up to world x the deadline)."""
-    import time
-
-    start = time.monotonic()
-    results = run_local(2, _late_and_hung, deadline_s=3)
+    """Each report got the whole deadline: rank 1, reporting 1.5 s past a 6 s deadline but
+    within 6 s of rank 0's report, was taken as finished (up to world x the deadline)."""
+    results = run_local(2, _late_and_later, deadline_s=6)
     assert results == [("ok", 0), ("killed", None)]
-    assert time.monotonic() - start < 5.0

@@ -419,7 +419,7 @@ ERROR_CASES = {
     "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),
     "steps-disagree-nccl-like": (
         _steps_disagree("torch", gathered=True),
-        ["ranks disagree on the step", "ranks [0] run their step 2 (forward-only)"],
+        ["ranks disagree on the step", "ranks [0] hold step 2 (forward-only)"],
         {},
     ),
     "step-after-a-failed-step": (
