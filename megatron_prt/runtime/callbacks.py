@@ -30,6 +30,7 @@ calls, on the rank that owns ``stage``:
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -213,10 +214,14 @@ def _reduces_gradients(module: torch.nn.Module) -> bool:
 
 
 def _sharding() -> tuple[type, ...]:
-    """FSDP's module classes: FullyShardedDataParallel, and fully_shard's FSDPModule where
-    torch.distributed.fsdp exports it (torch 2.6 on; before, only in a private module)."""
-    from torch.distributed import fsdp
-
+    """FSDP's module classes the caller has loaded: FullyShardedDataParallel, and
+    fully_shard's FSDPModule where torch.distributed.fsdp exports it (torch 2.6 on; before,
+    only in a private module); empty when torch.distributed.fsdp was never imported: a
+    stage can be FSDP's only once its caller imported it, and importing FSDP here would pull
+    in torch._dynamo (some 800 modules, a second) for every runtime built."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return ()
     fully_sharded = getattr(fsdp, "FSDPModule", None)
     return (fsdp.FullyShardedDataParallel, *([fully_sharded] if fully_sharded else []))
 
@@ -240,9 +245,9 @@ def reducing_too_early(
     wrong or fail (a stage that runs more than one of them in torch's DDP outside
     ``no_sync()``, or in FSDP1), or None ([Note: data parallelism around the plain
     runtime])."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    fsdp1 = _sharding()[:1]
     per_pipeline = Counter(split_microbatches(m, placement.num_pipelines))
     for stage, module in stages.items():
         runs = per_pipeline[placement.pipeline_of(stage)]
@@ -255,7 +260,7 @@ def reducing_too_early(
                     "wrapper and all-reduce the gradients over the data-parallel group after "
                     "step() (README, 'Data parallelism'), or step inside its no_sync()"
                 )
-            if isinstance(wrapper, FullyShardedDataParallel):
+            if isinstance(wrapper, fsdp1):
                 return (
                     f"{who}: stage {stage} runs in torch's FullyShardedDataParallel "
                     f"(FSDP1), and the stage runs {runs} forwards before their backwards: "
@@ -288,10 +293,8 @@ def refuse_sharded_replicas(
     (DTensors) that the replica sum cannot add, and whether the mirrored ranks hold the same
     shard depends on how the data-parallel groups were made. ValueError naming the rank, the
     stage and the fix."""
-    from torch.distributed import fsdp
-
-    fully_sharded = getattr(fsdp, "FSDPModule", None)
-    if placement.direction != "bi" or fully_sharded is None:
+    fully_sharded = _sharding()[1:]
+    if placement.direction != "bi" or not fully_sharded:
         return
     for stage, module in stages.items():
         if any(isinstance(m, fully_sharded) for m in module.modules()):

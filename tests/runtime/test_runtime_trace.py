@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from parity_models import batch, loss_fn, make_layer
 
 from megatron_prt.core import Placement, build_plan
@@ -61,6 +62,43 @@ def test_readme_example_runs_under_torchrun(tmp_path):
     assert (tmp_path / "t.json").exists()
     # README's split-backward example: gradients equal to rounding, so the printed losses
     assert _mlp_example_losses(*flags, "--split-backward") == losses
+
+
+def _group_kept_alive(rank, world):
+    """References to the default group the runtime's life left behind, and whether gloo's
+    threads outlived destroy_process_group."""
+    import gc
+
+    group = dist.group.WORLD
+    gc.collect()
+    before = sys.getrefcount(group)
+    plan = build_plan(Placement(world, 2, "wave", "bi"), 2)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 8)
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64)
+    xs, ys = batch("mlp", 2)
+    runtime.step(xs, ys)
+    runtime.reduce_replica_grads()
+    torch.optim.SGD([p for m in stages.values() for p in m.parameters()], lr=0.1).step()
+    runtime.close()
+    del runtime, stages
+    gc.collect()
+    left = sys.getrefcount(group) - before
+    threads = len(os.listdir("/proc/self/task"))
+    dist.barrier()
+    del group
+    dist.destroy_process_group()
+    gc.collect()
+    return left, len(os.listdir("/proc/self/task")) < threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_runtime_leaves_the_process_group_free_to_end():
+    # [Note: the default group must end with destroy_process_group]: torch.distributed.nn's
+    # functions, imported after init_process_group, kept the gloo group alive past
+    # destroy_process_group, which aborted the README example at exit now and then. In a
+    # fresh interpreter (spawn), as a user's script; the optimizer imports torch._dynamo.
+    for left, threads_ended in all_ok(run_local(2, _group_kept_alive, spawn=True)):
+        assert left == 0 and threads_ended
 
 
 def test_keep_freed_memory_takes_effect_on_glibc():
