@@ -371,8 +371,6 @@ def train_loop(runner: _Runner, optimizer, train: ImdbSplit, test: ImdbSplit) ->
 
 def train(args: argparse.Namespace) -> None:
     """The ``train`` command (every rank of the torchrun job runs it)."""
-    import torch.distributed as dist
-
     meta = read_meta(args.data)  # data errors stop every rank here, before any collective
     if args.seq_length is None:
         args.seq_length = meta["seq_length"]
@@ -395,7 +393,6 @@ def train(args: argparse.Namespace) -> None:
             flush=True,
         )
     train_loop(runner, optimizer, train_set, test_set)
-    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -508,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _convert_command(args)
         else:
             train(check_train_args(args, train_parser))
+            from megatron_prt.megatron import teardown  # megatron is loaded by now
+
+            teardown()  # train's model, PRT's runtimes, megatron's groups, every group
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -198,11 +198,10 @@ def setup_training(args, device):
     return training
 
 
-def main() -> None:
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    """``args.train_iters`` iterations, printing each one's loss on the logging rank."""
     from megatron.core import parallel_state, pipeline_parallel
 
-    args = parse_args()
-    device = init_device(args)
     training = setup_training(args, device)
     model, optimizer = training.chunks, training.optimizer
     dp = parallel_state.get_data_parallel_world_size()
@@ -242,7 +241,14 @@ def main() -> None:
                 f"grad norm {grad_norm:.4f} time {time.perf_counter() - start:.3f} s",
                 flush=True,
             )
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    train(args, init_device(args))
+    from megatron_prt.megatron import teardown  # megatron is loaded by now
+
+    teardown()  # train's model, PRT's runtimes, megatron's groups, every process group
 
 
 if __name__ == "__main__":

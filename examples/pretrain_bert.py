@@ -205,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("SUMMARY " + json.dumps(result), flush=True)
         dist.barrier()  # no rank tears down its transport while a peer still reads
     finally:
-        dist.destroy_process_group()
+        from megatron_prt.megatron import teardown  # megatron is loaded by now
+
+        teardown()  # PRT's runtimes, megatron's groups, then every process group
     return 0
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "make_forward_backward_func",
     "model_provider",
     "prepare_model",
+    "teardown",
     "transformer_config_kwargs",
     "uninstall",
 ]
@@ -28,6 +29,7 @@ _LAZY = {
     "transformer_config_kwargs": "model",
     "install": "installer",
     "uninstall": "installer",
+    "teardown": "installer",
     "make_forward_backward_func": "schedule",
 }
 

@@ -79,6 +79,27 @@ def uninstall() -> None:
     _INSTALLED.clear()
 
 
+def teardown() -> None:
+    """End a run's distributed state, last thing before the process exits: PRT uninstalled
+    (the installed schedule keeps its runtimes, which hold the model chunks, their DDP and
+    its process groups), megatron's model-parallel groups destroyed, then every process
+    group, and what held them collected now, so gloo joins its worker threads while the
+    interpreter can still give them the GIL ([Note: the default group must end with
+    destroy_process_group]: a 2-rank pretrain_bert exited with some 50 gloo threads alive,
+    where one still releasing its last collective's tensors aborts the process). Call it
+    after a barrier when peers may still be reading."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    uninstall()
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _guard_megatron_schedules() -> None:
     module = sys.modules["megatron.core.pipeline_parallel.schedules"]
     for attr in _MEGATRON_SCHEDULES:
