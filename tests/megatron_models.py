@@ -78,6 +78,19 @@ def batches(num: int, step: int = 0, variable: bool = False):
     return out
 
 
+def step_kwargs(kind: str, model: list, m: int, per_token: bool = False, step: int = 0) -> dict:
+    """megatron's forward-backward keywords for ``m`` micro-batches of ``kind`` (step
+    ``step``'s batches) over the chunks ``model``."""
+    return dict(
+        forward_step_func=partial(forward_step, kind, per_token),
+        data_iterator=[iter(batches(m, step)) for _ in model],
+        model=model,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+
+
 def forward_step(kind: str, per_token: bool, data_iterator, model):
     """megatron's forward_step_func contract: ``(output, loss_func)``."""
     batch = {key: value.to(DEVICE) for key, value in next(data_iterator).items()}

@@ -23,11 +23,10 @@ from megatron_models import (
     MBS,
     SEQ,
     VOCAB,
-    batches,
-    forward_step,
     grads_by_name,
     reference,
     setup_megatron,
+    step_kwargs,
     transformer_config,
 )
 
@@ -133,14 +132,7 @@ def _prt(rank, world, reuse, state):
     load_global(model, state, True)
     prepare_model(model, reuse)
     forward_backward = make_forward_backward_func(reuse, timeout_s=60)
-    store = forward_backward(
-        forward_step_func=partial(forward_step, "gpt", False),
-        data_iterator=[iter(batches(M)) for _ in model],
-        model=model,
-        num_microbatches=M,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
+    store = forward_backward(**step_kwargs("gpt", model, M))
     return {"losses": [s["lm loss"] for s in store], "grads": grads_by_name(model, True)}
 
 

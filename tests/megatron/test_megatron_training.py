@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-from functools import partial
 
 import pytest
 
@@ -18,14 +17,12 @@ import torch
 import torch.distributed as dist
 from megatron_models import (
     LAYERS_TRAIN,
-    MBS,
-    SEQ,
     assert_tracks_reference,
     batches,
-    forward_step,
     model_chunks,
     reference,
     setup_megatron,
+    step_kwargs,
     train,
     transformer_config,
 )
@@ -120,15 +117,7 @@ def _refusals(rank, world):
     func = make_forward_backward_func(reuse, timeout_s=30)
 
     def call(**overrides):
-        kwargs = dict(
-            forward_step_func=partial(forward_step, "gpt-untied", False),
-            data_iterator=[iter(batches(M)) for _ in model],
-            model=model,
-            num_microbatches=M,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-        )
-        kwargs.update(overrides)
+        kwargs = {**step_kwargs("gpt-untied", model, M), **overrides}
         try:
             func(**kwargs)
         except (ValueError, RuntimeError, NotImplementedError) as exc:
@@ -326,14 +315,7 @@ def _pipelines_left(rank, world):
     optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3)
     model = build_training(model, config, optimizer_config=optimizer_config, reuse=reuse).chunks
     install(reuse)
-    pipeline_parallel.get_forward_backward_func()(
-        forward_step_func=partial(forward_step, "gpt", False),
-        data_iterator=[iter(batches(M)) for _ in model],
-        model=model,
-        num_microbatches=M,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
+    pipeline_parallel.get_forward_backward_func()(**step_kwargs("gpt", model, M))
     del model
     gc.collect()
     before = sum(isinstance(o, MegatronPipeline) for o in gc.get_objects())
