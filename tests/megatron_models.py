@@ -252,14 +252,7 @@ def train(rank, world, kind, m, reuse, ref_state):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        store = forward_backward(
-            forward_step_func=partial(forward_step, kind, False),
-            data_iterator=[iter(batches(m, step)) for _ in model],
-            model=model,
-            num_microbatches=m,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-        )
+        store = forward_backward(**step_kwargs(kind, model, m, step=step))
         ok, norm, _ = optimizer.step()
         assert ok
         losses.append([float(s["lm loss"]) for s in store])
