@@ -102,6 +102,7 @@ class AutoTuner:
         self.picked: MeasuredPick[AutoCandidate] | None = None
         self.step_seconds: Callable[[int], float] | None = None
         self.done = False
+        self.final: Plan | None = None  # the plan of the final switch, once made
 
     @property
     def profiling(self) -> bool:
@@ -176,8 +177,15 @@ class AutoTuner:
             print(describe_pick(self.picked, self.reuse.auto_pick_reps), flush=True)
         return self.picked.winner
 
+    def resume(self, plan: Plan) -> None:
+        """Run ``plan``, the final pick a checkpoint saved, from the next call on, profiling
+        and timing nothing ([Note: auto's pick is resumed])."""
+        self.calls = self.reuse.auto_iterations
+        self._final(AutoCandidate(plan, "checkpoint", "the checkpoint's pick", float("nan")))
+
     def _final(self, winner: AutoCandidate) -> Plan:
         self.done = True
+        self.final = winner.plan
         chosen[:] = [winner.plan]
         return winner.plan
 
@@ -276,6 +284,50 @@ def _candidate_dict(candidate: Candidate) -> dict:
         "planned_for": candidate.planned_for,
         "predicted_s": candidate.makespan,
     }
+
+
+# [Note: auto's pick is resumed] A run resumed from a checkpoint profiled again: other
+# plans, so other dropout masks (R >= 2 or bi) in the iterations it profiled, and perhaps
+# another pick, so it did not continue the uninterrupted run's numbers (8.19315 against
+# 8.19366 at iteration 7). A checkpoint saved after the final switch holds the pick
+# (:func:`pick_record`); a resume under the same placement, layer split, micro-batch count
+# and backward kind runs it from its first iteration, profiling nothing
+# (:func:`resume_pick`). A checkpoint saved while auto still profiled holds none, and the
+# resumed run profiles afresh.
+def pick_record(schedule, reuse: ReuseConfig) -> dict | None:
+    """What a checkpoint saves of auto's final pick: ``schedule`` is the installed
+    forward-backward function; None before the final switch or without auto."""
+    auto = getattr(schedule, "auto", None)
+    if auto is None or auto.final is None:
+        return None
+    # JSON text: a checkpoint's common state loads with torch.load(weights_only=True)
+    return {"plan": auto.final.to_json(None), "stage_layers": list(reuse.layers_per_stage())}
+
+
+def resume_pick(schedule, reuse: ReuseConfig, record: dict | None, m: int, where: str) -> str:
+    """Run ``record`` (:func:`pick_record`'s, from the checkpoint ``where``) from the next
+    call of ``schedule`` on when it fits the run (``m`` micro-batches per iteration); the
+    line the log says either way."""
+    if record is None:
+        return f"{LOG_PREFIX} {where} holds no pick (saved before it was made): profiling again"
+    plan = Plan.from_dict(json.loads(record["plan"]))
+    differs = [
+        name
+        for name, same in (
+            ("placement", plan.placement == reuse.placement),
+            ("layer split", tuple(record["stage_layers"]) == reuse.layers_per_stage()),
+            ("micro-batch count", plan.num_microbatches == m),
+            ("backward kind", plan.split_backward == reuse.splits_backward),
+        )
+        if not same
+    ]
+    if differs:
+        return f"{LOG_PREFIX} {where}'s pick is for another {', '.join(differs)}: profiling again"
+    schedule.resume_auto(plan)
+    return (
+        f"{LOG_PREFIX} running {where}'s pick (plan {plan_hash(plan)}) from the first "
+        "iteration, profiling nothing"
+    )
 
 
 def plan_hash(plan: Plan) -> str:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..sim.model_shape import default_ffn
+from .auto import pick_record, resume_pick
 from .bert_args import PROG, say_error
 from .bert_setup import log, pad_vocab
 from .bert_step import TrainState
@@ -271,6 +272,9 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
         "rng_bytes": max(sizes),
         "rng": _rng_shard(rng),
     }
+    pick = None if state.auto is None else pick_record(state.auto, args.reuse)
+    if pick is not None:  # [Note: auto's pick is resumed]
+        extra["auto_pick"] = pick
     save_sharded(str(folder), state.chunks, state.optimizer, state.iteration, extra)
     dist.barrier()
 
@@ -395,6 +399,9 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
             f"start from --seed {args.seed}")  # fmt: skip
     saved_under = _layout_text(saved["layout"])
     log(f"resumed from {folder} (saved under {saved_under}) at iteration {state.iteration}")
+    if state.auto is not None:
+        m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        log(resume_pick(state.auto, args.reuse, saved.get("auto_pick"), m, str(folder)))
 
 
 def _agree(args: argparse.Namespace, problem: str | None) -> None:

@@ -154,6 +154,8 @@ def train(args: argparse.Namespace, device: torch.device, data: tuple) -> dict:
     dp_rank = parallel_state.get_data_parallel_rank()
     sampler = MicroBatchSampler(train_data, args.micro_batch_size, dp_rank, args.data_parallel_size)
     state = TrainState(training.chunks, training.optimizer, scheduler, sampler)
+    if getattr(forward_backward, "auto", None) is not None:
+        state.auto = forward_backward  # a checkpoint saves its pick, a resume runs it
     if args.load is not None:
         load_checkpoint(args, state)
     microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)

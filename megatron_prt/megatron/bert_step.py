@@ -110,6 +110,7 @@ class TrainState:
     scheduler: Any
     sampler: MicroBatchSampler
     iteration: int = 0
+    auto: Any = None  # --pipeline-reuse auto's AutoTuner and its resume: the schedule function
 
 
 @dataclass(frozen=True)

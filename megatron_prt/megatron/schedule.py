@@ -31,6 +31,7 @@ The model must have been prepared once with :func:`megatron_prt.megatron.prepare
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -42,6 +43,7 @@ from megatron.core.utils import get_model_config
 
 from ..core.actions import Op
 from ..core.placement import ConfigError
+from ..core.plan import Plan
 from ..core.schedules import build_plan
 from ..runtime.callbacks import StageCallbacks, run_backward
 from ..runtime.errors import PipelineError
@@ -62,6 +64,7 @@ from .model import (
     unwrap,
 )
 from .split import enable_megatron_split_backward
+from .training import restart_grad_ready_counts
 
 
 class MegatronCallbacks(StageCallbacks):
@@ -351,6 +354,9 @@ def make_forward_backward_func(
     _expose(forward_backward_pipelining_with_reuse, reuse, pipelines.last)
     # --pipeline-reuse auto's AutoTuner (None without auto): its candidates and measured pick
     forward_backward_pipelining_with_reuse.auto = auto  # type: ignore[attr-defined]
+    forward_backward_pipelining_with_reuse.resume_auto = (  # type: ignore[attr-defined]
+        functools.partial(_resume_auto, auto, pipelines)
+    )
     return forward_backward_pipelining_with_reuse
 
 
@@ -434,28 +440,13 @@ class _Pipelines:
         return plan
 
 
-def restart_grad_ready_counts(model: list) -> None:
-    """Make megatron's DDP record its gradient-ready counts afresh on the next iteration.
-
-    [Note: DDP's recorded gradient counts] With ``--overlap-grad-reduce`` megatron-core's DDP
-    records, in its first iteration, how often each parameter's gradient hook fires once
-    ``no_sync`` is released, and later starts a bucket's reduction when the counts reach
-    that record. Under split backward the release comes before a chunk's last I, so the
-    Ws that follow it count, and their number depends on the plan: after a switch of plan
-    (auto, its measured pick, another micro-batch count) the reduction started while a W
-    still added to the gradients (replicas 3.7e-3 apart after 8 iterations, without a word)
-    or never (an assertion). So DDP records again when another runtime trains (one
-    iteration reduced at its end). megatron-core 0.16-0.19's bucket groups; others kept."""
-    for chunk in model:
-        groups = (
-            *getattr(chunk, "bucket_groups", ()),
-            *getattr(chunk, "expert_parallel_bucket_groups", ()),
-        )
-        for group in groups:
-            if hasattr(group, "golden_per_param_grad_ready_counts"):
-                group.is_first_batch = True
-                group.golden_per_param_grad_ready_counts = {}
-                group.per_param_grad_ready_counts = {}
+def _resume_auto(auto: AutoTuner | None, pipelines: _Pipelines, plan: Plan) -> None:
+    """Run ``plan``, a checkpoint's final pick of ``--pipeline-reuse auto``, from the next
+    call on ([Note: auto's pick is resumed] in :mod:`megatron_prt.megatron.auto`)."""
+    if auto is None:
+        raise ConfigError("a checkpoint's auto pick resumed without --pipeline-reuse auto")
+    auto.resume(plan)
+    pipelines.switch(plan)
 
 
 def _pp_group(pg_collection):

@@ -74,3 +74,27 @@ def build_training(
     if optimizer_config.fp16:
         config.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling
     return Training(chunks=wrapped, optimizer=optimizer, config=config)
+
+
+def restart_grad_ready_counts(model: list) -> None:
+    """Make megatron's DDP record its gradient-ready counts afresh on the next iteration.
+
+    [Note: DDP's recorded gradient counts] With ``--overlap-grad-reduce`` megatron-core's DDP
+    records, in its first iteration, how often each parameter's gradient hook fires once
+    ``no_sync`` is released, and later starts a bucket's reduction when the counts reach
+    that record. Under split backward the release comes before a chunk's last I, so the
+    Ws that follow it count, and their number depends on the plan: after a switch of plan
+    (auto, its measured pick, another micro-batch count) the reduction started while a W
+    still added to the gradients (replicas 3.7e-3 apart after 8 iterations, without a word)
+    or never (an assertion). So DDP records again when another runtime trains (one
+    iteration reduced at its end). megatron-core 0.16-0.19's bucket groups; others kept."""
+    for chunk in model:
+        groups = (
+            *getattr(chunk, "bucket_groups", ()),
+            *getattr(chunk, "expert_parallel_bucket_groups", ()),
+        )
+        for group in groups:
+            if hasattr(group, "golden_per_param_grad_ready_counts"):
+                group.is_first_batch = True
+                group.golden_per_param_grad_ready_counts = {}
+                group.per_param_grad_ready_counts = {}

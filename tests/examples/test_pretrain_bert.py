@@ -158,6 +158,20 @@ def test_resumed_run_equals_uninterrupted_run(bi_run, data_cache, tmp_path):
         assert got[key] == want[key], key
 
 
+def test_auto_resumed_after_its_pick_continues_the_run_exactly(data_cache, tmp_path):
+    """[Note: auto's pick is resumed] in megatron_prt/megatron/auto.py: with dropout on and
+    R = 2 a resumed auto run profiled again, other plans drawing other masks."""
+    flags = ["--pipeline-model-parallel-size", "2", "--pipeline-reuse", "auto:2",
+             "--pipeline-reuse-auto-candidates", "1", "--data-cache-path", data_cache,
+             "--train-iters", "6", "--eval-interval", "3"]  # fmt: skip
+    save = tmp_path / "ckpt"
+    whole = launch(*flags, "--save", str(save), "--save-interval", "4")
+    (save / "latest").write_text("4\n")  # auto switched after iteration 3
+    resumed = launch(*flags, "--load", str(save))
+    assert "iter_0000004's pick" in resumed and "profiling nothing" in resumed, resumed[-3000:]
+    assert progress(resumed) == progress(whole)[4:]
+
+
 def test_checkpoint_resumes_under_another_layout(data_cache, tmp_path):
     # No dropout: the RNG streams of R=2 wave's chunks do not map onto R=1's.
     flags = ["--pipeline-model-parallel-size", "2", "--data-cache-path", data_cache,

@@ -18,8 +18,11 @@ from megatron_prt.core.schedules import build_plan
 from megatron_prt.megatron.args import AUTO_ITERATIONS, validate_args
 from megatron_prt.megatron.auto import (
     RUNNING,
+    AutoTuner,
     _tuned_within_running_memory,
+    pick_record,
     plan_hash,
+    resume_pick,
     same_gradients,
 )
 from megatron_prt.megatron.config import ReuseConfig
@@ -68,6 +71,45 @@ def test_auto_chooses_among_plans_with_the_running_gradients():
     other = replace(ranked[0], plan=build_plan(Placement(2, 2, "wave"), m))
     assert not same_gradients(other, running, counts)
     assert not same_gradients(ranked[0], running, (2, 2, 2, 2))
+
+
+class _Schedule:
+    """The installed forward-backward function's auto surface: its tuner and resume."""
+
+    def __init__(self, reuse: ReuseConfig) -> None:
+        self.auto, self.switched = AutoTuner(reuse), []
+
+    def resume_auto(self, plan) -> None:
+        self.auto.resume(plan)
+        self.switched.append(plan)
+
+
+def test_a_checkpoints_auto_pick_runs_only_where_it_fits():
+    """[Note: auto's pick is resumed]: the pick a checkpoint saved runs from the resumed
+    run's first iteration under the same placement, layer split, micro-batch count and
+    backward kind; under any other the resumed run profiles again, saying why."""
+    reuse = ReuseConfig(Placement(2, 2), 8, (3, 1, 1, 3), auto_iterations=AUTO_ITERATIONS)
+    saving = _Schedule(reuse)
+    assert pick_record(saving, reuse) is None  # before the final switch: nothing to save
+    pick = build_plan(reuse.placement, 4, schedule="gpipe")
+    saving.auto.resume(pick)  # as the final switch sets it
+    record = pick_record(saving, reuse)
+    resumed = _Schedule(reuse)
+    said = resume_pick(resumed, reuse, record, 4, "iter_0000004")
+    assert resumed.switched == [pick] and resumed.auto.done and "profiling nothing" in said
+    others = {
+        "placement": replace(reuse, placement=Placement(2, 2, "wave")),
+        "layer split": replace(reuse, stage_layers=(2, 2, 2, 2)),
+        "backward kind": replace(reuse, split_backward=True),
+    }
+    for what, other in others.items():
+        again = _Schedule(other)
+        said = resume_pick(again, other, record, 4, "iter_0000004")
+        assert not again.switched and not again.auto.done and f"another {what}" in said
+    again = _Schedule(reuse)
+    said = resume_pick(again, reuse, record, 8, "iter_0000004")
+    assert not again.switched and "another micro-batch count" in said
+    assert "profiling again" in resume_pick(again, reuse, None, 4, "iter_0000004")
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-backward", "whole-backward"])
