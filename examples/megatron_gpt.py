@@ -156,6 +156,9 @@ def init_device(args) -> torch.device:
         torch.cuda.set_device(device)
     elif backend != "gloo":
         raise SystemExit("--device cpu needs --distributed-backend gloo")
+    # before the group starts: [Note: the default group must end with destroy_process_group]
+    import megatron_prt.runtime  # noqa: F401
+
     dist.init_process_group(backend)
     if device.type == "cpu":
         torch.set_num_threads(1)

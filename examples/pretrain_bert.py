@@ -205,9 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("SUMMARY " + json.dumps(result), flush=True)
         dist.barrier()  # no rank tears down its transport while a peer still reads
     finally:
-        from megatron_prt.megatron import teardown  # megatron is loaded by now
+        if "megatron.core" in sys.modules:
+            from megatron_prt.megatron import teardown
 
-        teardown()  # PRT's runtimes, megatron's groups, then every process group
+            teardown()  # PRT's runtimes, megatron's groups, then every process group
+        else:  # refused before megatron loaded: only the process group to end
+            dist.destroy_process_group()
     return 0
 
 

@@ -304,16 +304,23 @@ def pick_record(schedule, reuse: ReuseConfig) -> dict | None:
     return {"plan": auto.final.to_json(None), "stage_layers": list(reuse.layers_per_stage())}
 
 
-def resume_pick(schedule, reuse: ReuseConfig, record: dict | None, m: int, where: str) -> str:
+def resume_pick(
+    schedule, reuse: ReuseConfig, record: dict | None, m: int, where: str, same_grid: bool
+) -> str:
     """Run ``record`` (:func:`pick_record`'s, from the checkpoint ``where``) from the next
-    call of ``schedule`` on when it fits the run (``m`` micro-batches per iteration); the
-    line the log says either way."""
+    call of ``schedule`` on when it fits the run (``m`` micro-batches per iteration;
+    ``same_grid``: the checkpoint's tensor, pipeline and data-parallel sizes, under which the
+    pick was timed); the line the log says either way."""
     if record is None:
         return f"{LOG_PREFIX} {where} holds no pick (saved before it was made): profiling again"
-    plan = Plan.from_dict(json.loads(record["plan"]))
+    try:
+        plan = Plan.from_dict(json.loads(record["plan"]))
+    except (ValueError, KeyError, TypeError) as exc:  # another format version, or damaged
+        return f"{LOG_PREFIX} {where}'s pick is unreadable ({exc}): profiling again"
     differs = [
         name
         for name, same in (
+            ("tensor/pipeline/data-parallel grid", same_grid),
             ("placement", plan.placement == reuse.placement),
             ("layer split", tuple(record["stage_layers"]) == reuse.layers_per_stage()),
             ("micro-batch count", plan.num_microbatches == m),

@@ -401,7 +401,8 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     log(f"resumed from {folder} (saved under {saved_under}) at iteration {state.iteration}")
     if state.auto is not None:
         m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        log(resume_pick(state.auto, args.reuse, saved.get("auto_pick"), m, str(folder)))
+        grid = saved["layout"] == layout(args)
+        log(resume_pick(state.auto, args.reuse, saved.get("auto_pick"), m, str(folder), grid))
 
 
 def _agree(args: argparse.Namespace, problem: str | None) -> None:

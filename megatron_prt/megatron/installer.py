@@ -89,15 +89,26 @@ def teardown() -> None:
     where one still releasing its last collective's tensors aborts the process). Call it
     after a barrier when peers may still be reading."""
     import gc
+    import warnings
+    import weakref
 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     uninstall()
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    default = weakref.ref(dist.group.WORLD) if dist.is_initialized() else None
+    if default is not None:
         dist.destroy_process_group()
     gc.collect()
+    if default is not None and default() is not None:
+        warnings.warn(
+            "the default process group outlived destroy_process_group: something still holds "
+            "it (torch.distributed.nn.functional imported after init_process_group does), "
+            "and a gloo group alive into interpreter shutdown can abort the process; import "
+            "megatron_prt.runtime before init_process_group",
+            stacklevel=2,
+        )
 
 
 def _guard_megatron_schedules() -> None:

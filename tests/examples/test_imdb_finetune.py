@@ -192,6 +192,7 @@ def test_train_under_torchrun_learns_the_tiny_set(tiny):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "outlived destroy_process_group" not in proc.stderr  # teardown ended every group
     lines = proc.stdout.splitlines()
     train = [m.groups() for m in map(_ITERATION.match, lines) if m]
     evals = [m.groups() for m in map(_EVAL.match, lines) if m]

@@ -58,6 +58,8 @@ def launch(*flags: str, ranks: int = 2) -> str:
     """Run the example under torchrun on CPU; its output (stdout and stderr)."""
     status, output = run_example(*flags, ranks=ranks)
     assert status == 0, output[-4000:]
+    # teardown ended every group ([Note: the default group must end with destroy_process_group])
+    assert "outlived destroy_process_group" not in output, output[-4000:]
     return output
 
 
@@ -615,7 +617,7 @@ def test_compare_summaries_table():
 
 
 def test_auto_switches_split_backward_plans_under_overlapped_grad_reduce(data_cache):
-    """[Note: DDP's recorded gradient counts] in megatron_prt/megatron/schedule.py: megatron's
+    """[Note: DDP's recorded gradient counts] in megatron_prt/megatron/training.py: megatron's
     DDP kept the first plan's count of W hooks after its release; the measured pick's next
     plan fired fewer and its reduction was never started (an assertion at iteration 4-5),
     or more and it started while a W still added to the gradients (replicas apart)."""

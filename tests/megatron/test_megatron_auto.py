@@ -7,6 +7,7 @@ model (CPU, gloo, 2 ranks)."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 import pytest
@@ -95,7 +96,7 @@ def test_a_checkpoints_auto_pick_runs_only_where_it_fits():
     saving.auto.resume(pick)  # as the final switch sets it
     record = pick_record(saving, reuse)
     resumed = _Schedule(reuse)
-    said = resume_pick(resumed, reuse, record, 4, "iter_0000004")
+    said = resume_pick(resumed, reuse, record, 4, "iter_0000004", True)
     assert resumed.switched == [pick] and resumed.auto.done and "profiling nothing" in said
     others = {
         "placement": replace(reuse, placement=Placement(2, 2, "wave")),
@@ -104,12 +105,18 @@ def test_a_checkpoints_auto_pick_runs_only_where_it_fits():
     }
     for what, other in others.items():
         again = _Schedule(other)
-        said = resume_pick(again, other, record, 4, "iter_0000004")
+        said = resume_pick(again, other, record, 4, "iter_0000004", True)
         assert not again.switched and not again.auto.done and f"another {what}" in said
     again = _Schedule(reuse)
-    said = resume_pick(again, reuse, record, 8, "iter_0000004")
+    said = resume_pick(again, reuse, record, 8, "iter_0000004", True)
     assert not again.switched and "another micro-batch count" in said
-    assert "profiling again" in resume_pick(again, reuse, None, 4, "iter_0000004")
+    said = resume_pick(again, reuse, record, 4, "iter_0000004", False)
+    assert not again.switched and "another tensor/pipeline/data-parallel grid" in said
+    assert "profiling again" in resume_pick(again, reuse, None, 4, "iter_0000004", True)
+    newer = {**json.loads(record["plan"]), "format_version": -1}  # another version's
+    damaged = {**record, "plan": json.dumps(newer)}
+    said = resume_pick(again, reuse, damaged, 4, "iter_0000004", True)
+    assert not again.switched and "unreadable" in said
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-backward", "whole-backward"])

@@ -237,6 +237,8 @@ def test_megatron_example_trains_under_torchrun():
             for _ in range(2)]  # fmt: skip
     proc = runs[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # teardown ended every group ([Note: the default group must end with destroy_process_group])
+    assert "outlived destroy_process_group" not in proc.stderr, proc.stderr[-3000:]
     losses = [float(line.split()[4]) for line in proc.stdout.splitlines() if "lm loss" in line]
     assert len(losses) == 4 and losses[-1] < losses[0]
     again = [float(line.split()[4]) for line in runs[1].stdout.splitlines() if "lm loss" in line]
