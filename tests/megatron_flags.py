@@ -31,7 +31,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
         "--seq-length",
     ):
         add(name, type=int, default=None)
-    for name in ("--bf16", "--fp16", "--swiglu"):
+    add("--num-query-groups", type=int, default=1)
+    for name in ("--bf16", "--fp16", "--swiglu", "--group-query-attention"):
         add(name, action="store_true")
     add("--transformer-impl", choices=("local", "transformer_engine"), default="transformer_engine")
     for name in (

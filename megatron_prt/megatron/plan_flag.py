@@ -210,7 +210,20 @@ def running_shape(args: argparse.Namespace) -> dict:
         "dtype": dtype,
         "transformer_impl": getattr(args, "transformer_impl", None),
         "device": getattr(args, "device", None),
+        "swiglu": bool(getattr(args, "swiglu", False)),
+        "num_query_groups": _query_groups(args),
+        "untie_embeddings_and_output_weights": bool(
+            getattr(args, "untie_embeddings_and_output_weights", False)
+        ),
     }
+
+
+def _query_groups(args: argparse.Namespace) -> int | None:
+    """Key/value heads: ``--num-query-groups`` under ``--group-query-attention``, else one
+    per attention head (megatron's rule)."""
+    if getattr(args, "group_query_attention", False):
+        return getattr(args, "num_query_groups", None)
+    return getattr(args, "num_attention_heads", None)
 
 
 def warn_other_shape(

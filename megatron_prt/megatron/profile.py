@@ -223,6 +223,9 @@ def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: st
     shape["ffn_hidden_size"] = default_ffn(shape["ffn_hidden_size"], shape["hidden_size"])
     shape.update(dtype=dtype, transformer_impl=transformer_impl, device=device)
     shape["tensor_model_parallel_size"] = 1  # profiled on one rank
+    # the profiled model: GELU MLP, one key/value head per query head
+    shape.update(swiglu=False, untie_embeddings_and_output_weights=kind == "gpt-untied")
+    shape["num_query_groups"] = shape["num_attention_heads"]
     return shape
 
 

@@ -11,7 +11,8 @@ and memory are not what tune predicted. Keys are Megatron-LM's argument names::
     {"model": "bert", "hidden_size": 768, "num_attention_heads": 12,
      "ffn_hidden_size": 3072, "seq_length": 512, "micro_batch_size": 4,
      "vocab_size": 30522, "dtype": "bfloat16", "transformer_impl": "local",
-     "tensor_model_parallel_size": 1, "device": "cuda"}
+     "tensor_model_parallel_size": 1, "device": "cuda", "swiglu": false,
+     "num_query_groups": 12, "untie_embeddings_and_output_weights": false}
 
 Only keys both sides give (and neither gives as ``null``) are compared: a hand-written cost
 file may give none, and a run may not know some at its check (the training flags give no
@@ -37,8 +38,12 @@ SHAPE_KEYS = (
     "transformer_impl",
     "tensor_model_parallel_size",
     "device",
+    "swiglu",
+    "num_query_groups",
+    "untie_embeddings_and_output_weights",
 )
-_WORDS = ("model", "dtype", "transformer_impl", "device")  # the rest are whole numbers
+_WORDS = ("model", "dtype", "transformer_impl", "device")
+_SWITCHES = ("swiglu", "untie_embeddings_and_output_weights")  # the rest are whole numbers
 
 
 def check_shape(value: object, where: str = "model") -> dict | None:
@@ -56,11 +61,13 @@ def check_shape(value: object, where: str = "model") -> dict | None:
         if given is None:
             continue
         if key in _WORDS:
-            ok = isinstance(given, str)
+            ok, kind = isinstance(given, str), "a string"
+        elif key in _SWITCHES:
+            ok, kind = isinstance(given, bool), "true or false"
         else:
             ok = isinstance(given, int) and not isinstance(given, bool) and given > 0
+            kind = "a positive integer"
         if not ok:
-            kind = "a string" if key in _WORDS else "a positive integer"
             raise ConfigError(f"key {where}.{key} must be {kind} or null, got {given!r}")
     return dict(value)
 

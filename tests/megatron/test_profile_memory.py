@@ -213,6 +213,9 @@ def test_profile_model_gives_the_cost_json():
         "transformer_impl": "local",
         "tensor_model_parallel_size": 1,
         "device": "cpu",
+        "swiglu": False,
+        "num_query_groups": 4,
+        "untie_embeddings_and_output_weights": False,
     }
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     assert len(costs["layers"]) == 3

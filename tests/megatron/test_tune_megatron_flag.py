@@ -219,6 +219,9 @@ SHAPE = {
     "transformer_impl": "local",
     "tensor_model_parallel_size": 1,
     "device": "cpu",
+    "swiglu": False,
+    "num_query_groups": 4,
+    "untie_embeddings_and_output_weights": False,
 }
 SAME_SHAPE = ("--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32)
 
@@ -231,6 +234,9 @@ SAME_SHAPE = ("--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 3
         (("--bf16",), r"dtype float32 -> bfloat16"),
         (("--transformer-impl", "transformer_engine"), r"transformer_impl local -> transformer_"),
         (("--ffn-hidden-size", 128), r"ffn_hidden_size 256 -> 128"),
+        (("--swiglu", "--ffn-hidden-size", 256), r"swiglu False -> True"),
+        (("--untie-embeddings-and-output-weights",), r"untie_embeddings_and_output_weights Fa"),
+        (("--group-query-attention", "--num-query-groups", 2), r"num_query_groups 4 -> 2"),
     ],
 )
 def test_a_plan_tuned_for_another_model_shape_is_said(tmp_path, other, said):

@@ -39,6 +39,7 @@ def test_cost_files_keep_the_shape_without_pricing_it(tmp_path):
         ({"hidden_size": 0}, r"model.hidden_size must be a positive integer"),
         ({"hidden_size": True}, r"model.hidden_size must be a positive integer"),
         ({"dtype": 16}, r"model.dtype must be a string"),
+        ({"swiglu": 1}, r"model.swiglu must be true or false"),
     ],
 )
 def test_malformed_shapes_are_refused_by_key(tmp_path, shape, match):
