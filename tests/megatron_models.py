@@ -391,10 +391,14 @@ def parallel_train(
         params_dtype=dtype, use_distributed_optimizer=bool((ddp or {}).get(
             "use_distributed_optimizer")),
     )  # fmt: skip
-    ddp_config = DistributedDataParallelConfig(**{"overlap_grad_reduce": False, **(ddp or {})})
+    ddp = dict(ddp or {})
+    align = ddp.pop("align_grad_reduce", False)  # Megatron-LM's flag, not a DDP field
+    ddp_config = DistributedDataParallelConfig(**{"overlap_grad_reduce": False, **ddp})
     training = build_training(
         model, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=reuse
     )
+    if align:  # as Megatron-LM's train() sets it under --overlap-grad-reduce
+        training.config.grad_sync_func = [chunk.start_grad_sync for chunk in training.chunks]
     model, optimizer = training.chunks, training.optimizer
     ckpt = ckpt or {}
     if ckpt.get("load"):

@@ -13,9 +13,10 @@ adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) an
 * Returns megatron's ``forward_data_store`` (one entry per micro-batch, in order) on pipeline
   rank P-1, where megatron's training loop reads losses, even when a last stage runs on
   another rank (``wave`` with even R, ``bi``); ``[]`` elsewhere.
-* Hooks: ``no_sync_func`` holds gradient reduction until a chunk's last backward, then
-  ``grad_sync_func`` starts it (split backward: released before the chunk's last I,
-  started after its last W, so megatron DDP sees every W's gradient); ``param_sync_func``
+* Hooks: ``no_sync_func`` holds gradient reduction until a chunk's last backward, or, when
+  ``grad_sync_func`` is set, until that call starts it after the chunk's last gradient
+  (split backward: released before the chunk's last I, started after its last W, so
+  megatron DDP sees every W's gradient); ``param_sync_func``
   runs before a chunk's first forward;
   after the schedule, ``bi`` replica gradients and tied embedding/output gradients are summed
   (the chunks holding them keep their reduction held until then, even with
@@ -124,8 +125,13 @@ class MegatronCallbacks(StageCallbacks):
     def release_grad_sync(self, chunk: int) -> None:
         """Before a chunk's last backward: let its gradients reduce as they become ready
         (megatron's overlap); chunks whose gradients are summed after the schedule (``bi``
-        replicas, tied embeddings) hold them until :meth:`start_summed_grad_sync`."""
-        if chunk in self.summed_after or self.chunk_sync is None:
+        replicas, tied embeddings) hold them until :meth:`start_summed_grad_sync`. With a
+        ``grad_sync_func`` the backward stays held and that call starts the reduction, as in
+        megatron's own schedules: Megatron-LM's ``train()`` sets it under
+        ``--overlap-grad-reduce``, and DDP's hooks and the call both started it (an
+        assertion in DDP at the second iteration)."""
+        held = chunk in self.summed_after or self.config.grad_sync_func is not None
+        if held or self.chunk_sync is None:
             return
         self.chunk_sync[chunk].close()
 

@@ -272,6 +272,16 @@ def test_overlapped_reduction_untied_uni_matches_megatron():
     _check("gpt-untied", 1, 2, 2, 3, "loop", "uni", ddp=(("overlap_grad_reduce", True),))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole-backward", "split-backward"])
+def test_overlapped_reduction_started_by_grad_sync_func_matches_megatron(split):
+    """Megatron-LM's train() sets grad_sync_func under --overlap-grad-reduce (its default
+    --align-grad-reduce): the schedule released no_sync before a chunk's last backward and
+    called it after, so DDP's hooks and the call both started the reduction (an assertion
+    at the second iteration); now the call alone, once per bucket."""
+    ddp = (*OVERLAP, ("align_grad_reduce", True))
+    _check("gpt-untied", 1, 2, 2, 2, "loop", "uni", ddp=ddp, split_backward=split)
+
+
 # Overlapped reduction where PRT sums gradients after the schedule (bi replicas, tied
 # embeddings): those chunks' DDP buckets start reducing right after the sums, the others
 # during their last backward; exactly one reduction per bucket, megatron's numbers.
