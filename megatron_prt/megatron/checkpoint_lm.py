@@ -14,8 +14,12 @@ pattern for ShardedTensor(key='embedding.word_embeddings.weight' ...)": written 
 :func:`install` keeps megatron's assignment and then, on each rank, leaves one copy of each
 shard main (the first in the state dict: chunk 0 before chunk 1, so the word embedding) and
 makes the others non-main replicas, as megatron marks the tied copy on its last pipeline
-stage. Every copy still loads the one saved shard. Only saving changes: a fully parallel load
-(``--ckpt-fully-parallel-load``) already loads a shard once per rank and fills every copy.
+stage. Every copy still loads the one saved shard.
+
+A fully parallel load (``--ckpt-fully-parallel-load``) loads a shard once per rank and
+fills every copy with that one tensor; torch's optimizers keep it as it is, so the two
+copies' Adam moments were one tensor, updated twice a step (a resumed run drifted from the
+uninterrupted one without a word). :func:`install` gives every repeat its own copy.
 """
 
 from __future__ import annotations
@@ -47,12 +51,41 @@ def one_main_copy_per_rank(sharded_state_dict) -> int:
     return demoted
 
 
+def own_copies(loaded):
+    """``loaded`` (a nested state dict, changed in place) with every repeat of a tensor
+    object replaced by a copy of it."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    seen: set[int] = set()
+
+    def own(value):
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                return value.clone()
+            seen.add(id(value))
+        return value
+
+    return dict_list_map_inplace(own, loaded)
+
+
 def install() -> None:
     """Make megatron-core's fully parallel save leave one main copy per shard on each rank
-    (:func:`one_main_copy_per_rank` after its own assignment), process-wide. Idempotent;
-    nothing changes for a rank that holds every shard once."""
+    (:func:`one_main_copy_per_rank` after its own assignment) and its fully parallel load
+    give every copy its own tensor (:func:`own_copies`), process-wide. Idempotent; nothing
+    changes for a rank that holds every shard once."""
     from megatron.core.dist_checkpointing.strategies import fully_parallel
 
+    loader = fully_parallel.FullyParallelLoadStrategyWrapper
+    if not getattr(loader.load, "megatron_prt", False):
+        load = loader.load
+
+        @functools.wraps(load)
+        def load_own_copies(self, sharded_state_dict, checkpoint_dir):
+            return own_copies(load(self, sharded_state_dict, checkpoint_dir))
+
+        load_own_copies.megatron_prt = True  # type: ignore[attr-defined]
+        loader.load = load_own_copies
     distribute = fully_parallel.distribute_main_replicas_with_precomputed_distribution
     if getattr(distribute, "megatron_prt", False):
         return

@@ -152,3 +152,26 @@ def test_one_main_copy_per_rank_demotes_only_repeats_of_a_main_shard():
     assert replicas == {
         "embedding": 0, "other_row": 0, "output": 1, "copy": 1, "exp_avg 0": 0, "exp_avg 1": 1
     }  # fmt: skip
+
+
+def test_a_fully_parallel_load_gives_every_copy_its_own_tensor(monkeypatch):
+    """megatron's fully parallel load fills every copy of a shard on a rank with one tensor
+    (a PRT rank holds the word embedding and its tied output copy under wave): torch's Adam
+    kept the two copies' moments as one tensor, updated twice a step."""
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    from megatron_prt.megatron import checkpoint_lm
+
+    shard = torch.arange(6.0)
+
+    def load(self, sharded_state_dict, checkpoint_dir):  # one tensor for both copies
+        state = {0: {"exp_avg": shard}, 1: {"exp_avg": shard}}
+        return {"optimizer": {"state": state}, "model": [shard, torch.ones(2)]}
+
+    monkeypatch.setattr(fully_parallel.FullyParallelLoadStrategyWrapper, "load", load)
+    checkpoint_lm.install()
+    loaded = fully_parallel.FullyParallelLoadStrategyWrapper.load(None, {}, "ckpt")
+    state = loaded["optimizer"]["state"]
+    copies = [state[0]["exp_avg"], state[1]["exp_avg"], loaded["model"][0]]
+    assert len({t.data_ptr() for t in copies}) == 3
+    assert all(torch.equal(t, shard) for t in copies)
