@@ -104,6 +104,7 @@ def layout(args: argparse.Namespace) -> dict:
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "placement": "megatron" if reuse is None else reuse.name,
+        "device": args.device,  # CPU and CUDA generators' states differ in kind and size
     }
 
 
@@ -342,7 +343,7 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     why (and which earlier complete checkpoint loads instead, where that helps), and every
     rank exits with status 2. Collective."""
     iteration, common, problem = _read_common(args)
-    _agree(args, problem)
+    _agree(args, problem, iteration)
     if iteration is None:
         log(f"no checkpoint in {args.load} (no {Path(args.load) / 'latest'}): starting fresh")
         return
@@ -351,6 +352,7 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     same_rng_grid = (
         saved["layout"]["pipeline_model_parallel_size"] == args.pipeline_model_parallel_size
         and saved["layout"]["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+        and saved["layout"].get("device", args.device) == args.device
     )
     request = {}
     if same_rng_grid:
@@ -395,8 +397,8 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     if same_rng_grid:
         set_rng_state(json.loads(bytes(loaded["extra"]["rng"].flatten().tolist())))
     else:
-        log(f"{folder} was saved under another pipeline / tensor-parallel size: RNG states "
-            f"start from --seed {args.seed}")  # fmt: skip
+        log(f"{folder} was saved under another pipeline / tensor-parallel size or device: "
+            f"RNG states start from --seed {args.seed}")  # fmt: skip
     saved_under = _layout_text(saved["layout"])
     log(f"resumed from {folder} (saved under {saved_under}) at iteration {state.iteration}")
     if state.auto is not None:
@@ -405,14 +407,34 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
         log(resume_pick(state.auto, args.reuse, saved.get("auto_pick"), m, str(folder), grid))
 
 
-def _agree(args: argparse.Namespace, problem: str | None) -> None:
-    """Collective: return when no rank has a problem; otherwise exit status 2 on every rank,
-    a rank with a problem printing it and rank 0 naming the ranks that could not load."""
+def _agree(args: argparse.Namespace, problem: str | None, iteration: int | None = None) -> None:
+    """Collective: return when no rank has a problem and all read the same ``iteration``;
+    otherwise exit status 2 on every rank, a rank with a problem printing it and rank 0
+    naming the ranks that could not load, or which ranks saw which checkpoint (a ``--load``
+    on storage each node has its own of: the ranks went on to different collectives)."""
     notes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(notes, problem)
-    failed = [r for r, note in enumerate(notes) if note is not None]
+    dist.all_gather_object(notes, (problem, iteration))
+    failed = [r for r, (note, _) in enumerate(notes) if note is not None]
+    seen: dict = {}
+    for r, (_, theirs) in enumerate(notes):
+        seen.setdefault(theirs, []).append(r)
+    if not failed and len(seen) > 1:
+        what = "; ".join(
+            f"{'no latest' if it is None else f'iteration {it}'}: rank(s) {_ranks(ranks)}"
+            for it, ranks in seen.items()
+        )
+        failed = [0]
+        problem = (
+            f"--load {args.load}: the ranks read different checkpoints ({what}); give "
+            "--load a folder every rank reads alike (storage all nodes share)"
+        )
+        problem = problem if dist.get_rank() == 0 else None
     if failed:
         _stop_loading(args, dist.get_rank(), problem, failed)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _stop_loading(
@@ -421,7 +443,7 @@ def _stop_loading(
     if problem is not None:
         say_error(f"rank {rank}: {problem}")
     elif rank == 0:
-        names = ", ".join(str(r) for r in failed)
+        names = _ranks(failed)
         message = f"--load {args.load}: rank(s) {names} cannot load the checkpoint"
         print(f"{PROG}: error: {message} (their messages say why)", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -69,3 +69,30 @@ def test_rank_killed_mid_save_keeps_the_previous_checkpoint(data_cache, tmp_path
     assert [int(p[0]) for p in progress(output)] == [3, 4, 5, 6]
     assert (save / "latest").read_text().strip() == "6"
     assert is_complete(partial)  # saved again over the partial folder
+
+
+def _loads_apart(rank, world, load):
+    """What ``_agree`` does when rank 0 read iteration 3 and rank 1 found no ``latest``."""
+    import argparse
+    import io
+
+    from megatron_prt.megatron import bert_checkpoint
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            bert_checkpoint._agree(argparse.Namespace(load=load), None, 3 if rank == 0 else None)
+        except SystemExit as exc:
+            return exc.code, err.getvalue()
+    return None, err.getvalue()
+
+
+def test_ranks_reading_different_checkpoints_are_refused_by_name(tmp_path):
+    """A --load on storage each node has its own of: rank 0 resumed at iteration 3 while
+    rank 1 started fresh, and they went on to different collectives (a hang)."""
+    from megatron_prt.runtime.local import all_ok, run_local
+
+    (rank0, said), (rank1, quiet) = all_ok(run_local(2, _loads_apart, str(tmp_path)))
+    assert rank0 == rank1 == 2 and not quiet
+    assert "iteration 3: rank(s) 0; no latest: rank(s) 1" in said
+    assert "every rank reads alike" in said
