@@ -260,6 +260,10 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
     """Every rank's part of ``folder``; returns once all ranks wrote theirs."""
     from .checkpoint import save_checkpoint as save_sharded  # megatron: not at flag parsing
 
+    if dist.get_rank() == 0:  # written over, a folder is not complete until this save is
+        for name in _METADATA:
+            (folder / name).unlink(missing_ok=True)
+    dist.barrier()
     text = json.dumps(rng_state()).encode()
     sizes: list = [None] * dist.get_world_size()
     dist.all_gather_object(sizes, len(text))
@@ -507,12 +511,14 @@ def reads_newer_format() -> bool:
     return (major, minor) >= (0, 19)
 
 
+_METADATA = ("metadata.json", ".metadata")  # what a complete torch_dist folder holds
+
+
 def is_complete(folder: Path) -> bool:
     """A whole torch_dist checkpoint folder: megatron's metadata and torch's tensor index
     (the plain state is ``common.pt`` up to megatron-core 0.18, inside the tensors from 0.19:
     a damaged one fails its read, naming the folder)."""
-    names = ("metadata.json", ".metadata")
-    return folder.is_dir() and all((folder / name).is_file() for name in names)
+    return folder.is_dir() and all((folder / name).is_file() for name in _METADATA)
 
 
 def _earlier(args: argparse.Namespace, iteration: int | None) -> str:

@@ -48,6 +48,13 @@ def test_rank_killed_mid_save_keeps_the_previous_checkpoint(data_cache, tmp_path
     pids = tmp_path / "pids"
     pids.mkdir()
     kill = {"PYTHONPATH": path, "PRT_DIE_RANK": "1", "PRT_DIE_IN": "iter_0000004"}
+    # an earlier complete save of iteration 4 (resumed from 2): megatron writes over a folder
+    # and leaves its metadata, so the half-written one passed for complete
+    earlier = checkpoint_dir(str(save), 4)
+    earlier.mkdir(parents=True)
+    for name in ("metadata.json", ".metadata", "common.pt"):
+        (earlier / name).write_bytes(b"from an earlier save")
+    assert is_complete(earlier)
     try:
         status, output = run_example(
             *flags, env={**kill, "PRT_PIDS": str(pids)}, log=tmp_path / "killed.log"
