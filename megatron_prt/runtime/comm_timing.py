@@ -403,11 +403,19 @@ NOISY_SIZE_RATIO = 64  # a hop this many times larger that times faster is noise
 
 
 def _warn_noisy_hops(hops: list) -> None:
-    """Say when the large hop timed faster than the small one although it carries
+    """Say when the small hop timed as free, and when the large hop timed faster than the
+    small one although it carries
     :data:`NOISY_SIZE_RATIO` times the bytes or more: the line's slope is then clipped to 0
     and the bandwidth written as free (``null``), which the noise decided, not the wire.
     Closer sizes (messages under 256 KiB) may time either way and are not said."""
     (b0, t0), (b1, t1) = hops
+    if t0 <= 0:  # marginal_hop clipped it: the longer chain timed no slower
+        warnings.warn(
+            f"a hop of {b0} bytes timed as free (its longer chain of hops no slower than "
+            "the shorter one): p2p_latency is written as 0 on timing noise; profile again "
+            "with more --reps, on a quieter machine",
+            stacklevel=3,
+        )
     if b1 >= NOISY_SIZE_RATIO * b0 and t1 < t0:
         warnings.warn(
             f"a hop of {b1} bytes timed faster than one of {b0} bytes ({t1 * 1e6:.1f} vs "

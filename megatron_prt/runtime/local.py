@@ -33,6 +33,10 @@ def _entry(fn, rank, world, store, queue, args, backend="gloo"):
             world_size=world,
             timeout=timedelta(seconds=60),
         )
+        # every rank connected before any goes on: one that finished fn and exited at once
+        # closed its sockets while a slower peer still built gloo's mesh, which then failed
+        # ("connectFullMesh failed ... Connection closed by peer")
+        dist.barrier()
         # Plain pickle copies tensors into the message; the queue's own pickler would share
         # their storage by file descriptor, which dies with this process at os._exit below.
         result = pickle.dumps(fn(rank, world, *args))

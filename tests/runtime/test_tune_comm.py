@@ -59,8 +59,10 @@ def test_profile_writes_measured_message_costs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "hop: latency" in done.stdout and "message CPU while ranks compute" in done.stdout
     costs = CostModel.load(str(out))
-    # a hop is never free; with its CPU fitted, what is left in flight may be nothing
-    assert costs.p2p_latency >= 0 and costs.p2p_latency + 2 * costs.p2p_cpu > 0
+    # a hop is never free unless said (timing noise: --reps 1 on a busy host gave one); with
+    # its CPU fitted, what is left in flight may be nothing
+    free = costs.p2p_latency + 2 * costs.p2p_cpu == 0
+    assert costs.p2p_latency >= 0 and (not free or "timed as free" in done.stderr)
     assert costs.has_replica_cost
     assert "p2p_cpu" in json.loads(out.read_text())  # fitted in place by default
     assert json.loads(out.read_text())["p2p_latency"] == costs.p2p_latency
