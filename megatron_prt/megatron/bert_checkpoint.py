@@ -104,8 +104,21 @@ def layout(args: argparse.Namespace) -> dict:
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "placement": "megatron" if reuse is None else reuse.name,
-        "device": args.device,  # CPU and CUDA generators' states differ in kind and size
+        "device": args.device,  # see restores_rng
     }
+
+
+def restores_rng(saved: dict, args: argparse.Namespace) -> bool:
+    """Whether a checkpoint saved under the :func:`layout` ``saved`` restores its RNG states
+    in this run: the same pipeline and tensor-parallel sizes (each rank's streams) and
+    device (CPU and CUDA generator states differ in kind and size: a CUDA checkpoint's
+    tracker states crashed a CPU run at its first dropout). A layout from before the device
+    was recorded is taken for this run's device."""
+    return (
+        saved["pipeline_model_parallel_size"] == args.pipeline_model_parallel_size
+        and saved["tensor_model_parallel_size"] == args.tensor_model_parallel_size
+        and saved.get("device", args.device) == args.device
+    )
 
 
 def _layout_text(layout: dict) -> str:
@@ -353,11 +366,7 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
         return
     folder = checkpoint_dir(args.load, iteration)
     saved = common["extra"]
-    same_rng_grid = (
-        saved["layout"]["pipeline_model_parallel_size"] == args.pipeline_model_parallel_size
-        and saved["layout"]["tensor_model_parallel_size"] == args.tensor_model_parallel_size
-        and saved["layout"].get("device", args.device) == args.device
-    )
+    same_rng_grid = restores_rng(saved["layout"], args)
     request = {}
     if same_rng_grid:
         request["rng"] = _rng_shard(torch.zeros(saved["rng_bytes"], dtype=torch.uint8))

@@ -11,7 +11,13 @@ pytest.importorskip("megatron.core")
 
 from megatron.core import dist_checkpointing
 
-from megatron_prt.megatron.bert_checkpoint import _read_common, checkpoint_dir, reads_newer_format
+from megatron_prt.megatron.bert_checkpoint import (
+    _read_common,
+    checkpoint_dir,
+    layout,
+    reads_newer_format,
+    restores_rng,
+)
 
 
 def _folder(root, metadata: dict, common: bool) -> None:
@@ -48,3 +54,22 @@ def test_a_newer_format_is_named_and_a_damaged_one_is_not(tmp_path, metadata, co
     iteration, state, problem = _read_common(argparse.Namespace(load=str(tmp_path)))
     assert iteration == 3 and state is None
     assert said in problem, problem
+
+
+def test_rng_states_restore_only_on_the_grid_and_device_they_were_saved_on():
+    """A checkpoint saved on CUDA restored its 16-byte CUDA tracker states into a CPU run's
+    generators (a crash at the first dropout): the device decides too."""
+    import argparse
+
+    def run(device="cpu", pp=2, tp=1):
+        return argparse.Namespace(
+            pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+            data_parallel_size=1, reuse=None, device=device,
+        )  # fmt: skip
+
+    saved = layout(run("cuda"))
+    assert restores_rng(saved, run("cuda"))
+    assert not restores_rng(saved, run("cpu"))
+    assert not restores_rng(saved, run("cuda", pp=4)) and not restores_rng(saved, run("cuda", tp=2))
+    before = {k: v for k, v in saved.items() if k != "device"}  # saved before it was recorded
+    assert restores_rng(before, run("cpu")) and restores_rng(before, run("cuda"))
