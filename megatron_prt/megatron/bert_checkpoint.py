@@ -35,7 +35,7 @@ from ..sim.model_shape import default_ffn
 from .auto import pick_record, resume_pick
 from .bert_args import PROG, say_error
 from .bert_setup import log, pad_vocab
-from .bert_step import TrainState
+from .bert_step import TrainState, microbatches_per_iteration
 
 RNG_KEY = "pretrain_bert.rng_state"  # the byte tensor's name in the checkpoint
 
@@ -290,7 +290,8 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
         "rng_bytes": max(sizes),
         "rng": _rng_shard(rng),
     }
-    pick = None if state.auto is None else pick_record(state.auto, args.reuse)
+    schedule = state.auto_schedule
+    pick = None if schedule is None else pick_record(schedule, args.reuse)
     if pick is not None:  # [Note: auto's pick is resumed]
         extra["auto_pick"] = pick
     save_sharded(str(folder), state.chunks, state.optimizer, state.iteration, extra)
@@ -414,10 +415,10 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
             f"RNG states start from --seed {args.seed}")  # fmt: skip
     saved_under = _layout_text(saved["layout"])
     log(f"resumed from {folder} (saved under {saved_under}) at iteration {state.iteration}")
-    if state.auto is not None:
-        m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        grid = saved["layout"] == layout(args)
-        log(resume_pick(state.auto, args.reuse, saved.get("auto_pick"), m, str(folder), grid))
+    if state.auto_schedule is not None:
+        m, grid = microbatches_per_iteration(args), saved["layout"] == layout(args)
+        record = saved.get("auto_pick")
+        log(resume_pick(state.auto_schedule, args.reuse, record, m, str(folder), grid))
 
 
 def _agree(args: argparse.Namespace, problem: str | None, iteration: int | None = None) -> None:

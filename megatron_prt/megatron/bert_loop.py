@@ -16,7 +16,14 @@ import torch.distributed as dist
 from ..tune.plan_file import describe_recompute, recompute_setting
 from .bert_checkpoint import load_checkpoint, save_checkpoint
 from .bert_setup import build_model, build_training, is_logging_rank, log, padded_vocab_size
-from .bert_step import Launch, MicroBatchSampler, TrainState, evaluate, train_step
+from .bert_step import (
+    Launch,
+    MicroBatchSampler,
+    TrainState,
+    evaluate,
+    microbatches_per_iteration,
+    train_step,
+)
 from .pipeline_probe import PipelineProbe, predicted_bubble
 from .plan_flag import warn_other_vocabulary
 
@@ -155,10 +162,10 @@ def train(args: argparse.Namespace, device: torch.device, data: tuple) -> dict:
     sampler = MicroBatchSampler(train_data, args.micro_batch_size, dp_rank, args.data_parallel_size)
     state = TrainState(training.chunks, training.optimizer, scheduler, sampler)
     if getattr(forward_backward, "auto", None) is not None:
-        state.auto = forward_backward  # a checkpoint saves its pick, a resume runs it
+        state.auto_schedule = forward_backward  # a checkpoint saves its pick, a resume runs it
     if args.load is not None:
         load_checkpoint(args, state)
-    microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    microbatches = microbatches_per_iteration(args)
     _log_start(args, state.chunks, microbatches)
     loop = _Loop(Launch(args, device, microbatches), state, forward_backward, valid_data)
     loop.run()

@@ -110,7 +110,12 @@ class TrainState:
     scheduler: Any
     sampler: MicroBatchSampler
     iteration: int = 0
-    auto: Any = None  # --pipeline-reuse auto's AutoTuner and its resume: the schedule function
+    auto_schedule: Any = None  # PRT's forward-backward function under --pipeline-reuse auto
+
+
+def microbatches_per_iteration(args: argparse.Namespace) -> int:
+    """Micro-batches each data-parallel rank runs per iteration."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
 @dataclass(frozen=True)

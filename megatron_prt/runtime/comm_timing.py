@@ -403,11 +403,11 @@ NOISY_SIZE_RATIO = 64  # a hop this many times larger that times faster is noise
 
 
 def _warn_noisy_hops(hops: list) -> None:
-    """Say when the small hop timed as free, and when the large hop timed faster than the
-    small one although it carries
-    :data:`NOISY_SIZE_RATIO` times the bytes or more: the line's slope is then clipped to 0
-    and the bandwidth written as free (``null``), which the noise decided, not the wire.
-    Closer sizes (messages under 256 KiB) may time either way and are not said."""
+    """Say what timing noise wrote as free: the small hop timed as free (``p2p_latency``
+    0), or the large hop timed faster than the small one although it carries
+    :data:`NOISY_SIZE_RATIO` times the bytes or more (the line's slope clipped to 0, the
+    bandwidth ``null``). Closer sizes (messages under 256 KiB) may time either way and are
+    not said."""
     (b0, t0), (b1, t1) = hops
     if t0 <= 0:  # marginal_hop clipped it: the longer chain timed no slower
         warnings.warn(

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_prt.core.placement import Placement
 from megatron_prt.core.schedules import build_plan
-from megatron_prt.runtime.comm_timing import measure_comm
+from megatron_prt.runtime.comm_timing import hop_seconds, measure_comm
 from megatron_prt.runtime.local import all_ok, run_local
 from megatron_prt.sim.cost import CostModel
 from megatron_prt.sim.simulate import simulate
@@ -59,10 +59,12 @@ def test_profile_writes_measured_message_costs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "hop: latency" in done.stdout and "message CPU while ranks compute" in done.stdout
     costs = CostModel.load(str(out))
-    # a hop is never free unless said (timing noise: --reps 1 on a busy host gave one); with
-    # its CPU fitted, what is left in flight may be nothing
-    free = costs.p2p_latency + 2 * costs.p2p_cpu == 0
-    assert costs.p2p_latency >= 0 and (not free or "timed as free" in done.stderr)
+    # the model's hop is never free unless the noise that made it so is said (--reps 1 on a
+    # busy host timed the 15-hop chain no slower than the 1-hop one); with its CPU fitted,
+    # what is left in flight may be nothing
+    hop = hop_seconds(json.loads(out.read_text())) + 2 * costs.p2p_cpu
+    said = "timed as free" in done.stderr or "timed faster than" in done.stderr
+    assert costs.p2p_latency >= 0 and (hop > 0 or said)
     assert costs.has_replica_cost
     assert "p2p_cpu" in json.loads(out.read_text())  # fitted in place by default
     assert json.loads(out.read_text())["p2p_latency"] == costs.p2p_latency
