@@ -345,13 +345,15 @@ def parallel_train(
     ckpt=None,
     recompute=None,
 ):
-    """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only)
-    on TP x PP x DP ranks: megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
+    """STEPS steps of megatron's DDP + Adam in float64 (no clipping: megatron clips fp32 only;
+    ``ddp``'s pseudo-field ``clip_grad`` clips an fp32 run) on TP x PP x DP ranks:
+    megatron's no-pipelining schedule for ``reuse`` ``None`` (PP 1),
     else PRT. DP rank ``d`` trains on micro-batches ``d*m .. d*m+m-1`` of each step's
     ``m * DP``. ``states``: initial weights by TP rank (a reference run's ``state``);
     ``ddp``: ``DistributedDataParallelConfig`` fields. Returns this rank's TP / DP ranks,
-    initial ``state``, per-step losses (where megatron reads them), per-step reduced grads
-    and per-step counts of collectives per gradient bucket, and the final parameters.
+    initial ``state``, per-step losses (where megatron reads them), per-step reduced grads,
+    gradient norms (0 unless clipped) and counts of collectives per gradient bucket, and the
+    final parameters.
     ``ckpt``: ``{"steps": (first, end), "load": dir, "save": dir}`` (each optional): train
     steps ``first .. end-1`` after loading a checkpoint, then save one. ``recompute``:
     megatron's ``recompute_granularity`` (``full``: every layer, ``uniform`` method)."""
@@ -386,13 +388,13 @@ def parallel_train(
     if states is not None:
         load_global(model, states[tp_rank], is_tied(kind))
     state = local_state(model, is_tied(kind))
-    optimizer_config = OptimizerConfig(
-        optimizer="adam", lr=LR, clip_grad=0.0, weight_decay=0.0, adam_eps=EPS,
-        params_dtype=dtype, use_distributed_optimizer=bool((ddp or {}).get(
-            "use_distributed_optimizer")),
-    )  # fmt: skip
     ddp = dict(ddp or {})
     align = ddp.pop("align_grad_reduce", False)  # Megatron-LM's flag, not a DDP field
+    clip = ddp.pop("clip_grad", 0.0)  # an optimizer field
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=LR, clip_grad=clip, weight_decay=0.0, adam_eps=EPS,
+        params_dtype=dtype, use_distributed_optimizer=bool(ddp.get("use_distributed_optimizer")),
+    )  # fmt: skip
     ddp_config = DistributedDataParallelConfig(**{"overlap_grad_reduce": False, **ddp})
     training = build_training(
         model, config, optimizer_config=optimizer_config, ddp_config=ddp_config, reuse=reuse
@@ -404,6 +406,7 @@ def parallel_train(
     if ckpt.get("load"):
         assert load_checkpoint(ckpt["load"], model, optimizer) == ckpt["steps"][0]
     out = {"tp": tp_rank, "dp": dp_rank, "state": state, "losses": [], "grads": [], "counts": []}
+    out["norms"] = []
     out["sent_shapes"] = sent = set()  # output shapes of chunks that send on (not the last)
     for chunk in model:
         if not unwrap(chunk).post_process:
@@ -429,8 +432,9 @@ def parallel_train(
         out["counts"].append(counts)
         out["losses"].append([float(s["lm loss"]) for s in store])
         out["grads"].append(grads_by_name(model, is_tied(kind)))
-        ok, _, _ = optimizer.step()
+        ok, norm, _ = optimizer.step()
         assert ok
+        out["norms"].append(float(norm or 0.0))
     out["params"] = params_by_name(model, is_tied(kind))
     if ckpt.get("save"):
         # torch_dist writes through forked writer processes; run_local's ranks are daemonic

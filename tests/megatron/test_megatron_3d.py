@@ -26,6 +26,7 @@ pytest.importorskip("megatron.core")
 
 import torch
 from megatron_models import (
+    CLIP,
     HIDDEN,
     LAYERS_3D,
     MBS,
@@ -91,6 +92,12 @@ def _check(
             torch.testing.assert_close(
                 torch.tensor(result["losses"]), torch.tensor(ref["losses"]), **tol
             )
+        if dict(ddp).get("clip_grad"):  # every rank's norm: the whole model's, each weight once
+            assert all(ref["norms"]), ref["norms"]
+            torch.testing.assert_close(
+                torch.tensor(result["norms"]), torch.tensor(ref["norms"]), **FP32_TOL,
+                msg=f"rank {rank}: gradient norms per step",
+            )  # fmt: skip
         # the pipeline's messages: megatron's [s, b, h], [s/TP, b, h] with sequence parallel
         want_shape = (SEQ // tp if sp else SEQ, MBS, HIDDEN)
         assert result["sent_shapes"] <= {want_shape}, (rank, result["sent_shapes"])
@@ -260,6 +267,28 @@ RECOMPUTED = [
 @pytest.mark.parametrize("kind,tp,dp,p,r,placement,direction,recompute", RECOMPUTED)
 def test_recomputed_activations_match_megatron(kind, tp, dp, p, r, placement, direction, recompute):
     _check(kind, tp, dp, p, r, placement, direction, recompute=recompute)
+
+
+# Clipped gradient norms (fp32: megatron clips nothing else) with bi replicas and tied
+# embeddings on every rank: each replica's and tied copy's weights counted once, over the
+# pipeline, tensor- and (sharded) data-parallel ranks. A doubly counted replica moves the
+# norm by order 1 and, the clip scaling each step by another factor, the parameters too.
+CLIPPED = (("clip_grad", CLIP),)
+NORMS = [
+    ("gpt", 1, 2, 2, 2, "wave", "bi", (*DISTRIBUTED, *CLIPPED), False, torch.float32),
+    ("bert", 2, 1, 2, 3, "loop", "bi", CLIPPED, False, torch.float32),
+    ("gpt-untied", 2, 2, 2, 2, "loop", "bi", (*DISTRIBUTED, *CLIPPED), True, torch.float32),
+]
+
+
+def test_clipped_gradient_norm_counts_bi_replicas_once():
+    _check(*NORMS[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", NORMS[1:], ids=lambda c: "-".join(map(str, c[:7])))
+def test_clipped_gradient_norms_match_megatron(case):
+    _check(*case)
 
 
 OVERLAP = (("overlap_grad_reduce", True),)
