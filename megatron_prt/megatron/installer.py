@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from collections.abc import Callable
 
 from ..core.placement import ConfigError
 from .config import ReuseConfig
@@ -39,12 +40,18 @@ _ORIGINALS: dict[str, object] = {}
 _INSTALLED: dict[str, object] = {}
 
 
-def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
+def install(
+    reuse: ReuseConfig | None,
+    timeout_s: float | None = None,
+    wrap: Callable[[Callable], Callable] | None = None,
+) -> bool:
     """Use PRT for ``reuse`` (``None``: PRT not configured, nothing changes). Idempotent;
     installing another config replaces the previous one. Returns whether PRT is installed.
 
     ``timeout_s`` bounds every wait on a peer rank before :class:`PipelineError` names it;
-    ``None``: ``reuse.timeout_s`` (``--pipeline-reuse-timeout``, default 60 s)."""
+    ``None``: ``reuse.timeout_s`` (``--pipeline-reuse-timeout``, default 60 s). ``wrap``:
+    what megatron calls is ``wrap(forward_backward)`` (a caller's work around every call,
+    e.g. Megatron-LM's glue), applied when this call installs."""
     if reuse is None:
         return bool(_INSTALLED)
     if timeout_s is None:
@@ -54,6 +61,8 @@ def install(reuse: ReuseConfig | None, timeout_s: float | None = None) -> bool:
     if _INSTALLED.get("reuse") == reuse and _INSTALLED.get("timeout_s") == timeout_s:
         return True
     forward_backward = make_forward_backward_func(reuse, timeout_s)
+    if wrap is not None:
+        forward_backward = wrap(forward_backward)
 
     def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
         # Megatron-LM from core_v0.19 passes its process groups; PRT runs on megatron's

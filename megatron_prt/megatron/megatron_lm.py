@@ -73,7 +73,10 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
 
         from ..core.placement import Placement
 
-        torch.serialization.add_safe_globals([ReuseConfig, Placement])
+        from .args import AutoReuse
+
+        # --pipeline-reuse auto[:R] is an AutoReuse in args (it stopped every such resume)
+        torch.serialization.add_safe_globals([ReuseConfig, Placement, AutoReuse])
     return reuse
 
 
@@ -162,12 +165,74 @@ def model_provider(provider: Callable) -> Callable:
             _warn_other_vocabulary(reuse, args)
         built.append(model)
         prepare_chunk(built, reuse)
-        install(reuse)
+        install(reuse, wrap=_carry_auto_pick(reuse) if reuse.auto_iterations else None)
         checkpoint_lm.install()  # torch_dist saves: a rank may hold the tied embedding twice
         _answer_chunk_queries()
         return model
 
     return build
+
+
+# [Note: Megatron-LM's checkpoints carry auto's pick] Megatron-LM's save_checkpoint stores
+# ``args``: after every training call the glue sets ``args.pipeline_reuse_auto_pick`` to
+# auto's final pick (:func:`~megatron_prt.megatron.auto.pick_record`, None before it is
+# made), so a checkpoint saved after the final switch holds it. A resumed run
+# (``args.iteration`` > 0 after Megatron-LM's load_checkpoint) reads the loaded
+# checkpoint's arguments with megatron's own ``load_args_from_checkpoint`` before its first
+# call, and runs the pick from then on when it fits the run, profiling nothing ([Note:
+# auto's pick is resumed] in :mod:`~megatron_prt.megatron.auto`); otherwise it profiles
+# again, rank 0 saying why.
+def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
+    """``install``'s ``wrap`` under ``--pipeline-reuse auto`` (the note above)."""
+    from megatron.training import get_args
+
+    from .auto import pick_record
+
+    def wrap(forward_backward: Callable) -> Callable:
+        first: list = []
+
+        @functools.wraps(forward_backward)
+        def call(*positional, **keywords):
+            args = get_args()
+            if not first:
+                first.append(True)
+                m = keywords.get("num_microbatches")
+                _resume_auto_pick(forward_backward, reuse, args, m)
+            store = forward_backward(*positional, **keywords)
+            args.pipeline_reuse_auto_pick = pick_record(forward_backward, reuse)
+            return store
+
+        return call
+
+    return wrap
+
+
+_GRID_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+
+
+def _resume_auto_pick(
+    schedule: Callable, reuse: ReuseConfig, args: argparse.Namespace, m: int | None
+) -> None:
+    """Before a resumed run's first call: the loaded checkpoint's pick, if any, from then on."""
+    if not getattr(args, "iteration", 0) or not getattr(args, "load", None) or args.finetune:
+        return
+    import contextlib
+    import copy
+    import io
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    from .auto import resume_pick
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its lines on a copy of the args
+        loaded = load_args_from_checkpoint(copy.copy(args))
+    saved = loaded[1] if isinstance(loaded, tuple) else argparse.Namespace()
+    record = getattr(saved, "pipeline_reuse_auto_pick", None)
+    same_grid = all(getattr(saved, name, None) == getattr(args, name) for name in _GRID_ARGS)
+    where = f"{args.load} (iteration {args.iteration})"
+    line = resume_pick(schedule, reuse, record, m, where, same_grid)
+    if is_first_launched():
+        print(line, flush=True)
 
 
 def _warn_other_vocabulary(reuse: ReuseConfig, args: argparse.Namespace) -> None:

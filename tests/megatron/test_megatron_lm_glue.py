@@ -39,6 +39,8 @@ from megatron_prt.runtime.local import all_ok, run_local
 
 PATCHES = pathlib.Path(__file__).parents[2] / "patches"
 LAYERS, M = 8, 4
+AUTO_FLAGS = ["--pipeline-reuse", "auto:2", "--pipeline-reuse-placement", "wave"]
+AUTO_FLAGS += ["--pipeline-reuse-auto-candidates", "1"]  # the tuned plan: final after 3 calls
 
 
 def _stand_in_training(args) -> None:
@@ -58,6 +60,30 @@ def _stand_in_training(args) -> None:
 def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
     """Flags -> validate_args -> megatron's get_model loop through the wrapped provider ->
     the installed forward-backward function; returns losses and grads by global name."""
+    _, model, forward_backward = _build_like_megatron(rank, world, kind, reuse_flags, state)
+    store = forward_backward(**_call_keywords(kind, model))
+    return {
+        "losses": [s["lm loss"] for s in store],
+        "grads": grads_by_name(model, is_tied(kind)),
+        "timeout_s": forward_backward.pipeline().timeout_s,
+    }
+
+
+def _call_keywords(kind, model) -> dict:
+    """The keywords Megatron-LM's train_step calls the forward-backward function with."""
+    return dict(
+        forward_step_func=partial(forward_step, kind, False),
+        data_iterator=[iter(batches(M)) for _ in model],
+        model=model,
+        num_microbatches=M,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+
+
+def _build_like_megatron(rank, world, kind, reuse_flags, state):
+    """(args, model chunks, the installed forward-backward function), built as
+    :func:`_get_model_like_megatron` says."""
     import argparse
 
     from megatron.core import pipeline_parallel
@@ -89,19 +115,7 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
     assert groups_given is forward_backward
     _check_fully_parallel_save_installed()
     _check_chunk_stage_queries(reuse, rank, len(model))
-    store = forward_backward(
-        forward_step_func=partial(forward_step, kind, False),
-        data_iterator=[iter(batches(M)) for _ in model],
-        model=model,
-        num_microbatches=M,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
-    return {
-        "losses": [s["lm loss"] for s in store],
-        "grads": grads_by_name(model, is_tied(kind)),
-        "timeout_s": forward_backward.pipeline().timeout_s,
-    }
+    return args, model, forward_backward
 
 
 def _check_fully_parallel_save_installed():
@@ -311,19 +325,70 @@ def test_validate_args_prints_the_layout_on_rank_0(capsys):
     )
 
 
-def test_checkpointed_args_load_with_torch_weights_only(tmp_path):
+@pytest.mark.parametrize(
+    "flags", [["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"], AUTO_FLAGS]
+)
+def test_checkpointed_args_load_with_torch_weights_only(tmp_path, flags):
     """Megatron-LM saves ``args`` in every checkpoint and loads them with ``weights_only``:
-    the PRT config they carry must load (it stopped every resume with 'Unsupported global')."""
+    the PRT config they carry must load (it stopped every resume with 'Unsupported global'),
+    and so must ``--pipeline-reuse auto``'s value (it stopped every resume of auto)."""
     import argparse
 
-    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"]
-    )
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(flags)
     args.num_layers, args.pipeline_model_parallel_size = 8, 2
     reuse = megatron_lm.validate_args(args)
     torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
     loaded = torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["args"]
     assert loaded.pipeline_reuse_config == reuse
+    assert loaded.pipeline_reuse == args.pipeline_reuse
+
+
+def _auto_like_megatron(rank, world, state, calls, saved=None, iteration=0):
+    """``calls`` training calls of ``--pipeline-reuse auto`` built as Megatron-LM builds it;
+    ``saved``: a checkpoint's args the run resumes from at ``iteration`` (megatron's
+    ``load_args_from_checkpoint`` stood in). Returns, after each call, whether the args
+    carry a pick and whether auto still profiles, and the args as Megatron-LM's save writes
+    and its load reads them (``weights_only``)."""
+    import io
+
+    args, model, forward_backward = _build_like_megatron(rank, world, "gpt", AUTO_FLAGS, state)
+    args.data_parallel_size, args.finetune = 1, False
+    if saved is not None:
+        args.load, args.iteration = "ckpt", iteration
+        checkpointing = types.ModuleType("megatron.training.checkpointing")
+        checkpointing.load_args_from_checkpoint = lambda copied: (copied, saved)
+        sys.modules["megatron.training.checkpointing"] = checkpointing
+    carried, profiling = [], []
+    for _ in range(calls):
+        forward_backward(**_call_keywords("gpt", model))
+        carried.append(getattr(args, "pipeline_reuse_auto_pick", None) is not None)
+        profiling.append(forward_backward.auto.profiling)
+    written = io.BytesIO()
+    torch.save({"args": args}, written)
+    written.seek(0)
+    loaded = torch.load(written, weights_only=True)["args"]
+    final = forward_backward.auto.final
+    return {"carried": carried, "profiling": profiling, "args": loaded, "final": final}
+
+
+def test_auto_pick_travels_in_megatron_lm_checkpoints_and_is_resumed():
+    """[Note: Megatron-LM's checkpoints carry auto's pick]: the args Megatron-LM saves hold
+    auto's pick once it is made (they held none: a resume profiled again and, with dropout,
+    left the uninterrupted run's numbers); a resume under the same grid runs it from its
+    first call, one under another grid profiles again."""
+    state = all_ok(run_local(1, reference, "gpt", LAYERS, M))[0]["state"]
+    first = all_ok(run_local(2, _auto_like_megatron, state, 4))
+    for result in first:
+        assert result["carried"] == [False, False, True, True], result["carried"]
+        assert result["profiling"] == [True, True, False, False], result["profiling"]
+    saved = first[0]["args"]
+    resumed = all_ok(run_local(2, _auto_like_megatron, state, 1, saved, 3))
+    for result in resumed:
+        assert result["profiling"] == [False] and result["carried"] == [True]
+        assert result["final"] == first[0]["final"]
+    saved.data_parallel_size = 2  # the pick was timed on another grid
+    other = all_ok(run_local(2, _auto_like_megatron, state, 1, saved, 3))
+    assert [r["profiling"] for r in other] == [[True], [True]]
 
 
 def test_config_built_script_trains_through_a_provider_only_under_reuse():
