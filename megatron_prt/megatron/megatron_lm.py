@@ -72,7 +72,6 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
         import torch
 
         from ..core.placement import Placement
-
         from .args import AutoReuse
 
         # --pipeline-reuse auto[:R] is an AutoReuse in args (it stopped every such resume)
@@ -190,6 +189,7 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
 
     def wrap(forward_backward: Callable) -> Callable:
         first: list = []
+        record: dict = {"plan": None, "saved": None}  # auto's final plan, its record (JSON)
 
         @functools.wraps(forward_backward)
         def call(*positional, **keywords):
@@ -199,7 +199,10 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
                 m = keywords.get("num_microbatches")
                 _resume_auto_pick(forward_backward, reuse, args, m)
             store = forward_backward(*positional, **keywords)
-            args.pipeline_reuse_auto_pick = pick_record(forward_backward, reuse)
+            final = forward_backward.auto.final
+            if final is not record["plan"]:  # a plan's JSON is not free: once per pick
+                record.update(plan=final, saved=pick_record(forward_backward, reuse))
+            args.pipeline_reuse_auto_pick = record["saved"]
             return store
 
         return call
