@@ -5,7 +5,8 @@ Kept free of megatron imports so flags can be validated (and tested) before mega
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 from ..core.layers import stage_layer_counts
 from ..core.placement import ConfigError, Placement
@@ -47,6 +48,24 @@ class ReuseConfig:
     auto_pick_reps: int = 3
     recorded_vocab: tuple[tuple[str, int], ...] = ()
     recorded_kind: tuple[tuple[str, str], ...] = ()  # (which file, "gpt" | "bert")
+
+    # [Note: a config pickles its plan as JSON] Megatron-LM saves ``args``, which carry this
+    # config (``pipeline_reuse_config``), in every checkpoint and loads them with torch's
+    # weights_only loader, which builds only the classes it was told of
+    # (megatron_lm.validate_args: this one, Placement, AutoReuse). A plan's own classes
+    # (actions, their columns) stopped every resume of a --pipeline-reuse-plan run; as its
+    # JSON text it loads, and round-trips equal (Plan.from_dict).
+    def __getstate__(self) -> dict:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.plan is not None:
+            state["plan"] = self.plan.to_json(None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("plan"), str):
+            state = {**state, "plan": Plan.from_dict(json.loads(state["plan"]))}
+        for name, value in state.items():
+            object.__setattr__(self, name, value)  # frozen: as dataclasses' own __init__
 
     def __post_init__(self) -> None:
         self.layers_per_stage()  # refuse impossible counts at construction

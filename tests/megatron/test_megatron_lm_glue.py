@@ -391,6 +391,30 @@ def test_auto_pick_travels_in_megatron_lm_checkpoints_and_is_resumed():
     assert [r["profiling"] for r in other] == [[True], [True]]
 
 
+def test_checkpointed_args_of_a_plan_file_run_load_with_torch_weights_only(tmp_path):
+    """``--pipeline-reuse-plan FILE``: the config in the args holds the plan, whose classes
+    the weights_only load refused ('Unsupported global: ...Plan'): [Note: a config pickles
+    its plan as JSON]. The loaded config runs the same plan."""
+    import argparse
+
+    from megatron_prt.core.placement import Placement
+    from megatron_prt.core.schedules import build_plan
+    from megatron_prt.tune.plan_file import PlanFile
+
+    plan = build_plan(Placement(2, 2, "wave", "bi"), M)
+    PlanFile(plan, (2, 2, 2, 2)).write(str(tmp_path / "plan.json"))
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-reuse-plan", str(tmp_path / "plan.json")])
+    args.num_layers, args.pipeline_model_parallel_size = LAYERS, 2
+    args.micro_batch_size, args.global_batch_size, args.world_size = MBS, MBS * M, 2
+    args.tensor_model_parallel_size, args.context_parallel_size = 1, 1
+    reuse = megatron_lm.validate_args(args)
+    assert reuse.plan == plan
+    torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
+    loaded = torch.load(tmp_path / "model_optim_rng.pt", weights_only=True)["args"]
+    assert loaded.pipeline_reuse_config == reuse and loaded.pipeline_reuse_config.plan == plan
+
+
 def test_config_built_script_trains_through_a_provider_only_under_reuse():
     """``pretrain_gpt.py`` from core_v0.19 builds its model from a config: without
     --pipeline-reuse the config stays and no provider is passed (Megatron unchanged); with it,
