@@ -8,7 +8,8 @@
 # once per checkpoint format in FORMATS (default "torch torch_dist": Megatron's legacy format
 # and its default, distributed one, saved fully parallel over the data-parallel ranks).
 # Also: --pipeline-reuse-* without --pipeline-reuse must stop the run naming the flag, and
-# --pipeline-reuse auto's pick, made before the save, must be run by the resumed run.
+# --pipeline-reuse auto's pick, made before the save, must be run by the resumed run, and a
+# --pipeline-reuse-plan run must resume.
 # Dropout is 0: on CPU, "CUDA" RNG is the CPU generator, which the resumed run's DataLoaders
 # draw their seeds from after load_checkpoint restored it (on GPU they draw from the CPU
 # generator, dropout from the CUDA one), so with dropout a resumed CPU run masks differently.
@@ -20,7 +21,8 @@
 #           (six regex einops triton pyyaml pydantic pybind11 psutil; sentencepiece, and
 #           transformers from core_v0.19); docs/gpu.md has the venvs.
 #   FORMATS: the --ckpt-format values to save and resume with (default "torch torch_dist").
-#   AUTO_FORMATS: those of the --pipeline-reuse auto case, GPT wave uni (default "torch_dist").
+#   AUTO_FORMATS: those of the --pipeline-reuse auto and --pipeline-reuse-plan cases, GPT
+#                 (default "torch_dist").
 #   RUN_TIMEOUT: seconds one training run may take before it counts as failed (default 1200).
 # Never on a GPU process: the CPU harness (megatron_prt/megatron/megatron_lm_cpu.py) refuses.
 set -euo pipefail
@@ -123,25 +125,39 @@ for format in ${FORMATS:-torch torch_dist}; do
         done
     done
 done
+resume_case() {  # resume_case NAME ARGS...: GPT, 6 iterations saving at 3, resumed at 3
+    local name=$1; shift
+    rm -rf "$out/$name.ckpt"
+    echo "== $name: 6 iterations, checkpoint at 3"
+    train "$out/$name.log" "${gpt[@]}" "${common[@]}" "$@" \
+        --save "$out/$name.ckpt" --save-interval 3 || { echo "FAIL, see $out/$name.log"; return 1; }
+    echo "== $name: resumed from iteration 3"
+    train "$out/$name.resumed.log" "${gpt[@]}" "${common[@]}" "$@" \
+        --load "$out/$name.ckpt" --ckpt-step 3 || { echo "FAIL, see $out/$name.resumed.log"; return 1; }
+    PYTHONPATH=$root "$PY" -m megatron_prt.megatron.megatron_lm_check \
+        "$out/$name.log" "$out/$name.resumed.log" --resumed-at 3
+}
+
 # --pipeline-reuse auto: profiled iterations 1-3, then its pick (one candidate: the tuned
 # plan, no measured pick); the checkpoint at 3 holds the pick in Megatron-LM's args and the
-# resumed run runs it from its first iteration, profiling nothing.
+# resumed run runs it from its first iteration, profiling nothing. --pipeline-reuse-plan: a
+# plan file's run resumes (the saved args hold the plan).
+plan_file=$out/plan-wave-bi.json
+PYTHONPATH=$root "$PY" -c 'import sys
+from megatron_prt.core import Placement
+from megatron_prt.core.schedules import build_plan
+from megatron_prt.tune.plan_file import PlanFile
+PlanFile(build_plan(Placement(2, 2, "wave", "bi"), 2), (1, 1, 1, 1)).write(sys.argv[1])' "$plan_file"
 for format in ${AUTO_FORMATS:-torch_dist}; do
     name=gpt-auto-$format
-    auto=(--pipeline-reuse auto:2 --pipeline-reuse-placement wave
-        --pipeline-reuse-auto-candidates 1 --ckpt-format "$format")
-    rm -rf "$out/$name.ckpt"
-    echo "== $name: 6 iterations, auto's pick after 3, checkpoint at 3"
-    train "$out/$name.log" "${gpt[@]}" "${common[@]}" "${auto[@]}" \
-        --save "$out/$name.ckpt" --save-interval 3 || { echo "FAIL, see $out/$name.log"; failed=1; continue; }
-    echo "== $name: resumed from iteration 3"
-    train "$out/$name.resumed.log" "${gpt[@]}" "${common[@]}" "${auto[@]}" \
-        --load "$out/$name.ckpt" --ckpt-step 3 \
-        || { echo "FAIL, see $out/$name.resumed.log"; failed=1; continue; }
-    PYTHONPATH=$root "$PY" -m megatron_prt.megatron.megatron_lm_check \
-        "$out/$name.log" "$out/$name.resumed.log" --resumed-at 3 || failed=1
-    if grep -m1 -o "megatron-prt: --pipeline-reuse auto: running .*" "$out/$name.resumed.log"; then :
-    else echo "FAIL: the resumed run did not run the checkpoint's pick, see $out/$name.resumed.log"; failed=1; fi
+    if resume_case "$name" --pipeline-reuse auto:2 --pipeline-reuse-placement wave \
+        --pipeline-reuse-auto-candidates 1 --ckpt-format "$format"; then
+        grep -m1 -o "megatron-prt: --pipeline-reuse auto: running .*" "$out/$name.resumed.log" || {
+            echo "FAIL: the resumed run did not run the checkpoint's pick, see $out/$name.resumed.log"
+            failed=1; }
+    else failed=1; fi
+    resume_case "gpt-plan-$format" --pipeline-reuse-plan "$plan_file" --ckpt-format "$format" \
+        || failed=1
 done
 [ $failed = 0 ] && echo "megatron_lm_smoke: all passed" || echo "megatron_lm_smoke: FAILED"
 exit $failed
