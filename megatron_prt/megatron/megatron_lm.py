@@ -178,7 +178,7 @@ def model_provider(provider: Callable) -> Callable:
 # made), so a checkpoint saved after the final switch holds it. A resumed run
 # (``args.iteration`` > 0 after Megatron-LM's load_checkpoint) reads the loaded
 # checkpoint's arguments with megatron's own ``load_args_from_checkpoint`` before its first
-# call, and runs the pick from then on when it fits the run, profiling nothing ([Note:
+# training call, and runs the pick from then on when it fits the run, profiling nothing ([Note:
 # auto's pick is resumed] in :mod:`~megatron_prt.megatron.auto`); otherwise it profiles
 # again, rank 0 saying why.
 def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
@@ -194,7 +194,7 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
         @functools.wraps(forward_backward)
         def call(*positional, **keywords):
             args = get_args()
-            if not first:
+            if not first and not keywords.get("forward_only"):  # an evaluation's m may differ
                 first.append(True)
                 m = keywords.get("num_microbatches")
                 _resume_auto_pick(forward_backward, reuse, args, m)
