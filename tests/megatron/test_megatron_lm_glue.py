@@ -13,7 +13,6 @@ import re
 import sys
 import textwrap
 import types
-from functools import partial
 
 import pytest
 
@@ -22,15 +21,13 @@ pytest.importorskip("megatron.core")
 import torch
 from megatron_models import (
     MBS,
-    SEQ,
-    batches,
     build_model,
-    forward_step,
     grads_by_name,
     is_tied,
     load_global,
     reference,
     setup_megatron,
+    step_kwargs,
     transformer_config,
 )
 
@@ -61,24 +58,12 @@ def _get_model_like_megatron(rank, world, kind, reuse_flags, state):
     """Flags -> validate_args -> megatron's get_model loop through the wrapped provider ->
     the installed forward-backward function; returns losses and grads by global name."""
     _, model, forward_backward = _build_like_megatron(rank, world, kind, reuse_flags, state)
-    store = forward_backward(**_call_keywords(kind, model))
+    store = forward_backward(**step_kwargs(kind, model, M))
     return {
         "losses": [s["lm loss"] for s in store],
         "grads": grads_by_name(model, is_tied(kind)),
         "timeout_s": forward_backward.pipeline().timeout_s,
     }
-
-
-def _call_keywords(kind, model) -> dict:
-    """The keywords Megatron-LM's train_step calls the forward-backward function with."""
-    return dict(
-        forward_step_func=partial(forward_step, kind, False),
-        data_iterator=[iter(batches(M)) for _ in model],
-        model=model,
-        num_microbatches=M,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
 
 
 def _build_like_megatron(rank, world, kind, reuse_flags, state):
@@ -360,7 +345,7 @@ def _auto_like_megatron(rank, world, state, calls, saved=None, iteration=0):
         sys.modules["megatron.training.checkpointing"] = checkpointing
     carried, profiling = [], []
     for _ in range(calls):
-        forward_backward(**_call_keywords("gpt", model))
+        forward_backward(**step_kwargs("gpt", model, M))
         carried.append(getattr(args, "pipeline_reuse_auto_pick", None) is not None)
         profiling.append(forward_backward.auto.profiling)
     written = io.BytesIO()

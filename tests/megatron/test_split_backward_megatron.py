@@ -16,15 +16,12 @@ pytest.importorskip("megatron.core")
 import torch
 from megatron_models import (
     LAYERS_TRAIN,
-    MBS,
-    SEQ,
     assert_tracks_reference,
-    batches,
-    forward_step,
     grads_by_name,
     is_tied,
     model_chunks,
     setup_megatron,
+    step_kwargs,
     train,
     transformer_config,
 )
@@ -55,14 +52,7 @@ def _run_split(rank, world, kind, m, reuse, ref_state, w_delay):
     load_global(model, ref_state, is_tied(kind))
     prepare_model(model, reuse)
     forward_backward = make_forward_backward_func(reuse, timeout_s=60, w_delay=w_delay)
-    store = forward_backward(
-        forward_step_func=partial(forward_step, kind, False),
-        data_iterator=[iter(batches(m)) for _ in model],
-        model=model,
-        num_microbatches=m,
-        seq_length=SEQ,
-        micro_batch_size=MBS,
-    )
+    store = forward_backward(**step_kwargs(kind, model, m))
     ops = {a.op for a in forward_backward.pipeline().plan.ranks[rank]}
     return {
         "losses": [s["lm loss"] for s in store],
