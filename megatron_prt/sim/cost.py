@@ -514,7 +514,7 @@ class CostModel:
         if unknown:
             raise ConfigError(f"unknown cost keys {sorted(unknown)}; known: {sorted(known)}")
         data = dict(data)
-        check_bytes_on_every_layer(data.get("layers", ()))
+        check_bytes_on_every_layer(data)
         data["layers"] = tuple(
             LayerCost.from_dict(layer, f"layers[{i}]")
             for i, layer in enumerate(data.get("layers", ()))

@@ -9,6 +9,8 @@ from dataclasses import replace
 from ..core.placement import ConfigError
 from .recompute import check_recompute
 
+_ENDS = ("embedding", "head", "stage")  # a cost file's entries beside its layer list
+
 
 def check_value_types(data: object, model: type, layer: type) -> None:
     """Refuse JSON values that ``model.from_dict`` would turn into a ``TypeError`` deep
@@ -33,8 +35,7 @@ def check_value_types(data: object, model: type, layer: type) -> None:
         if isinstance(count, bool) or not isinstance(count, int):
             raise ConfigError(f"key stage_layers[{index}] must be an integer, got {count!r}")
     entries = [(f"layers[{i}]", layer) for i, layer in enumerate(data.get("layers") or ())]
-    ends = ("embedding", "head", "stage")
-    entries += [(end, data[end]) for end in ends if data.get(end) is not None]
+    entries += [(end, data[end]) for end in _ENDS if data.get(end) is not None]
     for where, entry in entries:
         if not isinstance(entry, dict):
             raise ConfigError(f"key {where} must be an object with fwd, bwd, act, param")
@@ -50,21 +51,42 @@ def _check_numbers(data: dict, kind: type, prefix: str, skip=()) -> None:
         if value is None and open_ended:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or math.isnan(value) or (math.isinf(value) and not open_ended):
+        endless = spec.default == math.inf  # a bandwidth: infinite is free (a time crashed)
+        if not number or math.isnan(value) or (math.isinf(value) and not endless):
             allowed = " (or null)" if open_ended else ""
-            raise ConfigError(f"key {prefix}{name} must be a number{allowed}, got {value!r}")
+            finite = "finite " if number and math.isinf(value) else ""
+            raise ConfigError(
+                f"key {prefix}{name} must be a {finite}number{allowed}, got {value!r}"
+            )
 
 
-def check_bytes_on_every_layer(layers) -> None:
+_TOTALS = {"act": ("activation_bytes", 1.0), "param": ("param_bytes", 0.0)}  # and defaults
+
+
+def check_bytes_on_every_layer(data: dict) -> None:
     """``act`` and ``param`` on every layer or on none: a layer without them would be priced
-    at 0 bytes beside the others."""
-    entries = [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, dict)]
+    at 0 bytes beside the others. With none on the layers, neither the model's total
+    (``activation_bytes``, ``param_bytes``: read only without a layer list, so an
+    over-budget plan passed) nor the embedding's, head's or stage's, beside which the
+    layers would be priced at 0 bytes."""
+    entries = [
+        (i, layer) for i, layer in enumerate(data.get("layers") or ()) if isinstance(layer, dict)
+    ]
     for key in ("act", "param"):  # (a layer that is no object is refused by name later)
         missing = [i for i, layer in entries if key not in layer]
         if missing and len(missing) < len(entries):
             raise ConfigError(
                 f"cost layers{missing[:8]} have no {key} while other layers do: give {key} "
                 "for every layer (or for none, and no memory is priced)"
+            )
+        total, default = _TOTALS[key]
+        ends = [f"{e}.{key}" for e in _ENDS if isinstance(data.get(e), dict) and key in data[e]]
+        given = [total] * (data.get(total, default) != default) + ends
+        if entries and len(missing) == len(entries) and given:
+            raise ConfigError(
+                f"cost layers give no {key}, so {', '.join(given)} would price them at 0 "
+                f"bytes ({total} is read only without a layer list): give {key} for every "
+                f"layer, or drop {', '.join(given)}"
             )
 
 

@@ -240,6 +240,21 @@ def test_numeric_flags_are_checked_by_argparse_naming_the_flag(argv, message, ca
         ('{"layers": [{"bwd": 2}]}', "cost layers[0] has keys ['bwd']; it needs fwd and bwd"),
         ('{"fwd": 1}', "unknown cost keys ['fwd']"),
         ("[1, 2]", "expected a JSON object of cost keys, got list"),
+        # an infinite time crashed (OverflowError); only a bandwidth may be infinite
+        (
+            '{"layers": [{"fwd": 1, "bwd": 2, "split_bwd": Infinity}, {"fwd": 1, "bwd": 2}]}',
+            "key layers[0].split_bwd must be a finite number (or null), got inf",
+        ),
+        # memory given beside layers that give none was not read: over-budget plans passed
+        (
+            '{"layers": [{"fwd": 1, "bwd": 2}, {"fwd": 1, "bwd": 2}], "activation_bytes": 8e9}',
+            "cost layers give no act, so activation_bytes would price them at 0 bytes",
+        ),
+        (
+            '{"layers": [{"fwd": 1, "bwd": 2}, {"fwd": 1, "bwd": 2}], '
+            '"head": {"fwd": 1, "bwd": 1, "act": 1e6, "param": 1e6}}',
+            "cost layers give no act, so head.act would price them at 0 bytes",
+        ),
     ],
 )
 def test_a_bad_cost_file_is_one_error_naming_file_and_key(run_cli, tmp_path, content, message):
