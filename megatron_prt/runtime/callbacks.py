@@ -137,6 +137,7 @@ class ModuleCallbacks(StageCallbacks):
         self.inputs: Sequence[torch.Tensor] | None = None
         self.targets: Sequence[torch.Tensor] | None = None
         self.training = True  # the step's: begin() sets it
+        self.mb_pipeline: Sequence[int] = ()  # the plan's (module_callbacks); () the default
 
     def begin(self, inputs, targets, forward_only) -> None:
         """Refuses (naming the argument, the rank and the fix) a batch this rank cannot read:
@@ -148,8 +149,12 @@ class ModuleCallbacks(StageCallbacks):
             ("targets", targets, [s for s in self.stages if self.placement.is_last(s)]),
         ):
             check_batch(self.who, name, data, ends, self.num_microbatches)
-        m, where = self.num_microbatches, self.placement
-        problem = None if forward_only else reducing_too_early(self.stages, self.who, where, m)
+        problem = None
+        if not forward_only:  # the plan's split: a plan file may split other than the default
+            split = self.mb_pipeline or split_microbatches(
+                self.num_microbatches, self.placement.num_pipelines
+            )
+            problem = reducing_too_early(self.stages, self.who, self.placement, split)
         if problem is not None:
             post_failure(problem, root=True)
             raise ValueError(problem)
@@ -239,16 +244,19 @@ def _sharding() -> tuple[type, ...]:
 # which the next one still needs. fully_shard (FSDP2) gathers again per backward and reduces
 # once at the end: it runs as it is.
 def reducing_too_early(
-    stages: Mapping[int, torch.nn.Module], who: str, placement: Placement, m: int
+    stages: Mapping[int, torch.nn.Module],
+    who: str,
+    placement: Placement,
+    mb_pipeline: Sequence[int],
 ) -> str | None:
-    """Why a training step over ``m`` micro-batches of these stages would reduce gradients
-    wrong or fail (a stage that runs more than one of them in torch's DDP outside
-    ``no_sync()``, or in FSDP1), or None ([Note: data parallelism around the plain
-    runtime])."""
+    """Why a training step of these stages over micro-batches ``mb`` run by pipelines
+    ``mb_pipeline[mb]`` (the plan's) would reduce gradients wrong or fail (a stage that runs
+    more than one of them in torch's DDP outside ``no_sync()``, or in FSDP1), or None
+    ([Note: data parallelism around the plain runtime])."""
     from torch.nn.parallel import DistributedDataParallel
 
     fsdp1 = _sharding()[:1]
-    per_pipeline = Counter(split_microbatches(m, placement.num_pipelines))
+    per_pipeline = Counter(mb_pipeline)
     for stage, module in stages.items():
         runs = per_pipeline[placement.pipeline_of(stage)]
         for wrapper in module.modules() if runs > 1 else ():
@@ -319,13 +327,18 @@ def module_callbacks(
     backward the stages' linear layers made split-capable (FSDP stages refused there, and
     FSDP2 stages of bi placements: [Note: data parallelism around the plain runtime])."""
     who = who or f"rank {rank}"
-    if loss_fn is None:
-        raise ValueError(f"{who}: give loss_fn, or callbacks that compute")
+    try:
+        if loss_fn is None:
+            raise ValueError(f"{who}: give loss_fn, or callbacks that compute")
+        refuse_sharded_replicas(stages, who, plan.placement)
+        if plan.split_backward:
+            refuse_sharded_split(stages, who)
+    except ValueError as exc:  # past the plan check, the peers wait on this rank: say why
+        post_failure(str(exc), root=True)
+        raise
     placement, m = plan.placement, plan.num_microbatches
     callbacks = ModuleCallbacks(stages, loss_fn, placement, m, device, rank, who)
-    refuse_sharded_replicas(stages, who, placement)
-    if plan.split_backward:
-        refuse_sharded_split(stages, who)
-        for module in stages.values():
-            enable_split_backward(module)
+    callbacks.mb_pipeline = plan.mb_pipeline
+    for module in stages.values() if plan.split_backward else ():
+        enable_split_backward(module)
     return callbacks

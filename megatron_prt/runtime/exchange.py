@@ -43,16 +43,34 @@ def gather_ints(
     store = _group_store(group)
     if store is None:
         return _all_gather(values, what, group, timeout_s, device)
+    rows = _store_rows([str(int(v)) for v in values], what, group, timeout_s, store)
+    return [[int(v) for v in row] for row in rows]
+
+
+def gather_words(words: Sequence[str], what: str, group, timeout_s: float) -> list[list[str]]:
+    """:func:`gather_ints` for words (no commas: a host name, a number as text). Without a
+    group store: all_gather_object, waited without a bound."""
+    group = group or dist.group.WORLD
+    store = _group_store(group)
+    if store is None:
+        rows: list = [None] * dist.get_world_size(group)
+        with collective(what, group):
+            dist.all_gather_object(rows, list(words), group)
+        return rows
+    return _store_rows(list(words), what, group, timeout_s, store)
+
+
+def _store_rows(words: list[str], what: str, group, timeout_s, store) -> list[list[str]]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     # this rank's n-th exchange of `what` meets the others' n-th: a counter per rank
     call = store.add(f"{_PREFIX}{what}/calls/{rank}", 1)
     keys = [f"{_PREFIX}{what}/{call}/{r}" for r in range(world)]
-    store.set(keys[rank], ",".join(str(int(v)) for v in values))
+    store.set(keys[rank], ",".join(words))
     with collective(what, group):
         _wait(store, keys, what, group, timeout_s)
     rows = [store.get(key).decode() for key in keys]
     _delete_previous_row(store, what, call, rank)
-    return [[int(v) for v in row.split(",")] if row else [] for row in rows]
+    return [row.split(",") if row else [] for row in rows]
 
 
 def _delete_previous_row(store, what: str, call: int, rank: int) -> None:

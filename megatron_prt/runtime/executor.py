@@ -233,8 +233,7 @@ class PipelineRuntime:
         stage whose output does not depend on its input (it detaches it) hands the stages
         before a zero gradient: their parameters get zeros where the unpipelined model
         leaves ``None`` (the same update for an optimizer without weight decay)."""
-        if getattr(self.transport, "closed", False):
-            raise RuntimeError(f"{self.who}: step() after close(); build a new runtime")
+        self._refuse_after_close("step()")
         refuse_after_failure(self._failed, self.who, "step()")
         self.callbacks.begin(inputs, targets, forward_only)
         if not forward_only and self._summed_attr is not None:
@@ -293,6 +292,10 @@ class PipelineRuntime:
                 self.who,
             ) from exc
 
+    def _refuse_after_close(self, call: str) -> None:
+        if getattr(self.transport, "closed", False):
+            raise RuntimeError(f"{self.who}: {call} after close(); build a new runtime")
+
     def reduce_replica_grads(self, grad_attr: str = "grad") -> None:
         """Direction ``bi``: both replicas of every model stage end with the sum of their
         gradients (read from and written to each parameter's ``grad_attr``) accumulated
@@ -302,6 +305,7 @@ class PipelineRuntime:
         torch.distributed (see :mod:`megatron_prt.runtime.replicas`)."""
         if self._summed_attr == grad_attr:  # no training step since the last sum
             return
+        self._refuse_after_close("reduce_replica_grads()")  # its rings are gone (a KeyError)
         refuse_after_failure(self._failed, self.who, "reduce_replica_grads()")
         placement = self.plan.placement
         self._size_rings()

@@ -422,11 +422,15 @@ class ShmTransport:
         sizes = {src: capacity if isinstance(capacity, int) else capacity[src] for src in senders}
         # One exchange settles the run's segment names, every rank's pid (a peer that dies
         # is noticed by its pid, not only by a timeout) and whether the rings fit.
+        from .exchange import gather_ints  # exchange imports this module
+
+        def meet(values, what):  # through the store: bounded by timeout_s, failures said
+            return gather_ints(values, f"the shared-memory {what}", group, timeout_s)
+
         inbound = sum(map(ring_bytes, sizes.values()))
-        mine = (uuid.uuid4().hex[:12], os.getpid(), shm_free_bytes(), inbound)
-        infos: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(infos, mine, group=group)
-        run = infos[0][0]
+        mine = (int(uuid.uuid4().hex[:12], 16), os.getpid(), shm_free_bytes(), inbound)
+        infos = meet(mine, "set-up")
+        run = f"{infos[0][0]:012x}"
         self.pids = [pid for _, pid, _, _ in infos]
         need = sum(nbytes for *_, nbytes in infos)
         free = min(free for _, _, free, _ in infos)
@@ -442,13 +446,13 @@ class ShmTransport:
             )
             self._owned.append(shm)
             self._in[src] = (_Ring(shm, sizes[src]), deque(), deque())
-        dist.barrier(group=group)
+        meet((), "rings' creation")
         self._out: dict[int, _Ring] = {}
         for dst in sorted(receivers):
             shm = shared_memory.SharedMemory(name=f"prt{run}_{self.pids[dst]}_{me}_{dst}")
             resource_tracker.unregister(shm._name, "shared_memory")  # the creator owns it
             self._out[dst] = _Ring(shm)
-        dist.barrier(group=group)
+        meet((), "rings' attachment")
         for shm in self._owned:  # all attached: the names can go, the memory stays mapped
             shm.unlink()
 

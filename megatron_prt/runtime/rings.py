@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..core.actions import Op
 from ..core.lower import comm_key
-from .errors import PipelineError, collective
+from .errors import PipelineError
+from .exchange import gather_ints, gather_words
 from .p2p import (
     ShmTransport,
     TorchTransport,
@@ -87,11 +88,10 @@ def make_transport(runtime, kind: str, shm_capacity: int | None):
         )
     shm_capacity = None if shm_capacity is None else int(shm_capacity)
     group, placement = runtime.group, runtime.plan.placement
-    if kind != "torch":
-        hosts: list = [None] * dist.get_world_size(group)
-        with collective("the transport set-up", group):
-            dist.all_gather_object(hosts, (socket.gethostname(), shm_free_bytes()), group)
-    if kind != "torch":
+    if kind != "torch":  # through the store: bounded by timeout_s, a failed peer said
+        mine = [socket.gethostname(), str(shm_free_bytes())]
+        rows = gather_words(mine, "the transport set-up", group, runtime.timeout_s)
+        hosts = [(host, int(free)) for host, free in rows]
         # The ring publishes a message with a plain store after the copy; only x86's
         # store order makes that safe without a fence, so elsewhere auto means torch.
         names = sorted({h for h, _ in hosts})
@@ -146,10 +146,8 @@ def sized_shm(runtime, kind: str):
             continue
         one = message_bytes(largest.get(src, 0))
         sizes[src] = max(min(RING_BOUND, one * count), one, sums * (src in mirrors), RING_FLOOR)
-    gathered: list = [None] * dist.get_world_size(group)
     mine = (sum(map(ring_bytes, sizes.values())), shm_free_bytes())
-    with collective("the shared-memory ring sizing", group):
-        dist.all_gather_object(gathered, mine, group)
+    gathered = gather_ints(mine, "the shared-memory ring sizing", group, runtime.timeout_s)
     need, free = sum(n for n, _ in gathered), min(f for _, f in gathered)
     if need > free:
         if kind == "shm":

@@ -147,6 +147,41 @@ def test_a_ddp_stage_over_several_microbatches_is_refused():
         assert f"rank {rank}: stage" in str(payload) and "no_sync" in str(payload)
 
 
+def _ddp_on_the_second_pipeline(rank, world):
+    """bi, m = 3 in a plan that gives pipeline 1 two micro-batches (the default split gives
+    it one); every rank's pipeline-1 stage in DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from megatron_prt.core.greedy import Policy, list_schedule
+    from megatron_prt.core.plan import Plan
+    from megatron_prt.core.timing import StageTimes
+
+    placement, mb_pipeline = Placement(world, 1, "loop", "bi"), (1, 0, 1)
+    times = StageTimes.uniform(placement.depth)
+    orders = list_schedule(placement, mb_pipeline, times, Policy()).orders
+    plan = Plan(placement, 3, orders, mb_pipeline=mb_pipeline)
+    modules = build_stages(placement, rank, lambda i: make_layer("mlp", i), 4)
+    stages = {
+        s: DistributedDataParallel(m) if placement.pipeline_of(s) == 1 else m
+        for s, m in modules.items()
+    }
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64)
+    xs, ys = _batches(1, 3)
+    try:
+        runtime.step(xs[0][0], ys[0][0])
+    finally:
+        runtime.close()
+
+
+def test_the_ddp_guard_counts_the_plans_own_split():
+    """The guard counted each pipeline's micro-batches from the default split, not the
+    plan's: a plan file's pipeline 1 ran two of them in DDP outside no_sync without a word."""
+    results = run_local(2, _ddp_on_the_second_pipeline, deadline_s=120)
+    for rank, (status, payload) in enumerate(results):
+        assert status == "error" and "DistributedDataParallel" in str(payload), payload
+        assert f"rank {rank}: stage" in str(payload) and "runs 2 forwards" in str(payload)
+
+
 def _ddp_in_pipelines(rank, world, fault):
     from torch.nn.parallel import DistributedDataParallel
 

@@ -173,6 +173,22 @@ def _after_close(rank, world):
     return rt.step(*batch("mlp", 4))
 
 
+def _no_loss_fn_on_rank_0(rank, world):
+    """Refused after the plan check, where the peers went on to wait on this rank (in the
+    shared-memory set-up): they said it had stopped without reporting an error, after the
+    process group's timeout had it not exited."""
+    rt, _ = runtime(rank, world, transport="shm", loss_fn=None if rank == 0 else loss_fn)
+    return rt.step(*batch("mlp", 4))
+
+
+def _replica_sum_after_close(rank, world):
+    """bi on shared memory: the sum after close() read rings close() had removed (KeyError)."""
+    rt, _ = runtime(rank, world, transport="shm", placement=Placement(world, 1, "loop", "bi"))
+    rt.step(*batch("mlp", 4))
+    rt.close()
+    return rt.reduce_replica_grads()
+
+
 def _steps_disagree(transport, gathered=False):
     """Rank 0 evaluates where rank 1 trains (a rank-local condition), then both train: with
     R = 1 both finished that step and rank 0 read rank 1's unread gradients as its next
@@ -414,6 +430,12 @@ ERROR_CASES = {
         {},
     ),
     "step-after-close": (_after_close, ["step() after close(); build a new runtime"], {}),
+    "no-loss-fn-on-rank-0": (_no_loss_fn_on_rank_0, ["rank 0: give loss_fn"], {}),
+    "replica-sum-after-close": (
+        _replica_sum_after_close,
+        ["reduce_replica_grads() after close(); build a new runtime"],
+        {},
+    ),
     "shm-off-x86": (_shm_off_x86, ["transport='shm' needs an x86 host", "aarch64"], {}),
     "steps-disagree-shm": (_steps_disagree("shm"), ["every rank must call step() alike"], {}),
     "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),

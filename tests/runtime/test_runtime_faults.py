@@ -80,7 +80,7 @@ def runtime(rank, world, m=4, layers=8, transport="torch", **kw):
     kw.setdefault("timeout_s", WAIT_S)
     if transport == "shm":  # rings from the start: the faults below hit the first step
         kw.setdefault("shm_capacity", 1 << 20)
-    rt = PipelineRuntime(plan, stages, loss_fn, transport=transport, **kw)
+    rt = PipelineRuntime(plan, stages, kw.pop("loss_fn", loss_fn), transport=transport, **kw)
     return rt, stages
 
 
