@@ -73,7 +73,6 @@ def exchange_pairs(
             f"pass group= a group of {needed} ranks"
         )
     ops, pending = [], []
-    wire = None
     for a, b in pairs:
         if rank_of(a) == rank_of(b) == rank:
             mine, theirs = payload(a).clone(), payload(b).clone()  # payloads may be views
@@ -87,8 +86,9 @@ def exchange_pairs(
             peer = rank_of(there)
             peer_global = peer if group is None else dist.get_global_rank(group, peer)
             own = payload(here)
-            wire = wire or wire_device(group, own.device)
-            flat = own.to(wire)
+            if not own.numel():  # a frozen or parameterless stage: its replica's is empty too
+                continue  # (its empty CPU payload set NCCL's wire to the host for the rest)
+            flat = own.to(wire_device(group, own.device))
             if sends:
                 ops.append(dist.P2POp(dist.isend, flat, peer_global, group))
             if here == b or both_ways:
