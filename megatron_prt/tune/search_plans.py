@@ -227,7 +227,9 @@ def tune(
         raise ConfigError(f"--memory-budget must be > 0 bytes, got {budget_bytes!r}")
     start = time.perf_counter()
     found, skipped = [], []
-    todo = families(ranks, len(cost.layers), reuse_limit, split_backward)
+    # full/uniform recomputation splits whole blocks: R*P beyond them left stages empty
+    blocks = len(cost.folded_recompute()[0].layers)  # (and refuses a block that does not fit)
+    todo = families(ranks, blocks, reuse_limit, split_backward)
     pricing = price or _Repricing(cost)
     found += seed_candidates(pricing, seeds, first_order=len(todo))
     for done, (family, scored) in enumerate(

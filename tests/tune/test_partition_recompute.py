@@ -188,3 +188,14 @@ def test_tune_offers_only_splits_megatron_can_recompute():
     result = tune(cost, 2, 4, reuse_limit=3, split_backward=False, jobs=1)
     assert result.ranked and all(cost.runs_whole_blocks(c.stage_layers) for c in result.ranked)
     assert any(c.family.placement.reuse == 3 for c in result.ranked)  # D=6: blocks of 2
+
+
+def test_tune_searches_reuse_only_as_far_as_whole_blocks_go():
+    """Full/uniform recomputation: stages hold whole blocks of recompute_num_layers layers.
+    R was bounded by the layers (L // P), so 4 layers in blocks of 2 over P = 2 offered
+    R = 2 with two stages holding no block ([2, 0, 2, 0]); now R <= blocks // P."""
+    from megatron_prt.tune.search_plans import tune
+
+    result = tune(gpt_like(4).with_recompute("full", "uniform", 2), 2, 4, split_backward=False)
+    assert {c.family.placement.reuse for c in result.ranked} == {1}
+    assert all(all(c.stage_layers) for c in result.ranked), [c.stage_layers for c in result.ranked]
