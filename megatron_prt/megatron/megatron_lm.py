@@ -216,7 +216,10 @@ _GRID_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "dat
 def _resume_auto_pick(
     schedule: Callable, reuse: ReuseConfig, args: argparse.Namespace, m: int | None
 ) -> None:
-    """Before a resumed run's first call: the loaded checkpoint's pick, if any, from then on."""
+    """Before a resumed run's first call: the loaded checkpoint's pick, if any, from then on.
+    Every rank reads the args: megatron's ``read_metadata`` all-reduces the iteration (a
+    read on rank 0 alone hung the run), and with ``--ckpt-format torch`` each rank loads
+    pipeline rank 0's whole file once to get them."""
     if not getattr(args, "iteration", 0) or not getattr(args, "load", None) or args.finetune:
         return
     import contextlib
