@@ -64,23 +64,33 @@ def one_f_one_b_peak(num_ranks: int, num_microbatches: int, act: Sequence[float]
     ``min(m, P - r)`` micro-batches of its stage (docs/theory.md, sec. 2), whose bytes are
     those of the model stages ``act[r*D/P : (r+1)*D/P]`` when ``len(act)`` is a multiple
     ``D`` of ``P``, else equal shares of ``sum(act)`` (then rank 0 is the busiest)."""
-    p, m = num_ranks, num_microbatches
+    shares = _rank_shares(num_ranks, act)
+    return max(min(num_microbatches, num_ranks - r) * share for r, share in enumerate(shares))
+
+
+def _rank_shares(num_ranks: int, act: Sequence[float]) -> list[float]:
+    """Activation bytes of one micro-batch on each rank of an R = 1 pipeline: the model
+    stages ``act[r*D/P : (r+1)*D/P]`` when ``len(act)`` is a multiple ``D`` of ``P``, else
+    equal shares of ``sum(act)``."""
+    p = num_ranks
     if len(act) % p:
-        return min(m, p) * sum(act) / p
+        return [sum(act) / p] * p
     per = len(act) // p
-    return max(min(m, p - r) * sum(act[r * per : (r + 1) * per]) for r in range(p))
+    return [sum(act[r * per : (r + 1) * per]) for r in range(p)]
 
 
 def resolve_mem_cap(
     mem_cap: str | float, placement: Placement, num_microbatches: int, act: Sequence[float]
 ) -> float:
     """Per-rank activation-byte cap: ``"1f1b"`` (1F1B's peak), ``"zb-h2"`` (ZB-H2's
-    ``min(m, 2P-1)`` shares, about twice 1F1B's) or a number of bytes."""
+    ``min(m, 2P-1)`` micro-batches of the largest rank share (:func:`_rank_shares`), about
+    twice 1F1B's, and never below it) or a number of bytes."""
     p, m = placement.ranks, num_microbatches
     if mem_cap == "1f1b":
         return one_f_one_b_peak(p, m, act)
-    if mem_cap == "zb-h2":
-        return min(m, 2 * p - 1) * sum(act) / p
+    if mem_cap == "zb-h2":  # every rank up to 2P - 1 micro-batches of the largest share,
+        h2 = min(m, 2 * p - 1) * max(_rank_shares(p, act))  # never below 1F1B's peak
+        return max(h2, one_f_one_b_peak(p, m, act))
     if isinstance(mem_cap, (int, float)) and not isinstance(mem_cap, bool) and mem_cap > 0:
         return float(mem_cap)
     raise ConfigError(

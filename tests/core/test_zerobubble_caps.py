@@ -122,3 +122,18 @@ def test_a_cap_that_only_some_planning_times_fit_still_plans():
     placement = Placement(2, 1, "loop", "bi")
     cap = 1.125 * one_f_one_b_cap(placement, 4, cost)
     assert peak(planned(placement, 4, cost, cap)) <= cap * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 2), (3, 2), (4, 3)])
+def test_zb_h2_cap_is_never_below_1f1b_with_a_heavy_first_stage(p, m):
+    """ZB-H2's cap holds 2P - 1 micro-batches of the largest rank share, and never less
+    than 1F1B's: it was ``min(m, 2P - 1)`` equal shares of the whole model, below 1F1B's
+    peak whenever m < 2P - 1 and rank 0 holds more (P = 2, m = 1: no zb-h2 plan fitted
+    at all, so ``tune`` left the family out)."""
+    act = (3.0,) + (1.0,) * (p - 1)
+    placement = Placement(p, 1)
+    h2 = resolve_mem_cap("zb-h2", placement, m, act)
+    assert h2 >= resolve_mem_cap("1f1b", placement, m, act)
+    assert h2 == max(min(m, 2 * p - 1) * 3.0, min(m, p) * 3.0)
+    plan = zero_bubble(placement, m, mem_cap="zb-h2", act=act)
+    assert plan.schedule == "zb-h2"
