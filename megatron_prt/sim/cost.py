@@ -254,8 +254,10 @@ class CostModel:
         unit = self.recompute_num_layers or 1
         if len(self.layers) % unit:
             raise ConfigError(
-                f"--recompute-num-layers {unit} does not divide the {len(self.layers)} "
-                "layers; megatron's uniform method recomputes whole blocks of each stage"
+                f"recompute_num_layers {unit} (--recompute-num-layers, or the cost file's "
+                f'"recompute_num_layers") does not divide the {len(self.layers)} layers; '
+                "megatron's uniform method recomputes whole blocks of each stage: give a "
+                f"block size that divides {len(self.layers)}, or --recompute-method block"
             )
         folded = []
         for first in range(0, len(self.layers), unit):

@@ -109,7 +109,11 @@ def test_heuristic_search_with_recompute_returns_simulated_splits():
 
 
 def test_uniform_blocks_must_divide_the_layers():
-    with pytest.raises(ConfigError, match="--recompute-num-layers 3 does not divide the 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"recompute_num_layers 3 \(--recompute-num-layers, or the cost file's "
+        r"\"recompute_num_layers\"\) does not divide the 8",
+    ):
         pm.partition(gpt_like(8).with_recompute("full", "uniform", 3), ONE_F_ONE_B, 4)
 
 
