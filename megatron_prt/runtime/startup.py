@@ -21,6 +21,7 @@ from .errors import (
     start_generation,
 )
 from .exchange import gather_ints
+from .replicas import replica_params
 from .stages import layer_split_of
 
 
@@ -57,6 +58,7 @@ def check_same_plan(
     values = [digest(plan.fingerprint()), int(given not in (None, expected)), *_plan_fields(plan)]
     values += [setting_code(v) for v in settings.values()]
     values.append(0 if split is None else digest(repr(split)))
+    values += _replica_bytes(placement, stages)
     rows = gather_ints(values, "the plan check at start-up", group, timeout_s, device)
     if given not in (None, expected):
         raise ValueError(f"{who}: stages {given} given, the plan places {expected} here")
@@ -72,7 +74,9 @@ def check_same_plan(
     for name, column in columns.items():
         show = (lambda code: f"{code:016x} ({described[code]})") if name == "plan" else setting_text
         refuse_disagreement(who, name, [row[column] for row in rows], show)
-    _refuse_other_splits(who, split, [row[-1] for row in rows])
+    stage_count = placement.num_stages
+    _refuse_other_splits(who, split, [row[-1 - stage_count] for row in rows])
+    _refuse_unequal_replicas(who, placement, [row[-stage_count:] for row in rows])
 
 
 def _refuse_other_splits(who: str, split: tuple | None, codes: list[int]) -> None:
@@ -90,6 +94,36 @@ def _refuse_other_splits(who: str, split: tuple | None, codes: list[int]) -> Non
         "the same num_layers and stage_layers (a plan file's: load_plan(path).stage_layers; "
         "megatron: the same --pipeline-reuse-plan / --pipeline-reuse-stage-layers)"
     )
+
+
+def _replica_bytes(placement, stages: Mapping[int, torch.nn.Module] | None) -> list[int]:
+    """Per stage (``placement.num_stages`` values, both pipelines'): 1 + the bytes of its
+    parameters that the bi replica sum carries (:func:`.replicas.replica_params`) where this
+    rank holds it, else 0 (``uni``, or no stages given: all 0)."""
+    sizes = [0] * placement.num_stages
+    if stages is None or placement.direction != "bi":
+        return sizes
+    for stage, params in replica_params(placement, stages).items():
+        sizes[stage] = 1 + sum(p.numel() * p.element_size() for p in params)
+    return sizes
+
+
+def _refuse_unequal_replicas(who: str, placement, sizes: list[list[int]]) -> None:
+    """Raise on every rank when the two replicas of a model stage would sum gradients of
+    different sizes (one side's parameters frozen, or built differently): the sum would wait
+    for bytes that never come, or add mismatched tensors. ``sizes``: per rank, as
+    :func:`_replica_bytes` gives them."""
+    for a, b in placement.replica_pairs():
+        ra, rb = placement.rank_of(a), placement.rank_of(b)
+        got_a, got_b = sizes[ra][a], sizes[rb][b]
+        if got_a and got_b and got_a != got_b:
+            raise PipelineError(
+                f"{who}: model stage {a} (rank {ra}) and its bi replica, stage {b} (rank "
+                f"{rb}), hold {got_a - 1} and {got_b - 1} bytes of parameters that need a "
+                "gradient: their gradient sum needs the same on both; build both replicas "
+                "alike and freeze (requires_grad=False) the same parameters on both, before "
+                "the runtime is built"
+            )
 
 
 _FIELDS = 5  # R, placement, direction, m, split backward: what a message names of a plan

@@ -189,6 +189,26 @@ def _replica_sum_after_close(rank, world):
     return rt.reduce_replica_grads()
 
 
+def _replica_frozen_on_one_side(transport):
+    """bi: rank 0 freezes model stage 0, its replica on rank 1 trains. The replica sum
+    then waited for a payload rank 0 never sent, until ``timeout_s``, naming no cause
+    (before empty payloads were skipped, the two sides exchanged unequal sizes)."""
+
+    def body(rank, world):
+        placement = Placement(world, 1, "loop", "bi")
+        plan = build_plan(placement, 4)
+        stages = build_stages(placement, rank, lambda i: make_layer("mlp", i), 8)
+        if 0 in stages:
+            stages[0].requires_grad_(False)
+        rt = PipelineRuntime(
+            plan, stages, loss_fn, dtype=torch.float64, timeout_s=TIMEOUT_S, transport=transport
+        )
+        rt.step(*batch("mlp", 4))
+        return rt.reduce_replica_grads()
+
+    return body
+
+
 def _steps_disagree(transport, gathered=False):
     """Rank 0 evaluates where rank 1 trains (a rank-local condition), then both train: with
     R = 1 both finished that step and rank 0 read rank 1's unread gradients as its next
@@ -436,6 +456,14 @@ ERROR_CASES = {
         ["reduce_replica_grads() after close(); build a new runtime"],
         {},
     ),
+    **{
+        f"replica-frozen-on-one-side-{transport}": (
+            _replica_frozen_on_one_side(transport),
+            ["model stage 0 (rank 0) and its bi replica, stage 2 (rank 1)", "freeze"],
+            {},
+        )
+        for transport in ("torch", "shm")
+    },
     "shm-off-x86": (_shm_off_x86, ["transport='shm' needs an x86 host", "aarch64"], {}),
     "steps-disagree-shm": (_steps_disagree("shm"), ["every rank must call step() alike"], {}),
     "steps-disagree-torch": (_steps_disagree("torch"), ["with the same forward_only"], {}),
