@@ -10,7 +10,7 @@ LM head, pooler and binary head: what the last stage adds). The result is the co
 the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`)::
 
     {"layers": [{"fwd": s, "bwd": s, "act": bytes, "param": bytes, "grad": bytes,
-                 "split_fwd": s, "split_bwd": s, "wgrad": s}, ...],
+                 "split_fwd": s, "split_bwd": s, "wgrad": s, "wact": bytes}, ...],
      "embedding": {...the same keys}, "head": {...}, "stage": {"fwd": s, "bwd": s, ...},
      "message_bytes": bytes, "fwd_time": s, "bwd_time": s,
      "activation_bytes": bytes, "param_bytes": bytes, "grad_bytes": bytes,
@@ -27,7 +27,10 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
 * ``split_fwd`` / ``split_bwd`` / ``wgrad`` (unless ``split_backward=False``): the same
   passes in the split form, megatron's linear layers split-capable: the forward, I + W and
   W (each part's deferred weight GEMMs applied on their own), the split form's own costs
-  ([Note: the split form's own costs] in :mod:`megatron_prt.sim.layer_cost`).
+  ([Note: the split form's own costs] in :mod:`megatron_prt.sim.layer_cost`); ``wact``:
+  the bytes each part's deferred W keeps from I until W (its split linear layers' inputs
+  and output gradients, each storage once, as the runtime's meter counts them), which
+  prices a split plan's memory where the default share of ``act`` would guess.
 * ``act``: bytes held for backward for one micro-batch, as
   :mod:`megatron_prt.runtime.memory` defines them (distinct non-parameter storages that
   autograd saves). Each storage is attributed to the first part that saves it: a layer's
@@ -277,6 +280,7 @@ def _add_split_form(costs: dict, build, kind, config, shape: tuple, reps: int, s
     for part, cost in costs.items():
         w = split["wgrad"][part]
         cost.update(split_fwd=split["fwd"][part], split_bwd=split["bwd"][part] + w, wgrad=w)
+        cost["wact"] = split["wact"][part]
 
 
 def _measure(build: Callable, kind: str, config, shape: tuple, reps: int, say: Progress):

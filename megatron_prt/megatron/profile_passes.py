@@ -14,7 +14,13 @@ from functools import partial
 
 import torch
 
-from ..runtime.wgrad import apply_weight_grads, deferring_weight_grads, split_forward
+from ..runtime.memory import ActivationMeter
+from ..runtime.wgrad import (
+    apply_weight_grads,
+    deferring_weight_grads,
+    held_tensors,
+    split_forward,
+)
 
 Progress = Callable[[str], None]
 
@@ -152,7 +158,10 @@ def _one_pass(step, parts: Parts, split: bool) -> dict:
         parts.in_backward, parts.deferred = False, None
     parts.stamp("bwd_done")
     fwd, bwd = durations(parts)
-    return {"fwd": fwd, "bwd": bwd, **({"wgrad": _time_weight_grads(parts, work)} if split else {})}
+    if not split:
+        return {"fwd": fwd, "bwd": bwd}
+    wact = _weight_grad_bytes(parts, work)  # before W runs and lets them go
+    return {"fwd": fwd, "bwd": bwd, "wact": wact, "wgrad": _time_weight_grads(parts, work)}
 
 
 def durations(parts: Parts) -> tuple[dict, dict]:
@@ -173,17 +182,38 @@ def durations(parts: Parts) -> tuple[dict, dict]:
     return fwd, bwd
 
 
-def _time_weight_grads(parts: Parts, work: list) -> dict:
-    """Seconds of each part's deferred weight GEMMs (:func:`_one_pass`)."""
+def _part_work(parts: Parts, work: list) -> Iterator[tuple[object, list]]:
+    """Each part with the deferred W work its backward left (:func:`_one_pass`), in
+    backward order: head, layer n-1, ..., layer 0, embedding."""
     order = ["head", *reversed(range(len(parts.layers))), "embedding"]
     ends = [parts.marks.get(part, len(work)) for part in order[1:]] + [len(work)]
-    seconds, first = {}, 0
+    first = 0
     for part, end in zip(order, ends, strict=True):
-        start = parts.now()
-        apply_weight_grads(work[first:end])
-        seconds[part] = parts.now() - start
+        yield part, work[first:end]
         first = end
+
+
+def _time_weight_grads(parts: Parts, work: list) -> dict:
+    """Seconds of each part's deferred weight GEMMs (:func:`_one_pass`)."""
+    seconds = {}
+    for part, own in _part_work(parts, work):
+        start = parts.now()
+        apply_weight_grads(own)
+        seconds[part] = parts.now() - start
     return seconds
+
+
+def _weight_grad_bytes(parts: Parts, work: list) -> dict:
+    """Bytes each part's deferred W keeps alive from I until W runs (every split linear
+    layer's input and output gradient, each storage once), counted as the runtime's meter
+    counts them: the cost model's ``wact`` ([Note: the split form's own costs])."""
+    held = {}
+    for part, own in _part_work(parts, work):
+        meter = ActivationMeter()
+        for tensor in held_tensors(own):
+            meter.hold(part, tensor)
+        held[part] = meter.held_bytes
+    return held
 
 
 def time_stage_work(
