@@ -47,7 +47,6 @@ from ..core.placement import ConfigError
 from ..core.plan import Plan
 from ..core.schedules import build_plan
 from ..runtime.callbacks import StageCallbacks, run_backward
-from ..runtime.errors import PipelineError
 from ..runtime.executor import PipelineRuntime
 from ..runtime.split_plan import split_backward_plan
 from ..runtime.stages import tag_layer_split
@@ -55,6 +54,7 @@ from ..runtime.trace import gather_spans, write_measured
 from .auto import AutoTuner
 from .chunk_data import chunk_data
 from .config import ReuseConfig
+from .losses import gather_on_last_rank
 from .model import (
     chunk_stages,
     chunks_summed_after_schedule,
@@ -66,6 +66,7 @@ from .model import (
 )
 from .split import enable_megatron_split_backward
 from .training import restart_grad_ready_counts
+from .unsupported import refuse_unsupported
 
 
 class MegatronCallbacks(StageCallbacks):
@@ -338,7 +339,7 @@ def make_forward_backward_func(
             store, num_tokens = pipeline.run(
                 forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
             )
-            store, num_tokens = _gather_on_last_rank(
+            store, num_tokens = gather_on_last_rank(
                 reuse, group, store, num_tokens, pipeline.device
             )
             if not forward_only:
@@ -394,14 +395,22 @@ class _Pipelines:
         the least recently used closed: a run whose lengths change every iteration built
         one per length, each holding its rings and sockets, until the process ran out. (One
         runtime for every length would size its shared-memory rings from the first.)"""
-        key = (*shape, id(model[0]), id(self.reuse.plan))
+        plan = self.reuse.plan
+        if plan is not None and not forward_only and plan.num_microbatches != shape[0]:
+            # before the lookup: an evaluation at this count keyed its default plan here
+            raise ConfigError(
+                f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
+                f"per iteration, this call runs {shape[0]}; set --global-batch-size to "
+                "match or tune with the run's count"
+            )
+        key = (*shape, id(model[0]), id(plan))
         if key in self.by_key:
             self.by_key[key] = self.by_key.pop(key)  # most recently used last
         else:
             kept = max(KEPT_RUNTIMES, self.reuse.auto_candidates + 2)
             while len(self.by_key) >= kept:  # the same calls on every rank
                 self.by_key.pop(next(iter(self.by_key))).close()
-            plan = self._plan(shape[0], forward_only)
+            plan = self._plan(shape[0])
             device = device_of(model[0])
             tag_layer_split(model, self.reuse.layers_per_stage())  # checked across ranks
             self.by_key[key] = MegatronPipeline(
@@ -431,18 +440,12 @@ class _Pipelines:
         for key in [k for k in self.by_key if final and k[-1] != id(plan)]:
             self.by_key.pop(key).close()
 
-    def _plan(self, num_microbatches: int, forward_only: bool):
+    def _plan(self, num_microbatches: int):
         """``--pipeline-reuse-plan``'s plan, else the one built for the configuration.
         Evaluation may run another micro-batch count: then the default plan (forward only)."""
         plan = self.reuse.plan
-        if plan is None or (forward_only and plan.num_microbatches != num_microbatches):
+        if plan is None or plan.num_microbatches != num_microbatches:  # (evaluation: get)
             plan = _plan(self.reuse, num_microbatches, self.w_delay)
-        if plan.num_microbatches != num_microbatches:
-            raise ConfigError(
-                f"--pipeline-reuse-plan schedules {plan.num_microbatches} micro-batches "
-                f"per iteration, this call runs {num_microbatches}; set "
-                "--global-batch-size to match or tune with the run's count"
-            )
         return plan
 
 
@@ -525,51 +528,7 @@ def _check_call(reuse: ReuseConfig, model: list, config, adjust_tensor_shapes_fn
         )
     if adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("megatron-prt does not support adjust_tensor_shapes_fn")
-
-
-def _gather_on_last_rank(reuse: ReuseConfig, group, store: dict, num_tokens, device):
-    """megatron reads losses on pipeline rank P-1: bring every last stage's entries there."""
-    placement = reuse.placement
-    last_rank = placement.ranks - 1
-    senders = sorted({placement.rank_of(p[-1]) for p in placement.pipelines} - {last_rank})
-    rank = dist.get_rank(group)
-    if senders and rank in senders:
-        payload = [(_to_cpu(store), num_tokens)]
-        dist.send_object_list(payload, dst=dist.get_global_rank(group, last_rank), group=group)
-        store = {}
-    elif senders and rank == last_rank:
-        for sender in senders:
-            payload = [None]
-            try:
-                dist.recv_object_list(payload, src=dist.get_global_rank(group, sender), group=group)
-            except RuntimeError as exc:  # gloo/NCCL: peer closed or the group's timeout
-                raise PipelineError(
-                    f"rank {rank}: waiting on rank {sender} for the losses of its last stages: "
-                    f"{str(exc).splitlines()[0]} (rank {sender} may have failed or be stuck)"
-                ) from exc
-            theirs, tokens = payload[0]
-            store.update(_to_device(theirs, device))
-            num_tokens = num_tokens + tokens
-    entries = [store[mb] for mb in sorted(store)] if rank == last_rank else []
-    return entries, num_tokens.to(device)
-
-
-def _to_cpu(obj):
-    return _map_tensors(obj, lambda t: t.detach().cpu())
-
-
-def _to_device(obj, device):
-    return _map_tensors(obj, lambda t: t.to(device))
-
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
+    refuse_unsupported(config, placement)
 
 
 def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_all_reduce):

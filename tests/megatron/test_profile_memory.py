@@ -432,7 +432,7 @@ def test_megatron_split_backward_peak_matches_the_profiled_wact():
     """The profile's ``wact`` (what each part's deferred W keeps from I until W) prices a
     split plan's peak as the meter measures it in megatron-core GPT: every W at the end, so
     each rank holds every micro-batch's W operands at once. Without ``wact`` the simulator
-    took 32/34 of ``act`` (the attention scores are no W operand: 31% high here)."""
+    took 32/34 of ``act``: 3.6% high here)."""
     pytest.importorskip("megatron.core")
     from megatron_prt.megatron.config import ReuseConfig
 

@@ -347,3 +347,42 @@ def test_a_plan_tuned_for_another_model_kind_is_said_once_the_model_is_built(tmp
         warn_other_kind(config.recorded_kind, object())  # another class: not compared
     with pytest.warns(UserWarning, match=r"tuned for a bert model, but this run builds a gpt"):
         warn_other_kind(config.recorded_kind, GPTModel())
+
+
+def _train_eval_train(rank, world, m: int) -> list[str]:
+    """One forward-backward function over a plan for 4 micro-batches: train with ``m``,
+    evaluate with ``m``, train with ``m`` again; what each call did."""
+    import megatron_models as mm
+
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.config import ReuseConfig
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    placement = Placement(2, 1)
+    reuse = ReuseConfig(placement, 2, plan=build_plan(placement, 4, schedule="gpipe"))
+    mm.setup_megatron(2, 1)
+    config = mm.transformer_config(**transformer_config_kwargs(reuse))
+    model = mm.model_chunks("gpt", config, reuse)
+    prepare_model(model, reuse)
+    forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    done = []
+    for forward_only in (False, True, False):
+        try:
+            forward_backward(**mm.step_kwargs("gpt", model, m), forward_only=forward_only)
+            done.append(f"ran {forward_backward.pipeline().plan.schedule}")
+        except ConfigError as exc:
+            done.append(f"refused: {exc}")
+    return done
+
+
+def test_an_evaluation_does_not_open_another_count_to_training():
+    """Evaluation with another count than the plan file's runs the default plan; a training
+    call with that count after it found that runtime cached under its key and ran the
+    default plan instead of being refused."""
+    pytest.importorskip("megatron.core")
+    from megatron_prt.runtime.local import all_ok, run_local
+
+    for done in all_ok(run_local(2, _train_eval_train, 2)):
+        assert done[1] == "ran prt", done
+        for refused in (done[0], done[2]):
+            assert refused.startswith("refused: --pipeline-reuse-plan schedules 4 micro"), done

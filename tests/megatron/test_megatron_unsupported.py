@@ -1,0 +1,67 @@
+"""megatron-core settings whose work only megatron's own schedules finish are refused by the
+PRT forward-backward function, by name, before any micro-batch runs (each trained on
+without a word: a weight with no gradient, weight gradients never computed, bi replicas
+whose routers drift apart)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_prt.core import Placement
+from megatron_prt.core.placement import ConfigError
+from megatron_prt.megatron.unsupported import UNSUPPORTED
+from megatron_prt.runtime.local import all_ok, run_local
+
+ON = {
+    "defer_embedding_wgrad_compute": True,
+    "delay_wgrad_compute": True,
+    "overlap_moe_expert_parallel_comm": True,
+    "num_microbatches_with_partial_activation_checkpoints": 1,
+    "fine_grained_activation_offloading": True,
+    "cuda_graph_impl": "local",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_load_balancing_type": ["global_aux_loss"],
+}
+
+
+def _each_setting_on(rank, world, direction: str) -> dict[str, str]:
+    """Per listed setting: the first call's outcome with that setting alone on (set on the
+    model's config after building, as megatron's own checks would refuse some on CPU)."""
+    import megatron_models as mm
+
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.config import ReuseConfig
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    reuse = ReuseConfig(Placement(2, 1, "loop", direction), 2)
+    mm.setup_megatron(2, reuse.placement.chunks_per_rank)
+    config = mm.transformer_config(**transformer_config_kwargs(reuse))
+    model = mm.model_chunks("gpt", config, reuse)
+    prepare_model(model, reuse)
+    forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    outcome = {}
+    for field, value in ON.items():
+        before = getattr(config, field)
+        setattr(config, field, value)
+        try:
+            forward_backward(**mm.step_kwargs("gpt", model, 4), forward_only=True)
+            outcome[field] = "ran"
+        except ConfigError as exc:
+            outcome[field] = str(exc)
+        finally:
+            setattr(config, field, before)
+    return outcome
+
+
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_settings_only_megatrons_schedules_finish_are_refused_by_name(direction):
+    pytest.importorskip("megatron.core")
+    assert set(ON) == set(UNSUPPORTED)
+    for outcome in all_ok(run_local(2, _each_setting_on, direction)):
+        for field, (_, bi_only, why) in UNSUPPORTED.items():
+            if bi_only and direction == "uni":  # a router's state is its own pipeline's
+                assert outcome[field] == "ran", field
+                continue
+            said = outcome[field]
+            assert said.startswith(f"megatron-prt: {field}="), said
+            assert said.endswith(why), said
