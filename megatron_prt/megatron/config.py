@@ -71,6 +71,11 @@ class ReuseConfig:
         self.layers_per_stage()  # refuse impossible counts at construction
         if self.plan is not None and self.plan.placement != self.placement:
             raise ConfigError("--pipeline-reuse-plan: the plan's placement is not the flags'")
+        if self.plan is not None and self.split_backward and not self.plan.split_backward:
+            raise ConfigError(  # the plan runs as it is: whole backwards, the flag unheeded
+                "--pipeline-reuse-split-backward with a plan that runs whole backwards; drop "
+                "the flag (the plan decides) or give a split-backward plan"
+            )
         if not self.timeout_s > 0:
             raise ConfigError(f"--pipeline-reuse-timeout must be > 0 seconds, got {self.timeout_s}")
         if self.auto_candidates < 1 or self.auto_pick_reps < 1:

@@ -548,6 +548,18 @@ def test_reuse_config_describes_its_schedule_and_split_in_one_line():
     )
 
 
+def test_a_config_asking_split_backward_of_a_whole_backward_plan_is_refused():
+    """Built in code (the flags refuse it in plan_flag), the plan ran as it was, unsplit,
+    the flag unheeded without a word."""
+    from megatron_prt.core import build_plan
+
+    placement = Placement(2, 2, "loop", "uni")
+    with pytest.raises(ConfigError, match="a plan that runs whole backwards; drop the flag"):
+        ReuseConfig(placement, 4, plan=build_plan(placement, 8), split_backward=True)
+    zb = build_plan(placement, 8, schedule="zb")
+    assert ReuseConfig(placement, 4, plan=zb, split_backward=True).splits_backward
+
+
 def test_a_parser_without_world_size_reads_the_launchers(monkeypatch):
     """A user's own parser has no ``world_size`` (Megatron's parse_args sets it from
     WORLD_SIZE): the check reads WORLD_SIZE too (it was skipped, and the run failed at its
