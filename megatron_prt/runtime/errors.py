@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -348,13 +349,18 @@ def why_failed(exc: Exception, action: Action | None, plan: Plan, group=None) ->
     return text
 
 
-def check_same_step(stamp: int, group, device, who: str) -> None:
+def check_same_step(stamp: int, group, device, who: str, timeout_s: float) -> None:
     """[Note: every message carries its step] where the backend ignores tags: every rank's
     step stamp, gathered over the pipeline ``group``; a :class:`PipelineError` on every
-    rank, naming the ranks and their steps, when they differ."""
+    rank, naming the ranks and their steps, when they differ, or naming the ranks that did
+    not arrive within ``timeout_s`` (a collective, not the store: it runs every step)."""
     mine = torch.tensor([stamp], dtype=torch.int64, device=device)
     stamps = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(stamps, mine, group=group)
+    with collective("the step check", group):
+        work = dist.all_gather(stamps, mine, group=group, async_op=True)
+        # bounded on NCCL too: the host reads the stamps right after, so waiting there
+        # costs nothing (unbounded it waited the process group's timeout on a stuck peer)
+        work.wait(timedelta(seconds=timeout_s))
     said = lambda stamp: step_said(stamp).removeprefix("step ")  # noqa: E731
     refuse_disagreement(who, "step", [int(t) for t in stamps], said, SAME_STEPS)
 

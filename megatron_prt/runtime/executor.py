@@ -245,7 +245,9 @@ class PipelineRuntime:
         self._steps_begun += 1
         ignored = dist.get_backend(self._group) in messages.TAGS_IGNORED_BY
         if ignored and isinstance(self.transport, TorchTransport):
-            check_same_step(self.transport.stamp, self._group, self.device, self.who)
+            check_same_step(
+                self.transport.stamp, self._group, self.device, self.who, self.timeout_s
+            )
         self._run(forward_only)
         if watch is not None:
             watch.check()

@@ -688,6 +688,27 @@ def test_peer_stalling_before_a_replica_exchange_times_out(call):
     assert slowest < TIMEOUT_S + 30
 
 
+def _stall_before_the_step_check(rank, world):
+    """Tags ignored (NCCL, gloo standing in): rank 1 stalls before its second step."""
+    from megatron_prt.runtime import messages
+
+    messages.TAGS_IGNORED_BY = ("gloo",)  # this rank's process only
+    rt, _ = runtime(rank, world, placement=Placement(world, 1), timeout_s=TIMEOUT_S)
+    rt.step(*batch("mlp", 4))
+    if rank == 1:
+        time.sleep(600)
+    return rt.step(*batch("mlp", 4))
+
+
+def test_peer_stalling_before_the_step_check_times_out():
+    """Where tags are ignored every step starts with a gather of the ranks' steps; it waited
+    the process group's timeout (30 minutes) for a stuck peer: now ``timeout_s``."""
+    results = run_case(2, _stall_before_the_step_check, wait_for={0})
+    assert results[1][0] == "killed"
+    slowest = expect_errors(results, "rank 0: the step check failed", "rank(s) [1]", ranks=[0])
+    assert slowest < TIMEOUT_S + 30
+
+
 def _untagged_third(rank, world):
     """Ranks 0 and 1 built with other splits; rank 2 built its stage by hand (no record)."""
     plan = build_plan(Placement(world, 1), 2)
