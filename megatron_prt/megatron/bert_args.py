@@ -304,15 +304,25 @@ def _layout_problems(args: argparse.Namespace) -> Iterator[str]:
         )
 
 
+def _fused_adam() -> bool:
+    """Whether megatron-core's distributed optimizer runs Transformer Engine's or apex's
+    Adam, whose state its checkpoint loader reads (torch's Adam keeps a step per
+    parameter, which that loader refuses)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return distrib_optimizer.HAVE_APEX_OR_TE
+
+
 def _parallel_problems(args: argparse.Namespace) -> Iterator[str]:
     """Megatron-LM's rules for the sequence-parallel and recomputation flags."""
     if args.recompute_activations:
         args.recompute_granularity = args.recompute_granularity or "selective"
-    if args.use_distributed_optimizer and args.device == "cpu" and (args.save or args.load):
+    if args.use_distributed_optimizer and (args.save or args.load) and not _fused_adam():
         yield (
-            "--use-distributed-optimizer with --save/--load needs --device cuda: on CPU "
-            "megatron-core's loader of its state does not resume exactly (torch's Adam, not "
-            "apex's); drop one of them"
+            "--use-distributed-optimizer with --save/--load needs Transformer Engine or apex: "
+            "with torch's Adam (CPU, or a GPU without them) megatron-core's loader of the "
+            "sharded optimizer state fails on every resume; install one (NVIDIA's NGC image "
+            "has both) or drop --use-distributed-optimizer"
         )
     if args.sequence_parallel and args.tensor_model_parallel_size < 2:
         yield "--sequence-parallel needs --tensor-model-parallel-size > 1"

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_prt.megatron import bert_args, checkpoint
 from megatron_prt.megatron.bert_step import MicroBatchSampler
@@ -407,7 +408,7 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
         (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity"),
         ([*FULL_RECOMPUTE, "--recompute-num-layers", "0"], 1, "must be >= 1, got 0"),  # was 1
         (["--recompute-num-layers", "2"], 1, "--recompute-num-layers needs"),  # was ignored
-        (["--use-distributed-optimizer", "--save", "ck"], 1, "needs --device cuda: on CPU"),
+        (["--use-distributed-optimizer", "--save", "ck"], 1, "needs Transformer Engine or apex"),
         (["--save", "/dev/null/x"], 1, "--save /dev/null/x: not a folder"),  # was at 1st save
         (["--save", str(Path(__file__))], 1, "not a folder that can be created or written"),
         (["--lr-decay-style", "exp"], 1, "invalid choice: 'exp'"),
@@ -433,6 +434,25 @@ def test_refusals_are_one_line(flags, world, message, monkeypatch, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_gpu_without_fused_adam_refuses_resumable_distributed_optimizer(monkeypatch, capsys):
+    """On a GPU without Transformer Engine or apex megatron-core's distributed optimizer runs
+    torch's Adam too, whose sharded state its loader refuses on every resume (a bare
+    AssertionError, reported as a damaged checkpoint); the refusal looked at the device."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        pretrain_bert.parse_args(
+            ["--device", "cuda", "--use-distributed-optimizer", "--load", "ck"]
+        )
+    assert "needs Transformer Engine or apex" in capsys.readouterr().err
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    assert pretrain_bert.parse_args(["--device", "cuda", "--use-distributed-optimizer"]).device
 
 
 def test_transformer_engine_without_transformer_engine_is_refused():
