@@ -222,6 +222,13 @@ def _add_output_flags(group) -> None:
     group.add_argument("--save", default=None, metavar="DIR")
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--load", default=None, metavar="DIR")
+    group.add_argument(
+        "--allow-new-data-order",
+        action="store_true",
+        help="on --load, resume even where the training samples come in another order than "
+        "the checkpoint's run drew them (e.g. a --train-iters that maps more passes over the "
+        "data): samples already seen may come again and others never (default: refused)",
+    )
     group.add_argument("--exit-interval", type=int, default=None, help="stop after iteration N")
     group.add_argument("--tensorboard-dir", default=None)
 

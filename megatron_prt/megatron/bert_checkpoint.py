@@ -36,6 +36,7 @@ from .auto import pick_record, resume_pick
 from .bert_args import PROG, say_error
 from .bert_setup import log, pad_vocab
 from .bert_step import TrainState, microbatches_per_iteration
+from .data_order import data_order, other_data_order
 
 RNG_KEY = "pretrain_bert.rng_state"  # the byte tensor's name in the checkpoint
 
@@ -287,6 +288,7 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
         "scheduler": state.scheduler.state_dict(),
         "layout": layout(args),
         "model": model_shape(args),
+        "data_order": data_order(args, state),
         "rng_bytes": max(sizes),
         "rng": _rng_shard(rng),
     }
@@ -376,6 +378,7 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     from .checkpoint import CheckpointMismatchError, load_checkpoint_state
 
     loaded, problem = None, _other_model(args, saved, folder)
+    problem = problem or other_data_order(args, saved, state, folder)
     try:
         if problem is None:
             loaded = load_checkpoint_state(

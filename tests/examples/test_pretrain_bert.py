@@ -361,6 +361,22 @@ def test_changed_schedule_on_resume_is_refused_naming_the_flags(two_checkpoints,
     assert "iteration      5/6" not in output
 
 
+def test_another_data_order_on_resume_is_refused_unless_allowed(two_checkpoints, data_cache):
+    """megatron shuffles every mapped pass over the data together: a resumed run with another
+    --seed, or a --train-iters that maps more passes, read the saved position in another
+    order (samples repeated and skipped) without a word ([Note: the data order on resume])."""
+    load = ("--load", str(two_checkpoints))
+    status, output = run_example(*bi_flags(data_cache, *load, "--seed", "99"))
+    assert status != 0 and "--seed 1234 there, 99 here" in output, output[-3000:]
+    assert "--allow-new-data-order" in output and "iteration      5/6" not in output
+    longer = ("--train-iters", "4000", "--use-checkpoint-opt_param-scheduler")
+    status, output = run_example(*bi_flags(data_cache, *load), *longer)
+    assert status != 0 and "--train-iters 4000 x --global-batch-size 8 maps" in output, output
+    allowed = ("--seed", "99", "--allow-new-data-order", "--exit-interval", "5")
+    output = launch(*bi_flags(data_cache, *load, *allowed))
+    assert "resumed from" in output and "iteration      5/6" in output, output[-3000:]
+
+
 # -------------------------------------------------------------------------------- refusals
 
 
