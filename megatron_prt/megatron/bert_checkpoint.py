@@ -382,8 +382,9 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     try:
         if problem is None:
             loaded = load_checkpoint_state(
-                str(folder), state.chunks, state.optimizer, request, optional=(RNG_KEY,)
-            )
+                str(folder), state.chunks, state.optimizer, request, optional=(RNG_KEY,),
+                agree=False,  # _agree below, which also hears of ranks that failed the load
+            )  # fmt: skip
     except CheckpointMismatchError as exc:  # a model the flags above do not tell apart
         problem = str(exc)
     except (Exception, CheckpointException) as exc:  # name the folder, not the trace

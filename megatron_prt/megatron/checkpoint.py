@@ -72,13 +72,16 @@ def load_checkpoint_state(
     optimizer=None,
     extra: dict | None = None,
     optional: tuple[str, ...] = (),
+    agree: bool = True,
 ) -> dict:
     """:func:`load_checkpoint`, returning the whole loaded state: ``"iteration"`` and, when
     ``extra`` (the ``ShardedTensor`` s of :func:`save_checkpoint`'s ``extra`` to read, as
     there) is given, ``"extra"`` with those tensors and the saved plain values. Raises
     :class:`CheckpointMismatchError` when the checkpoint's tensors and the model's differ, except
     for the optimizer's when ``optimizer`` is None and tensors whose keys start with one of
-    ``optional`` (read only under some layouts). Collective."""
+    ``optional`` (read only under some layouts), on every rank alike (``agree=False``: only
+    on the ranks whose tensors differ, for a caller that agrees on failures itself).
+    Collective."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -89,6 +92,7 @@ def load_checkpoint_state(
     request = _sharded_state(chunks, optimizer, True)
     if extra is not None:
         request["extra"] = extra
+    _agree_or_raise(_other_shapes(directory, request))  # before the load: all ranks get here
     # megatron's default load skips tensors the checkpoint holds and the model does not ask
     # for: a checkpoint of another model (e.g. with a binary head) would load silently
     with warnings.catch_warnings():  # megatron-core's calls of APIs torch deprecates, per
@@ -99,7 +103,11 @@ def load_checkpoint_state(
             request, directory, strict=StrictHandling.RETURN_ALL
         )
     skipped = optional if optimizer is not None else (*optional, "optimizer.")
-    _refuse_other_model(directory, {k for k in missing if not k.startswith(skipped)}, unexpected)
+    problem = _other_model(directory, {k for k in missing if not k.startswith(skipped)}, unexpected)
+    if agree:  # a rank that failed inside the load never gets here: its peers wait for it
+        _agree_or_raise(problem)
+    elif problem is not None:
+        raise CheckpointMismatchError(problem)
     for c, chunk in enumerate(chunks):
         if f"chunk{c}" in state or _holds_tensors(request[f"chunk{c}"]):
             unwrap(chunk).load_state_dict(state[f"chunk{c}"])
@@ -118,8 +126,51 @@ def _holds_tensors(sharded: dict) -> bool:
     return any(isinstance(value, ShardedBase) for value in nested_values(sharded))
 
 
-def _refuse_other_model(directory: str, extra_keys: set, lacking_keys: set) -> None:
-    """:class:`CheckpointMismatchError` naming a few keys of either kind, if any."""
+def _agree_or_raise(problem: str | None) -> None:
+    """Collective: :class:`CheckpointMismatchError` on every rank when any rank found a
+    ``problem`` (the lowest rank's, naming it), else return. megatron tells each rank only of
+    the keys it asked for: a checkpoint of a tied model loaded untied differs on the last
+    stage alone, whose peers went on into the next collective and waited there."""
+    import torch.distributed as dist
+
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [(rank, text) for rank, text in enumerate(problems) if text is not None]
+    if found:
+        rank, text = found[0]
+        raise CheckpointMismatchError(text if rank == dist.get_rank() else f"rank {rank}: {text}")
+
+
+def _other_shapes(directory: str, request: dict) -> str | None:
+    """Why the checkpoint's tensors that megatron loads with ``allow_shape_mismatch`` (the
+    word embedding and output layer: rows cut or left as initialised, without a word) are
+    not of the model's global shapes; None when they are."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    asked = [
+        value
+        for value in nested_values(request)
+        if isinstance(value, ShardedTensor) and value.allow_shape_mismatch
+    ]
+    saved = dist_checkpointing.load_tensors_metadata(directory) if asked else {}
+    for tensor in asked:
+        theirs = saved.get(tensor.key)
+        if theirs is not None and tuple(theirs.global_shape) != tuple(tensor.global_shape):
+            return (
+                f"{directory} holds {tensor.key} of shape {tuple(theirs.global_shape)}, this "
+                f"model's is {tuple(tensor.global_shape)}: another vocabulary, or the same "
+                "padded otherwise (megatron pads it to a multiple of "
+                "--make-vocab-size-divisible-by x the tensor-parallel size); load it into a "
+                "model of the vocabulary and padding it was saved with"
+            )
+    return None
+
+
+def _other_model(directory: str, extra_keys: set, lacking_keys: set) -> str | None:
+    """Why the checkpoint is not the model's, naming a few keys of either kind; None if
+    none differ."""
 
     def some(keys: set) -> str:
         names = sorted(keys)
@@ -131,12 +182,13 @@ def _refuse_other_model(directory: str, extra_keys: set, lacking_keys: set) -> N
     if lacking_keys:
         problems.append(f"lacks {len(lacking_keys)} of this model's ({some(lacking_keys)})")
     if problems and all(k.startswith("optimizer.") for k in extra_keys | lacking_keys):
-        raise CheckpointMismatchError(
+        return (
             f"{directory}'s optimizer state {' and '.join(problems)}: it was saved by another "
             "optimizer (with or without the distributed optimizer); resume with that one"
         )
     if problems:
-        raise CheckpointMismatchError(
+        return (
             f"{directory} {' and '.join(problems)}: it was saved from another model; load it "
             "into the model it was saved from (the same layers, sizes and heads)"
         )
+    return None

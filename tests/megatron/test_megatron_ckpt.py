@@ -105,3 +105,34 @@ def test_a_layout_with_an_empty_middle_stage_resumes(tmp_path):
     run((0, 1), save=saved)
     resumed = run((1, 2), load=saved)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[1:]), **SAME_TP)
+
+
+def _errors(results) -> list[str]:
+    assert all(status == "error" for status, _ in results), results
+    return [str(payload) for _, payload in results]
+
+
+def test_another_vocabulary_or_tie_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """megatron loads the word embedding and output layer with ``allow_shape_mismatch``: a
+    checkpoint of a 64-token model loaded into a 72-token one with rows cut or left as
+    initialised, without a word. And megatron tells each rank only of the keys it asked for:
+    a tied model's checkpoint loaded untied was refused on the last stage alone, whose peer
+    went on into its next collective."""
+    import megatron_models
+
+    reuse = ReuseConfig(Placement(2, 1), LAYERS)
+    saved = str(tmp_path / "step1")
+
+    def run(kind, steps, load=None, save=None):
+        ckpt = {"steps": steps, "load": load, "save": save}
+        args = ("gpt" if kind is None else kind, 1, G, reuse, None, None, False, torch.float64)
+        return run_local(2, parallel_train, *args, ckpt, deadline_s=300)
+
+    all_ok(run("gpt", (0, 1), save=saved))
+    monkeypatch.setattr(megatron_models, "VOCAB", 72)  # the forked ranks build with it
+    for text in _errors(run("gpt", (1, 2), load=saved)):
+        assert "embedding.word_embeddings.weight of shape (64, 16)" in text, text
+        assert "this model's is (72, 16)" in text, text
+    monkeypatch.setattr(megatron_models, "VOCAB", 64)
+    for text in _errors(run("gpt-untied", (1, 2), load=saved)):
+        assert "it was saved from another model" in text, text
