@@ -378,7 +378,6 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     from .checkpoint import CheckpointMismatchError, load_checkpoint_state
 
     loaded, problem = None, _other_model(args, saved, folder)
-    problem = problem or other_data_order(args, saved, state, folder)
     try:
         if problem is None:
             loaded = load_checkpoint_state(
@@ -399,6 +398,7 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
                 f"{folder}: the optimizer's parameter groups are not the checkpoint's ({reason}); "
                 "resume with the --lr, --min-lr and --weight-decay it was saved with"
             )
+    problem = problem or other_data_order(args, saved, state, folder)  # after the model's
     if problem is None:
         try:  # megatron asserts that flags and checkpoint agree on the schedule
             state.scheduler.load_state_dict(saved["scheduler"])
