@@ -440,7 +440,8 @@ def parallel_train(
         # torch_dist writes through forked writer processes; run_local's ranks are daemonic
         # (torchrun's are not), and a daemonic process may not fork children
         multiprocessing.current_process()._config["daemon"] = False
-        save_checkpoint(ckpt["save"], model, optimizer, ckpt["steps"][1])
+        kept = optimizer if ckpt.get("save_optimizer", True) else None
+        save_checkpoint(ckpt["save"], model, kept, ckpt["steps"][1])
     return out
 
 

@@ -168,6 +168,15 @@ def _other_shapes(directory: str, request: dict) -> str | None:
     return None
 
 
+def _holds_optimizer(directory: str) -> bool:
+    """Whether the checkpoint in ``directory`` holds any optimizer tensor."""
+    from megatron.core import dist_checkpointing
+
+    return any(
+        k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(directory)
+    )
+
+
 def _other_model(directory: str, extra_keys: set, lacking_keys: set) -> str | None:
     """Why the checkpoint is not the model's, naming a few keys of either kind; None if
     none differ."""
@@ -181,7 +190,13 @@ def _other_model(directory: str, extra_keys: set, lacking_keys: set) -> str | No
         problems.append(f"holds {len(extra_keys)} tensor(s) this model lacks ({some(extra_keys)})")
     if lacking_keys:
         problems.append(f"lacks {len(lacking_keys)} of this model's ({some(lacking_keys)})")
-    if problems and all(k.startswith("optimizer.") for k in extra_keys | lacking_keys):
+    optimizer_only = all(k.startswith("optimizer.") for k in extra_keys | lacking_keys)
+    if problems and optimizer_only and not extra_keys and not _holds_optimizer(directory):
+        return (
+            f"{directory} holds no optimizer state (saved with optimizer=None): load it with "
+            "optimizer=None (the weights alone), or from a checkpoint saved with the optimizer"
+        )
+    if problems and optimizer_only:
         return (
             f"{directory}'s optimizer state {' and '.join(problems)}: it was saved by another "
             "optimizer (with or without the distributed optimizer); resume with that one"

@@ -48,7 +48,9 @@ def local_state(chunks, tied: bool) -> dict[str, torch.Tensor]:
 
 def global_state(chunks, tied: bool, group=None) -> dict[str, torch.Tensor]:
     """Every rank's :func:`local_state` of ``chunks`` merged (lowest rank wins a name held
-    twice). Collective over ``group``: every rank gets the whole model's weights."""
+    twice). Collective over ``group``: every rank gets the whole model's weights. Refused
+    under tensor parallelism (each rank's shard has its layer's name: one would win)."""
+    _refuse_tensor_parallel()
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local_state(chunks, tied), group=group)
     state: dict[str, torch.Tensor] = {}
@@ -68,3 +70,18 @@ def load_global(chunks, state: dict[str, torch.Tensor], tied: bool) -> None:
                 if key not in state:
                     raise KeyError(f"no weights for {name} (global name {key}) in the state")
                 param.copy_(state[key])
+
+
+def _refuse_tensor_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size > 1:
+        raise ValueError(
+            f"global_state merges every rank's weights by name, and under tensor parallelism "
+            f"(size {size}) each rank holds a shard under its layer's name: the lowest rank's "
+            "would stand for the whole tensor; save and load through "
+            "megatron_prt.megatron.checkpoint (it keeps each shard's place) or use TP size 1"
+        )

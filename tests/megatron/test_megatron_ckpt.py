@@ -136,3 +136,29 @@ def test_another_vocabulary_or_tie_is_refused_on_every_rank(tmp_path, monkeypatc
     monkeypatch.setattr(megatron_models, "VOCAB", 64)
     for text in _errors(run("gpt-untied", (1, 2), load=saved)):
         assert "it was saved from another model" in text, text
+
+
+def test_weights_without_optimizer_state_are_named_so(tmp_path):
+    """Saved with optimizer=None and loaded with an optimizer: it said the checkpoint came
+    from another optimizer."""
+    reuse = ReuseConfig(Placement(2, 1), LAYERS)
+    saved = str(tmp_path / "weights")
+    args = ("gpt", 1, G, reuse, None, None, False, torch.float64)
+    ckpt = {"steps": (0, 1), "save": saved, "save_optimizer": False}
+    all_ok(run_local(2, parallel_train, *args, ckpt, deadline_s=300))
+    ckpt = {"steps": (1, 2), "load": saved}
+    for text in _errors(run_local(2, parallel_train, *args, ckpt, deadline_s=300)):
+        assert "holds no optimizer state (saved with optimizer=None)" in text, text
+
+
+def test_global_state_refuses_tensor_parallel_shards(monkeypatch):
+    """The bench's merge of every rank's weights by name let the lowest tensor-parallel
+    rank's shard stand for the whole tensor."""
+    from megatron.core import parallel_state
+
+    from megatron_prt.megatron.weights import global_state
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"under tensor parallelism \(size 2\)"):
+        global_state([], tied=True)
