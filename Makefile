@@ -37,7 +37,8 @@ NEXT_TESTS  ?= tests/megatron/test_megatron_args.py tests/megatron/test_megatron
 	tests/megatron/test_megatron_training.py tests/examples/test_pretrain_bert.py tests/megatron/test_megatron_lm_cpu.py \
 	tests/megatron/test_megatron_lm_ckpt.py tests/megatron/test_split_backward_megatron.py \
 	tests/megatron/test_tune_megatron_flag.py tests/megatron/test_megatron_auto.py \
-	tests/megatron/test_megatron_te_spec.py tests/megatron/test_checkpoint_format.py
+	tests/megatron/test_megatron_te_spec.py tests/megatron/test_checkpoint_format.py \
+	tests/megatron/test_megatron_unsupported.py tests/megatron/test_megatron_ckpt.py
 NEXT_STAMP  := $(NEXT_VENV)/.installed-$(shell cat pyproject.toml requirements-next.txt | cksum | cut -d' ' -f1)
 $(NEXT_STAMP): pyproject.toml requirements-next.txt
 	test -x $(NEXT_VENV)/bin/python || $(NEXT_PYTHON) -m venv $(NEXT_VENV)
@@ -55,6 +56,7 @@ megatron-lm-smoke:
 
 lint: install
 	$(VENV)/bin/ruff check megatron_prt tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check megatron_prt tests benchmarks examples scripts
 	$(VENV)/bin/hadolint Dockerfile
 	bash -n scripts/gpu_smoke.sh scripts/megatron_lm_smoke.sh
 

@@ -41,8 +41,8 @@ def other_data_order(args: argparse.Namespace, saved: dict, state, folder: Path)
     if theirs["train_samples"] != ours["train_samples"]:
         differ.append(
             f"--train-iters {args.train_iters} x --global-batch-size {args.global_batch_size} "
-            f"maps {ours['train_samples']} training samples (whole passes over the data), its "
-            f"run mapped {theirs['train_samples']}"
+            f"maps {ours['train_samples']} training samples (whole passes over the data, as "
+            f"the data and the flags above cut them), its run mapped {theirs['train_samples']}"
         )
     if not differ:
         return None
