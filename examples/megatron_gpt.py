@@ -12,7 +12,10 @@ with gloo through :mod:`megatron_prt.megatron.cpu`; with ``--device cuda`` on NC
 per rank (``--distributed-backend gloo`` lets several ranks share a GPU: rank i uses GPU i mod
 the GPU count, and activations cross through host shared memory).
 Without ``--pipeline-reuse`` the same script runs megatron's own schedule for comparison
-(``--pipeline-model-parallel-size 1`` on CPU).
+(``--pipeline-model-parallel-size 1`` on CPU); its speed and the trend of its loss compare,
+not the loss itself: the weights draw from a seed per pipeline rank (Megatron-LM's rule), so
+another pipeline size starts from other weights. The printed loss is the global batch's
+(every data-parallel rank's micro-batches).
 """
 
 from __future__ import annotations
@@ -237,8 +240,13 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             micro_batch_size=args.micro_batch_size,
         )
         _, grad_norm, _ = optimizer.step()
+        if last_rank:  # the global batch's mean: every data-parallel rank's micro-batches
+            total = torch.tensor(
+                [sum(float(x["lm loss"]) for x in losses), len(losses)], device=device
+            )
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            loss = float(total[0] / total[1])
         if last_rank and parallel_state.get_data_parallel_rank() == 0 and tp_rank == 0:
-            loss = sum(float(x["lm loss"]) for x in losses) / len(losses)
             print(
                 f"iteration {step + 1}/{args.train_iters}: lm loss {loss:.6f} "
                 f"grad norm {grad_norm:.4f} time {time.perf_counter() - start:.3f} s",

@@ -247,6 +247,27 @@ def test_megatron_example_trains_under_torchrun():
     assert layout.startswith("schedule PRT R=2 wave/bi; 4 stages on 2 ranks, layers 2,2,2,2;")
 
 
+@pytest.mark.slow  # two launches, one of 4 ranks
+def test_megatron_example_prints_the_global_batch_loss_under_data_parallelism():
+    """It printed data-parallel rank 0's share of the batch: under DP 2, 4.909880 where the
+    global batch's loss was 4.902888. The same global batch on one data-parallel rank (the
+    weights depend on the pipeline rank alone) gives the same loss."""
+
+    def first_loss(ranks: str) -> float:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
+            "--standalone", str(EXAMPLE), "--pipeline-model-parallel-size", "2",
+            "--pipeline-reuse", "2", "--train-iters", "1",
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (line,) = [line for line in proc.stdout.splitlines() if "lm loss" in line]
+        return float(line.split()[4])
+
+    assert first_loss("4") == pytest.approx(first_loss("2"), rel=1e-6, abs=0)
+
+
 @pytest.mark.parametrize(
     "flags, world, message",
     [
