@@ -337,7 +337,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--trace", metavar="PREFIX", help="write PREFIX.json/.png of the last step")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.weights and args.norm != "batch":  # same names and shapes, another meaning
+        parser.error(
+            f"--weights with --norm {args.norm}: torchvision's norm weights are BatchNorm's "
+            "(they scale batch statistics, which this norm does not use); use --norm batch"
+        )
+    return args
 
 
 def checked_layout(args: argparse.Namespace, num_layers: int) -> tuple[Placement, Plan]:

@@ -39,6 +39,11 @@ CASES = [
         "--stage-layers 3,3 must give D = R*P = 2 counts",
     ),
     ("resnet_pipeline.py", ["--stage-layers", "3,x"], "expected comma-separated integers"),
+    (  # torchvision's BatchNorm weights were taken by GroupNorm's parameters of the same name
+        "resnet_pipeline.py",
+        ["--weights", "w.pth", "--norm", "group"],
+        "--weights with --norm group: torchvision's norm weights are BatchNorm's",
+    ),
     (  # the run trained, then failed writing the trace, with a traceback from every rank
         "mlp_pipeline.py",
         ["--trace", "/nonexistent/dir/prt"],
