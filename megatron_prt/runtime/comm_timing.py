@@ -226,11 +226,13 @@ def few_and_many_messages(
     steps: int,
     bi: bool = False,
     warm_steps: int = 0,
+    split: bool = False,
     **kwargs,
 ) -> list[tuple[Plan, float]]:
     """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
-    few messages), of every layer its own stage (many) and, with ``bi``, of R = 1 loop/bi
-    (its replica sum included), on the actual transport (``kwargs`` go to the runtime),
+    few messages), of every layer its own stage (many), with ``bi`` of R = 1 loop/bi (its
+    replica sum included) and with ``split`` of R = 1 uni in split backward (the ``zb``
+    order), on the actual transport (``kwargs`` go to the runtime),
     ``steps`` each after one warm-up step each, interleaved in shuffled rounds
     (:func:`~megatron_prt.tune.measured.interleaved_rounds`: a machine that slows down
     mid-way slows all alike), each timed step after ``warm_steps`` untimed ones of the same
@@ -243,7 +245,8 @@ def few_and_many_messages(
         )
     runners = []
     layouts = [(Placement(world, 1), "1f1b"), (Placement(world, num_layers // world), "prt")]
-    for placement, schedule in layouts + ([(Placement(world, 1, "loop", "bi"), "prt")] * bi):
+    layouts += [(Placement(world, 1, "loop", "bi"), "prt")] * bi
+    for placement, schedule in layouts + [(Placement(world, 1), "zb")] * split:
         plan = build_plan(placement, len(xs), schedule)
         stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
         runners.append(RuntimeRunner(plan, stages, loss_fn, xs, ys, **kwargs))

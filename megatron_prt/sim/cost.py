@@ -339,6 +339,16 @@ class CostModel:
         totals = {"fwd_time": self.fwd_time * factor, "bwd_time": self.bwd_time * factor}
         return replace(self, layers=layers, embedding=embedding, head=head, stage=stage, **totals)
 
+    def split_scaled(self, factor: float) -> CostModel:
+        """The split form's own times (:meth:`LayerCost.split_scaled`: layers, embedding,
+        head, stage) times ``factor``; what plans without split backward cost is unchanged
+        (a calibration: tune/measured.py)."""
+        embedding, head, stage = (
+            part and part.split_scaled(factor) for part in (self.embedding, self.head, self.stage)
+        )
+        layers = tuple(layer.split_scaled(factor) for layer in self.layers)
+        return replace(self, layers=layers, embedding=embedding, head=head, stage=stage)
+
     def without_replica_sync(self) -> CostModel:
         """This cost model with a free replica-gradient sum."""
         return replace(

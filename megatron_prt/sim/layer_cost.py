@@ -93,6 +93,16 @@ class LayerCost:
         given = {k: getattr(self, k) for k in LAYER_TIMES if getattr(self, k) is not None}
         return replace(self, **{k: v * factor for k, v in given.items()})
 
+    def split_scaled(self, factor: float) -> LayerCost:
+        """This entry with its split form's own times times ``factor``: ``split_fwd`` and
+        ``split_bwd`` (from ``fwd`` and ``bwd`` where not given: the split form then starts
+        as the plain one) and ``wgrad`` where given; the plain times unchanged."""
+        form = self.split_form()  # fwd, bwd as the split form has them
+        fields = {"split_fwd": form.fwd * factor, "split_bwd": form.bwd * factor}
+        if self.wgrad is not None:
+            fields["wgrad"] = self.wgrad * factor
+        return replace(self, **fields)
+
     def to_dict(self) -> dict:
         """Optional keys left unset are absent rather than null: older readers accept that."""
         return {k: v for k, v in asdict(self).items() if v is not None or k in LAYER_NUMBERS[:4]}

@@ -293,6 +293,9 @@ MIN_COMPUTE_SCALE = 1e-3  # below it the traced compute is deemed not the step's
 # secant can then circle the measured time without coming within a millionth. The closest
 # round within a ten-thousandth is the fit (100 times finer than any timed step repeats).
 SIMULATED_RESOLUTION = 1e-4
+# The split form's scale against the traced split form ([Note: the split form in place]):
+# beyond these a split step is not mostly what was traced
+MIN_SPLIT_SCALE, MAX_SPLIT_SCALE = 0.25, 4.0
 
 
 def fit_in_place(
@@ -302,7 +305,9 @@ def fit_in_place(
     (:meth:`~megatron_prt.sim.cost.CostModel.compute_scaled`) and ``p2p_cpu`` refitted
     (:func:`message_cpu_in_place`), so that the simulator reproduces the two measured
     uni steps ``timed[:2]`` (fewest messages first), each plan priced as ``cost`` prices it;
-    a third ``(bi plan, seconds)`` also refits ``replica_latency`` (:func:`_replica_in_place`).
+    a further ``(bi plan, seconds)`` also refits ``replica_latency`` (:func:`_replica_in_place`),
+    and a ``(split-backward plan, seconds)`` the split form's times (:func:`_split_in_place`),
+    in that order.
 
     [Note: compute fitted in place] Per-layer times traced in one launch (every layer its own
     stage, a few steps) move between launches by more than the schedules differ: on the
@@ -340,7 +345,10 @@ def fit_in_place(
             break  # the messages alone outlast the step: no compute scale fits
     error, fitted, best = closest
     if error <= SIMULATED_RESOLUTION:
-        return (_replica_in_place(fitted, *timed[2]) if len(timed) > 2 else fitted), best
+        for plan, seconds in timed[2:]:
+            refit = _split_in_place if plan.split_backward else _replica_in_place
+            fitted = refit(fitted, plan, seconds)
+        return fitted, best
     raise ConfigError(
         f"no compute scale fits (few-message step measured {few_s:.6f} s, simulated "
         f"{predicted:.6f} s at scale {scale:.4g}, {rounds} rounds at most; closest "
@@ -371,3 +379,30 @@ def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
         mid = (low + high) / 2
         low, high = (mid, high) if step(mid) < seconds else (low, mid)
     return replace(cost, replica_latency=(low + high) / 2)
+
+
+def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
+    """``cost`` with the split form's own times scaled (:meth:`CostModel.split_scaled`, by
+    a factor within [:data:`MIN_SPLIT_SCALE`, :data:`MAX_SPLIT_SCALE`]) so that the
+    split-backward ``plan`` simulates to the measured ``seconds``; bisection (the step grows
+    with the factor).
+
+    [Note: the split form in place] Traced layer by layer, the split form's I + W came out
+    21-36% above the whole backward on the tuned grid's stacks, while the split plans ran as
+    fast as or faster than the plain ones in the same launches: the traced split form pays
+    per-span overhead twice per layer and the deferred W's bookkeeping, which a step mostly
+    hides. Predicted 13-39% slow, the split rows could not win the tuner's ranking on the
+    equal stack where they won the clock. A split plan with few messages (1F1B's order,
+    split), timed beside the others, sets the split form's scale as the few-message step
+    sets the compute scale."""
+    if not plan.split_backward:
+        raise ConfigError("the split form is fitted to a split-backward plan's step")
+
+    def step(factor: float) -> float:
+        return simulate(plan, cost.split_scaled(factor)).makespan
+
+    low, high = MIN_SPLIT_SCALE, MAX_SPLIT_SCALE
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step(mid) < seconds else (low, mid)
+    return cost.split_scaled((low + high) / 2)

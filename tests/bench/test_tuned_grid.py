@@ -152,8 +152,11 @@ def test_reference_rows_are_the_fit_steps_plans_on_even_splits():
         "R=1 loop/uni, even",
         "R=4 loop/uni, even",
         "R=1 loop/bi, even",
+        "R=1 loop/uni split, even",  # the split form's scale ([Note: the split form in place])
     ]
-    assert [p.placement.reuse for _, p, _ in found] == [1, 4, 1]
+    assert [p.placement.reuse for _, p, _ in found] == [1, 4, 1, 1]
+    plain = [row for row in _rows(_cost(8)) if not row[1].split_backward]
+    assert len(reference_rows(plain, 8, 2)) == 3  # a grid without split rows: the first three
     # every layer its own stage needs R = layers / P in the grid: 10 layers on 2 ranks, R = 5
     assert reference_rows(_rows(_cost(10)), 10, 2) is None
 
@@ -184,16 +187,16 @@ def test_report_gives_both_predictions_and_marks_a_reference_pick():
     assert record["tuned_vs_measured"] == pytest.approx(0.0, abs=0.02)
     assert record["references"][1] == "R=4 loop/uni, even" and not record["pick_is_reference"]
     assert all(r["in_round_s"] for r in summary["rows"])
-    assert sum(r["reference"] for r in summary["rows"]) == 3
+    assert sum(r["reference"] for r in summary["rows"]) == 4
     machine = {"command": "x", "wall_s": 1, "load_start": 0, "load_end": 0}
     text = markdown({"head": summary}, {**machine, "top": 3, "pick_reps": 1})
     assert "Fitted in the grid's rounds (to R=1 loop/uni, even" in text
     assert "in-round vs measured" in text and "n/a" not in text
-    others = len(summary["rows"]) - 3
+    others = len(summary["rows"]) - 4
     assert (
-        f"other than the three it was fitted to predicted within 10%: {others} of {others}." in text
+        f"other than the ones it was fitted to predicted within 10%: {others} of {others}." in text
     )
-    assert text.count("(fitted to it)") == 3
+    assert text.count("(fitted to it)") == 4
     plain = markdown(summarize([{"head": _stack_result(0)}]), {**machine, "top": 3, "pick_reps": 1})
     assert "| n/a |" in plain  # no profiled costs kept: no in-round column to fill
 

@@ -109,6 +109,35 @@ def test_a_bi_step_sets_the_replica_latency(true_latency):
         fit_in_place(traced, [*_timed(truth), _timed(truth)[1]])
 
 
+SPLIT_RICH = tuple(
+    replace(layer, split_fwd=1.1 + 0.1 * k, split_bwd=2.6 + 0.2 * k) for k, layer in enumerate(RICH)
+)
+
+
+@pytest.mark.parametrize("true_split", [0.7, 1.0, 1.4])
+def test_a_split_step_sets_the_split_forms_scale(true_split):
+    """[Note: the split form in place]: the split form traced 21-36% high against steps that
+    ran as fast as the plain ones; a split step timed beside the others sets its scale, the
+    plain times (and the uni and bi fits) untouched."""
+    split = build_plan(Placement(2, 1), 4, "zb")
+    other_split = build_plan(Placement(2, 2, "wave"), 4, "zb")
+    head = LayerCost(2.0, 3.0, wgrad=1.0, split_fwd=2.1, split_bwd=3.5)
+    traced = CostModel(layers=SPLIT_RICH, p2p_latency=0.01, p2p_cpu=0.01, head=head)
+    truth = replace(traced.compute_scaled(0.9).split_scaled(true_split), p2p_cpu=0.05)
+    timed = [*_timed(truth), (split, simulate(split, truth).makespan)]
+    fitted, scale = fit_in_place(traced, timed)
+    assert scale == pytest.approx(0.9, rel=1e-4)
+    for got, want in zip(fitted.layers, truth.layers, strict=True):
+        for name in ("fwd", "bwd", "split_fwd", "split_bwd", "wgrad"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-4)
+    assert fitted.head.split_bwd == pytest.approx(truth.head.split_bwd, rel=1e-4)
+    want = simulate(other_split, truth).makespan  # a split plan the fit never saw
+    assert simulate(other_split, fitted).makespan == pytest.approx(want, rel=1e-4)
+    unfitted = fit_in_place(traced, timed[:2])[0]
+    if true_split != 1.0:  # what the fit corrects: the traced split form's error
+        assert simulate(other_split, unfitted).makespan != pytest.approx(want, rel=1e-2)
+
+
 def test_no_scale_fits_a_step_the_messages_alone_outlast():
     # the old code looped 50 rounds to a scale of 0 and named no cause
     traced = CostModel(layers=LAYERS, p2p_latency=0.5, p2p_cpu=0.5)

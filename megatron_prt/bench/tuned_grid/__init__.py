@@ -183,9 +183,10 @@ def markdown(summary: dict, info: dict) -> str:
         "`megatron_prt/bench/tuned_grid/grid.py`).",
         "",
         "Two predictions: fitted before the grid (the profiled costs fitted in place to "
-        "three reference steps timed in a phase of their own, minutes earlier: what a user "
-        "gets before running) and fitted in the grid's rounds (the same fit to the same three "
-        "plans' medians as grid rows: 1F1B, every layer its own stage, R=1 loop/bi, even "
+        "four reference steps timed in a phase of their own, minutes earlier: what a user "
+        "gets before running) and fitted in the grid's rounds (the same fit to the same four "
+        "plans' medians as grid rows: 1F1B, every layer its own stage, R=1 loop/bi, R=1 "
+        "loop/uni split (the split form's scale: [Note: the split form in place]), even "
         "splits; [Note: in-round fit] in `megatron_prt/bench/tuned_grid/in_round.py`): the "
         "second predicts every other row at the time it was measured, so the host's drift "
         "between phases drops out of it.",
@@ -247,7 +248,7 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
             + _rows_within(
                 [r for r in s["rows"] if not r["reference"]],
                 "in_round_s",
-                "Rows other than the three it was fitted to",
+                "Rows other than the ones it was fitted to",
             ),
             "",
         ]

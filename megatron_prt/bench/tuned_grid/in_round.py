@@ -1,19 +1,21 @@
 """The cost model fitted again in the grid's own rounds: a second prediction of every row.
 
 [Note: in-round fit] The fit in place ([Note: compute fitted in place] in
-:mod:`megatron_prt.tune.measured`) reproduces its three reference steps (1F1B; every layer
-its own stage; R = 1 loop/bi) exactly as they measured in the fit phase, minutes before the
-grid runs. On the 2-core machine a plan's median moves by -19% to +16% between those two
-phases of one launch (the host's speed drifts; the grid's interleaved rounds cancel the
-drift between rows, nothing cancels it between phases), and every row's prediction moves
-with it. The same three plans are rows of the grid (R = 1 loop/uni, R = layers / P loop/uni
-and R = 1 loop/bi, even splits), timed in the same shuffled rounds as every other row and
-the tuned pick. Fitting the same model (:func:`~megatron_prt.tune.measured.fit_in_place`,
-from the profiled costs before any fit) to their grid medians gives a prediction of every
-other row made at the time it was measured: what is left of the error is the model's, not
-the machine's drift. It is reported beside the prediction fitted before the grid, never
-instead of it; a pick that is one of the three reference rows (same plan, same split) is
-marked, since its in-round prediction is then its own measurement.
+:mod:`megatron_prt.tune.measured`) reproduces its reference steps (1F1B; every layer its own
+stage; R = 1 loop/bi; 1F1B's order in split backward) exactly as they measured in the fit
+phase, minutes before the grid runs. On the 2-core machine a plan's median moves by -19% to
++16% between those two phases of one launch (the host's speed drifts; the grid's interleaved
+rounds cancel the drift between rows, nothing cancels it between phases), and every row's
+prediction moves with it. The same plans are rows of the grid (R = 1 loop/uni, R = layers /
+P loop/uni, R = 1 loop/bi and R = 1 loop/uni split, even splits), timed in the same shuffled
+rounds as every other row and the tuned pick. Fitting the same model
+(:func:`~megatron_prt.tune.measured.fit_in_place`, from the profiled costs before any fit)
+to their grid medians gives a prediction of every other row made at the time it was
+measured: what is left of the error is the model's, not the machine's drift. It is reported
+beside the prediction fitted before the grid, never instead of it; a pick that is one of the
+reference rows (same plan, same split) is marked, since its in-round prediction is
+then its own measurement (the split row, a split plan the grid may order otherwise than the
+fit phase's, stands in for it).
 """
 
 from __future__ import annotations
@@ -50,25 +52,28 @@ class InRoundFit:
 
 
 def reference_rows(rows: list[tuple], layers: int, ranks: int) -> list[tuple] | None:
-    """The grid rows ``(label, plan, stage_layers)`` of the three reference steps, in
-    :func:`~megatron_prt.tune.measured.fit_in_place`'s order (few messages, many, bi), each
-    on the even split and without split backward; None when the grid lacks one (every
-    layer its own stage needs R = layers / P among the grid's reuses)."""
+    """The grid rows ``(label, plan, stage_layers)`` of the reference steps, in
+    :func:`~megatron_prt.tune.measured.fit_in_place`'s order (few messages, many, bi, each
+    without split backward; then R = 1 loop/uni in split backward where the grid has it: the
+    split form's scale), each on the even split; None when the grid lacks one of the first
+    three (every layer its own stage needs R = layers / P among the grid's reuses)."""
     if layers % ranks:
         return None
-    wanted = [(1, "uni"), (layers // ranks, "uni"), (1, "bi")]
+    wanted = [(1, "uni", False), (layers // ranks, "uni", False), (1, "bi", False)]
     found = []
-    for reuse, direction in wanted:
+    for reuse, direction, split in [*wanted, (1, "uni", True)]:
         placement = Placement(ranks, reuse, "loop", direction)
         even = even_layers(layers, placement.depth)
         match = [
             row
             for row in rows
-            if row[1].placement == placement and not row[1].split_backward and tuple(row[2]) == even
+            if row[1].placement == placement
+            and row[1].split_backward == split
+            and tuple(row[2]) == even
         ]
-        if not match:
+        if not match and not split:
             return None
-        found.append(match[0])
+        found += match[:1]
     return found
 
 

@@ -178,7 +178,7 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
 def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float, CostModel]:
     """The stack's cost model (module docstring), the compute scale fitted in place and the
     profiled model before the fit (the in-round fit starts from it: [Note: in-round fit] in
-    :mod:`.in_round`), the same on every rank. The three fitted steps run at the grid's
+    :mod:`.in_round`), the same on every rank. The four fitted steps run at the grid's
     micro-batch count, ``args.fit_steps`` each, interleaved."""
     layers = profile_layers(rank, world, stack, args)
     wire = agreed(shm_costs(rank, (args.mb_size, width(stack, args)), args.burst))
@@ -197,6 +197,7 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         mse_loss,
         args.fit_steps,
         bi=True,
+        split=True,  # [Note: the split form in place]
         warm_steps=args.warm_steps,
         shm_capacity=shm_capacity(stack, args),
     )
