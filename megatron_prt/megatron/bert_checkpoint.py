@@ -8,9 +8,11 @@ position, the learning-rate scheduler's state, the saving layout) and each (pipe
 tensor-parallel rank)'s RNG states as one shard of a byte tensor (JSON text): a run resumed
 under the same pipeline and tensor-parallel sizes continues every RNG stream, so it gives the
 numbers of an uninterrupted run; under other sizes the streams cannot map onto the new ranks
-and start from ``--seed`` again (said in the log). Nothing is unpickled into objects: plain
-state is read by ``torch.load(weights_only=True)`` and the checkpoint holds no
-``ShardedObject`` (whose reader would unpickle freely).
+and start from ``--seed`` again (said in the log). Plain state is read by
+``torch.load(weights_only=True)``; with the local layer spec the checkpoint holds no
+``ShardedObject`` (whose reader would unpickle freely), but with ``--transformer-impl
+transformer_engine`` megatron saves each TE layer's ``_extra_state`` as one, which its load
+unpickles: load only checkpoints you trust there.
 """
 
 from __future__ import annotations
