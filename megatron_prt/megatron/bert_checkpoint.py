@@ -152,7 +152,16 @@ def model_shape(args: argparse.Namespace) -> dict:
     shape["max_position_embeddings"] = shape["max_position_embeddings"] or args.seq_length
     shape.update({key: getattr(args, key, None) for key in VOCAB_KEYS})
     shape["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by  # not compared
+    shape["transformer_impl"] = getattr(args, "transformer_impl", "local")
+    bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
+    shape["precision"] = "--bf16" if bf16 else "--fp16" if fp16 else "fp32"
     return shape
+
+
+# recorded since 2026-12-04 (older checkpoints lack them: their tensors decide): another
+# --transformer-impl names the layer norms' tensors otherwise, another precision keeps other
+# optimizer state (fp32 main parameters): both were refused as "another model / optimizer"
+RUN_FLAGS = {"transformer_impl": "--transformer-impl", "precision": "precision"}
 
 
 # [Note: the vocabulary on resume] megatron pads the tokenizer's vocabulary to a multiple of
@@ -226,6 +235,11 @@ def _other_model(args: argparse.Namespace, saved: dict, folder: Path) -> str | N
         return f"the binary head there, {flag} here" if theirs.get(name) else f"{flag} there"
 
     differ = [differs(name) for name in MODEL_FLAGS if theirs.get(name) != ours[name]]
+    differ += [
+        f"{flag} {theirs[name]} there, {ours[name]} here"
+        for name, flag in RUN_FLAGS.items()
+        if name in theirs and theirs[name] != ours[name]
+    ]
     differ += _other_vocab(args, theirs, ours, saved.get("layout", {}))
     if not differ:
         return None

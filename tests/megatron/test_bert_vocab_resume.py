@@ -89,3 +89,19 @@ def test_a_checkpoint_without_the_vocabulary_record_still_loads():
     for key in ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "vocab_digest"):
         del saved["model"][key]
     assert _other_model(_args(2, 128, 4096), saved, Path("ckpt")) is None
+
+
+def test_another_transformer_impl_or_precision_is_named():
+    """Both change which tensors a checkpoint holds (TE's layer norms live in linear_qkv;
+    --bf16 keeps fp32 main parameters in the optimizer): the refusal said another model or
+    another optimizer, naming neither flag. A checkpoint without the record (saved before
+    it) is left to its tensors."""
+    ours = _args(1, 128, 4096)
+    saved = _saved(argparse.Namespace(**vars(ours), transformer_impl="transformer_engine"))
+    problem = _other_model(ours, saved, Path("ckpt"))
+    assert "--transformer-impl transformer_engine there, local here" in problem
+    saved = _saved(argparse.Namespace(**vars(ours), bf16=True))
+    assert "precision --bf16 there, fp32 here" in _other_model(ours, saved, Path("ckpt"))
+    older = _saved(ours)
+    del older["model"]["transformer_impl"], older["model"]["precision"]
+    assert _other_model(ours, older, Path("ckpt")) is None
