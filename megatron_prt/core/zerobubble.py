@@ -88,9 +88,8 @@ def resolve_mem_cap(
     p, m = placement.ranks, num_microbatches
     if mem_cap == "1f1b":
         return one_f_one_b_peak(p, m, act)
-    if mem_cap == "zb-h2":  # every rank up to 2P - 1 micro-batches of the largest share,
-        h2 = min(m, 2 * p - 1) * max(_rank_shares(p, act))  # never below 1F1B's peak
-        return max(h2, one_f_one_b_peak(p, m, act))
+    if mem_cap == "zb-h2":  # ZB-H2's peak on its busiest rank: never below 1F1B's, since
+        return min(m, 2 * p - 1) * max(_rank_shares(p, act))  # min(m, 2P-1) >= min(m, P-r)
     if isinstance(mem_cap, (int, float)) and not isinstance(mem_cap, bool) and mem_cap > 0:
         return float(mem_cap)
     raise ConfigError(

@@ -38,7 +38,8 @@ def check_same_plan(
     holds the same plan and the same ``settings`` (e.g. ``dtype``): one exchange of hashes
     through the group's store (:func:`~megatron_prt.runtime.exchange.gather_ints`: a rank that
     does not arrive within ``timeout_s`` leaves nothing in flight), after which every rank
-    raises, naming the ranks that differ."""
+    raises, naming the ranks that differ. Under ``bi`` a second exchange refuses replica
+    pairs whose gradient payloads differ in size (:func:`_refuse_unequal_replicas`)."""
     start_generation()  # reports posted before are not this runtime's
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     who = rank_label(rank, group)
@@ -58,7 +59,6 @@ def check_same_plan(
     values = [digest(plan.fingerprint()), int(given not in (None, expected)), *_plan_fields(plan)]
     values += [setting_code(v) for v in settings.values()]
     values.append(0 if split is None else digest(repr(split)))
-    values += _replica_bytes(placement, stages)
     rows = gather_ints(values, "the plan check at start-up", group, timeout_s, device)
     if given not in (None, expected):
         raise ValueError(f"{who}: stages {given} given, the plan places {expected} here")
@@ -74,9 +74,11 @@ def check_same_plan(
     for name, column in columns.items():
         show = (lambda code: f"{code:016x} ({described[code]})") if name == "plan" else setting_text
         refuse_disagreement(who, name, [row[column] for row in rows], show)
-    stage_count = placement.num_stages
-    _refuse_other_splits(who, split, [row[-1 - stage_count] for row in rows])
-    _refuse_unequal_replicas(who, placement, [row[-stage_count:] for row in rows])
+    _refuse_other_splits(who, split, [row[-1] for row in rows])
+    if placement.direction == "bi":  # the plans agree (checked above): every rank is here
+        mine = _replica_bytes(placement, stages)
+        sizes = gather_ints(mine, "the replica check at start-up", group, timeout_s, device)
+        _refuse_unequal_replicas(who, placement, sizes)
 
 
 def _refuse_other_splits(who: str, split: tuple | None, codes: list[int]) -> None:
@@ -99,9 +101,9 @@ def _refuse_other_splits(who: str, split: tuple | None, codes: list[int]) -> Non
 def _replica_bytes(placement, stages: Mapping[int, torch.nn.Module] | None) -> list[int]:
     """Per stage (``placement.num_stages`` values, both pipelines'): 1 + the bytes of its
     parameters that the bi replica sum carries (:func:`.replicas.replica_params`) where this
-    rank holds it, else 0 (``uni``, or no stages given: all 0)."""
+    rank holds it, else 0 (no stages given: all 0)."""
     sizes = [0] * placement.num_stages
-    if stages is None or placement.direction != "bi":
+    if stages is None:
         return sizes
     for stage, params in replica_params(placement, stages).items():
         sizes[stage] = 1 + sum(p.numel() * p.element_size() for p in params)

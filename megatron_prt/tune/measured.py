@@ -372,13 +372,19 @@ def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     def step(latency: float) -> float:
         return simulate(plan, replace(cost, replica_latency=latency)).makespan
 
-    low, high = cost.replica_latency, cost.replica_latency + seconds
+    low = cost.replica_latency
     if step(low) >= seconds:
         return cost
+    return replace(cost, replica_latency=_bisect(step, seconds, low, low + seconds))
+
+
+def _bisect(step: Callable[[float], float], seconds: float, low: float, high: float) -> float:
+    """The value in [``low``, ``high``] where ``step`` (growing) reaches ``seconds``, to 40
+    halvings (an end when it does not reach it within)."""
     for _ in range(40):
         mid = (low + high) / 2
         low, high = (mid, high) if step(mid) < seconds else (low, mid)
-    return replace(cost, replica_latency=(low + high) / 2)
+    return (low + high) / 2
 
 
 def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
@@ -395,14 +401,8 @@ def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     equal stack where they won the clock. A split plan with few messages (1F1B's order,
     split), timed beside the others, sets the split form's scale as the few-message step
     sets the compute scale."""
-    if not plan.split_backward:
-        raise ConfigError("the split form is fitted to a split-backward plan's step")
 
     def step(factor: float) -> float:
         return simulate(plan, cost.split_scaled(factor)).makespan
 
-    low, high = MIN_SPLIT_SCALE, MAX_SPLIT_SCALE
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if step(mid) < seconds else (low, mid)
-    return cost.split_scaled((low + high) / 2)
+    return cost.split_scaled(_bisect(step, seconds, MIN_SPLIT_SCALE, MAX_SPLIT_SCALE))
