@@ -67,6 +67,7 @@ def install(
     def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
         # Megatron-LM from core_v0.19 passes its process groups; PRT runs on megatron's
         # model-parallel groups (those Megatron-LM passes unless given others).
+        _refuse_multi_module(schedule_pg_collection)
         return forward_backward
 
     get_forward_backward_func.reuse = reuse  # type: ignore[attr-defined]
@@ -77,6 +78,18 @@ def install(
     _guard_megatron_schedules()
     _INSTALLED.update(reuse=reuse, func=forward_backward, timeout_s=timeout_s)
     return True
+
+
+def _refuse_multi_module(schedule_pg_collection) -> None:
+    """megatron-core 0.19's multi-module collection (one pipeline per module, e.g. a vision
+    encoder beside a language model) selects its bridge schedule; a PRT plan is one model's
+    pipeline, so it is refused rather than run over the wrong stages."""
+    if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+        raise ConfigError(
+            "megatron-prt runs one model's pipeline; get_forward_backward_func was given a "
+            "MultiModuleProcessGroupCollection (megatron's multi-module bridge schedule): train "
+            "that model without --pipeline-reuse (megatron_prt.megatron.uninstall())"
+        )
 
 
 def uninstall() -> None:

@@ -25,6 +25,8 @@ adjust_tensor_shapes_fn, p2p_communicator, pg_collection, force_all_reduce``) an
   ``grad_scale_func`` scales the loss before backward; ``deallocate_pipeline_outputs`` frees
   sent activations; ``pipeline_dtype`` is the wire dtype; ``variable_seq_lengths`` sends
   every activation's shape with it.
+* ``pg_collection.pp`` (else megatron's global pipeline group) carries the plan's messages;
+  a ``p2p_communicator`` on another group is refused.
 
 The model must have been prepared once with :func:`megatron_prt.megatron.prepare_model`.
 """
@@ -327,7 +329,7 @@ def make_forward_backward_func(
         model = model if isinstance(model, list) else [model]
         config = get_model_config(model[0])
         _check_call(reuse, model, config, adjust_tensor_shapes_fn)
-        group = _pp_group(pg_collection)
+        group = _pp_group(pg_collection, p2p_communicator)
         shape = (num_microbatches, seq_length, micro_batch_size, decoder_seq_length)
         pipeline = pipelines.get(model, config, group, shape, forward_only)
         data = chunk_data(data_iterator, len(model))
@@ -458,10 +460,23 @@ def _resume_auto(auto: AutoTuner | None, pipelines: _Pipelines, plan: Plan) -> N
     pipelines.switch(plan)
 
 
-def _pp_group(pg_collection):
-    """The pipeline group: ``pg_collection``'s when it has one, else megatron's global one."""
+def _pp_group(pg_collection, p2p_communicator=None):
+    """The pipeline group: ``pg_collection``'s when it has one, else megatron's global one.
+
+    The plan's messages go over this group; a ``p2p_communicator`` on another group (which
+    megatron's schedules would send over) is refused, not ignored."""
     group = pg_collection.pp if pg_collection is not None else None
-    return group or parallel_state.get_pipeline_model_parallel_group()
+    group = group or parallel_state.get_pipeline_model_parallel_group()
+    theirs = getattr(p2p_communicator, "pp_group", None)
+    if theirs is not None and theirs is not group:
+        ours, given = dist.get_process_group_ranks(group), dist.get_process_group_ranks(theirs)
+        if given != ours:
+            raise ConfigError(
+                f"megatron-prt: p2p_communicator's pipeline group (ranks {given}) is not the "
+                f"pipeline group the plan runs on (ranks {ours}, pg_collection.pp or megatron's "
+                "own); pass the same group in both, or leave p2p_communicator out"
+            )
+    return group
 
 
 @contextlib.contextmanager

@@ -79,12 +79,29 @@ def _install_roundtrip():
     other = ReuseConfig(Placement(2, 2, "wave"), 4)
     install(other)
     assert pp.get_forward_backward_func().reuse == other
+    _multi_module_collection_is_refused(pp)
     _stale_lookup_is_refused(originals[0], schedules)
     uninstall()
     assert (pp.get_forward_backward_func, schedules.get_forward_backward_func) == originals
     assert not hasattr(schedules.forward_backward_pipelining_with_interleaving, "__wrapped__")
     uninstall()  # no-op
     return "megatron.training.training" in sys.modules
+
+
+def _multi_module_collection_is_refused(pp):
+    """megatron-core 0.19's multi-module collection selects megatron's bridge schedule (one
+    pipeline per module); PRT's lookup refuses it rather than run one model's plan."""
+    from megatron_prt.core.placement import ConfigError
+
+    try:
+        from megatron.core import process_groups_config
+
+        multi = process_groups_config.MultiModuleProcessGroupCollection
+    except AttributeError:  # before megatron-core 0.19: none exists; the lookup checks the name
+        multi = type("MultiModuleProcessGroupCollection", (), {})
+    collection = object.__new__(multi)
+    with pytest.raises(ConfigError, match="MultiModuleProcessGroupCollection"):
+        pp.get_forward_backward_func(schedule_pg_collection=collection)
 
 
 def _stale_lookup_is_refused(stale_lookup, schedules):

@@ -65,3 +65,38 @@ def test_settings_only_megatrons_schedules_finish_are_refused_by_name(direction)
             said = outcome[field]
             assert said.startswith(f"megatron-prt: {field}="), said
             assert said.endswith(why), said
+
+
+def _with_another_p2p_group(rank, world) -> str:
+    """The first call's outcome with a ``p2p_communicator`` on a group of this rank alone
+    (megatron's schedules would send over it; the plan sends over the pipeline group)."""
+    import megatron_models as mm
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from megatron_prt.megatron import make_forward_backward_func, prepare_model
+    from megatron_prt.megatron.config import ReuseConfig
+    from megatron_prt.megatron.model import transformer_config_kwargs
+
+    reuse = ReuseConfig(Placement(2, 1), 2)
+    mm.setup_megatron(2, reuse.placement.chunks_per_rank)
+    config = mm.transformer_config(**transformer_config_kwargs(reuse))
+    model = mm.model_chunks("gpt", config, reuse)
+    prepare_model(model, reuse)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    forward_backward = make_forward_backward_func(reuse, timeout_s=60)
+    kwargs = mm.step_kwargs("gpt", model, 4)
+    try:
+        forward_backward(
+            **kwargs, forward_only=True, p2p_communicator=P2PCommunicator(alone, config)
+        )
+        return "ran"
+    except ConfigError as exc:
+        return str(exc)
+
+
+def test_a_p2p_communicator_on_another_group_is_refused():
+    pytest.importorskip("megatron.core")
+    for said in all_ok(run_local(2, _with_another_p2p_group)):
+        assert said.startswith("megatron-prt: p2p_communicator's pipeline group"), said
+        assert "ranks [0, 1]" in said, said
