@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -391,7 +392,7 @@ def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     """``cost`` with the split form's own times scaled (:meth:`CostModel.split_scaled`, by
     a factor within [:data:`MIN_SPLIT_SCALE`, :data:`MAX_SPLIT_SCALE`]) so that the
     split-backward ``plan`` simulates to the measured ``seconds``; bisection (the step grows
-    with the factor).
+    with the factor). A step beyond the bounds warns and takes the bound.
 
     [Note: the split form in place] Traced layer by layer, the split form's I + W came out
     21-36% above the whole backward on the tuned grid's stacks, while the split plans ran as
@@ -405,4 +406,16 @@ def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     def step(factor: float) -> float:
         return simulate(plan, cost.split_scaled(factor)).makespan
 
+    ends = {scale: step(scale) for scale in (MIN_SPLIT_SCALE, MAX_SPLIT_SCALE)}
+    if ends[MIN_SPLIT_SCALE] > seconds or ends[MAX_SPLIT_SCALE] < seconds:
+        bound = MIN_SPLIT_SCALE if ends[MIN_SPLIT_SCALE] > seconds else MAX_SPLIT_SCALE
+        warnings.warn(
+            f"the split-backward step ({plan.placement}, m={plan.num_microbatches}) measured "
+            f"{seconds:.6f} s, simulating to {ends[bound]:.6f} s with the split form at "
+            f"{bound}x as traced, the fit's bound: split plans are priced at that bound and "
+            "their predictions are off; time the split step again on a quieter machine, or "
+            "trace the layers again",
+            stacklevel=3,
+        )
+        return cost.split_scaled(bound)
     return cost.split_scaled(_bisect(step, seconds, MIN_SPLIT_SCALE, MAX_SPLIT_SCALE))

@@ -16,7 +16,12 @@ from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.placement import ConfigError
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
-from megatron_prt.tune.measured import fit_in_place, message_cpu_in_place
+from megatron_prt.tune.measured import (
+    MAX_SPLIT_SCALE,
+    MIN_SPLIT_SCALE,
+    fit_in_place,
+    message_cpu_in_place,
+)
 
 LAYERS = (LayerCost(1.0, 2.0),) * 8
 # unequal layers with every optional time given, an embedding and a head: all scale
@@ -175,3 +180,18 @@ def test_a_hops_latency_is_its_one_way_time_less_both_ends_cpu():
     assert hop_in_flight(cpu + in_flight + cpu, cpu) == pytest.approx(in_flight)
     assert hop_in_flight(0.21e-3, 0.25e-3) == 0.0  # the wide stack's shared-memory message
     assert hop_in_flight(0.0, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("off", [0.1, 10.0])
+def test_a_split_step_beyond_the_fits_bounds_warns(off):
+    """A split step no scale within [MIN_SPLIT_SCALE, MAX_SPLIT_SCALE] reproduces was priced
+    at the bound without a word; now it warns, naming the measured and simulated step."""
+    split = build_plan(Placement(2, 1), 4, "zb")
+    traced = CostModel(layers=SPLIT_RICH, p2p_latency=0.01, p2p_cpu=0.01)
+    truth = replace(traced.compute_scaled(0.9), p2p_cpu=0.05)
+    seconds = simulate(split, truth).makespan * off
+    with pytest.warns(UserWarning, match=r"split-backward step .* the fit's bound"):
+        fitted, _ = fit_in_place(traced, [*_timed(truth), (split, seconds)])
+    bound = MIN_SPLIT_SCALE if off < 1 else MAX_SPLIT_SCALE
+    scaled = fit_in_place(traced, _timed(truth))[0].split_scaled(bound)
+    assert fitted.layers == scaled.layers
