@@ -150,6 +150,7 @@ class Plan:
             raise ValueError(f"config.microbatches {given!r} disagrees with num_microbatches {m!r}")
         _check_action_count(m, placement.depth, data["ranks"])
         split_microbatches(m, placement.num_pipelines)  # its refusals hold for a given split
+        _check_repeats(data, placement, m)
         ranks = tuple(
             tuple(parse(a) for a in data["ranks"][str(r)]) for r in range(placement.ranks)
         )
@@ -205,6 +206,36 @@ def _check_action_count(m: object, depth: int, ranks: dict) -> None:
             f"{depth} stages), the file holds {actions}: write num_microbatches as the "
             "plan's micro-batch count"
         )
+
+
+def _check_repeats(data: dict, placement: Placement, m: int) -> None:
+    """What the file repeats of its placement (``num_stages``, ``stage_to_chunk``,
+    ``pipelines``, one ``ranks`` entry per rank) agrees with it, and ``mb_pipeline`` names one
+    of its pipelines for each of the ``m`` micro-batches: a value out of range went unchecked
+    for uni plans (one pipeline), and lowered the per-pipeline counts the runtime checks
+    gradient hooks against."""
+    derived = {
+        "num_stages": placement.num_stages,
+        "stage_to_chunk": list(placement.stage_to_chunk),
+        "pipelines": [list(p) for p in placement.pipelines],
+    }
+    for key, want in derived.items():
+        if key in data and data[key] != want:
+            raise ValueError(f"{key} {data[key]!r} disagrees with the config's {placement}")
+    ranks = data["ranks"]
+    if not isinstance(ranks, dict) or set(ranks) != {str(r) for r in range(placement.ranks)}:
+        keys = sorted(ranks) if isinstance(ranks, dict) else ranks
+        raise ValueError(f"ranks must have entries '0'..'{placement.ranks - 1}', got {keys!r}")
+    given = data["mb_pipeline"]
+    pipes = placement.num_pipelines
+    if not isinstance(given, list) or len(given) != m:
+        raise ValueError(f"mb_pipeline must list a pipeline for each of the {m} micro-batches")
+    for mb, pipe in enumerate(given):
+        if type(pipe) is not int or not 0 <= pipe < pipes:
+            raise ValueError(
+                f"mb_pipeline: micro-batch {mb} names pipeline {pipe!r}; {placement} has "
+                f"pipeline{'s 0 and 1' if pipes == 2 else ' 0'}"
+            )
 
 
 def vouch(plan: Plan) -> Plan:

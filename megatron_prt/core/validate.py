@@ -115,9 +115,9 @@ def _check_shape(plan: Plan) -> None:
 
 
 def _check_exactly_once(plan: Plan) -> None:
-    split = plan.split_backward
-    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B) if plan.has_backward else (Op.F,)
     seen = Counter(a for acts in plan.ranks for a in acts if a.op.is_compute)
+    split = any(a.op is Op.I or a.op is Op.W for a in seen)  # W alone: its I is missing
+    ops = (Op.F, Op.I, Op.W) if split else (Op.F, Op.B) if plan.has_backward else (Op.F,)
     for rank, acts in enumerate(plan.ranks):
         for step, action in enumerate(acts):
             if seen.get(action, 0) > 1:

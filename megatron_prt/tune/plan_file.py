@@ -123,7 +123,21 @@ def load_plan(path: str, flag: str = "--plan") -> PlanFile:
         check_shape((tuned or {}).get("model"), "tuned.model")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}; {_FIX}") from None
-    return PlanFile(plan, _stage_layers(data, plan.placement.depth, where), tuned)
+    stage_layers = _stage_layers(data, plan.placement.depth, where)
+    _check_tuned_repeats(tuned or {}, plan, stage_layers, where)
+    return PlanFile(plan, stage_layers, tuned)
+
+
+def _check_tuned_repeats(tuned: dict, plan: Plan, stage_layers: tuple, where: str) -> None:
+    """``tuned`` predicted for this plan: the placement and split it repeats agree with the
+    file's (an edited plan kept the old prediction, which ``simulate`` and the logs quote)."""
+    own = {**plan.placement.to_dict(), "stage_layers": list(stage_layers)}
+    for key, want in own.items():
+        if key in tuned and tuned[key] != want:
+            raise ConfigError(
+                f"{where}: tuned.{key} {tuned[key]!r} disagrees with the plan's {want!r} (the "
+                f"prediction is of another plan); {_FIX}, or drop tuned"
+            )
 
 
 def _check_recompute(recompute: object, where: str) -> None:

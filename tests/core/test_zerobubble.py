@@ -126,6 +126,10 @@ def test_validation_rejects_broken_split_plans():
     mixed = tuple(Action(a.stage, Op.B, a.mb) if a == w else a for a in plan.ranks[1])
     with pytest.raises(PlanError, match="mixes B"):
         validate(Plan(plan.placement, 2, (plan.ranks[0], mixed), "zb"))
+    # no I at all: each W was blamed for mixing B with split backward, which it does not
+    no_i = tuple(tuple(a for a in acts if a.op is not Op.I) for acts in plan.ranks)
+    with pytest.raises(PlanError, match=r"I0 \(stage 0, mb 0\) is missing"):
+        validate(Plan(plan.placement, 2, no_i, "zb"))
 
 
 def test_simulate_takes_a_hand_written_split_plan():

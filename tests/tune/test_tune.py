@@ -282,6 +282,53 @@ def test_a_micro_batch_count_the_actions_cannot_hold_is_refused(tmp_path, tuned,
     _refused_when_edited(tmp_path, tuned, edit, r"num_microbatches")
 
 
+def load_plan_from(tmp_path, data: dict):
+    path = tmp_path / "as_written.json"
+    path.write_text(json.dumps(data))
+    return load_plan(str(path))
+
+
+def _set(path: str, value):
+    def edit(data):
+        *keys, last = path.split(".")
+        target = data
+        for key in keys:
+            target = target[key]
+        target[last] = value(target[last]) if callable(value) else value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        # a uni plan's mb_pipeline was never checked: [0, 5, ...] simulated; a micro-batch
+        # named on no pipeline failed with an IndexError traceback
+        (_set("mb_pipeline", lambda mbs: [0, 5, *mbs[2:]]), r"micro-batch 1 names pipeline 5"),
+        (_set("mb_pipeline", lambda mbs: [-1, *mbs[1:]]), r"micro-batch 0 names pipeline -1"),
+        (_set("mb_pipeline", lambda mbs: [str(p) for p in mbs]), r"names pipeline '0'"),
+        (_set("mb_pipeline", lambda mbs: mbs[:-1]), r"mb_pipeline must list a pipeline"),
+        # repeated fields that were ignored and derived again
+        (_set("num_stages", 99), r"num_stages 99 disagrees"),
+        (_set("pipelines", lambda p: [list(reversed(p[0]))]), r"pipelines .* disagrees"),
+        (_set("stage_to_chunk", lambda c: [9] * len(c)), r"stage_to_chunk .* disagrees"),
+        (_set("ranks", lambda r: {**r, "7": []}), r"ranks must have entries '0'..'1'"),
+        # a prediction kept beside an edited plan
+        (_set("tuned", lambda t: {**t, "reuse": 99}), r"tuned\.reuse 99 disagrees"),
+        (_set("tuned", lambda t: {**t, "stage_layers": [1]}), r"tuned\.stage_layers \[1\]"),
+    ],
+)
+def test_an_edited_file_whose_repeats_disagree_is_refused(tmp_path, tuned, edit, match):
+    winner = tuned.winner  # its tuned part as `tune -o` writes it (less costs and budget)
+    data = PlanFile(winner.plan, winner.stage_layers, winner.to_dict()).to_dict()
+    assert load_plan_from(tmp_path, data).plan == winner.plan  # as written: loads
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=match):
+        load_plan(str(path))
+
+
 def test_config_stage_layers_must_agree(tmp_path, tuned):
     def edit(data):
         data["config"]["stage_layers"] = [LAYERS] + [0] * (len(data["stage_layers"]) - 1)
