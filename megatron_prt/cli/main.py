@@ -82,8 +82,11 @@ def split_flags(p: argparse.ArgumentParser, cap: bool = True) -> None:
             "--mem-cap",
             type=mem_cap,
             default=None,
-            help="split backward: most activation bytes a rank may hold: 1f1b (default, what "
-            "plain 1F1B holds on its busiest rank), zb-h2 (about twice that) or a number",
+            help="split backward: most activation bytes a rank may hold, priced with the "
+            "costs' activation bytes: 1f1b (what plain 1F1B holds on its busiest rank), zb-h2 "
+            "(about twice that) or a number. Without it: the plan the runtime and megatron "
+            "run, built for equal stages and capped at 1F1B's activation count (zb) or twice "
+            "it (zb-h2)",
         )
 
 
@@ -198,6 +201,13 @@ def cost_from_args(args) -> CostModel:
             f"{', '.join(overridden)} with --costs {args.costs}, which gives per-layer times: "
             "they would be ignored; drop them, or scale the file's layers"
         )
+    entries = [*data.get("layers", ()), *(data[k] for k in ("embedding", "head") if data.get(k))]
+    own_wgrad = entries and all(entry.get("wgrad") is not None for entry in entries)
+    if own_wgrad and getattr(args, "wgrad_fraction", None) is not None:
+        raise ConfigError(
+            f"--wgrad-fraction with --costs {args.costs}, whose every layer gives its own "
+            "wgrad: it would be ignored; drop it, or the file's wgrad entries"
+        )
     for flag, key in (
         ("fwd_time", "fwd_time"),
         ("bwd_time", "bwd_time"),
@@ -275,6 +285,11 @@ def _make_plan(args, cost: CostModel) -> Plan:
     check_cost_stage_layers(args, cost, {placement.depth})
     check_even_split(cost, placement.depth, args.costs)
     schedule = _schedule(args)
+    if schedule == "zb-h2" and args.mem_cap not in (None, "zb-h2"):
+        raise ConfigError(
+            f"--schedule zb-h2 is zb under --mem-cap zb-h2; --mem-cap {args.mem_cap} would "
+            "build a zb plan: give --schedule zb with --mem-cap, or drop --mem-cap"
+        )
     if args.mem_cap is not None and schedule not in SPLIT_SCHEDULES:
         raise ConfigError(
             f"--mem-cap caps split-backward plans, not --schedule {schedule}; add "
@@ -285,9 +300,18 @@ def _make_plan(args, cost: CostModel) -> Plan:
             "--schedule interleaved with R = 1 is 1F1B; give --reuse R >= 2 (model chunks per "
             "rank) or --schedule 1f1b"
         )
+    if args.plan_from_costs and schedule not in TIMED_SCHEDULES:
+        raise ConfigError(
+            f"--plan-from-costs with --schedule {schedule}, whose order does not depend on "
+            f"the costs; drop it, or use --schedule {' or '.join(TIMED_SCHEDULES)}"
+        )
     plan = build(args, cost, placement, schedule)
     validate(plan)
     return plan
+
+
+# schedules whose order is built for the stage times they are given
+TIMED_SCHEDULES = ("prt", "gpipe", "zb", "zb-h2")
 
 
 SPLIT_SCHEDULES = ("zb", "zb-h2")

@@ -194,7 +194,8 @@ def zero_bubble(
         raise ConfigError(
             f"no split-backward plan for {where} with m={num_microbatches} fits the "
             f"activation cap of {cap:,.0f} bytes per rank (the lowest found holds "
-            f"{lowest:,.0f}); raise mem_cap (e.g. 'zb-h2') or the number of micro-batches"
+            f"{lowest:,.0f}); raise the cap (--mem-cap, or mem_cap=, e.g. 'zb-h2')"
+            + (" or the number of micro-batches" if isinstance(mem_cap, str) else "")
         )
     return best
 

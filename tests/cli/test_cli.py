@@ -458,3 +458,25 @@ def test_times_of_a_profiled_cost_file_are_said_in_seconds(run_cli, tmp_path):
         assert code == 0 and makespan.endswith(" s") == bool(unit), makespan
         code, out, _ = run_cli("tune", "--pp", 2, "-m", 4, "--costs", costs, "--no-split-backward")
         assert code == 0 and ("time s" in out) == bool(unit), out
+
+
+def test_flags_that_would_be_ignored_are_refused(run_cli, tmp_path):
+    """Each ran and was ignored: --wgrad-fraction beside a cost file whose every layer gives
+    its own wgrad, --plan-from-costs for a schedule whose order takes no times, --mem-cap
+    1f1b turning --schedule zb-h2 into a plan labelled zb."""
+    layer = {"fwd": 1.0, "bwd": 2.0, "wgrad": 0.8, "act": 10.0}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layers": [layer] * 4}))
+    base = ("simulate", "--pp", 2, "-m", 4, "--costs", costs)
+    code, _, err = run_cli(*base, "--split-backward", "--wgrad-fraction", 0.1)
+    assert code == 2 and "--wgrad-fraction with --costs" in err, err
+    code, _, err = run_cli(*base, "--schedule", "1f1b", "--plan-from-costs")
+    assert code == 2 and "--plan-from-costs with --schedule 1f1b" in err, err
+    code, _, err = run_cli(*base, "--schedule", "zb-h2", "--mem-cap", "1f1b")
+    assert code == 2 and "--schedule zb-h2 is zb under --mem-cap zb-h2" in err, err
+    code, _, err = run_cli(*base, "--split-backward", "--mem-cap", 1)
+    assert code == 2 and "raise the cap (--mem-cap" in err and "micro-batches" not in err, err
+    # what stays accepted: the same flags where they price something
+    for extra in (("--split-backward",), ("--plan-from-costs",), ("--schedule", "zb-h2")):
+        code, _, err = run_cli(*base, *extra)
+        assert code == 0, err
