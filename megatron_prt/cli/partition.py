@@ -71,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--slack",
         type=parse_fraction,
-        default=DEFAULT_SLACK,
+        default=None,
         help=f"time given up for memory without --budget (default {DEFAULT_SLACK:g} = "
         f"{DEFAULT_SLACK:.0%})".replace("%", "%%"),  # argparse formats help with %
     )
@@ -88,14 +88,27 @@ def run(args: argparse.Namespace) -> int:
         if cost.layers:  # the training flags' rule: every split printed here is one they run
             depth, costs = placement.depth, f"--costs {args.costs}: layer count"
             check_layers_fill_stages(len(cost.layers), depth, costs, "--reuse or --pp")
+        if args.budget is not None and args.slack is not None:
+            raise ConfigError(
+                "--slack trades time for memory without --budget; with --budget the fastest "
+                "partition within it is chosen: drop one of them"
+            )
         result = partition(
             cost,
             placement,
             args.microbatches,
             budget_bytes=args.budget,
-            slack=args.slack,
+            slack=DEFAULT_SLACK if args.slack is None else args.slack,
             schedule=args.schedule,
         )
+        if args.budget is not None and not (
+            result.balanced.peak_bytes or result.uniform.peak_bytes
+        ):
+            raise ConfigError(  # as tune refuses --memory-budget
+                f"--budget: --costs {args.costs} prices no partition's memory (no act or param "
+                "bytes), so every one would fit; profile them (`megatron-prt profile` writes "
+                "both) or drop --budget"
+            )
     except ConfigError as exc:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2

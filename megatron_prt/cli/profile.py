@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from ..core.placement import ConfigError
 from ..sim.model_shape import dtype_name
 from .main import check_output, positive_int, recompute_flags
 
@@ -163,7 +164,14 @@ def _in_place(args: argparse.Namespace) -> bool:
 
 
 def _check_comm(args: argparse.Namespace) -> None:
-    """Refuse a ``--comm`` that cannot run here before the model is profiled."""
+    """Refuse a ``--comm`` that cannot run here, or a ``--message-cpu in-place`` with no
+    transport to fit it on (it was ignored), before the model is profiled."""
+    if _transport(args) == "none" and args.message_cpu == "in-place":
+        implied = "" if args.comm else f" (--device {args.device} times no transport by default)"
+        raise ConfigError(
+            f"--message-cpu in-place fits the message CPU on the transport --comm times, and "
+            f"none is timed{implied}: give --comm auto|shm|torch|nccl, or drop --message-cpu"
+        )
     if _transport(args) == "nccl":
         from ..runtime.comm_timing import comm_backend
 

@@ -156,6 +156,17 @@ CLI_CASES = {
         _layers(4),
         "argument --slack: expected a fraction >= 0",
     ),
+    # both ran, the budget meaningless (every peak 0 B) or the slack ignored
+    "partition: a budget on costs that price no memory": (
+        ["partition", "--pp", 2, "-m", 4, "--costs", "COSTS", "--budget", "1KiB"],
+        {"layers": [{"fwd": 1.0, "bwd": 2.0}] * 4},
+        "--budget: --costs COSTS prices no partition's memory",
+    ),
+    "partition: slack beside a budget": (
+        ["partition", "--pp", 2, "-m", 4, "--costs", "COSTS", "--budget", "1GiB", "--slack", "0.1"],
+        _layers(4),
+        "--slack trades time for memory without --budget",
+    ),
     "partition: more stages than layers": (
         ["partition", "--pp", 2, "--reuse", 3, "-m", 4, "--costs", "COSTS"],
         _layers(4),
@@ -165,6 +176,17 @@ CLI_CASES = {
         ["partition", "--pp", 2, "--reuse", 0, "-m", 4, "--costs", "COSTS"],
         _layers(4),
         "argument --reuse: must be an integer >= 1, got '0'",
+    ),
+    "profile: message CPU with no transport timed": (
+        [*PROFILE, "--comm", "none", "--message-cpu", "in-place"],
+        None,
+        "--message-cpu in-place fits the message CPU on the transport --comm times, and none "
+        "is timed: give --comm",
+    ),
+    "profile: message CPU on cuda's default": (
+        [*PROFILE, "--device", "cuda", "--message-cpu", "in-place"],
+        None,
+        "none is timed (--device cuda times no transport by default)",
     ),
     "profile: -o in a missing directory": (
         [*PROFILE, "-o", "DIR/no/such/costs.json"],
