@@ -36,6 +36,7 @@ from ..runtime.cpu import keep_freed_memory
 from ..runtime.local import all_ok, run_local
 from ..sim.cost import CostModel, LayerCost
 from .common import interleaved_times, measure_runners, say
+from .flags import apply_smoke
 from .report import launch, md_table, write_report
 from .tuned_grid.grid import PREDICTED, TUNED, Entry, GridRunner, grid_entries, pick
 from .tuned_grid.stacks import STACKS, shm_capacity
@@ -115,8 +116,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.plans = [label.strip() for label in args.plans.split(";") if label.strip()]
     if args.smoke:
-        args.hidden, args.wide, args.mb_size, args.reps, args.warmup = 32, 64, 2, 3, 1
-        args.instances = min(args.instances, 3)
+        smoke = {"hidden": 32, "wide": 64, "mb_size": 2, "reps": 3, "warmup": 1, "instances": 3}
+        apply_smoke(args, p, smoke)
     if args.instances < 2 or args.reps < 1:
         p.error(f"--instances must be >= 2 and --reps >= 1, got {args.instances}, {args.reps}")
     if args.ballast_between < 0:

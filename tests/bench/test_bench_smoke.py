@@ -226,3 +226,15 @@ def test_replica_sum_fit_separates_latency_from_bandwidth():
     latency, wire, add = fit_replica_sum((1e4, 5e-3), (1e5, 1e-3), add_s_per_byte=1.0)
     assert latency >= 0 and wire >= 0 and add >= 0
     assert latency + 1e5 * (wire + add) == pytest.approx(1e-3)
+
+
+def test_smoke_keeps_the_flags_given_and_bad_counts_are_refused():
+    """--smoke overwrote flags given beside it (``--smoke --reps 9 --hidden 256`` ran 1
+    repetition at width 32 while the report quoted the command as given), and counts such
+    as ``--warmup -5`` or ``--layers 0`` ran (no warm-up; "-5 warm-up steps" in the report)."""
+    args = finish(_args("--smoke", "--reps", "9", "--hidden", "256"))
+    assert (args.reps, args.hidden, args.warmup, args.mb_size) == (9, 256, 1, 2)
+    for flag, value in (("--warmup", "-5"), ("--layers", "0"), ("--burst", "0"), ("--ranks", "1")):
+        with pytest.raises(SystemExit):
+            _args(flag, value)
+    assert _args("--warmup", "0").warmup == 0

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from ...runtime.local import all_ok, run_local
 from ...sim.simulate import simulate
+from ..flags import apply_smoke
 from ..report import launch, write_report
 from .grid import PREDICTED, TUNED, worker
 from .in_round import in_round_fit
@@ -97,9 +98,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"--stacks: unknown {', '.join(unknown)}; choose from {', '.join(STACKS)}")
     if args.smoke:
-        args.hidden, args.wide, args.mb_size, args.reps, args.warmup = 32, 256, 2, 1, 1
-        args.profile_steps, args.burst, args.top, args.pick_reps = 1, 4, 2, 1
-        args.fit_steps = 1
+        smoke = {"hidden": 32, "wide": 256, "mb_size": 2, "reps": 1, "warmup": 1}
+        smoke |= {"profile_steps": 1, "burst": 4, "top": 2, "pick_reps": 1, "fit_steps": 1}
+        apply_smoke(args, p, smoke)
     if args.warm_steps < 0:
         p.error(f"--warm-steps must be >= 0, got {args.warm_steps}")
     if min(args.top, args.pick_reps, args.fit_steps) < 1:
