@@ -273,10 +273,13 @@ def check_cost_stage_layers(args, cost: CostModel, depths: set[int]) -> None:
     if not given or depths == {given}:
         return
     runs = " and ".join(map(str, sorted(depths)))
+    fix = (  # compare runs several depths (1F1B's P beside R*P): one split fits one of them
+        "drop stage_layers from the file" if len(depths) > 1
+        else f"drop stage_layers from the file or choose --pp and --reuse with R*P = {given}"
+    )  # fmt: skip
     raise ConfigError(
         f"--costs {args.costs}: stage_layers splits the layers over {given} stages, but this "
-        f"runs D = R*P = {runs}; drop stage_layers from the file or choose --pp and --reuse "
-        f"with R*P = {given}"
+        f"runs D = R*P = {runs}; {fix}"
     )
 
 

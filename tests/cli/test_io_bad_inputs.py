@@ -109,12 +109,14 @@ CLI_CASES = {
     "costs: stage_layers for another depth": (
         ["simulate", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", "COSTS"],
         {**_layers(4), "stage_layers": [2, 2]},
-        "--costs COSTS: stage_layers splits the layers over 2 stages, but this runs D = R*P = 4",
+        "--costs COSTS: stage_layers splits the layers over 2 stages, but this runs D = R*P = 4;"
+        " drop stage_layers from the file or choose --pp and --reuse with R*P = 2",
     ),
     "compare: stage_layers fix one depth": (
         ["compare", "--pp", 2, "-m", 4, "--costs", "COSTS"],
         {**_layers(4), "stage_layers": [1, 1, 1, 1]},
-        "stages, but this runs D = R*P = 2 and 4",
+        # the fix offered was R*P = 4, which it already was
+        "stages, but this runs D = R*P = 2 and 4; drop stage_layers from the file",
     ),
     "compare: costs of zero time": (
         ["compare", "--pp", 2, "-m", 4, "--costs", "COSTS"],
