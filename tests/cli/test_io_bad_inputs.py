@@ -401,3 +401,12 @@ def test_tune_and_megatron_take_the_same_byte_counts(text):
     from megatron_prt.megatron.args import byte_count
 
     assert parse_bytes(text) == byte_count(text) > 0
+
+
+def test_compares_stage_layers_refusal_offers_no_depth_it_already_runs(run_cli, tmp_path):
+    """compare runs D = P (1F1B) beside R*P: it offered "choose --pp and --reuse with R*P =
+    4" for a file of 4 stages at R*P = 4."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({**_layers(4), "stage_layers": [1, 1, 1, 1]}))
+    code, _, err = run_cli("compare", "--pp", 2, "--reuse", 2, "-m", 4, "--costs", costs)
+    assert code == 2 and "drop stage_layers" in err and "choose --pp" not in err, err
