@@ -22,7 +22,7 @@ from ..sim.model_shape import describe_shape
 from ..tune.memory import format_bytes
 from ..tune.plan_file import PlanFile, recompute_of
 from ..tune.search_plans import Candidate, TuneResult, tune
-from .main import check_output, load_costs, positive_int, recompute_flags
+from .main import check_output, load_costs, positive_int, recompute_flags, recompute_label
 from .partition import parse_bytes
 
 PROGRESS_AFTER_S = 2.0  # searches shorter than this print no progress line
@@ -121,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-prt: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_json(result, args, cost.model), indent=1))
+        print(json.dumps(_as_json(result, args, cost), indent=1))
     else:
-        print(format_result(result, args, cost.model))
+        print(format_result(result, args, cost))
     return 0
 
 
@@ -162,10 +162,10 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _as_json(result: TuneResult, args: argparse.Namespace, model: dict | None = None) -> dict:
+def _as_json(result: TuneResult, args: argparse.Namespace, cost: CostModel) -> dict:
     config = {"pp": args.pp, "microbatches": args.microbatches, "costs": args.costs}
     return {
-        "config": config | {"model": model},
+        "config": config | {"model": cost.model, "recompute": recompute_of(cost)},
         "memory_budget": result.budget_bytes,
         "seconds": result.seconds,
         "winner": result.winner.to_dict(),
@@ -175,13 +175,17 @@ def _as_json(result: TuneResult, args: argparse.Namespace, model: dict | None = 
     }
 
 
-def format_result(result: TuneResult, args: argparse.Namespace, model: dict | None = None) -> str:
-    """The ranked table and the winner; ``model``: the costs' shape, a line when given (a
-    profiled file: its times are seconds, said in the header)."""
+def format_result(result: TuneResult, args: argparse.Namespace, cost: CostModel) -> str:
+    """The ranked table and the winner; the costs' shape (``cost.model``), a line when given
+    (a profiled file: its times are seconds, said in the header); the recomputation priced
+    in the header when there is one."""
+    model = cost.model
     budget = "none" if result.budget_bytes is None else format_bytes(result.budget_bytes)
+    priced = recompute_label(cost)
     fitting = result.fitting()
     lines = [
-        f"tune: P={args.pp} m={args.microbatches} costs {args.costs}, memory budget {budget}",
+        f"tune: P={args.pp} m={args.microbatches} costs {args.costs}, memory budget {budget}"
+        + ("" if priced == "none" else f", recompute {priced}"),
         *([f"model: {describe_shape(model)}"] if model else []),
         f"{len(result.ranked)} candidates scored in {result.seconds:.1f} s, "
         f"{len(fitting)} fit; top {min(args.top, len(fitting))}:",

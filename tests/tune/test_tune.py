@@ -361,6 +361,9 @@ def test_simulate_plan_prices_the_recomputation_tune_used(tmp_path, run_cli):
     code, text, err = run_cli("tune", "--costs", costs, *shape, *full, "--json", "-o", out)
     assert code == 0, err
     winner = json.loads(text)["winner"]
+    assert json.loads(text)["config"]["recompute"] == ["full", "uniform", 1]  # was left out
+    code, table, err = run_cli("tune", "--costs", costs, *shape, *full, "--top", 1)
+    assert code == 0 and ", recompute full/uniform/1\n" in table, table
     code, text, err = run_cli("simulate", "--plan", out, "--costs", costs, "--json")
     assert code == 0 and "priced with the recomputation" in err, err
     assert json.loads(text)["makespan"] == winner["makespan"]
