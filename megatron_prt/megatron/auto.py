@@ -66,7 +66,7 @@ from ..tune.measured import (
     stage_bytes,
     top_candidates,
 )
-from ..tune.search_plans import Candidate, Seed, TuneResult, add_seeds, tune_layout
+from ..tune.search_plans import Candidate, Seed, TuneResult, tune_layout
 from .config import ReuseConfig
 
 LOG_PREFIX = "megatron-prt: --pipeline-reuse auto:"
@@ -226,6 +226,7 @@ def _agreed_candidates(
     per micro-batch (:func:`~megatron_prt.tune.measured.stage_bytes`), else memory is
     counted in layers."""
     payload: list = [None]
+    failure = None  # rank 0's error, chained to the one every rank raises
     if dist.get_rank() == 0:
         counts = reuse.layers_per_stage()
         try:
@@ -242,11 +243,14 @@ def _agreed_candidates(
                 )
             print(describe(result, running, cost, len(gathered[0]), len(top)), flush=True)
             payload = [[_candidate_dict(c) for c in top]]
-        except ConfigError as exc:  # every rank waits in the broadcast: tell them why
-            payload = [{"error": str(exc)}]
+        except Exception as exc:  # every rank waits in the broadcast: tell them why
+            failure = exc  # (any error: a rank-0-only raise left the others hanging)
+            payload = [{"error": str(exc) if isinstance(exc, ConfigError) else repr(exc)}]
     dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
-        raise ConfigError(f"{LOG_PREFIX} tuning on rank 0 failed: {payload[0]['error']}")
+        raise ConfigError(
+            f"{LOG_PREFIX} tuning on rank 0 failed: {payload[0]['error']}"
+        ) from failure
     candidates = [AutoCandidate(Plan.from_dict(d.pop("plan")), **d) for d in payload[0]]
     digest = hashlib.sha256(" ".join(plan_hash(c.plan) for c in candidates).encode()).hexdigest()
     digests: list = [None] * dist.get_world_size()
@@ -268,10 +272,13 @@ def _tuned_within_running_memory(
     neither to a plan that is only predicted faster than the one it could keep, nor to
     one that needs more memory than the job was started with (split backward's plans
     held 2-4x the running plan's activations)."""
-    result = tune_layout(
-        cost, running.placement, running.num_microbatches, split_backward=reuse.split_backward
-    )
-    result = add_seeds(result, lambda placement, layers: cost, [Seed(RUNNING, running, counts)])
+    result = tune_layout(  # the running plan a candidate even where no schedule builds
+        cost,
+        running.placement,
+        running.num_microbatches,
+        split_backward=reuse.split_backward,
+        seeds=[Seed(RUNNING, running, counts)],
+    )  # (zb's byte caps at m = 1 on unequal metered bytes: auto aborted a run that worked)
     held = next(c for c in result.ranked if c.planned_for == "seed").peak_bytes
     fits = [c for c in result.ranked if c.fits(held)]
     return replace(result, budget_bytes=held, winner=fits[0])

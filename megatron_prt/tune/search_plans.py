@@ -464,13 +464,16 @@ def tune_layout(
     *,
     split_backward: bool = False,
     budget_bytes: float | None = None,
+    seeds: Sequence[Seed] = (),
 ) -> TuneResult:
     """The fastest plan for a layout that cannot change: ``placement`` and ``cost``'s
     ``stage_layers`` stay (the model chunks of a running job are built for them); the
     schedule (1F1B or megatron interleaved where the placement is theirs, PRT) and the
     plan (for equal stages or for ``cost``'s times) are chosen. ``split_backward`` True
-    searches the split-backward schedules only (the chunks run I and W), False the others.
-    Ranked as :func:`tune`; raises :class:`ConfigError` when nothing fits the budget."""
+    searches the split-backward schedules only (the chunks run I and W), False the others;
+    ``seeds`` (e.g. the plan a job runs) are scored under ``cost`` beside them, so they
+    stand even where no schedule builds. Ranked as :func:`tune`; raises
+    :class:`ConfigError` when nothing fits the budget."""
     start = time.perf_counter()
     counts = cost.layer_counts(placement.depth)
     names = SPLIT_BACKWARD_SCHEDULES if split_backward else _whole_backward(placement)
@@ -492,6 +495,7 @@ def tune_layout(
             validate(plan)
             result = simulate(plan, cost)
             found.append(Candidate(family, "given", planned_for, counts, plan, result))
+    found += seed_candidates(lambda placement, layers: cost, seeds, len(names))
     ranked = rank(found)
     fits = [c for c in ranked if c.fits(budget_bytes)]
     if not fits:

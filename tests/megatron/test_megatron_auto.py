@@ -331,3 +331,50 @@ def test_pick_log_says_what_the_plans_were_built_for():
         "(plan for the traced stage times) predicted 10.00 ms, measured 10.00 ms <- chosen" in line
     )
     assert "equal stages" not in line
+
+
+def test_auto_keeps_the_running_plan_where_no_schedule_builds():
+    """One micro-batch under split backward with unequal metered bytes: zb's byte caps
+    build no plan, and the search raised before the running plan was scored, aborting a run
+    that trained (``tuning on rank 0 failed: no schedule could be built``)."""
+    placement, counts, m = Placement(2, 2), (1, 1, 1, 1), 1
+    reuse = ReuseConfig(placement, sum(counts), counts, split_backward=True)
+    running = build_plan(placement, m, "zb")
+    spans = [_spans(placement, rank, m, True) for rank in range(2)]
+    cost = measured_cost(placement, counts, spans, True, [1.0, 2.0, 1.0, 3.0])
+    with pytest.raises(ConfigError, match="no schedule could be built"):
+        tune_layout(cost, placement, m, split_backward=True)
+    result = _tuned_within_running_memory(reuse, running, cost, counts)
+    assert [(c.label, c.plan) for c in result.ranked] == [(RUNNING, running)]
+
+
+def _train_with_tuning_broken(rank, world, m, reuse, state):
+    import megatron_models
+
+    from megatron_prt.core.replay import PlanError
+    from megatron_prt.megatron import auto
+
+    def broken(*args, **kwargs):
+        raise PlanError("a stand-in for a planner bug under these measured times")
+
+    auto.tune_layout = broken  # rank 0 alone tunes
+    try:
+        megatron_models.train(rank, world, "gpt", m, reuse, state)
+    except ConfigError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_any_error_in_rank_0s_tuning_reaches_every_rank():
+    """Only a ConfigError was broadcast: any other error on rank 0 left rank 1 with a closed
+    gloo connection naming nothing (over NCCL: waiting in the broadcast until killed)."""
+    pytest.importorskip("megatron.core")
+    from megatron_models import LAYERS_TRAIN, reference
+
+    from megatron_prt.runtime.local import all_ok, run_local
+
+    state = all_ok(run_local(1, reference, "gpt", LAYERS_TRAIN, 4))[0]["state"]
+    reuse = ReuseConfig(Placement(2, 2), LAYERS_TRAIN, None, auto_iterations=2, auto_candidates=1)
+    said = all_ok(run_local(2, _train_with_tuning_broken, 4, reuse, state, deadline_s=60))
+    for text in said:
+        assert "tuning on rank 0 failed: PlanError('a stand-in for a planner bug" in text, said
