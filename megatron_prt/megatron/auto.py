@@ -66,8 +66,10 @@ from ..tune.measured import (
     stage_bytes,
     top_candidates,
 )
+from ..tune.plan_file import recompute_setting
 from ..tune.search_plans import Candidate, Seed, TuneResult, tune_layout
 from .config import ReuseConfig
+from .plan_flag import running_shape
 
 LOG_PREFIX = "megatron-prt: --pipeline-reuse auto:"
 RUNNING = "running plan"  # the running plan's label among the candidates
@@ -301,23 +303,50 @@ def _candidate_dict(candidate: Candidate) -> dict:
 # and backward kind runs it from its first iteration, profiling nothing
 # (:func:`resume_pick`). A checkpoint saved while auto still profiled holds none, and the
 # resumed run profiles afresh.
-def pick_record(schedule, reuse: ReuseConfig) -> dict | None:
+def pick_record(schedule, reuse: ReuseConfig, conditions: dict | None = None) -> dict | None:
     """What a checkpoint saves of auto's final pick: ``schedule`` is the installed
-    forward-backward function; None before the final switch or without auto."""
+    forward-backward function; ``conditions``: what it was timed under
+    (:func:`pick_conditions`); None before the final switch or without auto."""
     auto = getattr(schedule, "auto", None)
     if auto is None or auto.final is None:
         return None
     # JSON text: a checkpoint's common state loads with torch.load(weights_only=True)
-    return {"plan": auto.final.to_json(None), "stage_layers": list(reuse.layers_per_stage())}
+    record = {"plan": auto.final.to_json(None), "stage_layers": list(reuse.layers_per_stage())}
+    if conditions is not None:
+        record["conditions"] = json.dumps(conditions, sort_keys=True)
+    return record
+
+
+def pick_conditions(args) -> dict:
+    """What a pick is timed under beyond the layout :func:`resume_pick` compares: the model
+    shape the flags give (sequence length, micro-batch size, precision, layer spec ...;
+    :func:`~megatron_prt.megatron.plan_flag.running_shape`), the recomputation, and the
+    device (from the process group: NCCL runs on GPUs). A pick timed under others is not
+    resumed: it was fastest there, not here."""
+    recompute = recompute_setting(
+        getattr(args, "recompute_granularity", None),
+        getattr(args, "recompute_method", None),
+        getattr(args, "recompute_num_layers", None),
+        getattr(args, "recompute_activations", False),
+    )
+    device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return {**running_shape(args), "recompute": recompute, "device": device}
 
 
 def resume_pick(
-    schedule, reuse: ReuseConfig, record: dict | None, m: int, where: str, same_grid: bool
+    schedule,
+    reuse: ReuseConfig,
+    record: dict | None,
+    m: int,
+    where: str,
+    same_grid: bool,
+    conditions: dict | None = None,
 ) -> str:
     """Run ``record`` (:func:`pick_record`'s, from the checkpoint ``where``) from the next
     call of ``schedule`` on when it fits the run (``m`` micro-batches per iteration;
     ``same_grid``: the checkpoint's tensor, pipeline and data-parallel sizes, under which the
-    pick was timed); the line the log says either way."""
+    pick was timed; ``conditions``: this run's :func:`pick_conditions`, compared with the
+    record's where it has them); the line the log says either way."""
     if record is None:
         return f"{LOG_PREFIX} {where} holds no pick (saved before it was made): profiling again"
     try:
@@ -335,6 +364,7 @@ def resume_pick(
         )
         if not same
     ]
+    differs += _other_conditions(record.get("conditions"), conditions)
     if differs:
         return f"{LOG_PREFIX} {where}'s pick is for another {', '.join(differs)}: profiling again"
     schedule.resume_auto(plan)
@@ -342,6 +372,24 @@ def resume_pick(
         f"{LOG_PREFIX} running {where}'s pick (plan {plan_hash(plan)}) from the first "
         "iteration, profiling nothing"
     )
+
+
+def _other_conditions(saved: str | None, conditions: dict | None) -> list[str]:
+    """The :func:`pick_conditions` keys whose values differ between the record's (JSON
+    text; a record from before they were kept has none: nothing to compare) and this run's."""
+    if saved is None or conditions is None:
+        return []
+    try:
+        before = json.loads(saved)
+    except (TypeError, ValueError):
+        return ["timing conditions (unreadable)"]
+    now = json.loads(json.dumps(conditions, sort_keys=True))  # as saved: lists, not tuples
+    keys = sorted(set(before) | set(now))
+    return [
+        f"{key} ({before.get(key)!r} -> {now.get(key)!r})"
+        for key in keys
+        if before.get(key) != now.get(key)
+    ]
 
 
 def plan_hash(plan: Plan) -> str:

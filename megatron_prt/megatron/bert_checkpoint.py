@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..sim.model_shape import default_ffn
-from .auto import pick_record, resume_pick
+from .auto import pick_conditions, pick_record, resume_pick
 from .bert_args import PROG, say_error
 from .bert_setup import log, pad_vocab
 from .bert_step import TrainState, microbatches_per_iteration
@@ -309,7 +309,7 @@ def _save(args: argparse.Namespace, state: TrainState, folder: Path) -> None:
         "rng": _rng_shard(rng),
     }
     schedule = state.auto_schedule
-    pick = None if schedule is None else pick_record(schedule, args.reuse)
+    pick = None if schedule is None else pick_record(schedule, args.reuse, pick_conditions(args))
     if pick is not None:  # [Note: auto's pick is resumed]
         extra["auto_pick"] = pick
     save_sharded(str(folder), state.chunks, state.optimizer, state.iteration, extra)
@@ -438,7 +438,8 @@ def load_checkpoint(args: argparse.Namespace, state: TrainState) -> None:
     if state.auto_schedule is not None:
         m, grid = microbatches_per_iteration(args), saved["layout"] == layout(args)
         record = saved.get("auto_pick")
-        log(resume_pick(state.auto_schedule, args.reuse, record, m, str(folder), grid))
+        conditions = pick_conditions(args)
+        log(resume_pick(state.auto_schedule, args.reuse, record, m, str(folder), grid, conditions))
 
 
 def _agree(args: argparse.Namespace, problem: str | None, iteration: int | None = None) -> None:

@@ -185,7 +185,7 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
     """``install``'s ``wrap`` under ``--pipeline-reuse auto`` (the note above)."""
     from megatron.training import get_args
 
-    from .auto import pick_record
+    from .auto import pick_conditions, pick_record
 
     def wrap(forward_backward: Callable) -> Callable:
         first: list = []
@@ -201,7 +201,8 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
             store = forward_backward(*positional, **keywords)
             final = forward_backward.auto.final
             if final is not record["plan"]:  # a plan's JSON is not free: once per pick
-                record.update(plan=final, saved=pick_record(forward_backward, reuse))
+                saved = pick_record(forward_backward, reuse, pick_conditions(args))
+                record.update(plan=final, saved=saved)
             args.pipeline_reuse_auto_pick = record["saved"]
             return store
 
@@ -228,7 +229,7 @@ def _resume_auto_pick(
 
     from megatron.training.checkpointing import load_args_from_checkpoint
 
-    from .auto import resume_pick
+    from .auto import pick_conditions, resume_pick
 
     with contextlib.redirect_stdout(io.StringIO()):  # its lines on a copy of the args
         loaded = load_args_from_checkpoint(copy.copy(args))
@@ -236,7 +237,7 @@ def _resume_auto_pick(
     record = getattr(saved, "pipeline_reuse_auto_pick", None)
     same_grid = all(getattr(saved, name, None) == getattr(args, name) for name in _GRID_ARGS)
     where = f"{args.load} (iteration {args.iteration})"
-    line = resume_pick(schedule, reuse, record, m, where, same_grid)
+    line = resume_pick(schedule, reuse, record, m, where, same_grid, pick_conditions(args))
     if is_first_launched():
         print(line, flush=True)
 

@@ -21,6 +21,7 @@ from megatron_prt.megatron.auto import (
     RUNNING,
     AutoTuner,
     _tuned_within_running_memory,
+    pick_conditions,
     pick_record,
     plan_hash,
     resume_pick,
@@ -117,6 +118,35 @@ def test_a_checkpoints_auto_pick_runs_only_where_it_fits():
     damaged = {**record, "plan": json.dumps(newer)}
     said = resume_pick(again, reuse, damaged, 4, "iter_0000004", True)
     assert not again.switched and "unreadable" in said
+
+
+def test_a_pick_timed_under_other_conditions_is_not_resumed():
+    """The record held only the plan and the split: a pick timed at one sequence length,
+    micro-batch size, precision, recomputation or device ran after a resume under any
+    other, profiling nothing. A record from before the conditions were kept still runs."""
+    reuse = ReuseConfig(Placement(2, 2), 8, (3, 1, 1, 3), auto_iterations=AUTO_ITERATIONS)
+    flags = argparse.Namespace(seq_length=128, micro_batch_size=2, bf16=True, hidden_size=64)
+    timed = pick_conditions(flags)
+    assert timed["recompute"] == [None, None, None] and timed["device"] == "cpu"
+    saving = _Schedule(reuse)
+    saving.auto.resume(build_plan(reuse.placement, 4, schedule="gpipe"))
+    record = pick_record(saving, reuse, timed)
+    for change, said_what in (
+        ({"seq_length": 256}, "another seq_length (128 -> 256)"),
+        ({"micro_batch_size": 4}, "another micro_batch_size (2 -> 4)"),
+        ({"bf16": False}, "another dtype ('bfloat16' -> 'float32')"),
+        ({"recompute_granularity": "selective"}, "recompute ([None, None, None] -> ['selective'"),
+    ):
+        again = _Schedule(reuse)
+        now = pick_conditions(argparse.Namespace(**{**vars(flags), **change}))
+        said = resume_pick(again, reuse, record, 4, "iter_0000004", True, now)
+        assert not again.switched and said_what in said and "profiling again" in said, said
+    same = _Schedule(reuse)
+    assert "profiling nothing" in resume_pick(same, reuse, record, 4, "iter", True, timed)
+    older = {k: v for k, v in record.items() if k != "conditions"}
+    assert "profiling nothing" in resume_pick(
+        _Schedule(reuse), reuse, older, 4, "iter", True, timed
+    )
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-backward", "whole-backward"])
