@@ -69,6 +69,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(see docs/tune.md); none leaves p2p_cpu out (0 when the tuner reads the file); "
         "default in-place on the host transports, none over nccl",
     )
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        p.add_argument(
+            flag,
+            type=_probability,
+            default=0.1,
+            help="megatron's, as training sets it (default 0.1, Megatron-LM's): dropout keeps "
+            "a mask per activation, so it changes the bytes a layer holds; the cost file "
+            "records it and a run under another is warned",
+        )
     p.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
@@ -93,6 +102,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )  # --output as tune and plan spell it; --out kept for older scripts
     p.set_defaults(func=run)
     return p
+
+
+def _probability(text: str) -> float:
+    """argparse type: a dropout probability in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +167,8 @@ def _profile(args: argparse.Namespace) -> dict:
         recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl,
         split_backward=args.split_backward,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
     )
 
 

@@ -215,6 +215,8 @@ def running_shape(args: argparse.Namespace) -> dict:
         "untie_embeddings_and_output_weights": bool(
             getattr(args, "untie_embeddings_and_output_weights", False)
         ),
+        "hidden_dropout": getattr(args, "hidden_dropout", None),
+        "attention_dropout": getattr(args, "attention_dropout", None),
     }
 
 

@@ -152,6 +152,8 @@ def profile_model(
     recompute_num_layers: int | None = None,
     transformer_impl: str = "local",
     split_backward: bool = True,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
 ) -> dict:
     """Cost JSON of one micro-batch of ``kind`` on ``device`` (see the module docstring;
     times in seconds, sizes in bytes). ``dtype``: a key of :data:`DTYPES`;
@@ -163,7 +165,9 @@ def profile_model(
     / ``full_bwd``, a block of one layer, or ``selective_act`` / ``selective_bwd``); the
     setting is written into the result for the simulator and the partitioner to price.
     ``transformer_impl``: the layer spec (``transformer_engine`` needs ``device="cuda"`` and
-    TE). ``split_backward``: also measure the split form (:func:`_add_split_form`). Runs on
+    TE). ``split_backward``: also measure the split form (:func:`_add_split_form`).
+    ``hidden_dropout`` / ``attention_dropout``: megatron's, as the training run sets them
+    (dropout keeps its masks: more activation bytes per layer). Runs on
     one rank: it starts a one-rank process group if none exists (and ends it) and
     (re)initialises megatron's model-parallel state with one pipeline stage, so call it
     before, not inside, a multi-rank run. On CPU it installs
@@ -188,8 +192,12 @@ def profile_model(
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = _config_factory(
-            torch_dtype, layers_built, hidden_size, ffn_hidden_size, num_attention_heads, device
+        config = partial(
+            _config_factory(
+                torch_dtype, layers_built, hidden_size, ffn_hidden_size, num_attention_heads, device
+            ),
+            hidden_dropout=hidden_dropout,
+            attention_dropout=attention_dropout,
         )
         shape = (seq_length, micro_batch_size, vocab_size, device)
         build = partial(build_model, kind, transformer_impl=transformer_impl)
@@ -205,6 +213,7 @@ def profile_model(
         _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes, stage
     )
     result["model"] = _shape(kind, sizes, dtype, transformer_impl, device)
+    result["model"].update(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))

@@ -12,7 +12,8 @@ and memory are not what tune predicted. Keys are Megatron-LM's argument names::
      "ffn_hidden_size": 3072, "seq_length": 512, "micro_batch_size": 4,
      "vocab_size": 30522, "dtype": "bfloat16", "transformer_impl": "local",
      "tensor_model_parallel_size": 1, "device": "cuda", "swiglu": false,
-     "num_query_groups": 12, "untie_embeddings_and_output_weights": false}
+     "num_query_groups": 12, "untie_embeddings_and_output_weights": false,
+     "hidden_dropout": 0.1, "attention_dropout": 0.1}
 
 Only keys both sides give (and neither gives as ``null``) are compared: a hand-written cost
 file may give none, and a run may not know some at its check (the training flags give no
@@ -41,8 +42,11 @@ SHAPE_KEYS = (
     "swiglu",
     "num_query_groups",
     "untie_embeddings_and_output_weights",
+    "hidden_dropout",
+    "attention_dropout",
 )
 _WORDS = ("model", "dtype", "transformer_impl", "device")
+_FRACTIONS = ("hidden_dropout", "attention_dropout")  # probabilities in [0, 1)
 _SWITCHES = ("swiglu", "untie_embeddings_and_output_weights")  # the rest are whole numbers
 
 
@@ -64,6 +68,9 @@ def check_shape(value: object, where: str = "model") -> dict | None:
             ok, kind = isinstance(given, str), "a string"
         elif key in _SWITCHES:
             ok, kind = isinstance(given, bool), "true or false"
+        elif key in _FRACTIONS:
+            number = isinstance(given, int | float) and not isinstance(given, bool)
+            ok, kind = number and 0 <= given < 1, "a probability in [0, 1)"
         else:
             ok = isinstance(given, int) and not isinstance(given, bool) and given > 0
             kind = "a positive integer"

@@ -216,6 +216,8 @@ def test_profile_model_gives_the_cost_json():
         "swiglu": False,
         "num_query_groups": 4,
         "untie_embeddings_and_output_weights": False,
+        "hidden_dropout": 0.0,  # profile_model's default (the command line's: megatron's 0.1)
+        "attention_dropout": 0.0,
     }
     parts = [*costs["layers"], costs["embedding"], costs["head"]]
     assert len(costs["layers"]) == 3
@@ -361,6 +363,37 @@ def test_cli_profile_writes_the_cost_json(tmp_path):
     assert len(costs["layers"]) == 3
     assert costs["layers"][2] == costs["layers"][1]  # profiled 2, the last one repeated
     assert costs["model"]["model"] == "bert" and costs["model"]["seq_length"] == 8
+
+
+def test_cli_profile_prices_and_records_the_runs_dropout(tmp_path):
+    """The profile ran without dropout whatever the run used (megatron's default 0.1): a
+    layer's activation bytes came out without the masks dropout keeps (a balanced split
+    accepted under a budget measured 23% over it), and no run was warned. Now the flags set
+    it (default 0.1, as megatron's), the file records it, and a run under another is warned."""
+    pytest.importorskip("megatron.core")
+    from megatron_prt.megatron.plan_flag import running_shape
+    from megatron_prt.sim.model_shape import shape_differences
+
+    argv = ["profile", "--model", "gpt", "--num-layers", "1", "--hidden-size", "16"]
+    argv += ["--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "2"]
+    argv += ["--vocab-size", "64", "--reps", "1", "--comm", "none", "--no-split-backward"]
+    acts, shapes = [], []
+    for dropout in (None, "0"):
+        out = tmp_path / f"costs-{dropout}.json"
+        chosen = (
+            [] if dropout is None else ["--hidden-dropout", dropout, "--attention-dropout", dropout]
+        )
+        code, costs = all_ok(run_local(1, _cli_worker, [*argv, *chosen, "-o", str(out)]))[0]
+        assert code == 0
+        acts.append(costs["layers"][0]["act"])
+        shapes.append(costs["model"])
+    assert acts[0] > acts[1]  # the masks dropout keeps
+    assert (shapes[0]["hidden_dropout"], shapes[1]["attention_dropout"]) == (0.1, 0.0)
+    training = argparse.Namespace(hidden_size=16, hidden_dropout=0.1, attention_dropout=0.1)
+    assert shape_differences(shapes[1], running_shape(training)) == [
+        "hidden_dropout 0.0 -> 0.1",
+        "attention_dropout 0.0 -> 0.1",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,8 @@ def test_cost_files_keep_the_shape_without_pricing_it(tmp_path):
         ({"hidden_size": True}, r"model.hidden_size must be a positive integer"),
         ({"dtype": 16}, r"model.dtype must be a string"),
         ({"swiglu": 1}, r"model.swiglu must be true or false"),
+        ({"hidden_dropout": 1.0}, r"model.hidden_dropout must be a probability in \[0, 1\)"),
+        ({"attention_dropout": "0.1"}, r"model.attention_dropout must be a probability"),
     ],
 )
 def test_malformed_shapes_are_refused_by_key(tmp_path, shape, match):
