@@ -33,6 +33,7 @@ Contract
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -56,7 +57,7 @@ from .errors import (
     why_failed,
 )
 from .memory import ActivationMeter
-from .messages import not_sendable, step_stamp
+from .messages import check_activation, step_stamp, synced_clock
 from .ordered import EARLY_RECVS_AUTO, post_recvs_early
 from .p2p import ShmTransport, TorchTransport
 from .program import Compute, free_data, is_recv
@@ -67,22 +68,6 @@ from .startup import check_same_plan
 from .wgrad import split_backward_pass, split_forward
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable
-
-
-def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, training: bool) -> None:
-    """Refuse a stage output the next stage cannot take, before any transport sees it (a
-    same-rank hand-off passes it directly, so only a send would find it, and the shared
-    memory rings carry any dtype: a model would run under one layout or transport and fail
-    under another)."""
-    if isinstance(out, torch.Tensor) and out.dtype == dtype:
-        return
-    where = f"stage {stage}, mb {mb}: the stage's output"
-    if training and isinstance(out, torch.Tensor) and not out.is_floating_point():
-        raise TypeError(
-            f"{where} is {out.dtype}: activations between stages carry gradients and must be "
-            "floating point (e.g. embed token ids inside the stage that reads them)"
-        )
-    raise not_sendable(where, out, dtype)
 
 
 class PipelineRuntime:
@@ -277,7 +262,7 @@ class PipelineRuntime:
                 handler(operand)
                 if is_compute:
                     if self.trace_enabled:  # span: from inputs ready to compute done
-                        end = time.perf_counter()
+                        end = self._clock()
                         self.spans.append((action, self._ready_at - t0, end - t0))
                     self._reap_sends(block=False)
             self._reap_sends(block=True)
@@ -429,6 +414,10 @@ class PipelineRuntime:
         self._sends: deque = deque()  # (transport handle, tensor to free or None)
         self._losses: list[torch.Tensor | None] = [None] * self.plan.num_microbatches
         self._ready_at = 0.0
+        # a traced step's span ends on CUDA wait for the device: kernels run asynchronously,
+        # so an unsynchronized span is their launch (a large GEMM priced at a launch or two)
+        synced = self.trace_enabled and self.device.type == "cuda"
+        self._clock = functools.partial(synced_clock, self.device) if synced else time.perf_counter
         self._next_recv = 0  # receives posted so far, in the plan's receive order
         self._plan_recvs = 0  # RECV actions the plan has reached
         self.spans = []
@@ -473,7 +462,7 @@ class PipelineRuntime:
             x = None
         if x is not None:
             x = x.detach().requires_grad_(not forward_only)
-        self._ready_at = time.perf_counter()
+        self._ready_at = self._clock()
         # the common case opens no split context (generator context managers cost a few
         # calls each, on every action)
         splitting = split_forward() if self._split and not forward_only else _NO_CONTEXT
@@ -505,7 +494,7 @@ class PipelineRuntime:
             grad = self._take_received(op.remote_in)
         else:
             grad = self.callbacks.loss_grad(op.stage, op.mb, out)
-        self._ready_at = time.perf_counter()
+        self._ready_at = self._clock()
         split = op.action.op is Op.I
         # a recomputation in here takes its forward's form ([Note: recompute sees the
         # forward's form] in wgrad.py)
@@ -532,7 +521,7 @@ class PipelineRuntime:
 
     def _weight_grad(self, op: Compute) -> None:
         """W: the weight gradients the stage's I deferred; no tensor in or out."""
-        self._ready_at = time.perf_counter()
+        self._ready_at = self._clock()
         self.callbacks.weight_grad(op.stage, op.mb)
         if self._memory is not None:
             self._memory.release(op.where)

@@ -4,6 +4,7 @@ rest alike (:mod:`.p2p`), with errors that name the stage, the micro-batch and t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -88,3 +89,25 @@ def step_said(stamp: int) -> str:
     """A step stamp in words: ``step 3 (training)``."""
     kind = "forward-only" if stamp & 1 else "training"
     return f"step {stamp // 2 + 1} ({kind})"
+
+
+def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, training: bool) -> None:
+    """Refuse a stage output the next stage cannot take, before any transport sees it (a
+    same-rank hand-off passes it directly, so only a send would find it, and the shared
+    memory rings carry any dtype: a model would run under one layout or transport and fail
+    under another)."""
+    if isinstance(out, torch.Tensor) and out.dtype == dtype:
+        return
+    where = f"stage {stage}, mb {mb}: the stage's output"
+    if training and isinstance(out, torch.Tensor) and not out.is_floating_point():
+        raise TypeError(
+            f"{where} is {out.dtype}: activations between stages carry gradients and must be "
+            "floating point (e.g. embed token ids inside the stage that reads them)"
+        )
+    raise not_sendable(where, out, dtype)
+
+
+def synced_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device``'s queued work has run (a CUDA span's end)."""
+    torch.cuda.synchronize(device)
+    return time.perf_counter()

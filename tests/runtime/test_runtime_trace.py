@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -42,6 +43,37 @@ def test_trace_covers_every_compute_action_in_plan_order(tmp_path):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == 2 * 4 * 3 and all(e["dur"] >= 0 for e in spans)
     assert pathlib.Path(prefix + ".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _span_clocks(rank, world, synchronized):
+    """The clock a traced step's spans end on, untraced and traced, with the device taken
+    for CUDA (CUDA's synchronize stubbed: this machine may have none)."""
+    import functools
+
+    import megatron_prt.runtime.messages as messages
+
+    plan = build_plan(Placement(world, 1), 2)
+    stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 4)
+    runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, trace=True)
+    runtime.device = torch.device("cuda", 0)  # what _begin reads
+    torch.cuda.synchronize = lambda device=None: synchronized.append(device)
+    clocks = []
+    for traced in (False, True):
+        runtime.trace_enabled = traced
+        runtime._begin(forward_only=False)
+        clocks.append(runtime._clock)
+    runtime.close()
+    assert isinstance(clocks[1], functools.partial) and clocks[1].func is messages.synced_clock
+    clocks[1]()
+    return clocks[0] is time.perf_counter, synchronized
+
+
+def test_traced_spans_on_cuda_wait_for_the_device():
+    """A traced span ended at time.perf_counter() with CUDA kernels still queued: auto's
+    stage times were launch times (a large GEMM priced at a launch or two). Traced steps on
+    CUDA now synchronize the device at each span end."""
+    for plain, synchronized in all_ok(run_local(2, _span_clocks, [])):
+        assert plain and synchronized == [torch.device("cuda", 0)]
 
 
 def _mlp_example_losses(*flags: str) -> list[float]:
