@@ -391,7 +391,10 @@ def _write_plan(args, plan: Plan, cost: CostModel) -> int:
     if fmt == "chrome":
         result = simulate(plan, cost)
         out = args.output or "/dev/stdout"
-        write_chrome_trace(out, spans_of(plan, result.timeline), plan.placement.stage_to_chunk)
+        # profiled costs (a recorded model shape) are seconds; hand-given ones are read as ms
+        unit_us = 1e6 if cost.model is not None else 1e3
+        spans = spans_of(plan, result.timeline)
+        write_chrome_trace(out, spans, plan.placement.stage_to_chunk, unit_us=unit_us)
         if args.output:
             print(f"wrote {args.output}")
         return 0

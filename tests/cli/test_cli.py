@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from megatron_prt.core import Placement, build_plan
+from megatron_prt.sim.cost import CostModel
 from megatron_prt.sim.simulate import simulate
 
 
@@ -349,6 +351,20 @@ def test_chrome_trace_to_a_file_says_where(run_cli, tmp_path):
     code, out, _ = run_cli("plan", "--pp", 2, "-m", 4, "--format", "chrome", "-o", out_file)
     assert code == 0 and out == f"wrote {out_file}\n"
     assert json.loads(out_file.read_text())
+
+
+def test_chrome_trace_of_profiled_costs_is_in_their_seconds(run_cli, tmp_path):
+    """Profiled costs are seconds; the trace took every unit for a millisecond, so a 5 ms
+    forward showed as 5 us (the runtime's measured traces were right)."""
+    from pathlib import Path
+
+    costs = Path(__file__).parents[2] / "docs/benchmarks/costs/bert-base-h200-bf16.json"
+    out_file = tmp_path / "t.json"
+    argv = ("plan", "--pp", 4, "-m", 4, "--costs", costs, "--format", "chrome", "-o", out_file)
+    assert run_cli(*argv)[0] == 0
+    spans = [e for e in json.loads(out_file.read_text())["traceEvents"] if e["ph"] == "X"]
+    simulated = simulate(build_plan(Placement(4), 4), CostModel.load(str(costs))).makespan
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(simulated * 1e6)
 
 
 def test_simulate_bi_columns_sit_under_their_headers(run_cli):
