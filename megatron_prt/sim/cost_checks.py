@@ -88,6 +88,15 @@ def check_bytes_on_every_layer(data: dict) -> None:
                 f"bytes ({total} is read only without a layer list): give {key} for every "
                 f"layer, or drop {', '.join(given)}"
             )
+    # beside layers with no grad, grad_bytes was ignored (each layer's grad is param / 4);
+    # beside layers that give grad it is their total, as profile writes it
+    no_grad = entries and not any("grad" in layer for _, layer in entries)
+    if no_grad and data.get("grad_bytes") is not None:
+        raise ConfigError(
+            "cost layers give no grad, so grad_bytes (the whole model's, read only without a "
+            "layer list) would be ignored and each layer priced at param / 4: give each "
+            "layer's grad, or drop grad_bytes"
+        )
 
 
 def check_some_compute(model) -> None:

@@ -182,11 +182,18 @@ def test_cost_json_stays_compatible():
         ({"replica_bandwidth": 0}, "replica_bandwidth"),
         ({"grad_bytes": -2}, "grad_bytes"),
         ({"layers": [{"fwd": 1, "bwd": 2, "grad": -1}]}, "grad"),
+        # ignored beside layers without grad: the replica sum priced at param / 4 each
+        (
+            {"layers": [{"fwd": 1, "bwd": 2, "param": 8}], "grad_bytes": 4e9},
+            "cost layers give no grad, so grad_bytes",
+        ),
     ],
 )
 def test_bad_replica_costs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         CostModel.from_dict(bad)
+    # a profile's total beside layers that give grad stays accepted
+    CostModel.from_dict({"layers": [{"fwd": 1, "bwd": 2, "grad": 2}], "grad_bytes": 2})
 
 
 # -- calibration helper (runtime side) -----------------------------------------------------
