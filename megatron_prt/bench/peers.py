@@ -1,5 +1,7 @@
 """Peer rows for the simulated benchmarks: torch.distributed.pipelining's own schedules
-(:mod:`megatron_prt.runtime.peers`) timed by our simulator under the costs our rows get.
+(:mod:`megatron_prt.runtime.peers`) timed by our simulator under the costs our rows get,
+their split orders in the plain layers' form (:meth:`~megatron_prt.sim.cost.CostModel.
+plain_form`: torch splits a plain backward with autograd, not with megatron-prt's layers).
 
 torch loads only inside :func:`simulated_peers`; without it one row says why there are none.
 """
@@ -52,5 +54,7 @@ def simulated_peers(
             rows.append(PeerRow(label, None, why, peer.split_backward))
             continue
         validate(plan)
-        rows.append(PeerRow(label, simulate(plan, cost), "", peer.split_backward))
+        # torch splits plain layers' backward with autograd: not our split layers' form
+        plain = cost.plain_form() if peer.split_backward else cost
+        rows.append(PeerRow(label, simulate(plan, plain), "", peer.split_backward))
     return rows

@@ -64,13 +64,15 @@ class Unit:
     """One partitionable piece for one micro-batch: ``fwd_flops`` FLOPs (a multiply-add is
     2), ``act_bytes`` kept from its forward for its backward, ``params`` parameters,
     ``out_bytes`` of its output (what a stage ending with it sends; its gradient is the same
-    size)."""
+    size); ``in_bytes`` of its input when ``act_bytes`` leaves it out (kept as the previous
+    unit's output: held again only by a stage the unit begins, which received it)."""
 
     name: str
     fwd_flops: float
     act_bytes: float
     params: int
     out_bytes: float
+    in_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ def bert_classifier(c: BertShape) -> Unit:
     flops = 2 * b * h * h + 2 * b * h * c.classes
     act = b * h * (FP16 + FP16 + 1 + FP16)  # pooler input, tanh output, dropout mask, fc input
     params = h * h + h + h * c.classes + c.classes
-    return Unit("classifier", flops, act, params, 0.0)
+    sent = FP16 * c.seq * b * h  # the last layer's whole output, which its stage receives
+    return Unit("classifier", flops, act, params, 0.0, in_bytes=sent)
 
 
 def bert_mlm_head_flops(c: BertShape, decoded: float = 1.0) -> float:
@@ -240,7 +243,8 @@ def bottleneck(name: str, convs: list[Conv], batch: int) -> Unit:
     flops = 2 * sum(c.macs for c in convs) * batch
     act = FP16 * bottleneck_act_elements(convs) * batch
     params = sum(c.params for c in convs)
-    return Unit(name, flops, act, params, FP16 * convs[2].out_elements * batch)
+    received = FP16 * convs[0].cin * convs[0].out_hw ** 2 * batch  # conv1: 1x1, stride 1
+    return Unit(name, flops, act, params, FP16 * convs[2].out_elements * batch, received)
 
 
 def resnet_stem(batch: int) -> Unit:
@@ -257,7 +261,8 @@ def resnet_head(batch: int) -> Unit:
     features = RESNET_WIDTHS[-1] * EXPANSION
     flops = 2 * features * CLASSES * batch
     act = (FP16 * features + 4 * CLASSES) * batch
-    return Unit("head", flops, act, features * CLASSES + CLASSES, 0.0)
+    received = FP16 * features * (IMAGE // 32) ** 2 * batch  # layer4's output map
+    return Unit("head", flops, act, features * CLASSES + CLASSES, 0.0, received)
 
 
 def resnet_blocks(depth: int, batch: int) -> tuple[Unit, ...]:
@@ -347,7 +352,8 @@ def flops_ms(model: Model, flops: float) -> float:
 
 def layer_cost(model: Model, unit: Unit) -> LayerCost:
     fwd = flops_ms(model, unit.fwd_flops)
-    return LayerCost(fwd, BWD_OVER_FWD * fwd, unit.act_bytes, TRAIN_STATE_BYTES * unit.params)
+    params = TRAIN_STATE_BYTES * unit.params
+    return LayerCost(fwd, BWD_OVER_FWD * fwd, unit.act_bytes, params, in_act=unit.in_bytes or None)
 
 
 def cut_bytes(model: Model, stage_layers: Sequence[int]) -> list[float]:

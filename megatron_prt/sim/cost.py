@@ -116,6 +116,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ..core.layers import check_stage_layers, even_layers
@@ -222,6 +223,18 @@ class CostModel:
             head=end(self.head),
             stage=end(self.stage),
             kept_split=kept_split,
+        )
+
+    def plain_form(self) -> CostModel:
+        """This model with every entry's :meth:`LayerCost.plain_form`: split plans priced
+        as plain layers whose backward autograd splits (torch's zero-bubble peers)."""
+        plain = lambda part: None if part is None else part.plain_form()  # noqa: E731
+        return replace(
+            self,
+            layers=tuple(map(plain, self.layers)),
+            embedding=plain(self.embedding),
+            head=plain(self.head),
+            stage=plain(self.stage),
         )
 
     def _split_layer(self, layer: LayerCost) -> LayerCost:
@@ -398,17 +411,27 @@ class CostModel:
             out = [total + value(self.stage) for total in out]
         if attr == "act" and self.layers:
             counts = self.layer_counts(depth)
-            out = [a + self.empty_stage_act(k, counts[k], depth) for k, a in enumerate(out)]
+            out = [a + self.stage_input_act(k, counts, depth) for k, a in enumerate(out)]
         return tuple(out)
 
-    def empty_stage_act(self, stage: int, count: int, depth: int) -> float:
-        """Activation bytes a stage with no layer keeps anyway: a runtime holds every
-        stage's input for its backward, which a layer's ``act`` already includes (the
-        profiler gives a layer its input) but an empty pass-through stage has nothing to
-        carry. Stage 0 holds the data, the head its own input."""
-        if count or stage == 0 or (stage == depth - 1 and self.head is not None):
+    def stage_input_act(self, stage: int, counts: Sequence[int], depth: int) -> float:
+        """Bytes of its input a stage keeps beyond its layers' ``act``: a runtime holds every
+        stage's received input for its backward. A layer's ``act`` includes its input (the
+        profiler's do) unless it gives ``in_act`` (analytic units that count their input as
+        the previous unit's output, true only on one rank): the stage's first layer's, or
+        the head's when the stage holds no layer. A stage with neither keeps the message it
+        passes on. Stage 0 holds the data."""
+        if stage == 0:
             return 0.0
-        return self.message_bytes
+        if counts[stage]:
+            first = self.layers[sum(counts[:stage])]
+        elif stage == depth - 1 and self.head is not None:
+            first = self.head
+        else:
+            return self.message_bytes
+        if self.recompute_granularity is not None:  # what it keeps is priced with it
+            return 0.0
+        return first.in_act or 0.0
 
     def _kept(self, layer: LayerCost) -> LayerCost:
         """``layer`` as it runs when megatron keeps it: its split form under ``kept_split``."""

@@ -42,6 +42,7 @@ class LayerCost:
     selective_bwd: float | None = None  # ... and backward time with the rerun attention core
     split_fwd: float | None = None  # split backward: the forward's time; None: fwd
     split_bwd: float | None = None  # ... and I + W; None: bwd ([Note: the split form's own costs])
+    in_act: float | None = None  # input bytes held only when it begins a stage; None: in act
 
     def __post_init__(self) -> None:
         for name in LAYER_NUMBERS:
@@ -102,6 +103,18 @@ class LayerCost:
         if self.wgrad is not None:
             fields["wgrad"] = self.wgrad * factor
         return replace(self, **fields)
+
+    def plain_form(self) -> LayerCost:
+        """This entry without the split form's own times: a split backward priced as the
+        plain ``bwd`` with W taking its share of the split form's (``wgrad / split_bwd``);
+        what a schedule that splits plain layers' backward with autograd runs (torch's
+        zero-bubble orders), not megatron-prt's split layers."""
+        if self.split_fwd is None and self.split_bwd is None:
+            return self
+        wgrad = self.wgrad
+        if wgrad is not None and self.split_bwd:
+            wgrad = wgrad * self.bwd / self.split_bwd
+        return replace(self, split_fwd=None, split_bwd=None, wgrad=wgrad)
 
     def to_dict(self) -> dict:
         """Optional keys left unset are absent rather than null: older readers accept that."""

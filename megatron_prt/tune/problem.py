@@ -87,7 +87,7 @@ class Problem:
             values = [v + self.ends[attr][2] for v in values]  # see CostModel.stage
             if attr == "act":
                 values = [
-                    v + self.cost.empty_stage_act(k, counts[k], self.depth)
+                    v + self.cost.stage_input_act(k, counts, self.depth)
                     for k, v in enumerate(values)
                 ]
             out[attr] = values

@@ -156,7 +156,7 @@ def _measure_with_empty_stage(rank, world, stage_layers):
 
 def test_an_empty_middle_stage_still_holds_its_input():
     """A stage without layers passes its input on but keeps it for backward: one message
-    per micro-batch in flight, which the cost model counts (``empty_stage_act``)."""
+    per micro-batch in flight, which the cost model counts (``stage_input_act``)."""
     layer = _mlp_layer(0)
     x = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
     out, act = saved_activation_bytes(lambda: layer(x), layer.parameters())

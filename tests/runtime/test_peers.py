@@ -137,3 +137,21 @@ def test_simulated_peer_rows_time_torch_1f1b_like_ours():
     assert len(rows) == len(peers.PEERS)
     dualpipe = next(r for r in rows if r.label == "torch DualPipeV R=2")
     assert dualpipe.result is None and dualpipe.why
+
+
+def test_torch_split_orders_are_priced_in_the_plain_layers_form():
+    """Our split layers' own times (split_fwd / split_bwd, which profile writes) were
+    charged to torch's zero-bubble orders, which split plain layers' backward with
+    autograd: ZB1P and ZBV came out 11% slower (51.0 -> 56.5 at P=4, m=8)."""
+    from dataclasses import replace
+
+    from megatron_prt.sim.cost import LayerCost
+
+    layer = LayerCost(1.0, 2.0, act=1.0, param=1.0, wgrad=1.0)
+    plain = CostModel(layers=(layer,) * 8)
+    ours = CostModel(layers=(replace(layer, split_fwd=1.12, split_bwd=2.2, wgrad=1.1),) * 8)
+    rows = {cost: bench_peers.simulated_peers(4, 8, lambda p, c=cost: c) for cost in (plain, ours)}
+    for a, b in zip(rows[plain], rows[ours], strict=True):
+        if a.result is not None:
+            assert a.result.makespan == pytest.approx(b.result.makespan), a.label
+    assert ours.plain_form().layers[0] == layer  # W keeps its share: 1.1 / 2.2 of 2.0

@@ -128,3 +128,28 @@ def test_the_stage_entry_is_time_only():
     assert cost.stage_wgrad_times(2) == (1.0, 1.0)
     with pytest.raises(ConfigError, match=r"cost stage .* is time only"):
         CostModel(layers=layers, stage=LayerCost(fwd=0.5, bwd=0.5, act=100.0))
+
+
+def test_a_stage_holds_the_input_it_received():
+    """Analytic ResNet blocks count their input as the previous block's output, true only
+    on one rank: a stage that received it held it uncounted (ResNet-152 R=4 wave at m=8
+    peaked 4% low). A layer's ``in_act`` is now held by a stage it begins; the partitioner's
+    own per-stage sums agree."""
+    from megatron_prt.core.placement import Placement
+    from megatron_prt.sim.analytic import LINKS, cost_model, models
+    from megatron_prt.tune.problem import Problem
+
+    model, placement = models()["ResNet-50"], Placement(4, 1)
+    cost = cost_model(model, placement, LINKS["nvlink"])
+    counts = cost.layer_counts(placement.depth)
+    act = cost.stage_activation_bytes(placement)
+    firsts = [sum(counts[:k]) for k in range(placement.depth)]
+    for k in range(1, placement.depth):
+        own = sum(layer.act for layer in cost.layers[firsts[k] : firsts[k] + counts[k]])
+        own += cost.head.act if k == placement.depth - 1 else 0.0
+        received = model.layers[firsts[k]].in_bytes
+        assert received == model.layers[firsts[k] - 1].out_bytes > 0
+        assert act[k] == own + received
+    assert act[0] == sum(layer.act for layer in cost.layers[: counts[0]]) + cost.embedding.act
+    problem = Problem(cost, build_plan(placement, 4))
+    assert problem.stage_costs(counts).act == list(act)
