@@ -118,8 +118,13 @@ def _plan_assumptions(s: Settings) -> list[str]:
         "concurrent messages. Message = the activation (backward: its gradient) at the "
         "cut, fp16: BERT 2sbh bytes at every cut; ResNet the block output, 8x larger "
         "after layer1 than after layer4. The simulator takes one hop time per "
-        "configuration: we use the mean message over that configuration's cross-rank cuts "
-        "(exact for the sum along a micro-batch's path). Links (bandwidth per direction; "
+        "configuration: we use the mean message over that configuration's cross-rank cuts, "
+        "exact for the sum along a micro-batch's path but not for the makespan, whose "
+        "critical path crosses particular cuts: BERT's cuts are equal and its rows exact in "
+        "this respect, ResNet's differ 8x and its rows are approximate (a critical path "
+        "through the large early cuts pays more than the mean, one through the late cuts "
+        "less; the ResNet gains can move by several points either way). Links (bandwidth "
+        "per direction; "
         "the latencies are our assumption, not sourced figures):",
         *link_lines,
         f"  The main tables use `{MAIN_LINK}`: a V100 has 6 NVLink 2.0 links, 300 GB/s in "
@@ -344,8 +349,9 @@ def memory_note(results: Results, s: Settings, m8: int) -> list[str]:
     )
     c = results.compare(worst, MAIN_LINK, last, "uni")
     text = (
-        "- **Memory.** PRT spreads activation memory over the ranks, as the paper says: "
-        f"largest over smallest per-rank peak, 1F1B → best PRT uni at m = {m8}: "
+        "- **Memory.** PRT spreads memory over the ranks, as the paper says: largest over "
+        "smallest per-rank peak (activations and training state), 1F1B → best PRT uni at "
+        f"m = {m8}: "
         f"{'; '.join(pairs)}."
     )
     if c.best.peak_gib > 1.05 * c.baseline.peak_gib:

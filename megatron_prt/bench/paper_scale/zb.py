@@ -193,9 +193,10 @@ def split_table(results: Results, names, link: str, ms_, paid: bool = False) -> 
             key = (name, link, m, paid, "even")
             summary = split_summary(results, key)
             first = summary["1F1B"].ms
-            shown = [
-                summary[k] for k in ("1F1B", "prt", "ZB-H1", "zb uni", "zb bi") if k in summary
-            ]
+            shown = []
+            for k in ("1F1B", "prt", "ZB-H1", "zb uni", "zb bi"):
+                if k in summary and summary[k] not in shown:  # ZB-H1 may be the fastest uni
+                    shown.append(summary[k])
             shown += pick(results, key, "peer")
             tuned = tuned_row(results, key[:4])
             shown += [tuned] if tuned else []

@@ -214,9 +214,9 @@ def findings(case: PartitionCase, rows: Rows, costs: dict) -> list[str]:
     empty = [c.label for c, _, _ in rows if _has_pass_through_stage(c)]
     if empty:
         lines.append(
-            f"- {', '.join(empty)}: a stage with no layer, embedding or head costs 0 activation "
-            "bytes in the cost model, but the runtime keeps its input (one message, "
-            f"{costs['message_bytes']} bytes) per micro-batch in flight: measured is higher."
+            f"- {', '.join(empty)}: a stage with no layer, embedding or head keeps its input "
+            f"(one message, {costs['message_bytes']} bytes) per micro-batch in flight, which "
+            "the cost model counts (`CostModel.stage_input_act`)."
         )
     return lines
 
