@@ -164,7 +164,7 @@ def model_provider(provider: Callable) -> Callable:
             _warn_other_vocabulary(reuse, args)
         built.append(model)
         prepare_chunk(built, reuse)
-        install(reuse, wrap=_carry_auto_pick(reuse) if reuse.auto_iterations else None)
+        install(reuse, wrap=_glue_calls(reuse))
         checkpoint_lm.install()  # torch_dist saves: a rank may hold the tied embedding twice
         _answer_chunk_queries()
         return model
@@ -181,29 +181,36 @@ def model_provider(provider: Callable) -> Callable:
 # training call, and runs the pick from then on when it fits the run, profiling nothing ([Note:
 # auto's pick is resumed] in :mod:`~megatron_prt.megatron.auto`); otherwise it profiles
 # again, rank 0 saying why.
-def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
-    """``install``'s ``wrap`` under ``--pipeline-reuse auto`` (the note above)."""
+def _glue_calls(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
+    """``install``'s ``wrap``: before the first call (training or evaluation) a loaded
+    torch-format checkpoint's layout is checked ([Note: torch-format checkpoints hold chunks
+    by position]); under ``--pipeline-reuse auto`` the pick travels in the args (the note
+    above)."""
     from megatron.training import get_args
 
     from .auto import pick_conditions, pick_record
 
     def wrap(forward_backward: Callable) -> Callable:
-        first: list = []
+        state: dict = {"loaded": None, "resumed": False}
         record: dict = {"plan": None, "saved": None}  # auto's final plan, its record (JSON)
 
         @functools.wraps(forward_backward)
         def call(*positional, **keywords):
             args = get_args()
-            if not first and not keywords.get("forward_only"):  # an evaluation's m may differ
-                first.append(True)
+            if state["loaded"] is None:
+                state["loaded"] = _check_loaded_layout(reuse, args)
+            auto = reuse.auto_iterations
+            if auto and not state["resumed"] and not keywords.get("forward_only"):
+                state["resumed"] = True  # (an evaluation's m may differ)
                 m = keywords.get("num_microbatches")
-                _resume_auto_pick(forward_backward, reuse, args, m)
+                _resume_auto_pick(forward_backward, reuse, args, m, state["loaded"])
             store = forward_backward(*positional, **keywords)
-            final = forward_backward.auto.final
-            if final is not record["plan"]:  # a plan's JSON is not free: once per pick
-                saved = pick_record(forward_backward, reuse, pick_conditions(args))
-                record.update(plan=final, saved=saved)
-            args.pipeline_reuse_auto_pick = record["saved"]
+            if auto:
+                final = forward_backward.auto.final
+                if final is not record["plan"]:  # a plan's JSON is not free: once per pick
+                    saved = pick_record(forward_backward, reuse, pick_conditions(args))
+                    record.update(plan=final, saved=saved)
+                args.pipeline_reuse_auto_pick = record["saved"]
             return store
 
         return call
@@ -211,29 +218,92 @@ def _carry_auto_pick(reuse: ReuseConfig) -> Callable[[Callable], Callable]:
     return wrap
 
 
-_GRID_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-
-
-def _resume_auto_pick(
-    schedule: Callable, reuse: ReuseConfig, args: argparse.Namespace, m: int | None
-) -> None:
-    """Before a resumed run's first call: the loaded checkpoint's pick, if any, from then on.
-    Every rank reads the args: megatron's ``read_metadata`` all-reduces the iteration (a
-    read on rank 0 alone hung the run), and with ``--ckpt-format torch`` each rank loads
-    pipeline rank 0's whole file once to get them."""
-    if not getattr(args, "iteration", 0) or not getattr(args, "load", None) or args.finetune:
-        return
+def _saved_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The args of the checkpoint ``--load`` names (an empty namespace when there is none),
+    read with megatron's own ``load_args_from_checkpoint`` on a copy, its lines silenced.
+    Collective: megatron's ``read_metadata`` all-reduces the iteration (a read on rank 0
+    alone hung the run), and with ``--ckpt-format torch`` each rank loads pipeline rank 0's
+    whole file once to get them."""
     import contextlib
     import copy
     import io
 
     from megatron.training.checkpointing import load_args_from_checkpoint
 
+    with contextlib.redirect_stdout(io.StringIO()):
+        loaded = load_args_from_checkpoint(copy.copy(args))
+    return loaded[1] if isinstance(loaded, tuple) else argparse.Namespace()
+
+
+# [Note: torch-format checkpoints hold chunks by position] Megatron-LM's torch format keys
+# each rank's model chunks by position (``model0``, ``model1``, ...; layers by local
+# number), and its load skips a chunk it does not find and loads the rest non-strictly;
+# its own check compares only the tensor and pipeline sizes. A checkpoint saved under
+# another PRT layout (or megatron's own, under R >= 2 or bi) loaded other layers into each
+# chunk, or none, without a word (a loop R=3 checkpoint resumed as wave R=3 trained on at
+# another loss). Before the first call, such a load is refused on every rank alike (all
+# read the same saved args); torch_dist stores layers by their global number and resumes
+# under any layout.
+def _check_loaded_layout(reuse: ReuseConfig, args: argparse.Namespace) -> argparse.Namespace:
+    """The loaded checkpoint's args (empty when nothing was loaded), after refusing a
+    torch-format one saved under another layout (the note above)."""
+    if not getattr(args, "load", None):
+        return argparse.Namespace()
+    could_be_torch = getattr(args, "ckpt_format", "torch") == "torch"
+    if not could_be_torch and not getattr(args, "auto_detect_ckpt_format", False):
+        return argparse.Namespace()
+    saved = _saved_args(args)
+    if getattr(saved, "ckpt_format", None) != "torch":
+        return saved
+    theirs = getattr(saved, "pipeline_reuse_config", None)
+    ours = (reuse.placement, reuse.layers_per_stage())
+    if theirs is not None:
+        same, how = (theirs.placement, theirs.layers_per_stage()) == ours, theirs.describe()
+    else:
+        same, how = _megatrons_layout_is(reuse, saved), "megatron's own pipeline layout"
+    if not same:
+        raise ConfigError(
+            f"megatron-prt: --load {args.load} is a torch-format checkpoint saved under "
+            f"{how}; this run is {reuse.describe()}. The torch format holds each rank's "
+            "model chunks by position, so its layers would load into other layers, or not "
+            "at all. Resume under the flags it was saved with, or save it in the torch_dist "
+            "format (--ckpt-format torch_dist), which resumes under any layout"
+        )
+    return saved
+
+
+def _megatrons_layout_is(reuse: ReuseConfig, saved: argparse.Namespace) -> bool:
+    """Whether a checkpoint of megatron's own schedule holds the chunks ``reuse`` runs:
+    megatron's chunk c of rank r holds stage c * P + r (one chunk, or
+    ``virtual_pipeline_model_parallel_size`` interleaved), PRT's loop/uni the same, over an
+    even split as megatron's default split is."""
+    uneven = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+    given = any(getattr(saved, name, None) for name in (*uneven, "pipeline_model_parallel_layout"))
+    placement = reuse.placement
+    chunks = getattr(saved, "virtual_pipeline_model_parallel_size", None) or 1
+    loop_uni = (placement.placement, placement.direction) == ("loop", "uni")
+    even = len(set(reuse.layers_per_stage())) == 1
+    return loop_uni and placement.reuse == chunks and even and not given
+
+
+_GRID_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+
+
+def _resume_auto_pick(
+    schedule: Callable,
+    reuse: ReuseConfig,
+    args: argparse.Namespace,
+    m: int | None,
+    loaded: argparse.Namespace,
+) -> None:
+    """Before a resumed run's first training call: the loaded checkpoint's pick, if any,
+    from then on (``loaded``: its args when the layout check read them, else empty: read
+    here, every rank alike, :func:`_saved_args`)."""
+    if not getattr(args, "iteration", 0) or not getattr(args, "load", None) or args.finetune:
+        return
     from .auto import pick_conditions, resume_pick
 
-    with contextlib.redirect_stdout(io.StringIO()):  # its lines on a copy of the args
-        loaded = load_args_from_checkpoint(copy.copy(args))
-    saved = loaded[1] if isinstance(loaded, tuple) else argparse.Namespace()
+    saved = loaded if vars(loaded) else _saved_args(args)
     record = getattr(saved, "pipeline_reuse_auto_pick", None)
     same_grid = all(getattr(saved, name, None) == getattr(args, name) for name in _GRID_ARGS)
     where = f"{args.load} (iteration {args.iteration})"

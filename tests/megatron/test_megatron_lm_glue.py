@@ -376,6 +376,71 @@ def test_auto_pick_travels_in_megatron_lm_checkpoints_and_is_resumed():
     assert [r["profiling"] for r in other] == [[True], [True]]
 
 
+def _first_call_after_loading(rank, world, state, saved_flags, ckpt_format, saved_vp=None):
+    """The first call of a ``--pipeline-reuse 2`` run (loop/uni R=2) that loaded a
+    checkpoint saved under ``saved_flags`` (None: megatron's own schedule, ``saved_vp``
+    chunks) in ``ckpt_format`` (megatron's ``load_args_from_checkpoint`` stood in)."""
+    import argparse
+
+    from megatron_prt.core.placement import ConfigError
+
+    args, model, forward_backward = _build_like_megatron(
+        rank, world, "gpt", ["--pipeline-reuse", "2"], state
+    )
+    args.load, args.iteration, args.finetune, args.ckpt_format = "ckpt", 3, False, "torch"
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    saved = parser.parse_args(saved_flags or [])
+    saved.num_layers, saved.pipeline_model_parallel_size = LAYERS, world
+    saved.micro_batch_size, saved.global_batch_size = MBS, MBS * M
+    saved.world_size, saved.tensor_model_parallel_size, saved.context_parallel_size = world, 1, 1
+    if saved_flags:
+        megatron_lm.validate_args(saved)
+    saved.virtual_pipeline_model_parallel_size = saved_vp
+    saved.ckpt_format = ckpt_format
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.load_args_from_checkpoint = lambda copied: (copied, saved)
+    sys.modules["megatron.training.checkpointing"] = checkpointing
+    try:
+        forward_backward(**step_kwargs("gpt", model, M), forward_only=True)
+    except ConfigError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "saved_flags, ckpt_format, saved_vp, refused",
+    [
+        (["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"], "torch", None, True),
+        (["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"], "torch", None, True),
+        (None, "torch", None, True),  # megatron's one chunk per rank: R=2's second got nothing
+        (["--pipeline-reuse", "2"], "torch", None, False),  # the same layout
+        (None, "torch", 2, False),  # megatron's interleaved chunks are loop/uni's
+        (
+            ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"],
+            "torch_dist",
+            None,
+            False,
+        ),
+    ],
+)
+def test_a_torch_format_checkpoint_of_another_layout_is_refused(
+    saved_flags, ckpt_format, saved_vp, refused
+):
+    """[Note: torch-format checkpoints hold chunks by position]: a loop R=3 checkpoint
+    resumed as wave R=3 trained on at another loss, a megatron R=1 one under R=2 loaded
+    nothing into the second chunk, without a word. Even an evaluation's first call refuses."""
+    state = all_ok(run_local(1, reference, "gpt", LAYERS, M))[0]["state"]
+    said = all_ok(
+        run_local(2, _first_call_after_loading, state, saved_flags, ckpt_format, saved_vp)
+    )
+    for text in said:
+        if refused:
+            assert "is a torch-format checkpoint saved under" in text, text
+            assert "--ckpt-format torch_dist" in text, text
+        else:
+            assert text == "ran", text
+
+
 def test_checkpointed_args_of_a_plan_file_run_load_with_torch_weights_only(tmp_path):
     """``--pipeline-reuse-plan FILE``: the config in the args holds the plan, whose classes
     the weights_only load refused ('Unsupported global: ...Plan'): [Note: a config pickles
