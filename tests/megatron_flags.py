@@ -55,6 +55,9 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     add("--recompute-granularity", choices=("full", "selective"), default=None)
     add("--recompute-method", choices=("uniform", "block"), default=None)
     add("--recompute-num-layers", type=int, default=None)
+    add("--mtp-num-layers", type=int, default=None)
+    add("--delay-wgrad-compute", action="store_true")
+    add("--cuda-graph-impl", choices=("none", "local", "transformer_engine"), default="none")
     return parser
 
 

@@ -69,15 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(see docs/tune.md); none leaves p2p_cpu out (0 when the tuner reads the file); "
         "default in-place on the host transports, none over nccl",
     )
-    for flag in ("--hidden-dropout", "--attention-dropout"):
-        p.add_argument(
-            flag,
-            type=_probability,
-            default=0.1,
-            help="megatron's, as training sets it (default 0.1, Megatron-LM's): dropout keeps "
-            "a mask per activation, so it changes the bytes a layer holds; the cost file "
-            "records it and a run under another is warned",
-        )
+    _dropout_flags(p)
     p.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
@@ -102,6 +94,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )  # --output as tune and plan spell it; --out kept for older scripts
     p.set_defaults(func=run)
     return p
+
+
+def _dropout_flags(p: argparse.ArgumentParser) -> None:
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        p.add_argument(
+            flag,
+            type=_probability,
+            default=0.1,
+            help="megatron's, as training sets it (default 0.1, Megatron-LM's): dropout keeps "
+            "a mask per activation, so it changes the bytes a layer holds; the cost file "
+            "records it and a run under another is warned",
+        )
 
 
 def _probability(text: str) -> float:

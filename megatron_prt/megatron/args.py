@@ -47,6 +47,7 @@ from .plan_flag import (
     recorded_vocabularies,
     warn_other_shape,
 )
+from .unsupported import refuse_unsupported
 
 PARTITIONS = ("uniform", "balanced")
 DEFAULT_TIMEOUT_S = ReuseConfig.timeout_s  # as the runtime's default (README)
@@ -263,6 +264,12 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
             "one number of micro-batches per iteration; drop --rampup-batch-size or give "
             "--pipeline-reuse R"
         )
+    if getattr(args, "pipeline_reuse_plan", None) and getattr(args, "rampup_batch_size", None):
+        raise ConfigError(  # the run stopped mid-way when the ramp grew the batch
+            "--pipeline-reuse-plan and --rampup-batch-size both set: the plan file runs one "
+            "number of micro-batches per iteration, which the ramp changes; drop "
+            "--rampup-batch-size or the plan file"
+        )
     plan_file = apply_plan_file(args, _DEPENDENT_DEFAULTS, _microbatches_per_iteration(args))
     if getattr(args, "pipeline_reuse", None) is None:
         _refuse_flags_without_reuse(args)
@@ -271,7 +278,9 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     _check_reuse_and_pipeline(args)
     _check_balanced_partition(args)
     _refuse_megatron_layouts(args)
+    _refuse_unsupported_flags(args)
     config = _reuse_config(args)
+    refuse_unsupported(args, config.placement)  # as the schedule would, before any model
     if plan_file is not None:
         tuned = (plan_file.tuned or {}).get("bubble_fraction")
         tuned = float(tuned) if isinstance(tuned, (int, float)) else None
@@ -421,6 +430,23 @@ def _refuse_megatron_layouts(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{', '.join(stacks)} {_verb(stacks)} with --pipeline-reuse, which splits a single "
             "stack; give its layers with --num-layers instead"
+        )
+
+
+def _refuse_unsupported_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM flags PRT does not run, refused before anything is built: multi-token
+    prediction (its layers are not in PRT's layout: megatron built none and trained without
+    the MTP loss) and context parallelism."""
+    if _is_set(args, "mtp_num_layers"):
+        raise ConfigError(
+            "--mtp-num-layers conflicts with --pipeline-reuse: multi-token prediction's "
+            "layers are not in PRT's stage layout (megatron would build none and train "
+            "without the MTP loss); drop --mtp-num-layers"
+        )
+    if (getattr(args, "context_parallel_size", None) or 1) > 1:
+        raise ConfigError(
+            f"--context-parallel-size {args.context_parallel_size} with --pipeline-reuse: "
+            "context parallelism is not supported; use --context-parallel-size 1"
         )
 
 

@@ -186,19 +186,15 @@ def profile_model(
         "--threads": threads,
     }
     recompute = (recompute_granularity, recompute_method, recompute_num_layers)
+    dropout = {"hidden_dropout": hidden_dropout, "attention_dropout": attention_dropout}
     _check(kind, sizes, dtype, device)
     _check_model_options(recompute, transformer_impl, device)
     torch_dtype = DTYPES[dtype]
     layers_built = min(num_layers, profile_layers or num_layers)
     say = progress or (lambda message: None)
     with _single_rank(device, seed), _cpu_threads(threads):
-        config = partial(
-            _config_factory(
-                torch_dtype, layers_built, hidden_size, ffn_hidden_size, num_attention_heads, device
-            ),
-            hidden_dropout=hidden_dropout,
-            attention_dropout=attention_dropout,
-        )
+        sizes_built = (layers_built, hidden_size, ffn_hidden_size, num_attention_heads)
+        config = _config_factory(torch_dtype, *sizes_built, device, dropout)
         shape = (seq_length, micro_batch_size, vocab_size, device)
         build = partial(build_model, kind, transformer_impl=transformer_impl)
         fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
@@ -212,8 +208,7 @@ def profile_model(
     result = _with_totals(
         _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes, stage
     )
-    result["model"] = _shape(kind, sizes, dtype, transformer_impl, device)
-    result["model"].update(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
+    result["model"] = {**_shape(kind, sizes, dtype, transformer_impl, device), **dropout}
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
@@ -241,9 +236,10 @@ def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: st
     return shape
 
 
-def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str):
-    """A TransformerConfig maker with the test models' settings (no fused kernels); its
-    keywords override them."""
+def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str, dropout: dict):
+    """A TransformerConfig maker with the test models' settings (no fused kernels) and
+    ``dropout`` (megatron's ``hidden_dropout`` and ``attention_dropout``); its keywords
+    override them."""
     return partial(
         transformer_config,
         dtype,
@@ -252,6 +248,7 @@ def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str):
         ffn_hidden_size=ffn_hidden,
         num_attention_heads=heads,
         use_cpu_initialization=device == "cpu",
+        **dropout,
     )
 
 

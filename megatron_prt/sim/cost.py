@@ -116,7 +116,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ..core.layers import check_stage_layers, even_layers
@@ -228,14 +228,14 @@ class CostModel:
     def plain_form(self) -> CostModel:
         """This model with every entry's :meth:`LayerCost.plain_form`: split plans priced
         as plain layers whose backward autograd splits (torch's zero-bubble peers)."""
-        plain = lambda part: None if part is None else part.plain_form()  # noqa: E731
-        return replace(
-            self,
-            layers=tuple(map(plain, self.layers)),
-            embedding=plain(self.embedding),
-            head=plain(self.head),
-            stage=plain(self.stage),
-        )
+        return self._each_entry(LayerCost.plain_form)
+
+    def _each_entry(self, change: Callable[[LayerCost], LayerCost], **fields) -> CostModel:
+        """This model with ``change`` applied to every entry (layers, embedding, head,
+        stage) and ``fields`` replaced."""
+        embedding, head, stage = (p and change(p) for p in (self.embedding, self.head, self.stage))
+        layers = tuple(map(change, self.layers))
+        return replace(self, layers=layers, embedding=embedding, head=head, stage=stage, **fields)
 
     def _split_layer(self, layer: LayerCost) -> LayerCost:
         """A transformer layer's split form under this model's recomputation: ``full``
@@ -345,22 +345,14 @@ class CostModel:
     def compute_scaled(self, factor: float) -> CostModel:
         """Every compute time (layers, embedding, head, whole-model totals) times ``factor``;
         messages, the replica sum and bytes unchanged (a calibration: tune/measured.py)."""
-        embedding, head, stage = (
-            part and part.times_scaled(factor) for part in (self.embedding, self.head, self.stage)
-        )
-        layers = tuple(layer.times_scaled(factor) for layer in self.layers)
         totals = {"fwd_time": self.fwd_time * factor, "bwd_time": self.bwd_time * factor}
-        return replace(self, layers=layers, embedding=embedding, head=head, stage=stage, **totals)
+        return self._each_entry(lambda part: part.times_scaled(factor), **totals)
 
     def split_scaled(self, factor: float) -> CostModel:
         """The split form's own times (:meth:`LayerCost.split_scaled`: layers, embedding,
         head, stage) times ``factor``; what plans without split backward cost is unchanged
         (a calibration: tune/measured.py)."""
-        embedding, head, stage = (
-            part and part.split_scaled(factor) for part in (self.embedding, self.head, self.stage)
-        )
-        layers = tuple(layer.split_scaled(factor) for layer in self.layers)
-        return replace(self, layers=layers, embedding=embedding, head=head, stage=stage)
+        return self._each_entry(lambda part: part.split_scaled(factor))
 
     def without_replica_sync(self) -> CostModel:
         """This cost model with a free replica-gradient sum."""

@@ -622,3 +622,19 @@ def test_balanced_costs_of_another_model_shape_are_said(tmp_path):
         validate_args(parse(*BASE, *balanced, "--seq-length", 32))
     with pytest.warns(UserWarning, match=r"was profiled on another model shape \(seq_length 32"):
         validate_args(parse(*BASE, *balanced, "--seq-length", 512))
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        # megatron built no MTP layer under PRT's layout and trained without the MTP loss
+        (("--mtp-num-layers", 1), "--mtp-num-layers conflicts with --pipeline-reuse"),
+        (("--context-parallel-size", 2), "context parallelism is not supported"),
+        # refused at the schedule's first call only, after the model, checkpoint and data
+        (("--delay-wgrad-compute",), "megatron-prt: delay_wgrad_compute=True is not supported"),
+        (("--cuda-graph-impl", "local"), "cuda_graph_impl='local' is not supported"),
+    ],
+)
+def test_flags_prt_does_not_run_are_refused_before_anything_is_built(argv, said):
+    message = refusal(*BASE, "--pipeline-reuse", 2, *argv, world_size=16)
+    assert said in message, message

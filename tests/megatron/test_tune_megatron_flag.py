@@ -386,3 +386,11 @@ def test_an_evaluation_does_not_open_another_count_to_training():
         assert done[1] == "ran prt", done
         for refused in (done[0], done[2]):
             assert refused.startswith("refused: --pipeline-reuse-plan schedules 4 micro"), done
+
+
+@pytest.mark.parametrize("rampup", [(4, 4, 100), (2, 2, 100)])
+def test_a_plan_file_under_a_batch_size_ramp_is_refused(wave_bi, rampup):
+    """A ramp starting at the file's count trained, then stopped when the batch grew; one
+    starting below it was refused naming --global-batch-size, which already matched."""
+    message = refusal(*MODEL, "--pipeline-reuse-plan", wave_bi, "--rampup-batch-size", *rampup)
+    assert "--pipeline-reuse-plan and --rampup-batch-size both set" in message, message
