@@ -69,14 +69,24 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     if reuse is not None:
         if is_first_launched():
             print(f"megatron-prt: schedule {reuse.describe()}", flush=True)
-        import torch
-
-        from ..core.placement import Placement
-        from .args import AutoReuse
-
-        # --pipeline-reuse auto[:R] is an AutoReuse in args (it stopped every such resume)
-        torch.serialization.add_safe_globals([ReuseConfig, Placement, AutoReuse])
+        _allow_in_checkpoint_args()
     return reuse
+
+
+def _allow_in_checkpoint_args() -> None:
+    """Let torch's ``weights_only`` loader read the PRT values Megatron-LM's checkpoints
+    keep in their args (``--pipeline-reuse auto[:R]`` is an :class:`AutoReuse`: it stopped
+    every such resume). Done when this module is imported, as the patched scripts do first:
+    ``--use-checkpoint-args`` reads a checkpoint's args before any validation runs."""
+    import torch
+
+    from ..core.placement import Placement
+    from .args import AutoReuse
+
+    torch.serialization.add_safe_globals([ReuseConfig, Placement, AutoReuse])
+
+
+_allow_in_checkpoint_args()
 
 
 def _reuse() -> ReuseConfig | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import pathlib
 import re
+import subprocess
 import sys
 import textwrap
 import types
@@ -538,3 +539,22 @@ def test_a_plan_of_another_vocabulary_is_said_when_megatron_lm_builds_the_model(
     training.get_tokenizer = lambda: types.SimpleNamespace(vocab_size=50257)
     with pytest.warns(UserWarning, match=r"30592 tokens, but the tokenizer has 50257 \(padded"):
         megatron_lm._warn_other_vocabulary(reuse, argparse.Namespace(padded_vocab_size=50304))
+
+
+def test_checkpointed_args_load_once_the_glue_is_imported(tmp_path):
+    """``--use-checkpoint-args`` reads a checkpoint's args before any validation runs: the
+    PRT config in them failed with 'Unsupported global' unless validate_args had run in
+    the process. Importing the glue, as the patched scripts do first, is enough now."""
+    import argparse
+
+    args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(AUTO_FLAGS)
+    args.num_layers, args.pipeline_model_parallel_size = 8, 2
+    megatron_lm.validate_args(args)
+    torch.save({"args": args}, tmp_path / "model_optim_rng.pt")
+    read = (
+        "import torch, megatron.core, megatron_prt.megatron.megatron_lm; "
+        f"a = torch.load({str(tmp_path / 'model_optim_rng.pt')!r}, weights_only=True)['args']; "
+        "print(a.pipeline_reuse_config.placement)"
+    )
+    done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True)
+    assert done.returncode == 0 and "Placement(ranks=2" in done.stdout, done.stderr[-800:]
