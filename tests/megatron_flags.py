@@ -57,7 +57,11 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     add("--recompute-num-layers", type=int, default=None)
     add("--mtp-num-layers", type=int, default=None)
     add("--delay-wgrad-compute", action="store_true")
-    add("--cuda-graph-impl", choices=("none", "local", "transformer_engine"), default="none")
+    add(
+        "--cuda-graph-impl",
+        choices=("none", "local", "transformer_engine", "full_iteration"),
+        default="none",
+    )
     return parser
 
 

@@ -104,7 +104,8 @@ def finish(args: argparse.Namespace) -> argparse.Namespace:
 
 def apply_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser, values: dict) -> None:
     """``--smoke``'s ``values`` on the flags of ``args`` left at ``parser``'s defaults: a flag
-    given on the command line is what runs (and what the report's command line quotes)."""
+    given on the command line is what runs (and what the report's command line quotes); one
+    given as its default value cannot be told from a default, and takes the smoke value."""
     for dest, value in values.items():
         if getattr(args, dest) == parser.get_default(dest):
             setattr(args, dest, value)

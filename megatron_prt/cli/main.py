@@ -201,9 +201,14 @@ def cost_from_args(args) -> CostModel:
             f"{', '.join(overridden)} with --costs {args.costs}, which gives per-layer times: "
             "they would be ignored; drop them, or scale the file's layers"
         )
-    entries = [*data.get("layers", ()), *(data[k] for k in ("embedding", "head") if data.get(k))]
+    ends = ("embedding", "head", "stage")
+    entries = [*data.get("layers", ()), *(data[k] for k in ends if data.get(k))]
     own_wgrad = entries and all(entry.get("wgrad") is not None for entry in entries)
-    if own_wgrad and getattr(args, "wgrad_fraction", None) is not None:
+    # a --mem-cap plan for equal stages is built with the fraction, whatever the entries give
+    equal_stages = getattr(args, "mem_cap", None) is not None and not getattr(
+        args, "plan_from_costs", False
+    )
+    if own_wgrad and not equal_stages and getattr(args, "wgrad_fraction", None) is not None:
         raise ConfigError(
             f"--wgrad-fraction with --costs {args.costs}, whose every layer gives its own "
             "wgrad: it would be ignored; drop it, or the file's wgrad entries"
@@ -303,7 +308,8 @@ def _make_plan(args, cost: CostModel) -> Plan:
             "--schedule interleaved with R = 1 is 1F1B; give --reuse R >= 2 (model chunks per "
             "rank) or --schedule 1f1b"
         )
-    if args.plan_from_costs and schedule not in TIMED_SCHEDULES:
+    lowered = getattr(args, "lowered", False)  # lowering orders messages by the costs' times
+    if args.plan_from_costs and schedule not in TIMED_SCHEDULES and not lowered:
         raise ConfigError(
             f"--plan-from-costs with --schedule {schedule}, whose order does not depend on "
             f"the costs; drop it, or use --schedule {' or '.join(TIMED_SCHEDULES)}"

@@ -437,7 +437,7 @@ def _refuse_unsupported_flags(args: argparse.Namespace) -> None:
     """Megatron-LM flags PRT does not run, refused before anything is built: multi-token
     prediction (its layers are not in PRT's layout: megatron built none and trained without
     the MTP loss) and context parallelism."""
-    if _is_set(args, "mtp_num_layers"):
+    if getattr(args, "mtp_num_layers", None):  # 0 is megatron's off
         raise ConfigError(
             "--mtp-num-layers conflicts with --pipeline-reuse: multi-token prediction's "
             "layers are not in PRT's stage layout (megatron would build none and train "

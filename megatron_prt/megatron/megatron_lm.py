@@ -65,7 +65,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     except ConfigError as exc:  # the user's flags: one line naming them, not a traceback per rank
         from .bert_args import stop
 
-        stop(str(exc), status=2, prog="megatron-prt")
+        stop(str(exc).removeprefix("megatron-prt: "), status=2, prog="megatron-prt")
     if reuse is not None:
         if is_first_launched():
             print(f"megatron-prt: schedule {reuse.describe()}", flush=True)
@@ -255,9 +255,14 @@ def _saved_args(args: argparse.Namespace) -> argparse.Namespace:
 # read the same saved args); torch_dist stores layers by their global number and resumes
 # under any layout.
 def _check_loaded_layout(reuse: ReuseConfig, args: argparse.Namespace) -> argparse.Namespace:
-    """The loaded checkpoint's args (empty when nothing was loaded), after refusing a
-    torch-format one saved under another layout (the note above)."""
-    if not getattr(args, "load", None):
+    """The loaded checkpoint's args (empty when nothing was read), after refusing a
+    torch-format one saved under another layout (the note above). Reads them only where a
+    torch-format load is possible (``--ckpt-format torch`` or auto-detection) and not from
+    megatron's local non-persistent checkpoints (whose args megatron itself does not read)."""
+    if (
+        not getattr(args, "load", None)
+        or getattr(args, "non_persistent_ckpt_type", None) == "local"
+    ):
         return argparse.Namespace()
     could_be_torch = getattr(args, "ckpt_format", "torch") == "torch"
     if not could_be_torch and not getattr(args, "auto_detect_ckpt_format", False):
@@ -266,9 +271,8 @@ def _check_loaded_layout(reuse: ReuseConfig, args: argparse.Namespace) -> argpar
     if getattr(saved, "ckpt_format", None) != "torch":
         return saved
     theirs = getattr(saved, "pipeline_reuse_config", None)
-    ours = (reuse.placement, reuse.layers_per_stage())
     if theirs is not None:
-        same, how = (theirs.placement, theirs.layers_per_stage()) == ours, theirs.describe()
+        same, how = _chunks_held(theirs) == _chunks_held(reuse), theirs.describe()
     else:
         same, how = _megatrons_layout_is(reuse, saved), "megatron's own pipeline layout"
     if not same:
@@ -276,24 +280,45 @@ def _check_loaded_layout(reuse: ReuseConfig, args: argparse.Namespace) -> argpar
             f"megatron-prt: --load {args.load} is a torch-format checkpoint saved under "
             f"{how}; this run is {reuse.describe()}. The torch format holds each rank's "
             "model chunks by position, so its layers would load into other layers, or not "
-            "at all. Resume under the flags it was saved with, or save it in the torch_dist "
-            "format (--ckpt-format torch_dist), which resumes under any layout"
+            "at all. Resume under the flags it was saved with, or convert it once under them "
+            "(add --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and load "
+            "DIR/torch_dist with --ckpt-format torch_dist, which resumes under any layout"
         )
     return saved
+
+
+def _chunks_held(reuse: ReuseConfig) -> tuple:
+    """What a torch-format checkpoint's positions hold: each model stage's rank and chunk,
+    the pipelines, and each stage's layer count (R = 1 loop and wave hold the same)."""
+    placement = reuse.placement
+    return (
+        placement.stage_to_rank,
+        placement.stage_to_chunk,
+        placement.pipelines,
+        reuse.layers_per_stage(),
+    )
 
 
 def _megatrons_layout_is(reuse: ReuseConfig, saved: argparse.Namespace) -> bool:
     """Whether a checkpoint of megatron's own schedule holds the chunks ``reuse`` runs:
     megatron's chunk c of rank r holds stage c * P + r (one chunk, or
-    ``virtual_pipeline_model_parallel_size`` interleaved), PRT's loop/uni the same, over an
-    even split as megatron's default split is."""
+    ``virtual_pipeline_model_parallel_size`` interleaved), over megatron's default even
+    split (no uneven first / last stage, no layout, no embedding or loss counted in it)."""
     uneven = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-    given = any(getattr(saved, name, None) for name in (*uneven, "pipeline_model_parallel_layout"))
+    accounted = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+    names = (*uneven, *accounted, "pipeline_model_parallel_layout")
+    given = any(getattr(saved, name, None) for name in names)
     placement = reuse.placement
     chunks = getattr(saved, "virtual_pipeline_model_parallel_size", None) or 1
-    loop_uni = (placement.placement, placement.direction) == ("loop", "uni")
+    ranks = placement.ranks
+    stages = range(chunks * ranks)
+    megatrons = (
+        tuple(s % ranks for s in stages),
+        tuple(s // ranks for s in stages),
+        (tuple(stages),),
+    )
     even = len(set(reuse.layers_per_stage())) == 1
-    return loop_uni and placement.reuse == chunks and even and not given
+    return _chunks_held(reuse)[:3] == megatrons and even and not given
 
 
 _GRID_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")

@@ -1,4 +1,5 @@
-"""megatron-core settings the PRT schedule cannot honour, refused at the first call.
+"""megatron-core settings the PRT schedule cannot honour, refused at its first call (and,
+under Megatron-LM, at the flags, by ``megatron_prt.megatron.args.validate_args``).
 
 Each of these is a contract between megatron-core's model code and megatron's own
 schedules: the model defers or records work that only those schedules finish (or start).
@@ -60,10 +61,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[object], bool], bool, str]] = {
         "schedule does not; drop --fine-grained-activation-offloading",
     ),
     "cuda_graph_impl": (
-        lambda value: value == "local",
+        lambda value: value in ("local", "full_iteration"),
         False,
-        "megatron's schedules capture the local CUDA graphs after the first iterations "
-        "and the PRT schedule does not; use --cuda-graph-impl none or transformer_engine",
+        "megatron's schedules capture the local CUDA graphs after the first iterations, and "
+        "full_iteration captures one whole forward-backward call and then only replays it "
+        "(the PRT runtime's host-side messages and checks cannot be captured); use "
+        "--cuda-graph-impl none or transformer_engine",
     ),
     "moe_router_enable_expert_bias": (
         _on,
@@ -84,8 +87,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[object], bool], bool, str]] = {
 
 def refuse_unsupported(config, placement: Placement) -> None:
     """Raise :class:`ConfigError` naming the first setting of ``config`` (megatron-core's
-    TransformerConfig of the model) that :data:`UNSUPPORTED` lists as on, for
-    ``placement``'s direction. Fields the installed megatron-core lacks are skipped."""
+    TransformerConfig of the model, or Megatron-LM's args, whose names are the same) that
+    :data:`UNSUPPORTED` lists as on, for ``placement``'s direction. Fields missing from
+    ``config`` (an older megatron-core) are skipped."""
     for field, (is_on, bi_only, why) in UNSUPPORTED.items():
         if bi_only and placement.direction != "bi":
             continue

@@ -108,6 +108,9 @@ def check_activation(stage: int, mb: int, out: object, dtype: torch.dtype, train
 
 
 def synced_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once ``device``'s queued work has run (a CUDA span's end)."""
-    torch.cuda.synchronize(device)
+    """``time.perf_counter()`` once the work queued on ``device``'s current (compute) stream
+    has run: a CUDA span's end. Not ``torch.cuda.synchronize``, which also waits for the
+    communication streams' open sends and early receives: two ranks could each wait there
+    for a receive the other posts only after its own span ends."""
+    torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()

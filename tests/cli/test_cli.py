@@ -492,7 +492,16 @@ def test_flags_that_would_be_ignored_are_refused(run_cli, tmp_path):
     assert code == 2 and "--schedule zb-h2 is zb under --mem-cap zb-h2" in err, err
     code, _, err = run_cli(*base, "--split-backward", "--mem-cap", 1)
     assert code == 2 and "raise the cap (--mem-cap" in err and "micro-batches" not in err, err
-    # what stays accepted: the same flags where they price something
-    for extra in (("--split-backward",), ("--plan-from-costs",), ("--schedule", "zb-h2")):
+    # what stays accepted: the same flags where they price something (a --mem-cap plan for
+    # equal stages takes the fraction; a lowering orders messages by the costs' times)
+    for extra in (
+        ("--split-backward",),
+        ("--plan-from-costs",),
+        ("--schedule", "zb-h2"),
+        ("--schedule", "zb", "--mem-cap", "zb-h2", "--wgrad-fraction", 0.1),
+    ):
         code, _, err = run_cli(*base, *extra)
         assert code == 0, err
+    lowered = ("plan", "--pp", 2, "-m", 4, "--costs", costs, "--schedule", "1f1b", "--lowered")
+    code, _, err = run_cli(*lowered, "--plan-from-costs")
+    assert code == 0, err

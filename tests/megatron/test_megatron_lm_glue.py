@@ -377,17 +377,16 @@ def test_auto_pick_travels_in_megatron_lm_checkpoints_and_is_resumed():
     assert [r["profiling"] for r in other] == [[True], [True]]
 
 
-def _first_call_after_loading(rank, world, state, saved_flags, ckpt_format, saved_vp=None):
-    """The first call of a ``--pipeline-reuse 2`` run (loop/uni R=2) that loaded a
-    checkpoint saved under ``saved_flags`` (None: megatron's own schedule, ``saved_vp``
-    chunks) in ``ckpt_format`` (megatron's ``load_args_from_checkpoint`` stood in)."""
+def _first_call_after_loading(rank, world, state, case):
+    """The first call of a run under ``case.run`` flags that loaded a checkpoint saved under
+    ``case.saved`` (None: megatron's own schedule, ``case.vp`` chunks, ``case.extra`` saved
+    settings) in ``case.format`` (megatron's ``load_args_from_checkpoint`` stood in)."""
     import argparse
 
     from megatron_prt.core.placement import ConfigError
 
-    args, model, forward_backward = _build_like_megatron(
-        rank, world, "gpt", ["--pipeline-reuse", "2"], state
-    )
+    saved_flags, ckpt_format, saved_vp = case["saved"], case["format"], case.get("vp")
+    args, model, forward_backward = _build_like_megatron(rank, world, "gpt", case["run"], state)
     args.load, args.iteration, args.finetune, args.ckpt_format = "ckpt", 3, False, "torch"
     parser = megatron_lm.add_arguments(argparse.ArgumentParser())
     saved = parser.parse_args(saved_flags or [])
@@ -398,6 +397,7 @@ def _first_call_after_loading(rank, world, state, saved_flags, ckpt_format, save
         megatron_lm.validate_args(saved)
     saved.virtual_pipeline_model_parallel_size = saved_vp
     saved.ckpt_format = ckpt_format
+    vars(saved).update(case.get("extra", {}))
     checkpointing = types.ModuleType("megatron.training.checkpointing")
     checkpointing.load_args_from_checkpoint = lambda copied: (copied, saved)
     sys.modules["megatron.training.checkpointing"] = checkpointing
@@ -408,36 +408,51 @@ def _first_call_after_loading(rank, world, state, saved_flags, ckpt_format, save
     return "ran"
 
 
-@pytest.mark.parametrize(
-    "saved_flags, ckpt_format, saved_vp, refused",
-    [
-        (["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"], "torch", None, True),
-        (["--pipeline-reuse", "2", "--pipeline-reuse-direction", "bi"], "torch", None, True),
-        (None, "torch", None, True),  # megatron's one chunk per rank: R=2's second got nothing
-        (["--pipeline-reuse", "2"], "torch", None, False),  # the same layout
-        (None, "torch", 2, False),  # megatron's interleaved chunks are loop/uni's
-        (
-            ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"],
-            "torch_dist",
-            None,
-            False,
-        ),
-    ],
+R2, WAVE2 = (
+    ["--pipeline-reuse", "2"],
+    ["--pipeline-reuse", "2", "--pipeline-reuse-placement", "wave"],
 )
-def test_a_torch_format_checkpoint_of_another_layout_is_refused(
-    saved_flags, ckpt_format, saved_vp, refused
-):
+R1, WAVE1 = (
+    ["--pipeline-reuse", "1"],
+    ["--pipeline-reuse", "1", "--pipeline-reuse-placement", "wave"],
+)
+LAYOUT_CASES = {  # name: (case, refused)
+    "loop->wave": ({"run": R2, "saved": WAVE2, "format": "torch"}, True),
+    "uni->bi": (
+        {"run": R2, "saved": [*R2, "--pipeline-reuse-direction", "bi"], "format": "torch"},
+        True,
+    ),
+    # megatron's one chunk per rank: R=2's second chunk got nothing
+    "megatron R=1 -> R=2": ({"run": R2, "saved": None, "format": "torch"}, True),
+    "same layout": ({"run": R2, "saved": R2, "format": "torch"}, False),
+    "megatron interleaved": ({"run": R2, "saved": None, "format": "torch", "vp": 2}, False),
+    # megatron's split counted the embedding: uneven, its layers elsewhere
+    "megatron interleaved, embedding in the split": (
+        {
+            "run": R2,
+            "saved": None,
+            "format": "torch",
+            "vp": 2,
+            "extra": {"account_for_embedding_in_pipeline_split": True},
+        },
+        True,
+    ),
+    "R=1 loop and wave hold the same": ({"run": R1, "saved": WAVE1, "format": "torch"}, False),
+    "torch_dist": ({"run": R2, "saved": WAVE2, "format": "torch_dist"}, False),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_a_torch_format_checkpoint_of_another_layout_is_refused(name):
     """[Note: torch-format checkpoints hold chunks by position]: a loop R=3 checkpoint
     resumed as wave R=3 trained on at another loss, a megatron R=1 one under R=2 loaded
     nothing into the second chunk, without a word. Even an evaluation's first call refuses."""
+    case, refused = LAYOUT_CASES[name]
     state = all_ok(run_local(1, reference, "gpt", LAYERS, M))[0]["state"]
-    said = all_ok(
-        run_local(2, _first_call_after_loading, state, saved_flags, ckpt_format, saved_vp)
-    )
-    for text in said:
+    for text in all_ok(run_local(2, _first_call_after_loading, state, case)):
         if refused:
             assert "is a torch-format checkpoint saved under" in text, text
-            assert "--ckpt-format torch_dist" in text, text
+            assert "--ckpt-convert-format torch_dist" in text, text
         else:
             assert text == "ran", text
 

@@ -56,7 +56,16 @@ def _span_clocks(rank, world, synchronized):
     stages = build_stages(plan.placement, rank, lambda i: make_layer("mlp", i), 4)
     runtime = PipelineRuntime(plan, stages, loss_fn, dtype=torch.float64, trace=True)
     runtime.device = torch.device("cuda", 0)  # what _begin reads
-    torch.cuda.synchronize = lambda device=None: synchronized.append(device)
+
+    class Stream:  # the compute stream's wait, not torch.cuda.synchronize's (every stream)
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            synchronized.append(self.device)
+
+    torch.cuda.current_stream = Stream
+    torch.cuda.synchronize = lambda device=None: synchronized.append("every stream")
     clocks = []
     for traced in (False, True):
         runtime.trace_enabled = traced
@@ -71,7 +80,8 @@ def _span_clocks(rank, world, synchronized):
 def test_traced_spans_on_cuda_wait_for_the_device():
     """A traced span ended at time.perf_counter() with CUDA kernels still queued: auto's
     stage times were launch times (a large GEMM priced at a launch or two). Traced steps on
-    CUDA now synchronize the device at each span end."""
+    CUDA now wait for the compute stream at each span end (not for every stream: the
+    communication streams' open receives could hold two ranks waiting for each other)."""
     for plain, synchronized in all_ok(run_local(2, _span_clocks, [])):
         assert plain and synchronized == [torch.device("cuda", 0)]
 
