@@ -280,6 +280,7 @@ def validate_args(args: argparse.Namespace) -> ReuseConfig | None:
     _refuse_megatron_layouts(args)
     _refuse_unsupported_flags(args)
     config = _reuse_config(args)
+    _check_copied_chunks(args, config)
     refuse_unsupported(args, config.placement)  # as the schedule would, before any model
     if plan_file is not None:
         tuned = (plan_file.tuned or {}).get("bubble_fraction")
@@ -419,7 +420,11 @@ def _balanced_stage_layers(args: argparse.Namespace, placement: Placement) -> tu
 
 
 def _refuse_megatron_layouts(args: argparse.Namespace) -> None:
-    layouts = [_flag(name) for name in _LAYOUT_SETTINGS if _is_set(args, name)]
+    # --use-mp-args-from-checkpoint-args copies the chunk count PRT set into a PRT
+    # checkpoint's args: checked against this run's once the placement is known
+    copied = getattr(args, "use_mp_args_from_checkpoint_args", False)
+    names = [n for n in _LAYOUT_SETTINGS if not (copied and n == _COPIED_CHUNKS)]
+    layouts = [_flag(name) for name in names if _is_set(args, name)]
     if layouts:
         raise ConfigError(
             f"{', '.join(layouts)} {_verb(layouts)} with --pipeline-reuse, which owns the layer "
@@ -447,6 +452,22 @@ def _refuse_unsupported_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--context-parallel-size {args.context_parallel_size} with --pipeline-reuse: "
             "context parallelism is not supported; use --context-parallel-size 1"
+        )
+
+
+_COPIED_CHUNKS = "virtual_pipeline_model_parallel_size"
+
+
+def _check_copied_chunks(args: argparse.Namespace, config: ReuseConfig) -> None:
+    """A chunk count megatron copied from the checkpoint's args must be this run's."""
+    copied = getattr(args, _COPIED_CHUNKS, None)
+    chunks = config.placement.chunks_per_rank
+    if copied is not None and copied != chunks:
+        raise ConfigError(
+            f"--use-mp-args-from-checkpoint-args took virtual_pipeline_model_parallel_size "
+            f"{copied} from the checkpoint; this run's {config.placement} has {chunks} "
+            "chunks per rank: the checkpoint was saved under another layout; resume under "
+            "its --pipeline-reuse flags, or drop --use-mp-args-from-checkpoint-args"
         )
 
 

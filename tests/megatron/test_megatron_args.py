@@ -644,3 +644,21 @@ def test_flags_prt_does_not_run_are_refused_before_anything_is_built(argv, said)
         return
     message = refusal(*BASE, "--pipeline-reuse", 2, *argv, world_size=16)
     assert said in message, message
+
+
+def test_a_chunk_count_copied_from_a_prt_checkpoint_is_this_runs():
+    """--use-checkpoint-args --use-mp-args-from-checkpoint-args copies the chunk count PRT
+    set into the checkpoint's args: it was refused as a Megatron layout flag "set in code"."""
+    for copied, said in ((2, None), (3, "took virtual_pipeline_model_parallel_size 3")):
+        args = parse(*BASE, "--pipeline-reuse", 2, world_size=16)
+        args.use_mp_args_from_checkpoint_args = True
+        args.virtual_pipeline_model_parallel_size = copied
+        if said is None:
+            assert validate_args(args).placement.chunks_per_rank == copied
+            continue
+        with pytest.raises(ConfigError, match=said):
+            validate_args(args)
+    args = parse(*BASE, "--pipeline-reuse", 2, world_size=16)
+    args.virtual_pipeline_model_parallel_size = 2  # set in code, not copied: Megatron's own
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size"):
+        validate_args(args)
