@@ -236,10 +236,10 @@ def _shape(kind: str, sizes: dict, dtype: str, transformer_impl: str, device: st
     return shape
 
 
-def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str, dropout: dict):
-    """A TransformerConfig maker with the test models' settings (no fused kernels) and
-    ``dropout`` (megatron's ``hidden_dropout`` and ``attention_dropout``); its keywords
-    override them."""
+def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str, dropout=None):
+    """A TransformerConfig maker with the test models' settings (no fused kernels, no
+    dropout) and ``dropout`` (megatron's ``hidden_dropout`` and ``attention_dropout``); its
+    keywords override them."""
     return partial(
         transformer_config,
         dtype,
@@ -248,7 +248,7 @@ def _config_factory(dtype, layers, hidden, ffn_hidden, heads, device: str, dropo
         ffn_hidden_size=ffn_hidden,
         num_attention_heads=heads,
         use_cpu_initialization=device == "cpu",
-        **dropout,
+        **(dropout or {}),
     )
 
 
