@@ -48,6 +48,11 @@ def _fraction(text: str) -> float:
     return _number(text, lambda value: 0 <= value <= 1, "in [0, 1]")
 
 
+def probability(text: str) -> float:
+    """argparse type: a probability in [0, 1) (e.g. megatron's dropout)."""
+    return _number(text, lambda value: 0 <= value < 1, "in [0, 1)")
+
+
 def _number(text: str, accept, bound: str) -> float:
     try:
         value = float(text)

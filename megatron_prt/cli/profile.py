@@ -14,7 +14,7 @@ import sys
 
 from ..core.placement import ConfigError
 from ..sim.model_shape import dtype_name
-from .main import check_output, positive_int, recompute_flags
+from .main import check_output, positive_int, probability, recompute_flags
 
 LAYER_ROWS = 8  # more layers are summarised by their mean
 SUMMARY_HEADER = f"{'part':<10} {'fwd ms':>9} {'bwd ms':>9} {'act MiB':>10} {'param MiB':>10}"
@@ -100,23 +100,12 @@ def _dropout_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--hidden-dropout", "--attention-dropout"):
         p.add_argument(
             flag,
-            type=_probability,
+            type=probability,
             default=0.1,
             help="megatron's, as training sets it (default 0.1, Megatron-LM's): dropout keeps "
             "a mask per activation, so it changes the bytes a layer holds; the cost file "
             "records it and a run under another is warned",
         )
-
-
-def _probability(text: str) -> float:
-    """argparse type: a dropout probability in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -299,10 +299,10 @@ def _candidate_dict(candidate: Candidate) -> dict:
 # plans, so other dropout masks (R >= 2 or bi) in the iterations it profiled, and perhaps
 # another pick, so it did not continue the uninterrupted run's numbers (8.19315 against
 # 8.19366 at iteration 7). A checkpoint saved after the final switch holds the pick
-# (:func:`pick_record`); a resume under the same placement, layer split, micro-batch count
-# and backward kind runs it from its first iteration, profiling nothing
-# (:func:`resume_pick`). A checkpoint saved while auto still profiled holds none, and the
-# resumed run profiles afresh.
+# (:func:`pick_record`, with the conditions it was timed under: :func:`pick_conditions`);
+# a resume under the same placement, layer split, micro-batch count, backward kind and
+# conditions runs it from its first iteration, profiling nothing (:func:`resume_pick`). A
+# checkpoint saved while auto still profiled holds none, and the resumed run profiles afresh.
 def pick_record(schedule, reuse: ReuseConfig, conditions: dict | None = None) -> dict | None:
     """What a checkpoint saves of auto's final pick: ``schedule`` is the installed
     forward-backward function; ``conditions``: what it was timed under

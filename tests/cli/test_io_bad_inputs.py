@@ -179,6 +179,11 @@ CLI_CASES = {
         _layers(4),
         "argument --reuse: must be an integer >= 1, got '0'",
     ),
+    "profile: a dropout that is no probability": (
+        [*PROFILE, "--hidden-dropout", "1.5"],
+        None,
+        "argument --hidden-dropout: must be a finite number in [0, 1), got '1.5'",
+    ),
     "profile: message CPU with no transport timed": (
         [*PROFILE, "--comm", "none", "--message-cpu", "in-place"],
         None,
