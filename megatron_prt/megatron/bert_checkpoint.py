@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import signal
 import sys
@@ -335,12 +336,25 @@ def _terminated_raises():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report
         raise Terminated
 
+    terminated.saving = True  # type: ignore[attr-defined]  (a child forked meanwhile: below)
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield
     finally:
         if signal.getsignal(signal.SIGTERM) is terminated:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _child_terminates_plainly() -> None:
+    """In a process forked during a save (the checkpoint writers' workers), SIGTERM ends the
+    process as by default: the inherited handler raised the saving rank's
+    :class:`Terminated` inside the child's start-up, and the rank, waiting on it, was killed
+    by its launcher before it said what happened to the checkpoint."""
+    if getattr(signal.getsignal(signal.SIGTERM), "saving", False):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_child_terminates_plainly)
 
 
 def _stop_saving(args: argparse.Namespace, folder: Path, exc: BaseException) -> NoReturn:

@@ -103,3 +103,22 @@ def test_ranks_reading_different_checkpoints_are_refused_by_name(tmp_path):
     assert rank0 == rank1 == 2 and not quiet
     assert "iteration 3: rank(s) 0; no latest: rank(s) 1" in said
     assert "every rank reads alike" in said
+
+
+def test_a_process_forked_during_a_save_terminates_plainly():
+    """A checkpoint writer's worker forked while the saving rank's SIGTERM handler was
+    installed inherited it: the launcher's SIGTERM raised the rank's Terminated inside the
+    child's start-up, and the rank, waiting on it, was killed before it reported the save
+    (seen once in CI). A child now ends on SIGTERM as by default; the rank keeps its report."""
+    pytest.importorskip("megatron.core")
+    from megatron_prt.megatron.bert_checkpoint import _terminated_raises
+
+    with _terminated_raises():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: say whether SIGTERM is the default action, and leave
+            os.write(write, b"1" if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 1) == b"1"
+        assert getattr(signal.getsignal(signal.SIGTERM), "saving", False)  # the rank's own
