@@ -56,6 +56,12 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     add("--recompute-method", choices=("uniform", "block"), default=None)
     add("--recompute-num-layers", type=int, default=None)
     add("--mtp-num-layers", type=int, default=None)
+    add(  # a ModelParallelConfig field, as Megatron-LM's argument_utils names it
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        dest="microbatch_group_size_per_vp_stage",
+    )
     add("--delay-wgrad-compute", action="store_true")
     add(
         "--cuda-graph-impl",

@@ -98,3 +98,20 @@ def refuse_unsupported(config, placement: Placement) -> None:
             raise ConfigError(
                 f"megatron-prt: {field}={getattr(config, field)!r} is not supported{where}: {why}"
             )
+    _refuse_grouping(config)
+
+
+def _refuse_grouping(config) -> None:
+    """``microbatch_group_size_per_vp_stage`` other than megatron's default (the pipeline
+    size, which megatron-core sets when it is None) orders megatron's interleaved schedule,
+    which the PRT schedule replaces: it was taken and ignored."""
+    group = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    pipeline = getattr(config, "pipeline_model_parallel_size", None)
+    if group is not None and group != pipeline:
+        raise ConfigError(
+            f"megatron-prt: microbatch_group_size_per_vp_stage={group!r} is not supported: it "
+            "groups micro-batches in megatron's interleaved schedule, which the PRT schedule "
+            "replaces (its plan orders them); drop "
+            "--microbatch-group-size-per-virtual-pipeline-stage (or give it the pipeline "
+            f"size, {pipeline})"
+        )

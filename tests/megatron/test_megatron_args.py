@@ -636,6 +636,12 @@ def test_balanced_costs_of_another_model_shape_are_said(tmp_path):
         # megatron-core 0.19 captures one whole call and then only replays it
         (("--cuda-graph-impl", "full_iteration"), "cuda_graph_impl='full_iteration'"),
         (("--mtp-num-layers", 0), None),  # megatron's off
+        # it orders megatron's interleaved schedule: taken and ignored under PRT
+        (
+            ("--microbatch-group-size-per-virtual-pipeline-stage", 3),
+            "microbatch_group_size_per_vp_stage=3 is not supported",
+        ),
+        (("--microbatch-group-size-per-virtual-pipeline-stage", 4), None),  # megatron's default
     ],
 )
 def test_flags_prt_does_not_run_are_refused_before_anything_is_built(argv, said):

@@ -100,3 +100,20 @@ def test_a_p2p_communicator_on_another_group_is_refused():
     for said in all_ok(run_local(2, _with_another_p2p_group)):
         assert said.startswith("megatron-prt: p2p_communicator's pipeline group"), said
         assert "ranks [0, 1]" in said, said
+
+
+@pytest.mark.parametrize("group, said", [(None, None), (4, None), (2, "drop --microbatch-group")])
+def test_megatrons_microbatch_grouping_is_refused_unless_its_default(group, said):
+    """It orders megatron's interleaved schedule, which PRT replaces: taken and ignored."""
+    from types import SimpleNamespace
+
+    from megatron_prt.megatron.unsupported import refuse_unsupported
+
+    config = SimpleNamespace(
+        pipeline_model_parallel_size=4, microbatch_group_size_per_vp_stage=group
+    )
+    if said is None:
+        refuse_unsupported(config, Placement(4, 2))
+        return
+    with pytest.raises(ConfigError, match=said):
+        refuse_unsupported(config, Placement(4, 2))
