@@ -113,12 +113,22 @@ def _model_costs(cost: CostModel) -> tuple[float, float, float, str]:
     return (fwd, bwd, held, what) if held > 0 else (fwd, bwd, 2**20, "in MiB")
 
 
+def _hops(cost: CostModel) -> str:
+    """The hop every cut costs, or the range of the cuts' own (layers giving ``out_bytes``)."""
+    sizes = {p.out_bytes for p in (*cost.layers, cost.embedding) if p and p.out_bytes is not None}
+    if not sizes:
+        return f"{cost.hop_time:g}"
+    sizes |= {cost.message_bytes} if any(p.out_bytes is None for p in cost.layers) else set()
+    low, high = (cost.p2p_latency + size / cost.p2p_bandwidth for size in (min(sizes), max(sizes)))
+    return f"{low:g}-{high:g} (per cut)"
+
+
 def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> None:
     base = results[0][1].makespan
     sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
     fwd, bwd, unit, what = _model_costs(cost)
     print(
-        f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={cost.hop_time:g}   "
+        f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={_hops(cost)}   "
         f"(activation memory {what})"
     )
     header = (

@@ -139,6 +139,20 @@ class Graph:
             crossing_t.append([bool(edges) and edges[0][1] for edges in users])
         return _tile(steps_t, self.mb_pipeline), _tile(crossing_t, self.mb_pipeline)
 
+    def consumer_hops(self, ticks: StageTimes) -> list[int]:
+        """Per id: the ticks its consumer edge adds under ``ticks`` (integer stage times),
+        0 on one rank or with no consumer (:meth:`StageTimes.cut_hop` of the edge's cut)."""
+        depth, templates = self.placement.depth, []
+        for pipe, users in enumerate(self.consumers):
+            stage = [pipe * depth + offset // 2 for offset in range(self.width)]
+            templates.append(
+                [
+                    ticks.cut_hop(stage[j], stage[edges[0][0]]) if edges and edges[0][1] else 0
+                    for j, edges in enumerate(users)
+                ]
+            )
+        return _tile(templates, self.mb_pipeline)
+
     @functools.cached_property
     def producer_ids(self) -> tuple[list[int], list[int]]:
         """Per id its producers' ids in :func:`megatron_prt.core.deps.producers`' order, as

@@ -155,8 +155,11 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
     keys = (policy.fwd_key or oldest, policy.bwd_key or oldest)
     entries = graph.heap_entries(*keys)  # see [Note: heap entries made when needed]
     items, fill_through = entries.items, entries.fill_through
-    duration, hop = graph.durations(ticks), ticks.p2p
+    duration, hop = graph.durations(ticks), ticks.longest_hop
     hopping, backward = hop > 0, graph.backward  # bools: the loop's tests of them are cheap
+    edge_hop = None  # per id its edge's hop where the cuts differ; else every hop is hop
+    if ticks.per_cut:  # a crossing edge of a free cut readies at once, as on one rank
+        crossing_of = edge_hop = graph.consumer_hops(ticks)
     watch = SteadyWatch.of(graph, ticks, hop, policy.flush, keys)
     # the watch samples at the end of an instant in which watch_rank started next_source
     watch_rank, next_source = (0, -2) if watch is None else (watch.rank, 0)
@@ -208,7 +211,7 @@ def _steps(graph: Graph, times: StageTimes, policy: Policy, tails: Sequence[int]
             user = action + step
             user_rank = rank_of[user]
             if hopping and crossing_of[action]:
-                at = now + hop
+                at = now + (hop if edge_hop is None else edge_hop[action])
                 heappush(pending[user_rank], at * n + user)
                 if at in due:
                     due[at].append(user_rank)

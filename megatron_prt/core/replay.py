@@ -41,16 +41,24 @@ class Timeline:
 class Ticks:
     """One replay in integer ticks (``tick`` time units each), per action of
     :attr:`Replayer.actions`: ``end`` and ``duration`` (its rank's busy time); ``hop``: the
-    ticks one cross-rank edge adds. Exact, so a caller may compare ends for equality."""
+    ticks one cross-rank edge adds (per cut where the cuts differ: :attr:`StageTimes.p2p`).
+    Exact, so a caller may compare ends for equality."""
 
     end: list[int]
     duration: list[int]
-    hop: int
+    hop: int | tuple[int, ...]
     tick: float
 
     @property
     def makespan(self) -> float:
         return max(self.end, default=0) * self.tick
+
+    def cut_hop(self, stage: int, other: int) -> int:
+        """Ticks the edge between neighbouring stages ``stage`` and ``other`` adds when it
+        crosses ranks (:meth:`StageTimes.cut_hop`)."""
+        if isinstance(self.hop, tuple):
+            return self.hop[min(stage, other) % (len(self.hop) + 1)]
+        return self.hop
 
 
 class Replayer:
@@ -239,6 +247,8 @@ class Replayer:
             return known
         busy = [times.busy(Action(stage, op, 0), self.placement) for stage, op in self.kinds]
         duration = list(map(busy.__getitem__, self.kind_of))
+        if times.per_cut:
+            return self._run_per_cut(times, tick, duration)
         end = [0] * (len(duration) + 2)
         free = [0] * self.placement.ranks  # when each rank finishes its last action so far
         hop, rank_of = times.p2p, self.rank_of
@@ -255,6 +265,36 @@ class Replayer:
             end[i] = free[rank] = start + duration[i]
         del end[len(duration) :]
         return Ticks(end, duration, hop, tick)
+
+    def _run_per_cut(self, times: StageTimes, tick: float, duration: list[int]) -> Ticks:
+        """:meth:`run_ticks` where the cuts' hops differ: each edge adds its own cut's hop
+        (the uniform loop stays free of the per-edge lookups)."""
+        first_hop, second_hop = self.edge_hops(times)
+        (first_dep, second_dep), rank_of = self._dep, self.rank_of
+        end = [0] * (len(duration) + 2)
+        free = [0] * self.placement.ranks
+        for i in self.order:
+            rank = rank_of[i]
+            start = max(free[rank], end[first_dep[i]] + first_hop[i])
+            start = max(start, end[second_dep[i]] + second_hop[i])
+            end[i] = free[rank] = start + duration[i]
+        del end[len(duration) :]
+        return Ticks(end, duration, times.p2p, tick)
+
+    def edge_hops(self, times: StageTimes) -> tuple[list, list]:
+        """Per action, for its two producer slots: the hop that edge adds under ``times``
+        (0 on one rank; :meth:`StageTimes.cut_hop` across ranks)."""
+        split = any(op is Op.I for _, op in self.kinds)
+        out: tuple[list, list] = ([], [])
+        for slot, crosses in enumerate(self._crosses):
+            per_kind = []
+            for stage, op in self.kinds:
+                deps = producers(Action(stage, op, 0), self.placement, split)
+                other = deps[slot].stage if slot < len(deps) else stage
+                per_kind.append(times.cut_hop(stage, other) if other != stage else 0)
+            hops = map(per_kind.__getitem__, self.kind_of)
+            out[slot].extend(h if c else 0 for h, c in zip(hops, crosses, strict=True))
+        return out
 
     def run(self, times: StageTimes | None = None) -> Timeline:
         """:meth:`run_ticks` as start and end times per action, in ``times`` units."""

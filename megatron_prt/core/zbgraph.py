@@ -119,13 +119,12 @@ def queue_keys(
 class Judge:
     """The replay of runs' orders under ``times``, made as runs start their actions ([Note:
     judging a run as it is made]). Per action of :func:`graph`: ``duration`` (busy ticks of
-    ``times.in_ticks()``) and ``producers`` (``(index, crosses ranks)`` pairs); per rank its
-    ``work``; ``hop``: the ticks a crossing edge adds; ``tick``: time units per tick."""
+    ``times.in_ticks()``) and ``producers`` (``(index, hop)`` pairs: the ticks that edge
+    adds, 0 on one rank); per rank its ``work``; ``tick``: time units per tick."""
 
     duration: tuple[int, ...]
-    producers: tuple[tuple[tuple[int, bool], ...], ...]
+    producers: tuple[tuple[tuple[int, int], ...], ...]
     work: tuple[int, ...]
-    hop: int
     tick: float
 
     @classmethod
@@ -135,11 +134,12 @@ class Judge:
         actions, users = graph(placement, mb_pipeline)[:2]
         duration = durations(placement, mb_pipeline, busy_ticks(placement, ticks))
         rank_of = placement.stage_to_rank
-        inputs: list[list[tuple[int, bool]]] = [[] for _ in actions]  # per action: producers
+        inputs: list[list[tuple[int, int]]] = [[] for _ in actions]  # per action: producers
         for index, action in enumerate(actions):
             for user, stage in users[index]:
-                inputs[user].append((index, rank_of[stage] != rank_of[action.stage]))
+                crosses = rank_of[stage] != rank_of[action.stage]
+                inputs[user].append((index, ticks.cut_hop(stage, action.stage) if crosses else 0))
         work = [0] * placement.ranks
         for action, busy in zip(actions, duration, strict=True):
             work[rank_of[action.stage]] += busy
-        return cls(duration, tuple(map(tuple, inputs)), tuple(work), ticks.p2p, tick)
+        return cls(duration, tuple(map(tuple, inputs)), tuple(work), tick)

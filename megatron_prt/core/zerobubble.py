@@ -407,6 +407,7 @@ class ZBScheduler:
         where a method call costs as much as the work), hence the length."""
         actions, consumers, keys, kinds = self.actions, self.consumers, self.keys, self.kinds
         rank_of, hop, ranks, events = self.rank_of, self.times.p2p, self.ranks, self.events
+        cut_hop = self.times.cut_hop if self.times.per_cut else None
         stage_bytes, stage_keep, enters = self.stage_bytes, self.stage_keep, self.enters
         waiting, ready_at = list(self.counts), [0] * len(actions)
         push, pop = heapq.heappush, heapq.heappop
@@ -444,7 +445,10 @@ class ZBScheduler:
                     state.held -= stage_keep[stage] * stage_bytes[stage]
                 for nxt, nxt_stage in consumers[index]:
                     nxt_rank = rank_of[nxt_stage]
-                    at = now + hop if nxt_rank != rank else now
+                    if nxt_rank == rank:
+                        at = now
+                    else:
+                        at = now + (hop if cut_hop is None else cut_hop(stage, nxt_stage))
                     if at > ready_at[nxt]:
                         ready_at[nxt] = at
                     waiting[nxt] -= 1
@@ -574,8 +578,8 @@ class ZBScheduler:
         the rank's end plus its work left passes the limit."""
         judge, ends = self.judge, self.replay_end
         begin = self.replay_free[rank]
-        for producer, crosses in judge.producers[index]:
-            ready = ends[producer] + judge.hop if crosses else ends[producer]
+        for producer, hop in judge.producers[index]:
+            ready = ends[producer] + hop
             if ready > begin:
                 begin = ready
         ends[index] = self.replay_free[rank] = end = begin + judge.duration[index]

@@ -353,27 +353,23 @@ def flops_ms(model: Model, flops: float) -> float:
 def layer_cost(model: Model, unit: Unit) -> LayerCost:
     fwd = flops_ms(model, unit.fwd_flops)
     params = TRAIN_STATE_BYTES * unit.params
-    return LayerCost(fwd, BWD_OVER_FWD * fwd, unit.act_bytes, params, in_act=unit.in_bytes or None)
+    return LayerCost(
+        fwd,
+        BWD_OVER_FWD * fwd,
+        unit.act_bytes,
+        params,
+        in_act=unit.in_bytes or None,
+        out_bytes=unit.out_bytes,
+    )
 
 
-def cut_bytes(model: Model, stage_layers: Sequence[int]) -> list[float]:
-    """Bytes sent after model stage k, k = 0..D-2: the output of the last unit before the
-    cut (an empty stage passes on what it received)."""
-    out, done = [], 0
-    for count in stage_layers[:-1]:
-        done += count
-        out.append(model.layers[done - 1].out_bytes if done else model.embedding.out_bytes)
-    return out
-
-
-def mean_hop_bytes(model: Model, placement: Placement, stage_layers: Sequence[int]) -> float:
-    """Mean message over the cuts that cross ranks. The simulator charges one hop time for
-    every cross-rank edge, so the mean makes the sum over a micro-batch's path exact (turns
-    of a wave are same-rank copies and cost nothing)."""
+def mean_hop_bytes(cost: CostModel, placement: Placement, stage_layers: Sequence[int]) -> float:
+    """Mean message over the cuts that cross ranks (what a report shows as one hop; the
+    simulator prices every cut on its own message: :meth:`CostModel.cut_message_bytes`)."""
     rank_of = placement.stage_to_rank
     sizes = [
         size
-        for k, size in enumerate(cut_bytes(model, stage_layers))
+        for k, size in enumerate(cost.cut_message_bytes(stage_layers))
         if rank_of[k] != rank_of[k + 1]
     ]
     return sum(sizes) / len(sizes) if sizes else 0.0
@@ -393,6 +389,6 @@ def cost_model(model: Model, placement: Placement, link: Link) -> CostModel:
         even,
         p2p_latency=1e3 * link.latency,
         p2p_bandwidth=link.bandwidth / 1e3,
-        message_bytes=mean_hop_bytes(model, placement, stage_layers),
+        message_bytes=mean_hop_bytes(even, placement, stage_layers),
         stage_layers=stage_layers,
     )

@@ -36,9 +36,11 @@ the first and last stages cost what they did and every other stage pays it too.
 Per entry: ``fwd``/``bwd`` the forward/backward time of one micro-batch, ``act`` the
 activation bytes one micro-batch keeps from its forward until its backward, ``param`` the
 bytes the weights cost while training (weights, gradients and optimizer state), ``grad``
-the bytes of the gradients alone (what direction ``bi`` sums between the two replicas).
-Every key but ``fwd`` and ``bwd`` is optional; ``p2p_bandwidth`` ``null`` (or absent)
-means free.
+the bytes of the gradients alone (what direction ``bi`` sums between the two replicas),
+``out_bytes`` the output a stage ending with the entry sends (its gradient comes back the
+same size): where entries give it, each cut's hop is priced on its own message
+(:meth:`CostModel.cut_message_bytes`), else every cut sends ``message_bytes``. Every key
+but ``fwd`` and ``bwd`` is optional; ``p2p_bandwidth`` ``null`` (or absent) means free.
 
 Replica-gradient sum (direction ``bi`` only). After the iteration's last backward, every
 rank sums its stages' gradients with their replicas on the mirrored rank ``P-1-r``
@@ -135,6 +137,7 @@ from .model_shape import check_shape
 from .recompute import (
     KEPT,
     RECOMPUTED_IN_BLOCK,
+    fold_blocks,
     layer_roles,
     runs_whole_blocks,
 )
@@ -272,30 +275,8 @@ class CostModel:
                 "megatron's uniform method recomputes whole blocks of each stage: give a "
                 f"block size that divides {len(self.layers)}, or --recompute-method block"
             )
-        folded = []
-        for first in range(0, len(self.layers), unit):
-            block = self.layers[first : first + unit]
-            recomputed = [layer.recomputed(granularity, self.message_bytes) for layer in block]
-            bwd = sum(bwd for _, bwd in recomputed)
-            wgrads = [layer.wgrad for layer in block]
-            folded.append(
-                LayerCost(
-                    fwd=sum(layer.fwd for layer in block),
-                    bwd=bwd,
-                    act=recomputed[0][0],
-                    param=sum(layer.param for layer in block),
-                    grad=sum(layer.grad_bytes for layer in block),
-                    # [Note: full recomputation has no W], as stage_wgrad_times prices it;
-                    # a W measured in the split form may exceed this whole-form backward:
-                    # at most all of it, as stage_wgrad_times bounds it
-                    wgrad=0.0
-                    if granularity == "full"
-                    else (None if any(w is None for w in wgrads) else min(sum(wgrads), bwd)),
-                )
-            )
-        model = replace(
-            self.with_recompute(None), layers=tuple(folded), stage_layers=(), kept_split=False
-        )
+        folded = fold_blocks(self.layers, unit, granularity, self.message_bytes)
+        model = replace(self.with_recompute(None), layers=folded, stage_layers=(), kept_split=False)
         return model, unit
 
     def runs_whole_blocks(self, counts: tuple[int, ...]) -> bool:
@@ -420,7 +401,7 @@ class CostModel:
         elif stage == depth - 1 and self.head is not None:
             first = self.head
         else:
-            return self.message_bytes
+            return self.cut_message_bytes(counts)[stage - 1]
         if self.recompute_granularity is not None:  # what it keeps is priced with it
             return 0.0
         return first.in_act or 0.0
@@ -430,14 +411,33 @@ class CostModel:
         return layer.split_form() if self.kept_split else layer
 
     def stage_times(self, placement: Placement) -> StageTimes:
+        """Per model stage times; a hop per cut where the layers give their own ``out_bytes``
+        (:meth:`cut_message_bytes`), else :attr:`hop_time` for every cut."""
         d = placement.depth
+        hop: float | tuple[float, ...] = self.hop_time
+        if any(p is not None and p.out_bytes is not None for p in (*self.layers, self.embedding)):
+            cuts = self.cut_message_bytes(self.layer_counts(d))
+            hop = tuple(self.p2p_latency + size / self.p2p_bandwidth for size in cuts)
         return StageTimes(
             self._per_stage(d, self.fwd_time, "fwd"),
             self._per_stage(d, self.bwd_time, "bwd"),
-            self.hop_time,
+            hop,
             self.p2p_cpu,
             self.stage_wgrad_times(d),
         )
+
+    def cut_message_bytes(self, counts: Sequence[int]) -> tuple[float, ...]:
+        """Bytes crossing each cut of stages of ``counts`` layers (cut ``k``: after model
+        stage ``k``; the gradient back is the same size): the ``out_bytes`` of the last
+        layer before it (the embedding's before every layer; an empty stage passes on what
+        it received), ``message_bytes`` where that entry gives none."""
+        out, done = [], 0
+        for count in counts[:-1]:
+            done += count
+            last = self.layers[done - 1] if done else self.embedding
+            size = None if last is None else last.out_bytes
+            out.append(self.message_bytes if size is None else size)
+        return tuple(out)
 
     def stage_wgrad_times(self, depth: int) -> tuple[float, ...] | None:
         """Weight-gradient (W) time of every model stage; ``None`` when the model gives no

@@ -43,6 +43,7 @@ class LayerCost:
     split_fwd: float | None = None  # split backward: the forward's time; None: fwd
     split_bwd: float | None = None  # ... and I + W; None: bwd ([Note: the split form's own costs])
     in_act: float | None = None  # input bytes held only when it begins a stage; None: in act
+    out_bytes: float | None = None  # what a stage it ends sends (its output); None: the model's
 
     def __post_init__(self) -> None:
         for name in LAYER_NUMBERS:

@@ -51,11 +51,13 @@ def compute_makespan(plan: Plan, cost: CostModel | None = None, posting: str = "
                 for p in inputs:
                     if placement.rank_of(p.stage) == rank:
                         start = max(start, end[p])
-                    elif posting == "early":
-                        start = max(start, end[p] + times.p2p)
+                        continue
+                    hop = times.cut_hop(p.stage, action.stage)
+                    if posting == "early":
+                        start = max(start, end[p] + hop)
                     else:
                         posted = free[rank] if posting == "at_need" else before[rank]
-                        start = max(start, max(end[p], posted) + times.p2p)
+                        start = max(start, max(end[p], posted) + hop)
                 before[rank] = free[rank]
                 end[action] = free[rank] = start + times.busy(action, placement)
                 pos[rank] += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.placement import ConfigError
+from .layer_cost import LayerCost
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -77,3 +78,34 @@ def runs_whole_blocks(setting: Setting, counts: Sequence[int]) -> bool:
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def fold_blocks(
+    layers: Sequence[LayerCost], unit: int, granularity: str, message_bytes: float
+) -> tuple[LayerCost, ...]:
+    """Every block of ``unit`` layers as one recomputed layer
+    (:meth:`~megatron_prt.sim.cost.CostModel.folded_recompute`): the first layer's kept
+    bytes, the summed times, parameters and gradients, the last layer's message out."""
+    folded = []
+    for first in range(0, len(layers), unit):
+        block = layers[first : first + unit]
+        recomputed = [layer.recomputed(granularity, message_bytes) for layer in block]
+        bwd = sum(bwd for _, bwd in recomputed)
+        wgrads = [layer.wgrad for layer in block]
+        folded.append(
+            LayerCost(
+                fwd=sum(layer.fwd for layer in block),
+                bwd=bwd,
+                act=recomputed[0][0],
+                param=sum(layer.param for layer in block),
+                grad=sum(layer.grad_bytes for layer in block),
+                # [Note: full recomputation has no W], as stage_wgrad_times prices it;
+                # a W measured in the split form may exceed this whole-form backward:
+                # at most all of it, as stage_wgrad_times bounds it
+                wgrad=0.0
+                if granularity == "full"
+                else (None if any(w is None for w in wgrads) else min(sum(wgrads), bwd)),
+                out_bytes=block[-1].out_bytes,
+            )
+        )
+    return tuple(folded)

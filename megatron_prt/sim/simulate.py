@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from ..core.actions import Action, Op
 from ..core.deps import consumers_map
+from ..core.placement import Placement
 from ..core.plan import Plan
 from ..core.replay import Timeline, replay
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
@@ -97,7 +98,8 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
         stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
     total_busy = sum(s.busy for s in stats)
     bubble = 1.0 - total_busy / (placement.ranks * makespan) if makespan > 0 else 0.0
-    messages = _count_messages(plan, timeline)
+    messages, message_bytes = _count_messages(plan, timeline, _cut_bytes(cost, placement))
+    message_bytes += 0 * cost.message_bytes  # the number type messages * bytes gave
     return SimResult(
         plan,
         timeline,
@@ -105,7 +107,7 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
         bubble,
         tuple(stats),
         messages,
-        messages * cost.message_bytes,
+        message_bytes,
         makespan - timeline.makespan,
         sum(sync.sent_bytes for sync in syncs),
     )
@@ -180,12 +182,22 @@ def _peak_memory(acts, timeline: Timeline, act_bytes, keep) -> tuple[int, float]
     return peak_n, peak_b
 
 
-def _count_messages(plan: Plan, timeline: Timeline) -> int:
-    rank_of = plan.placement.stage_to_rank
-    consumers = consumers_map(timeline.start, plan.placement, plan.split_backward)
-    return sum(
-        1
+def _cut_bytes(cost: CostModel, placement: Placement) -> tuple[float, ...]:
+    """Bytes of each cut's message (:meth:`CostModel.cut_message_bytes`)."""
+    if not cost.layers:
+        return (cost.message_bytes,) * (placement.depth - 1)
+    return cost.cut_message_bytes(cost.layer_counts(placement.depth))
+
+
+def _count_messages(plan: Plan, timeline: Timeline, cut_bytes: tuple[float, ...]):
+    """The messages between ranks, and their bytes (``cut_bytes[k]`` across cut ``k``)."""
+    placement = plan.placement
+    rank_of = placement.stage_to_rank
+    consumers = consumers_map(timeline.start, placement, plan.split_backward)
+    crossing = [
+        min(action.stage, user.stage) % placement.depth
         for action, users in consumers.items()
         for user in users
         if rank_of[user.stage] != rank_of[action.stage]
-    )
+    ]
+    return len(crossing), sum(map(cut_bytes.__getitem__, crossing))

@@ -87,11 +87,12 @@ def critical_path(replayer: Replayer, ticks: Ticks) -> tuple[list[float], list[f
         else:
             bwd_coef[k] += 1 if action.op is Op.B else 0.5
         begin = end[i] - duration[i]
+        stage, actions = action.stage, replayer.actions
         i = next(
             (
                 j
                 for j, crosses in replayer.preds[i]
-                if end[j] + (ticks.hop if crosses else 0) == begin
+                if end[j] + (ticks.cut_hop(actions[j].stage, stage) if crosses else 0) == begin
             ),
             None,
         )

@@ -18,9 +18,9 @@ Search space, for ``P`` ranks and ``m`` micro-batches over the cost model's ``L`
   memory cap in the stages' activation bytes and counted in micro-batches.
 
 Every candidate is scored by :func:`megatron_prt.sim.simulate.simulate` under the full cost
-model (messages and, for ``bi``, the replica-gradient sum included); a ``price`` function
-gives the cost model of a placement and partition where it depends on them (a FLOP model
-that sizes each message by the cut it crosses). ``seeds`` (:class:`Seed`: any plan with its
+model (messages, each cut's own where the layers give their ``out_bytes``, and, for
+``bi``, the replica-gradient sum included); a ``price`` function gives the cost model of a
+placement and partition where it depends on them. ``seeds`` (:class:`Seed`: any plan with its
 partition, e.g. the plan a job runs today or a peer library's order) are scored beside the
 search and win when they are faster, so the winner is never slower than a plan it was shown.
 Memory is the simulator's per-rank peak activation bytes plus the rank's parameter bytes; a

@@ -5,12 +5,14 @@ promises (no timing is checked: the numbers are simulator predictions, the bench
 business, not a test's)."""
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
 from megatron_prt.bench import paper_scale
 from megatron_prt.bench.paper_scale import jobs, profiles, prose, zb
 from megatron_prt.bench.paper_scale.split import TORCH
+from megatron_prt.core import Placement
 from megatron_prt.runtime import peers
 from megatron_prt.sim import analytic
 from megatron_prt.tune import partition
@@ -70,15 +72,21 @@ def test_efficiencies_are_fractions_of_peak():
 
 
 def test_cut_messages_follow_the_partition():
-    """A cut sends the output of the last unit before it; an empty stage passes it on."""
+    """A cut sends the output of the last unit before it; an empty stage passes it on; the
+    simulator prices each cut on its own message."""
     model = analytic.models()["ResNet-50"]
-    cuts = analytic.cut_bytes(model, (0, 3, 0, 13))
-    assert cuts == [
+    cost = analytic.cost_model(model, Placement(4, 1), analytic.LINKS["pcie"])
+    cost = replace(cost, stage_layers=(0, 3, 0, 13))
+    cuts = cost.cut_message_bytes(cost.stage_layers)
+    assert cuts == (
         model.embedding.out_bytes,
         model.layers[2].out_bytes,
         model.layers[2].out_bytes,
-    ]
+    )
     assert model.layers[2].out_bytes == 8 * model.layers[-1].out_bytes  # 256x56² vs 2048x7²
+    link = analytic.LINKS["pcie"]
+    hops = cost.stage_times(Placement(4, 1)).p2p
+    assert hops == tuple(1e3 * link.latency + size / (link.bandwidth / 1e3) for size in cuts)
 
 
 def test_closed_form_reuse_inverts_the_uni_formula():

@@ -9,6 +9,7 @@ the judge's cache, like the F/B portfolio's, hashes them."""
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -27,12 +28,19 @@ from megatron_prt.core.zerobubble import (
 from megatron_prt.sim.cost import CostModel, LayerCost
 
 
-def priced(placement: Placement):
-    """Unequal stages (a heavier head), W apart, message latency and CPU."""
+def priced(placement: Placement, per_cut: bool = False):
+    """Unequal stages (a heavier head), W apart, message latency and CPU; ``per_cut``:
+    every other stage sends a 4x larger message over a finite link."""
     layer = LayerCost(fwd=1.0, bwd=2.1, act=96.0, wgrad=1.1, wact=96.0)
+    sizes = (8.0, 2.0) if per_cut else (None, None)
+    layers = [replace(layer, out_bytes=sizes[k % 4 // 2]) for k in range(2 * placement.depth)]
     head = LayerCost(fwd=1.5, bwd=2.9, act=160.0)
     cost = CostModel(
-        layers=(layer,) * (2 * placement.depth), head=head, p2p_latency=0.07, p2p_cpu=0.03
+        layers=tuple(layers),
+        head=head,
+        p2p_latency=0.07,
+        p2p_cpu=0.03,
+        p2p_bandwidth=40.0 if per_cut else math.inf,
     )
     return (
         cost.stage_times(placement),
@@ -49,9 +57,9 @@ CASES = [
 ]
 
 
-def _runs(placement: Placement, m: int):
+def _runs(placement: Placement, m: int, per_cut: bool = False):
     """Every policy's scheduler under every planning time, with the judge of ``times``."""
-    times, act, keep = priced(placement)
+    times, act, keep = priced(placement, per_cut)
     mb_pipeline = split_microbatches(m, placement.num_pipelines)
     cap = resolve_mem_cap("zb-h2", placement, m, act)
     judge = Judge.of(placement, tuple(mb_pipeline), times)
@@ -61,10 +69,12 @@ def _runs(placement: Placement, m: int):
             yield times, mb_pipeline, judge, lambda args=args: ZBScheduler(*args, judge)
 
 
+@pytest.mark.parametrize("per_cut", [False, True], ids=["one hop", "a hop per cut"])
 @pytest.mark.parametrize("placement, m", CASES, ids=str)
-def test_the_judge_replays_each_run_to_the_tick(placement, m):
+def test_the_judge_replays_each_run_to_the_tick(placement, m, per_cut):
     checked = 0
-    for times, mb_pipeline, judge, scheduler in _runs(placement, m):
+    assert priced(placement, per_cut)[0].per_cut == (per_cut and placement.depth > 2)
+    for times, mb_pipeline, judge, scheduler in _runs(placement, m, per_cut):
         result = scheduler().run()
         plan = Plan(placement, m, result.orders, "zb", mb_pipeline)
         assert result.replayed_ticks * judge.tick == replay(plan, times).makespan

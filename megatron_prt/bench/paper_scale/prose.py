@@ -117,14 +117,10 @@ def _plan_assumptions(s: Settings) -> list[str]:
         "with compute (it delays the receiver, not the sender), no contention between "
         "concurrent messages. Message = the activation (backward: its gradient) at the "
         "cut, fp16: BERT 2sbh bytes at every cut; ResNet the block output, 8x larger "
-        "after layer1 than after layer4. The simulator takes one hop time per "
-        "configuration: we use the mean message over that configuration's cross-rank cuts, "
-        "exact for the sum along a micro-batch's path but not for the makespan, whose "
-        "critical path crosses particular cuts: BERT's cuts are equal and its rows exact in "
-        "this respect, ResNet's differ 8x and its rows are approximate (a critical path "
-        "through the large early cuts pays more than the mean, one through the late cuts "
-        "less; the ResNet gains can move by several points either way). Links (bandwidth "
-        "per direction; "
+        "after layer1 than after layer4. Each cut's hop is priced on its own message "
+        "(the last block before the cut: `out_bytes` in the cost model), so a critical path "
+        "through ResNet's large early cuts pays for them; the `hop` column shows the mean "
+        "over a configuration's cross-rank cuts. Links (bandwidth per direction; "
         "the latencies are our assumption, not sourced figures):",
         *link_lines,
         f"  The main tables use `{MAIN_LINK}`: a V100 has 6 NVLink 2.0 links, 300 GB/s in "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from ...core import Placement
-from ...sim.analytic import GIB, H200_MEMORY, V100_MEMORY, mean_hop_bytes, models
+from ...sim.analytic import GIB, H200_MEMORY, V100_MEMORY
 from ...sim.cost import CostModel
 from ...tune.search_plans import Candidate, Seed, add_seeds, tune
 from .jobs import RANKS, Job, Outcome, Results, Variant, candidate_plans, job_cost
@@ -47,14 +47,9 @@ def price(
     model: str, link: str, replica_sum: bool, placement: Placement, stage_layers: Sequence[int]
 ) -> CostModel:
     """The rows' costs (:func:`.jobs.job_cost` of a split-backward row) for ``placement``
-    and ``stage_layers``; the FLOP model's message is the mean over the cuts of that split
-    that cross ranks (:func:`megatron_prt.sim.analytic.mean_hop_bytes`)."""
+    and ``stage_layers`` (the FLOP model prices each cut on its own message)."""
     job = Job(model, link, 1, Variant(TUNED, placement, "zb", "zb"), replica_sum)
-    cost = replace(job_cost(job), stage_layers=tuple(stage_layers))
-    if model in models():
-        hop = mean_hop_bytes(models()[model], placement, stage_layers)
-        cost = replace(cost, message_bytes=hop)
-    return cost
+    return replace(job_cost(job), stage_layers=tuple(stage_layers))
 
 
 def memory_budget(model: str) -> float:
