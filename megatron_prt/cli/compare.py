@@ -113,14 +113,17 @@ def _model_costs(cost: CostModel) -> tuple[float, float, float, str]:
     return (fwd, bwd, held, what) if held > 0 else (fwd, bwd, 2**20, "in MiB")
 
 
-def _hops(cost: CostModel) -> str:
-    """The hop every cut costs, or the range of the cuts' own (layers giving ``out_bytes``)."""
-    sizes = {p.out_bytes for p in (*cost.layers, cost.embedding) if p and p.out_bytes is not None}
-    if not sizes:
-        return f"{cost.hop_time:g}"
-    sizes |= {cost.message_bytes} if any(p.out_bytes is None for p in cost.layers) else set()
-    low, high = (cost.p2p_latency + size / cost.p2p_bandwidth for size in (min(sizes), max(sizes)))
-    return f"{low:g}-{high:g} (per cut)"
+def _hops(cost: CostModel, results: list) -> str:
+    """The hop every cut costs, or the range of the cuts' own over the variants shown
+    (layers giving ``out_bytes``: :meth:`CostModel.cut_message_bytes`)."""
+    placements = {result.plan.placement for _, result, _ in results if result is not None}
+    hops: set[float] = set()
+    for placement in placements:
+        p2p = cost.stage_times(placement).p2p
+        hops |= set(p2p) if isinstance(p2p, tuple) else {p2p}
+    if len(hops) <= 1:
+        return f"{cost.hop_time:g}" if not hops else f"{hops.pop():g}"
+    return f"{min(hops):g}-{max(hops):g} (per cut)"
 
 
 def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> None:
@@ -128,7 +131,7 @@ def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> No
     sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
     fwd, bwd, unit, what = _model_costs(cost)
     print(
-        f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={_hops(cost)}   "
+        f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={_hops(cost, results)}   "
         f"(activation memory {what})"
     )
     header = (

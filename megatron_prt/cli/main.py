@@ -24,6 +24,7 @@ from ..sim.model_shape import differences_message
 from ..sim.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from ..sim.render import ascii_grid, spans_of, write_chrome_trace, write_png
 from ..sim.simulate import SimResult, simulate
+from ..tune.memory import parse_bytes
 from ..tune.plan_file import describe_recompute, load_plan, recompute_of
 from .layers import check_even_split
 
@@ -64,14 +65,15 @@ def _number(text: str, accept, bound: str) -> float:
 
 
 def mem_cap(text: str) -> str | float:
-    """argparse type: a named activation cap or a number of bytes > 0."""
+    """argparse type: a named activation cap or bytes > 0 as the byte flags take them
+    (``2.5e9``, ``24GiB``: :func:`megatron_prt.tune.memory.parse_bytes`)."""
     if text in MEM_CAPS:
         return text
     try:
-        return positive_float(text)
-    except argparse.ArgumentTypeError:  # its message lists numbers alone
+        return parse_bytes(text)
+    except ValueError:  # its message lists bytes alone
         raise argparse.ArgumentTypeError(
-            f"must be {', '.join(MEM_CAPS)} or a number of bytes > 0, got {text!r}"
+            f"must be {', '.join(MEM_CAPS)} or bytes > 0 (2.5e9, 24GiB, 512MiB), got {text!r}"
         ) from None
 
 
@@ -125,8 +127,9 @@ def cost_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--p2p-time",
         type=non_negative_float,
-        help="latency of one p2p hop (default 0): the cost file's p2p_latency; its "
-        "message_bytes / p2p_bandwidth, where it gives them, add to it",
+        help="latency of one p2p hop (default 0): the cost file's p2p_latency; each cut's "
+        "message (its entries' out_bytes, else message_bytes) / p2p_bandwidth, where it "
+        "gives them, add to it",
     )
     g.add_argument(
         "--replica-sync-time",

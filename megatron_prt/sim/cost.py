@@ -37,10 +37,11 @@ Per entry: ``fwd``/``bwd`` the forward/backward time of one micro-batch, ``act``
 activation bytes one micro-batch keeps from its forward until its backward, ``param`` the
 bytes the weights cost while training (weights, gradients and optimizer state), ``grad``
 the bytes of the gradients alone (what direction ``bi`` sums between the two replicas),
-``out_bytes`` the output a stage ending with the entry sends (its gradient comes back the
-same size): where entries give it, each cut's hop is priced on its own message
-(:meth:`CostModel.cut_message_bytes`), else every cut sends ``message_bytes``. Every key
-but ``fwd`` and ``bwd`` is optional; ``p2p_bandwidth`` ``null`` (or absent) means free.
+``out_bytes`` the output a stage ending with the entry sends (its gradient back the same):
+where given, each cut's hop is priced on its own message (:meth:`CostModel.cut_message_bytes`),
+else on ``message_bytes``; ``in_act`` the input bytes an entry holds only when it begins a
+stage (else in ``act``). All but ``fwd``, ``bwd`` are optional; ``p2p_bandwidth`` ``null``
+(or absent) means free.
 
 Replica-gradient sum (direction ``bi`` only). After the iteration's last backward, every
 rank sums its stages' gradients with their replicas on the mirrored rank ``P-1-r``
@@ -96,8 +97,8 @@ which under PRT is per model stage:
 A recomputed layer's numbers are per entry: ``full_act`` / ``full_bwd`` (the layer as a
 block of one: bytes it keeps, backward time with the rerun forward) and ``selective_act``
 / ``selective_bwd``; ``megatron-prt profile --recompute-granularity ...`` measures them.
-Without ``full_*`` they are derived: ``full_act = message_bytes`` (a layer's input is a
-hidden-state tensor the size of a stage message), ``full_bwd = bwd + fwd``; ``selective``
+Without ``full_*`` they are derived: ``full_act`` = the layer's input (the entry before
+it's ``out_bytes``, else ``message_bytes``), ``full_bwd = bwd + fwd``; ``selective``
 has no derivation and needs measured values. The bytes megatron re-materialises during a
 recomputed backward are transient (freed within that backward) and, like a forward's
 transients, not counted (:func:`megatron_prt.sim.simulate.held_activations`).
@@ -132,15 +133,9 @@ from .cost_checks import (
     check_stage_entry,
     check_value_types,
 )
-from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost
+from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost, layer_input_bytes
 from .model_shape import check_shape
-from .recompute import (
-    KEPT,
-    RECOMPUTED_IN_BLOCK,
-    fold_blocks,
-    layer_roles,
-    runs_whole_blocks,
-)
+from .recompute import KEPT, RECOMPUTED_IN_BLOCK, fold_blocks, layer_roles, runs_whole_blocks
 
 # Share of a backward that is weight-gradient work when a cost model does not say.
 DEFAULT_WGRAD_FRACTION = 0.5
@@ -275,7 +270,8 @@ class CostModel:
                 "megatron's uniform method recomputes whole blocks of each stage: give a "
                 f"block size that divides {len(self.layers)}, or --recompute-method block"
             )
-        folded = fold_blocks(self.layers, unit, granularity, self.message_bytes)
+        inputs = layer_input_bytes(self.layers, self.embedding, self.message_bytes)
+        folded = fold_blocks(self.layers, unit, granularity, inputs)
         model = replace(self.with_recompute(None), layers=folded, stage_layers=(), kept_split=False)
         return model, unit
 
@@ -295,11 +291,13 @@ class CostModel:
         """Per transformer layer: ``(bytes kept for backward, backward time)`` under the
         recomputation setting, with stages of ``counts`` layers (:meth:`layer_roles`)."""
         out = []
-        for layer, role in zip(self.layers, self.layer_roles(counts), strict=True):
+        inputs = layer_input_bytes(self.layers, self.embedding, self.message_bytes)
+        roles = self.layer_roles(counts)
+        for layer, role, size in zip(self.layers, roles, inputs, strict=True):
             if role == KEPT:
                 out.append((layer.act, self._kept(layer).bwd))
                 continue
-            act, bwd = layer.recomputed(self.recompute_granularity, self.message_bytes)
+            act, bwd = layer.recomputed(self.recompute_granularity, size)
             out.append((0.0 if role == RECOMPUTED_IN_BLOCK else act, bwd))
         return out
 
@@ -411,13 +409,11 @@ class CostModel:
         return layer.split_form() if self.kept_split else layer
 
     def stage_times(self, placement: Placement) -> StageTimes:
-        """Per model stage times; a hop per cut where the layers give their own ``out_bytes``
-        (:meth:`cut_message_bytes`), else :attr:`hop_time` for every cut."""
+        """Per stage times; per cut hops where entries give ``out_bytes``, else :attr:`hop_time`."""
         d = placement.depth
         hop: float | tuple[float, ...] = self.hop_time
         if any(p is not None and p.out_bytes is not None for p in (*self.layers, self.embedding)):
-            cuts = self.cut_message_bytes(self.layer_counts(d))
-            hop = tuple(self.p2p_latency + size / self.p2p_bandwidth for size in cuts)
+            hop = self.cut_hop_times(self.layer_counts(d))
         return StageTimes(
             self._per_stage(d, self.fwd_time, "fwd"),
             self._per_stage(d, self.bwd_time, "bwd"),
@@ -426,11 +422,15 @@ class CostModel:
             self.stage_wgrad_times(d),
         )
 
+    def cut_hop_times(self, counts: Sequence[int]) -> tuple[float, ...]:
+        """Each cut's hop, ``p2p_latency + bytes / p2p_bandwidth`` (:meth:`cut_message_bytes`)."""
+        cuts = self.cut_message_bytes(counts)
+        return tuple(self.p2p_latency + size / self.p2p_bandwidth for size in cuts)
+
     def cut_message_bytes(self, counts: Sequence[int]) -> tuple[float, ...]:
-        """Bytes crossing each cut of stages of ``counts`` layers (cut ``k``: after model
-        stage ``k``; the gradient back is the same size): the ``out_bytes`` of the last
-        layer before it (the embedding's before every layer; an empty stage passes on what
-        it received), ``message_bytes`` where that entry gives none."""
+        """Bytes crossing each cut (``k``: after stage ``k``) of stages of ``counts`` layers:
+        ``out_bytes`` of the last layer before it (the embedding's before every layer; an
+        empty stage passes on what it received), ``message_bytes`` where it gives none."""
         out, done = [], 0
         for count in counts[:-1]:
             done += count

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 from ..core.placement import ConfigError
+from .layer_cost import layer_input_bytes
 from .recompute import check_recompute
 
 _ENDS = ("embedding", "head", "stage")  # a cost file's entries beside its layer list
@@ -136,10 +137,11 @@ def check_recompute_costs(model) -> None:
             "selective_act / selective_bwd (selective has no derivation); profile with "
             "`megatron-prt profile ... --recompute-granularity selective`"
         )
+    inputs = layer_input_bytes(model.layers, model.embedding, None)
     unsized = [
         i
-        for i, layer in enumerate(model.layers)
-        if granularity == "full" and layer.full_act is None and layer.act > 0
+        for i, (layer, size) in enumerate(zip(model.layers, inputs, strict=True))
+        if granularity == "full" and layer.full_act is None and layer.act > 0 and size is None
     ]
     if unsized and model.message_bytes <= 0:  # a recomputed layer would keep 0 bytes
         raise ConfigError(

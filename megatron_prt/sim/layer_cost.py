@@ -137,5 +137,13 @@ class LayerCost:
             raise ConfigError(f"cost {where}: {str(exc).removeprefix('layer cost ')}") from None
 
 
+def layer_input_bytes(layers, embedding: LayerCost | None, unknown: float | None) -> list:
+    """Per layer, the bytes of its input (what a recomputed layer or block keeps): the
+    ``out_bytes`` of the entry before it (the embedding's before the first), ``unknown``
+    where that entry gives none."""
+    before = [embedding, *layers[:-1]]
+    return [unknown if e is None or e.out_bytes is None else e.out_bytes for e in before]
+
+
 LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional
 LAYER_TIMES = ("fwd", "bwd", "wgrad", "full_bwd", "selective_bwd", "split_fwd", "split_bwd")

@@ -81,15 +81,17 @@ def _count(value: object) -> bool:
 
 
 def fold_blocks(
-    layers: Sequence[LayerCost], unit: int, granularity: str, message_bytes: float
+    layers: Sequence[LayerCost], unit: int, granularity: str, inputs: Sequence[float]
 ) -> tuple[LayerCost, ...]:
     """Every block of ``unit`` layers as one recomputed layer
     (:meth:`~megatron_prt.sim.cost.CostModel.folded_recompute`): the first layer's kept
-    bytes, the summed times, parameters and gradients, the last layer's message out."""
+    bytes (``inputs[i]``: layer i's input, kept where it has no ``full_act``), the summed
+    times, parameters and gradients, the last layer's message out."""
     folded = []
     for first in range(0, len(layers), unit):
         block = layers[first : first + unit]
-        recomputed = [layer.recomputed(granularity, message_bytes) for layer in block]
+        pairs = zip(block, inputs[first : first + unit], strict=True)
+        recomputed = [layer.recomputed(granularity, size) for layer, size in pairs]
         bwd = sum(bwd for _, bwd in recomputed)
         wgrads = [layer.wgrad for layer in block]
         folded.append(

@@ -183,9 +183,7 @@ def _peak_memory(acts, timeline: Timeline, act_bytes, keep) -> tuple[int, float]
 
 
 def _cut_bytes(cost: CostModel, placement: Placement) -> tuple[float, ...]:
-    """Bytes of each cut's message (:meth:`CostModel.cut_message_bytes`)."""
-    if not cost.layers:
-        return (cost.message_bytes,) * (placement.depth - 1)
+    """Bytes of each cut's message (:meth:`CostModel.cut_message_bytes`, as the hops)."""
     return cost.cut_message_bytes(cost.layer_counts(placement.depth))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.actions import Op
 from ..core.placement import ConfigError
@@ -32,16 +32,20 @@ class Point:
 
 @dataclass(frozen=True)
 class Cut:
-    """A critical path of a simulated partition as a function of stage times:
-    ``const + sum_k fwd_coef[k]*fwd[k] + bwd_coef[k]*bwd[k]``. It is the length of a path
-    of the plan, so it is at most the makespan of any partition (up to tick rounding)."""
+    """A critical path of a simulated partition as a function of stage and hop times:
+    ``const + sum_k fwd_coef[k]*fwd[k] + bwd_coef[k]*bwd[k] + sum_c hop_coef[c]*hop[c]``
+    (``hop[c]``: cut c's hop, which moves with the split where each cut sends its own
+    message). It is the length of a path of the plan, so it is at most the makespan of any
+    partition (up to tick rounding)."""
 
     const: float
     fwd_coef: list[float]
     bwd_coef: list[float]
+    hop_coef: list[float]
 
     def value(self, costs: StageCosts) -> float:
-        return self.const + dot(self.fwd_coef, costs.fwd) + dot(self.bwd_coef, costs.bwd)
+        stages = dot(self.fwd_coef, costs.fwd) + dot(self.bwd_coef, costs.bwd)
+        return self.const + stages + dot(self.hop_coef, costs.hop)
 
 
 class Pool:
@@ -58,11 +62,12 @@ class Pool:
             pr = self.problem
             ticks = pr.replayer.run_ticks(pr.stage_times(counts))
             makespan = ticks.makespan
-            fwd_coef, bwd_coef = critical_path(pr.replayer, ticks)
+            fwd_coef, bwd_coef, hop_coef = critical_path(pr.replayer, ticks)
             costs = pr.stage_costs(counts)
             self.points[counts] = Point(counts, makespan, tuple(pr.rank_memory(costs)))
-            length = dot(fwd_coef, costs.fwd) + dot(bwd_coef, costs.bwd)
-            self.cuts = [*self.cuts[1 - KEPT_CUTS :], Cut(makespan - length, fwd_coef, bwd_coef)]
+            cut = Cut(0.0, fwd_coef, bwd_coef, hop_coef)
+            cut = replace(cut, const=makespan - cut.value(costs))
+            self.cuts = [*self.cuts[1 - KEPT_CUTS :], cut]
         return self.points[counts]
 
     def fastest(self) -> Point:
@@ -72,12 +77,14 @@ class Pool:
         return min(self.points.values(), key=spec.exact_key)
 
 
-def critical_path(replayer: Replayer, ticks: Ticks) -> tuple[list[float], list[float]]:
+def critical_path(replayer: Replayer, ticks: Ticks) -> tuple[list[float], list[float], list[float]]:
     """One critical path of a replay as per-model-stage counts of forwards and of backwards
-    on it (I and W count half a backward each): from the last action to end, walk back along
-    predecessors that finished exactly when their successor began."""
+    on it (I and W count half a backward each), and per cut the hops it waits for: from the
+    last action to end, walk back along predecessors that finished exactly when their
+    successor began (a producer on another rank one hop earlier)."""
     placement, end, duration = replayer.placement, ticks.end, ticks.duration
     fwd_coef, bwd_coef = [0.0] * placement.depth, [0.0] * placement.depth
+    hop_coef = [0.0] * (placement.depth - 1)
     i: int | None = max(range(len(end)), key=end.__getitem__, default=None)
     while i is not None:
         action = replayer.actions[i]
@@ -88,15 +95,17 @@ def critical_path(replayer: Replayer, ticks: Ticks) -> tuple[list[float], list[f
             bwd_coef[k] += 1 if action.op is Op.B else 0.5
         begin = end[i] - duration[i]
         stage, actions = action.stage, replayer.actions
-        i = next(
+        i, crosses = next(
             (
-                j
+                (j, crosses)
                 for j, crosses in replayer.preds[i]
                 if end[j] + (ticks.cut_hop(actions[j].stage, stage) if crosses else 0) == begin
             ),
-            None,
+            (None, False),
         )
-    return fwd_coef, bwd_coef
+        if crosses:
+            hop_coef[min(actions[i].stage, stage) % placement.depth] += 1
+    return fwd_coef, bwd_coef, hop_coef
 
 
 @dataclass(frozen=True)

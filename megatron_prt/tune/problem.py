@@ -37,6 +37,7 @@ class StageCosts:
     act: list[float]
     param: list[float]
     kept: list[float] | None = None  # split backward: what W keeps after I (bytes)
+    hop: tuple[float, ...] = ()  # per cut (D - 1): its hop time under this split
 
 
 class Problem:
@@ -101,7 +102,8 @@ class Problem:
             model = replace(self.cost, stage_layers=tuple(counts))
             shares = model.stage_wgrad_keep(self.placement)
             kept = [share * act for share, act in zip(shares, out["act"], strict=True)]
-        return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"], kept)
+        hop = self.cost.cut_hop_times(counts)  # the messages change with the split
+        return StageCosts(out["fwd"], out["bwd"], out["act"], out["param"], kept, hop)
 
     def stage_times(self, counts: Sequence[int]) -> StageTimes:
         """The simulator's stage times for ``counts`` (same sums, same rounding)."""

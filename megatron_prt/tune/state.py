@@ -181,6 +181,8 @@ class State:
         return self._act_cache[key]
 
     def _cut_max(self, donor: int, receiver: int, lost: tuple, gained: tuple) -> float:
+        # a move's change of the messages its shifted cuts send is not screened: the moved
+        # State prices it (Cut.value), and every answer is simulated
         if not self.cuts:
             return 0.0
         with_loss = self._cut_terms(donor, lost, -1.0, self.cut_values)

@@ -88,7 +88,7 @@ def test_compare_table(run_cli):
         (["plan", "--pp", "2", "-m", "2", "--format", "png"], "--format png needs -o FILE"),
         (
             ["plan", "--pp", "2", "-m", "2", "--split-backward", "--mem-cap", "foo"],
-            "--mem-cap: must be 1f1b, zb-h2 or a number of bytes > 0, got 'foo'",
+            "--mem-cap: must be 1f1b, zb-h2 or bytes > 0 (2.5e9, 24GiB, 512MiB), got 'foo'",
         ),
     ],
 )
@@ -505,3 +505,12 @@ def test_flags_that_would_be_ignored_are_refused(run_cli, tmp_path):
     lowered = ("plan", "--pp", 2, "-m", 4, "--costs", costs, "--schedule", "1f1b", "--lowered")
     code, _, err = run_cli(*lowered, "--plan-from-costs")
     assert code == 0, err
+
+
+def test_mem_cap_takes_bytes_as_every_byte_flag_does():
+    """``--mem-cap 1GiB`` was refused ("must be ... a number of bytes"), while ``--budget``
+    and ``--memory-budget`` take units; the two spellings give the same cap."""
+    from megatron_prt.cli.main import mem_cap
+
+    assert mem_cap("1GiB") == mem_cap(str(2**30)) == 2**30
+    assert mem_cap("zb-h2") == "zb-h2"

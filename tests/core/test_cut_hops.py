@@ -112,8 +112,8 @@ def test_the_critical_path_walks_back_over_per_cut_hops():
     plan = build_plan(Placement(3), 1, "1f1b")
     replayer = compiled(plan)
     ticks = replayer.run_ticks(StageTimes((1,) * 3, (2,) * 3, (0.5, 2.0)))
-    fwd, bwd = critical_path(replayer, ticks)
-    assert (fwd, bwd) == ([1, 1, 1], [1, 1, 1])
+    fwd, bwd, hops = critical_path(replayer, ticks)
+    assert (fwd, bwd, hops) == ([1, 1, 1], [1, 1, 1], [2, 2])
 
 
 def test_cut_messages_come_from_the_layer_before_each_cut():
@@ -172,3 +172,44 @@ def test_the_partitioner_cuts_where_the_message_is_small():
     assert skewed.stage_layers != (2, 2)
     even = simulate(build_plan(placement, 4), replace(cost(64.0), stage_layers=(2, 2)))
     assert skewed.makespan < even.makespan
+
+
+def test_a_recomputed_layer_keeps_its_own_input():
+    """Full recomputation keeps a layer's (a block's) input: the out_bytes of the entry
+    before it, not message_bytes (the old pricing kept 16 bytes per layer here)."""
+    sizes = (64.0, 64.0, 32.0, 32.0)
+    layers = tuple(LayerCost(1.0, 2.0, act=100.0, out_bytes=b) for b in sizes)
+    embedding = LayerCost(0.0, 0.0, out_bytes=128.0)
+    cost = CostModel(layers=layers, embedding=embedding, message_bytes=16.0)
+    kept = cost.with_recompute("full", "uniform", 1).layer_act_bwd((2, 2))
+    assert [act for act, _ in kept] == [128.0, 64.0, 64.0, 32.0]
+    folded, _ = cost.with_recompute("full", "uniform", 2).folded_recompute()
+    assert [layer.act for layer in folded.layers] == [128.0, 64.0]
+    # every input known: no message_bytes needed to size what a block keeps
+    replace(cost, message_bytes=0.0).with_recompute("full", "uniform", 1)
+
+
+def test_a_model_without_layers_counts_the_bytes_its_hops_price():
+    cost = CostModel(embedding=LayerCost(0.1, 0.1, out_bytes=8.0), message_bytes=1.0)
+    result = simulate(build_plan(Placement(2), 2), cost)
+    assert (result.p2p_messages, result.p2p_bytes) == (4, 32.0)
+
+
+def test_a_learnt_critical_path_bounds_every_split_under_per_cut_hops():
+    """The partitioner's surrogate (a critical path as a function of stage and hop times)
+    stays at most the makespan of every other split: it kept the hops of the split it was
+    learnt on (286 at (2, 2), whose cut sends 64x), and valued (3, 1), 38, at 283."""
+    from megatron_prt.tune.evaluate import Pool
+    from megatron_prt.tune.problem import Problem
+
+    sizes = (1.0, 64.0, 1.0, 1.0)
+    layers = tuple(LayerCost(1.0, 2.0, out_bytes=size) for size in sizes)
+    cost = CostModel(layers=layers, p2p_bandwidth=1.0)
+    problem = Problem(cost, build_plan(Placement(2), 4))
+    pool = Pool(problem)
+    pool.add((2, 2))
+    (learnt,) = pool.cuts
+    for counts in ((1, 3), (3, 1), (2, 2)):
+        makespan = simulate(problem.plan, replace(cost, stage_layers=counts)).makespan
+        assert learnt.value(problem.stage_costs(counts)) <= makespan + 1e-6
+    assert learnt.value(problem.stage_costs((2, 2))) == pytest.approx(pool.points[(2, 2)].makespan)
