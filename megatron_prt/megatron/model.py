@@ -319,8 +319,16 @@ def _copy_tied_weights(reuse, stages, pairs, group) -> None:
     )
 
 
-def tie_grads(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module], group, grad_attr) -> None:
-    """Word embedding and tied output weight both end with the sum of their gradients."""
+def tie_grads(
+    reuse: ReuseConfig,
+    stages: Mapping[int, torch.nn.Module],
+    group,
+    grad_attr,
+    timeout_s: float | None = None,
+) -> None:
+    """Word embedding and tied output weight both end with the sum of their gradients;
+    ``timeout_s`` bounds the wait for the peer on gloo as the schedule's own waits are
+    (None, and NCCL: the process group's timeout)."""
 
     def grad(stage):
         weight = _tied_weight(stages[stage])
@@ -338,4 +346,5 @@ def tie_grads(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module], group, 
         lambda stage: grad(stage).reshape(-1),
         apply,
         both_ways=True,
+        timeout_s=timeout_s,
     )

@@ -553,7 +553,7 @@ def _finalize(reuse, model, pipeline, config, num_tokens, pg_collection, force_a
     attr = grad_attr(model)
     if reuse.placement.direction == "bi":
         pipeline.reduce_replica_grads(attr)
-    tie_grads(reuse, stages, pipeline.group, attr)
+    tie_grads(reuse, stages, pipeline.group, attr, pipeline.timeout_s)
     pipeline.callbacks.start_summed_grad_sync()  # overlap: the DP reduce sees summed grads
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
