@@ -342,7 +342,7 @@ def make_forward_backward_func(
                 forward_step_func, data, forward_only, collect_non_loss_data, first_val_step
             )
             store, num_tokens = gather_on_last_rank(
-                reuse, group, store, num_tokens, pipeline.device
+                reuse, group, store, num_tokens, pipeline.device, pipeline.timeout_s
             )
             if not forward_only:
                 _finalize(

@@ -96,12 +96,12 @@ def exchange_pairs(
                 ops.append(dist.P2POp(dist.irecv, buf, peer_global, group))
                 pending.append((here, buf, own))
     for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait(*_bound(timeout_s, group))
+        work.wait(*wait_args(timeout_s, group))
     for stage, received, own in pending:
         apply(stage, received.to(own.device), own)
 
 
-def _bound(timeout_s: float | None, group) -> tuple:
+def wait_args(timeout_s: float | None, group) -> tuple:
     """``Work.wait``'s arguments: ``timeout_s`` on gloo; none on NCCL, where a timeout
     makes the host thread wait for the GPU (without one only the stream waits; the process
     group's watchdog bounds it)."""

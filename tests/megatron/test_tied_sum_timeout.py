@@ -61,3 +61,38 @@ def test_the_tied_sum_waits_no_longer_than_the_timeout():
     status, outcome = results[0]
     assert status == "ok" and outcome[0] == "raised", results
     assert outcome[1] < 15, outcome  # bounded by timeout_s, not the group's
+
+
+def _gather(rank, world, sender_sends: bool):
+    import torch.distributed as dist
+
+    from megatron_prt.megatron.losses import gather_on_last_rank
+
+    reuse = ReuseConfig(Placement(2, 2, "wave"), 4)  # the last stage is on rank 0
+    store = {mb: {"lm loss": torch.tensor([float(mb), 1.0])} for mb in range(4)} if not rank else {}
+    tokens = torch.tensor(4 if not rank else 0)
+    if rank == 0 and not sender_sends:
+        time.sleep(20)
+        return None
+    start = time.monotonic()
+    try:
+        entries, tokens = gather_on_last_rank(
+            reuse, dist.group.WORLD, store, tokens, torch.device("cpu"), timeout_s=2.0
+        )
+    except RuntimeError as exc:
+        return ("raised", time.monotonic() - start, str(exc).splitlines()[0])
+    return ("gathered", [e["lm loss"].tolist() for e in entries], int(tokens))
+
+
+def test_the_losses_reach_the_last_rank():
+    results = run_local(2, _gather, True, deadline_s=120)
+    assert results[0][1][:2] == ("gathered", [])  # the sender keeps no entries
+    assert results[1] == ("ok", ("gathered", [[float(mb), 1.0] for mb in range(4)], 4))
+
+
+def test_the_loss_gather_waits_no_longer_than_the_timeout():
+    """It waited the process group's timeout for a sender stuck after the step."""
+    results = run_local(2, _gather, False, deadline_s=120, wait_for=[1])
+    status, outcome = results[1]
+    assert status == "ok" and outcome[0] == "raised", results
+    assert outcome[1] < 15 and "waiting on rank 0 for the losses" in outcome[2], outcome
