@@ -83,6 +83,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     _add_corpus_flags(prep)
     prep.add_argument("--tokenizer-model", help="use this SentencePiece model, do not train one")
     prep.add_argument("--vocab-file", help="use this WordPiece vocab.txt (needs transformers)")
+    prep.add_argument(
+        "--tokenizer-type",
+        choices=data.TOKENIZER_TYPES,
+        help="Megatron-LM's name for the given file (default: BertWordPieceLowerCase for a "
+        "vocab.txt; BertWordPieceCase keeps case)",
+    )
     train = commands.add_parser("train-tokenizer", help="train a SentencePiece tokenizer")
     train.add_argument("--tokenizer-model", required=True, help="where to write the .model")
     _add_corpus_flags(train)
@@ -178,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json_key=args.json_key,
                 vocab_file=args.vocab_file,
                 tokenizer_model=args.tokenizer_model,
+                tokenizer_type=args.tokenizer_type,
             )
         elif args.command == "train-tokenizer":
             _train_tokenizer(args)

@@ -102,15 +102,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def resolve_data(args: argparse.Namespace) -> tuple[str, str, str]:
     """``(dataset prefix, tokenizer file, sample-index cache dir)``. Without ``--data-path``
     the embedded corpus is prepared once into the cache, in a folder named by the tokenizer
-    kind (global rank 0 writes, the others wait at a barrier and read it: the cache must be
-    on a file system every rank sees; a completed preparation is reused)."""
+    kind and file content (:func:`_file_digest`); global rank 0 writes, the others wait at a
+    barrier and read it: the cache must be on a file system every rank sees; a completed
+    preparation is reused."""
     given = args.tokenizer_model or args.vocab_file
     if args.data_path is not None:
         cache = args.data_cache_path or os.path.join(os.path.dirname(args.data_path), "cache")
         return args.data_path, given, cache
     root = Path(args.data_cache_path or _default_cache_root())
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"  # pydoc text varies
-    kind = "sentencepiece" if given is None else f"{tokenizer_type(args)}-{Path(given).stem}"
+    kind = "sentencepiece" if given is None else f"{tokenizer_type(args)}-{_file_digest(given)}"
     out = root / f"bert-pydoc-{version}-{kind}"
     marker = out / "prepared.json"
     if dist.get_rank() == 0 and not marker.is_file():
@@ -118,6 +119,15 @@ def resolve_data(args: argparse.Namespace) -> tuple[str, str, str]:
     dist.barrier()
     prepared = json.loads(marker.read_text())
     return prepared["prefix"], prepared["tokenizer_file"], str(out / "cache")
+
+
+def _file_digest(path: str) -> str:
+    """The tokenizer file's stem and content: a folder prepared for another file of the
+    same name (another ``spm.model``) was reused, its tokenizer and data with it."""
+    import hashlib
+
+    digest = hashlib.md5(Path(path).read_bytes(), usedforsecurity=False).hexdigest()[:12]
+    return f"{Path(path).stem}-{digest}"
 
 
 def tokenizer_type(args: argparse.Namespace) -> str:
@@ -142,12 +152,14 @@ def _prepare_default_corpus(out: Path, marker: Path, args: argparse.Namespace) -
     from megatron_prt.megatron.tokenizer import WORDPIECE_TYPES
 
     wordpiece = args.vocab_file is not None and tokenizer_type(args) in WORDPIECE_TYPES
+    given = args.tokenizer_model or args.vocab_file
     print(f"preparing the embedded corpus (pydoc_data.topics) in {out} ...", flush=True)
     try:
         prepared = bert_data.prepare(
             out,
             vocab_file=args.vocab_file if wordpiece else None,
             tokenizer_model=None if wordpiece else args.tokenizer_model or args.vocab_file,
+            tokenizer_type=tokenizer_type(args) if given else None,
         )
     except bert_data.DataError as exc:
         refuse(str(exc))  # rank 0 only: the others wait at the barrier, torchrun ends them

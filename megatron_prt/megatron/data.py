@@ -107,12 +107,15 @@ def prepare(
     json_key: str = "text",
     vocab_file: str | os.PathLike | None = None,
     tokenizer_model: str | os.PathLike | None = None,
+    tokenizer_type: str | None = None,
 ) -> PreparedData:
     """Write a tokenizer and the sentence-level indexed dataset of the corpus (see
     :func:`corpus_documents`) into ``out_dir``, replacing an earlier preparation and its
     sample-index cache. The tokenizer: a SentencePiece model of ``vocab_size`` trained on the
     corpus's sentences (``tokenizer.model``), or a copy of ``tokenizer_model`` (SentencePiece)
-    or ``vocab_file`` (WordPiece ``vocab.txt``; needs ``transformers``). Documents with fewer
+    or ``vocab_file`` (WordPiece ``vocab.txt``; needs ``transformers``), loaded as
+    ``tokenizer_type`` (Megatron-LM's name; default: the file's kind, a ``vocab.txt`` as
+    ``BertWordPieceLowerCase``: give ``BertWordPieceCase`` for a cased one). Documents with fewer
     than 2 sentences are left out (BERT's binary head needs a pair). The same inputs give the
     same bytes. Raises :class:`DataError` when no document is left. The corpus is held in
     memory: for larger ones use ``train-tokenizer`` and ``preprocess``, which stream."""
@@ -128,7 +131,9 @@ def prepare(
             f"no document of {source} has {MIN_SENTENCES_PER_DOCUMENT} sentences: "
             "BERT needs sentence pairs (end sentences with . ! or ?)"
         )
-    tokenizer = _prepare_tokenizer(out, documents, vocab_size, vocab_file, tokenizer_model)
+    tokenizer = _prepare_tokenizer(
+        out, documents, vocab_size, vocab_file, tokenizer_model, tokenizer_type
+    )
     name = "pydoc" if input_path is None else Path(input_path).stem
     key = json_key if input_path is not None and is_json(input_path) else "text"
     (written,) = preprocess(
@@ -170,6 +175,7 @@ def _prepare_tokenizer(
     vocab_size: int,
     vocab_file: str | os.PathLike | None,
     tokenizer_model: str | os.PathLike | None,
+    tokenizer_type: str | None = None,
 ) -> Tokenizer:
     if vocab_file is not None and tokenizer_model is not None:
         raise DataError("pass --vocab-file (WordPiece) or --tokenizer-model, not both")
@@ -180,7 +186,8 @@ def _prepare_tokenizer(
             raise DataError(f"no such tokenizer file: {given}")
         if Path(given).resolve() != path.resolve():
             shutil.copyfile(given, path)
-        return load_tokenizer(path, "BertWordPieceLowerCase" if vocab_file else None)
+        default = "BertWordPieceLowerCase" if vocab_file else None
+        return load_tokenizer(path, tokenizer_type or default)
     started = time.perf_counter()
     sentences = [s for doc in documents for s in split_sentences(doc)]
     _progress(f"training a SentencePiece tokenizer of {vocab_size} on {len(sentences)} sentences")

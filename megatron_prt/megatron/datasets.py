@@ -5,6 +5,7 @@ sample) into one-line :class:`DataError` messages.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -212,6 +213,7 @@ def build_datasets(
     if not dist.is_initialized():
         raise DataError("torch.distributed is not initialised: call init_single_process_group()")
     check_indexed_dataset(prefix, tokenizer.vocab_size)
+    _check_bert_pad(tokenizer)
     epoch = samples_per_epoch(prefix, seq_length, split, seed, binary_head, short_seq_prob)
     sizes = [epoch[i] if n is None else n for i, n in enumerate(num_samples)]
     config = _bert_config(
@@ -229,6 +231,19 @@ def build_datasets(
         BERTMaskedWordPieceDataset, sizes, is_built_on_rank, config
     )
     return tuple(builder.build())
+
+
+def _check_bert_pad(tokenizer: Tokenizer) -> None:
+    """megatron-core's BERT samples take pad id 0 for granted: the padding mask holds the
+    pad id where it pads (any id >= 1 reads as "attend") and the segment types too, so with
+    another pad id every padded position was attended, without a word."""
+    if tokenizer.pad != 0:
+        raise DataError(
+            f"{tokenizer.path}: its pad id is {tokenizer.pad}; megatron-core's BERT dataset "
+            "needs pad id 0 (with another it marks padding as tokens to attend); train the "
+            "SentencePiece model with pad_id=0 (`python examples/bert_data.py prepare` trains "
+            "one) or give a WordPiece --vocab-file"
+        )
 
 
 def _bert_config(
@@ -300,12 +315,30 @@ def build_gpt_datasets(
 def _config_common(prefix, tokenizer, seq_length: int, split: str, seed: int, cache_dir) -> dict:
     """The BlendedMegatronDatasetConfig fields every dataset here sets alike: one prefix,
     megatron's split string, the sample index cached in ``cache_dir`` (default DIR/cache
-    beside the data)."""
+    beside the data), in a folder named by the data's content (:func:`data_digest`)."""
+    cache = cache_dir or os.path.join(os.path.dirname(prefix), "cache")
     return {
         "random_seed": seed,
         "sequence_length": seq_length,
         "blend": ([prefix], None),
         "split": split,
-        "path_to_cache": cache_dir or os.path.join(os.path.dirname(prefix), "cache"),
+        "path_to_cache": os.path.join(cache, data_digest(prefix)),
         "tokenizer": tokenizer,
     }
+
+
+def data_digest(prefix: str, edge: int = 1 << 16) -> str:
+    """A name for the data at ``prefix`` (``.bin`` and ``.idx``) that changes with it:
+    megatron-core keys its sample-index cache by path, tokenizer, seed, split and sample
+    count, not by content, so data rewritten at the same prefix loaded the old index (samples
+    across document ends, or past the new data's end). The sizes of both files and the
+    index's first and last ``edge`` bytes (reading whole indices of large corpora on every
+    start would cost seconds), the same on every copy of the data."""
+    digest = hashlib.md5(usedforsecurity=False)
+    for suffix in (".bin", ".idx"):
+        digest.update(str(os.path.getsize(prefix + suffix)).encode())
+    with open(prefix + ".idx", "rb") as index:
+        digest.update(index.read(edge))
+        index.seek(max(0, os.path.getsize(prefix + ".idx") - edge))
+        digest.update(index.read(edge))
+    return f"data-{digest.hexdigest()[:16]}"

@@ -47,14 +47,6 @@ _BYTE_PIECES = 256  # byte fallback: any character encodes, so decoding gives th
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 TOKENIZER_TYPES = SENTENCEPIECE_TYPES + WORDPIECE_TYPES
-_SP_SPECIALS = {
-    "pad_token": "<PAD>",
-    "cls_token": "<CLS>",
-    "sep_token": "<SEP>",
-    "mask_token": "<MASK>",
-    "bos_token": "<BOS>",
-    "eos_token": "<EOD>",
-}
 
 
 def pieces_note(size: int, asked: int) -> str:
@@ -197,13 +189,39 @@ def _load_sentencepiece(path: str) -> Any:
             tokenizer_path=path,
             metadata_path={"library": "sentencepiece", "model_type": "bert"},
             legacy=True,  # megatron-core reports cls/sep/mask only so
-            special_tokens=dict(_SP_SPECIALS),
+            special_tokens=_sp_specials(path),
         )
     except ModuleNotFoundError as exc:
         raise DataError(f"{exc}: pip install sentencepiece") from None
     except RuntimeError as exc:  # sentencepiece's "ParseFromArray failed"
         raise DataError(f"{path} is not a SentencePiece model ({exc})") from None
     return megatron
+
+
+def _sp_specials(path: str) -> dict[str, str]:
+    """megatron-core's special tokens for the SentencePiece model at ``path``, added in the
+    order of Megatron-LM's legacy ``_SentencePieceTokenizer``: ``<CLS>``, ``<SEP>``, ``<EOD>``
+    (megatron-core's eos: its data reads eod as eos), ``<MASK>``, then the model's own pad,
+    bos and eos pieces (``<PAD>``, ``<BOS>``, ``<EOS>`` where it has none). Pieces a model
+    lacks are appended in that order, so ids and vocabulary size come out as Megatron-LM's
+    (an order of our own gave a model trained elsewhere other ids: eod 805 for 802)."""
+    import sentencepiece
+
+    try:
+        model = sentencepiece.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as exc:  # sentencepiece's "ParseFromArray failed"
+        raise DataError(f"{path} is not a SentencePiece model ({exc})") from None
+
+    def own(index: int, default: str) -> str:
+        return model.id_to_piece(index) if 0 <= index < model.get_piece_size() else default
+
+    out = {"cls_token": "<CLS>", "sep_token": "<SEP>", "eos_token": "<EOD>"}
+    out |= {"mask_token": "<MASK>", "pad_token": own(model.pad_id(), "<PAD>")}
+    out["bos_token"] = own(model.bos_id(), "<BOS>")
+    eos = own(model.eos_id(), "<EOS>")
+    if eos != "<EOD>":  # Megatron-LM adds the model's eos too (ours is <EOD> itself)
+        out["legacy_eos_token"] = eos
+    return out
 
 
 def _load_wordpiece(path: str, lower_case: bool) -> Any:

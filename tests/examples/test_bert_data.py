@@ -438,3 +438,78 @@ def test_an_intact_dataset_passes_the_check(small):
     bert_data.check_indexed_dataset(small.prefix, vocab)
     with pytest.raises(bert_data.DataError, match="token id"):
         bert_data.check_indexed_dataset(small.prefix, 10)
+
+
+# ------------------------------------------------------------- data and tokenizer identity
+
+
+def _sample_count(rank, world, prefix, tokenizer_file, cache_dir):
+    tokenizer = bert_data.load_tokenizer(tokenizer_file)
+    datasets = bert_data.build_datasets(
+        prefix, tokenizer, SEQ, "80,10,10", (None, None, None), 1234, cache_dir=cache_dir
+    )
+    return len(datasets[0])
+
+
+def test_data_rewritten_at_a_prefix_gets_its_own_sample_index(prepared, tmp_path):
+    """megatron-core keys its sample-index cache by path, tokenizer, seed, split and count:
+    a corpus rewritten at the same prefix (preprocess leaves a --data-cache-path alone) read
+    the old index, samples across document ends (613 samples where 1267 are right)."""
+    cache = str(tmp_path / "shared-cache")
+    counts = []
+    for documents in (12, 40):
+        corpus = tmp_path / "book.txt"
+        corpus.write_text("\n\n".join(_user_documents(documents)) + "\n", encoding="utf-8")
+        out = bert_data.prepare(tmp_path / "out", corpus, tokenizer_model=prepared.tokenizer_file)
+        fresh = bert_data.samples_per_epoch(out.prefix, SEQ, "80,10,10", 1234, True)[0]
+        ((count,),) = [all_ok(run_local(1, _sample_count, out.prefix, out.tokenizer_file, cache))]
+        counts.append((count, fresh))
+    assert all(count == fresh for count, fresh in counts), counts
+    assert counts[0][0] != counts[1][0]
+
+
+def test_a_sentencepiece_model_trained_elsewhere_gets_megatron_lms_ids(tmp_path):
+    """Megatron-LM's legacy SentencePieceTokenizer appends <CLS> <SEP> <EOD> <MASK>, then
+    the model's own pad/bos/eos pieces; an order of our own gave eod 805 for 802."""
+    import sentencepiece
+
+    pytest.importorskip("megatron.core")
+    from megatron_prt.megatron.datasets import _check_bert_pad
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(_user_documents(200)), encoding="utf-8")
+    prefix = str(tmp_path / "ext")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(text), model_prefix=prefix, vocab_size=30, num_threads=1, minloglevel=2
+    )  # sentencepiece's defaults: unk 0, bos 1, eos 2, no pad piece
+    tokenizer = bert_data.load_tokenizer(prefix + ".model")
+    ids = (tokenizer.cls, tokenizer.sep, tokenizer.eod, tokenizer.mask, tokenizer.pad)
+    assert ids == (30, 31, 32, 33, 34) and tokenizer.vocab_size == 35
+    # megatron-core's BERT samples mark padding with the pad id: refused, not attended
+    with pytest.raises(bert_data.DataError, match="its pad id is 34"):
+        _check_bert_pad(tokenizer)
+
+
+def test_a_cased_vocab_prepares_cased(tmp_path, monkeypatch):
+    """prepare read every vocab.txt as BertWordPieceLowerCase: --tokenizer-type
+    BertWordPieceCase lower-cased the corpus while training read it cased."""
+    from megatron_prt.megatron import data
+
+    loaded = []
+
+    def load(path, tokenizer_type=None):
+        loaded.append(tokenizer_type)
+        raise data.DataError("stop here")
+
+    monkeypatch.setattr(data, "load_tokenizer", load)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nThe\n", encoding="utf-8")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat sat. The cat sat.\n", encoding="utf-8")
+    for given, expected in (
+        ("BertWordPieceCase", "BertWordPieceCase"),
+        (None, "BertWordPieceLowerCase"),
+    ):
+        with pytest.raises(data.DataError, match="stop here"):
+            bert_data.prepare(tmp_path / "out", corpus, vocab_file=vocab, tokenizer_type=given)
+        assert loaded.pop() == expected

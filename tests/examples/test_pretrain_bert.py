@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -533,10 +534,12 @@ def test_unloadable_tokenizer_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    digest = hashlib.md5(bogus.read_bytes(), usedforsecurity=False).hexdigest()[:12]
     assert errors == [f"pretrain_bert.py: error: {tmp_path}/cache/bert-pydoc-py"
                       f"{sys.version_info.major}.{sys.version_info.minor}-SentencePieceTokenizer-"
-                      "bogus/tokenizer.model is not a SentencePiece model (INTERNAL: could not "
-                      f"parse ModelProto from {errors[0].split(' from ')[-1]}"], errors  # fmt: skip
+                      f"bogus-{digest}/tokenizer.model is not a SentencePiece model (INTERNAL: "
+                      f"could not parse ModelProto from {errors[0].split(' from ')[-1]}"
+                      ], errors  # fmt: skip
     assert "Traceback" not in done.stderr
 
 
@@ -661,3 +664,14 @@ def test_auto_switches_split_backward_plans_under_overlapped_grad_reduce(data_ca
     flags += ["--pipeline-reuse-split-backward", "--overlap-grad-reduce"]
     output = launch(*flags, "--data-cache-path", data_cache, "--train-iters", "8")
     assert [int(line[0]) for line in progress(output)] == list(range(1, 9)), output[-3000:]
+
+
+def test_the_default_corpus_folder_follows_the_tokenizer_files_content(tmp_path):
+    """A folder prepared for one spm.model was reused for another file of the same name:
+    the run trained with the first one's tokenizer and data."""
+    first, second = tmp_path / "a" / "spm.model", tmp_path / "b" / "spm.model"
+    for path, content in ((first, b"one"), (second, b"two")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    names = {pretrain_bert._file_digest(str(path)) for path in (first, second)}
+    assert len(names) == 2 and all(name.startswith("spm-") for name in names)
