@@ -26,10 +26,13 @@ from .datasets import (
 from .preprocess import Written, dataset_prefix, encode_document, preprocess
 from .tokenizer import (
     DEFAULT_VOCAB_SIZE,
+    SENTENCEPIECE_TYPES,
     SPECIAL_TOKENS,
     TOKENIZER_TYPES,
+    WORDPIECE_TYPES,
     Tokenizer,
     build_tokenizer,
+    check_bert_pad,
     load_tokenizer,
     pieces_note,
     tokenizer_args,
@@ -134,6 +137,7 @@ def prepare(
     tokenizer = _prepare_tokenizer(
         out, documents, vocab_size, vocab_file, tokenizer_model, tokenizer_type
     )
+    check_bert_pad(tokenizer)  # before the corpus is written with it: BERT data only
     name = "pydoc" if input_path is None else Path(input_path).stem
     key = json_key if input_path is not None and is_json(input_path) else "text"
     (written,) = preprocess(
@@ -169,6 +173,23 @@ def prepare(
     return prepared
 
 
+def _check_tokenizer_type(kind: str | None, vocab_file, tokenizer_model) -> None:
+    """``--tokenizer-type`` names the kind of the file given: without one it was ignored (a
+    SentencePiece model trained), of another kind the file read as what it is not."""
+    if kind is None:
+        return
+    if vocab_file is None and tokenizer_model is None:
+        raise DataError(
+            f"--tokenizer-type {kind} names the type of a given tokenizer file: add "
+            "--vocab-file or --tokenizer-model, or drop it (prepare then trains a SentencePiece "
+            "model)"
+        )
+    wanted = WORDPIECE_TYPES if vocab_file is not None else SENTENCEPIECE_TYPES
+    if kind not in wanted:
+        flag = "--vocab-file" if vocab_file is not None else "--tokenizer-model"
+        raise DataError(f"--tokenizer-type {kind} with {flag}: give one of {', '.join(wanted)}")
+
+
 def _prepare_tokenizer(
     out: Path,
     documents: list[str],
@@ -179,6 +200,7 @@ def _prepare_tokenizer(
 ) -> Tokenizer:
     if vocab_file is not None and tokenizer_model is not None:
         raise DataError("pass --vocab-file (WordPiece) or --tokenizer-model, not both")
+    _check_tokenizer_type(tokenizer_type, vocab_file, tokenizer_model)
     given, name = (vocab_file, "vocab.txt") if vocab_file else (tokenizer_model, TOKENIZER_MODEL)
     path = out / name
     if given is not None:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from .corpus import DataError
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_bert_pad
 
 # megatron's build_mapping (helpers.cpp LONG_SENTENCE_LEN) skips any document holding a longer
 # sentence; preprocessing for BERT cuts longer sentences into pieces of at most this many.
@@ -202,7 +202,8 @@ def build_datasets(
 
     Collective: every rank of the initialised ``torch.distributed`` group calls it (see
     :func:`init_single_process_group`); rank 0 builds the sample index into ``cache_dir``
-    (default DIR/cache beside the data). Raises :class:`DataError` where megatron would fail
+    (default DIR/cache beside the data; a folder per data content, :func:`data_digest`).
+    Raises :class:`DataError` where megatron would fail
     or hang (see :func:`samples_per_epoch`)."""
     import torch.distributed as dist
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
@@ -213,7 +214,7 @@ def build_datasets(
     if not dist.is_initialized():
         raise DataError("torch.distributed is not initialised: call init_single_process_group()")
     check_indexed_dataset(prefix, tokenizer.vocab_size)
-    _check_bert_pad(tokenizer)
+    check_bert_pad(tokenizer)
     epoch = samples_per_epoch(prefix, seq_length, split, seed, binary_head, short_seq_prob)
     sizes = [epoch[i] if n is None else n for i, n in enumerate(num_samples)]
     config = _bert_config(
@@ -233,19 +234,6 @@ def build_datasets(
     return tuple(builder.build())
 
 
-def _check_bert_pad(tokenizer: Tokenizer) -> None:
-    """megatron-core's BERT samples take pad id 0 for granted: the padding mask holds the
-    pad id where it pads (any id >= 1 reads as "attend") and the segment types too, so with
-    another pad id every padded position was attended, without a word."""
-    if tokenizer.pad != 0:
-        raise DataError(
-            f"{tokenizer.path}: its pad id is {tokenizer.pad}; megatron-core's BERT dataset "
-            "needs pad id 0 (with another it marks padding as tokens to attend); train the "
-            "SentencePiece model with pad_id=0 (`python examples/bert_data.py prepare` trains "
-            "one) or give a WordPiece --vocab-file"
-        )
-
-
 def _bert_config(
     prefix: str,
     tokenizer: Tokenizer,
@@ -259,8 +247,7 @@ def _bert_config(
     short_seq_prob: float,
 ):
     """pretrain_bert.py's ``BERTMaskedWordPieceDatasetConfig`` for :func:`build_datasets`:
-    whole-word masking of up to 3-grams, sample index cached in ``cache_dir`` (default
-    DIR/cache beside the data)."""
+    whole-word masking of up to 3-grams, sample index cached as :func:`_config_common` says."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 
     return BERTMaskedWordPieceDatasetConfig(
@@ -333,7 +320,9 @@ def data_digest(prefix: str, edge: int = 1 << 16) -> str:
     count, not by content, so data rewritten at the same prefix loaded the old index (samples
     across document ends, or past the new data's end). The sizes of both files and the
     index's first and last ``edge`` bytes (reading whole indices of large corpora on every
-    start would cost seconds), the same on every copy of the data."""
+    start would cost seconds), the same on every copy of the data. A rewrite keeping both
+    sizes and the index's ends (sentence lengths permuted in the middle alone) would still
+    read the old index: remove the cache folder after such a rewrite."""
     digest = hashlib.md5(usedforsecurity=False)
     for suffix in (".bin", ".idx"):
         digest.update(str(os.path.getsize(prefix + suffix)).encode())

@@ -29,7 +29,13 @@ def gather_on_last_rank(
     rank = dist.get_rank(group)
     if senders and rank in senders:
         payload = (_to_cpu(store), num_tokens)
-        _send_object(payload, dist.get_global_rank(group, last_rank), group, device, timeout_s)
+        try:
+            _send_object(payload, dist.get_global_rank(group, last_rank), group, device, timeout_s)
+        except RuntimeError as exc:  # gloo/NCCL: the receiver closed or a timeout
+            raise PipelineError(
+                f"rank {rank}: sending the losses of its last stages to rank {last_rank}: "
+                f"{str(exc).splitlines()[0]} (rank {last_rank} may have failed or be stuck)"
+            ) from exc
         store = {}
     elif senders and rank == last_rank:
         for sender in senders:

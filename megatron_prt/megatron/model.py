@@ -339,12 +339,13 @@ def tie_grads(
     def apply(stage, received, own):
         grad(stage).copy_((own + received).view_as(grad(stage)))
 
-    exchange_pairs(
-        _tied_pairs(reuse, stages),
-        reuse.placement.rank_of,
-        group,
-        lambda stage: grad(stage).reshape(-1),
-        apply,
-        both_ways=True,
-        timeout_s=timeout_s,
-    )
+    with collective("the tied embedding gradient sum", group):  # a failed wait names it
+        exchange_pairs(
+            _tied_pairs(reuse, stages),
+            reuse.placement.rank_of,
+            group,
+            lambda stage: grad(stage).reshape(-1),
+            apply,
+            both_ways=True,
+            timeout_s=timeout_s,
+        )

@@ -176,6 +176,19 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_type: str | None = None) -
     raise DataError(f"--tokenizer-type {tokenizer_type}: expected one of {TOKENIZER_TYPES}")
 
 
+def check_bert_pad(tokenizer: Tokenizer) -> None:
+    """megatron-core's BERT samples take pad id 0 for granted: the padding mask holds the
+    pad id where it pads (any id >= 1 reads as "attend") and the segment types too, so with
+    another pad id every padded position was attended, without a word."""
+    if tokenizer.pad != 0:
+        raise DataError(
+            f"{tokenizer.path}: its pad id is {tokenizer.pad}; megatron-core's BERT dataset "
+            "needs pad id 0 (with another it marks padding as tokens to attend); train the "
+            "SentencePiece model with pad_id=0 (`python examples/bert_data.py prepare` trains "
+            "one) or give a WordPiece --vocab-file"
+        )
+
+
 def _infer_type(path: str) -> str:
     """A ``.txt`` is a WordPiece vocab (one token a line), anything else a SentencePiece model."""
     return "BertWordPieceLowerCase" if path.endswith(".txt") else "SentencePieceTokenizer"

@@ -474,7 +474,7 @@ def test_a_sentencepiece_model_trained_elsewhere_gets_megatron_lms_ids(tmp_path)
     import sentencepiece
 
     pytest.importorskip("megatron.core")
-    from megatron_prt.megatron.datasets import _check_bert_pad
+    from megatron_prt.megatron.tokenizer import check_bert_pad
 
     text = tmp_path / "text.txt"
     text.write_text("\n".join(_user_documents(200)), encoding="utf-8")
@@ -487,7 +487,12 @@ def test_a_sentencepiece_model_trained_elsewhere_gets_megatron_lms_ids(tmp_path)
     assert ids == (30, 31, 32, 33, 34) and tokenizer.vocab_size == 35
     # megatron-core's BERT samples mark padding with the pad id: refused, not attended
     with pytest.raises(bert_data.DataError, match="its pad id is 34"):
-        _check_bert_pad(tokenizer)
+        check_bert_pad(tokenizer)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(_user_documents(4)), encoding="utf-8")
+    with pytest.raises(bert_data.DataError, match="its pad id is 34"):  # before writing data
+        bert_data.prepare(tmp_path / "out", corpus, tokenizer_model=prefix + ".model")
+    assert not list((tmp_path / "out").glob("*.bin"))
 
 
 def test_a_cased_vocab_prepares_cased(tmp_path, monkeypatch):
@@ -513,3 +518,11 @@ def test_a_cased_vocab_prepares_cased(tmp_path, monkeypatch):
         with pytest.raises(data.DataError, match="stop here"):
             bert_data.prepare(tmp_path / "out", corpus, vocab_file=vocab, tokenizer_type=given)
         assert loaded.pop() == expected
+    # a type without its file was ignored; one of another kind read the file as it is not
+    for files, said in (
+        ({}, "names the type of a given tokenizer file"),
+        ({"tokenizer_model": vocab}, "BertWordPieceCase with --tokenizer-model: give one of"),
+    ):
+        with pytest.raises(data.DataError, match=said):
+            bert_data.prepare(tmp_path / "o2", corpus, tokenizer_type="BertWordPieceCase", **files)
+    assert not loaded

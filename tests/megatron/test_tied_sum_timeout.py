@@ -61,6 +61,7 @@ def test_the_tied_sum_waits_no_longer_than_the_timeout():
     status, outcome = results[0]
     assert status == "ok" and outcome[0] == "raised", results
     assert outcome[1] < 15, outcome  # bounded by timeout_s, not the group's
+    assert "the tied embedding gradient sum failed: rank(s) [1]" in outcome[2], outcome
 
 
 def _gather(rank, world, sender_sends: bool):
