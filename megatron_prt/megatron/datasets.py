@@ -314,20 +314,27 @@ def _config_common(prefix, tokenizer, seq_length: int, split: str, seed: int, ca
     }
 
 
-def data_digest(prefix: str, edge: int = 1 << 16) -> str:
+def data_digest(prefix: str, whole: int = 1 << 26, edge: int = 1 << 16) -> str:
     """A name for the data at ``prefix`` (``.bin`` and ``.idx``) that changes with it:
     megatron-core keys its sample-index cache by path, tokenizer, seed, split and sample
     count, not by content, so data rewritten at the same prefix loaded the old index (samples
-    across document ends, or past the new data's end). The sizes of both files and the
-    index's first and last ``edge`` bytes (reading whole indices of large corpora on every
-    start would cost seconds), the same on every copy of the data. A rewrite keeping both
-    sizes and the index's ends (sentence lengths permuted in the middle alone) would still
-    read the old index: remove the cache folder after such a rewrite."""
+    across document ends, or past the new data's end). The sizes of both files and the whole
+    index (sentence lengths and document bounds, what the sample index is made of) up to
+    ``whole`` bytes (64 MiB: some 5 million sentences, 0.1 s); beyond, its first and last
+    ``edge`` bytes (reading a larger index on every start would cost seconds). The same on
+    every copy of the data. Beyond ``whole``, a rewrite keeping both sizes and the index's
+    ends (sentence lengths permuted in the middle alone) would still read the old index:
+    remove the cache folder after such a rewrite."""
     digest = hashlib.md5(usedforsecurity=False)
     for suffix in (".bin", ".idx"):
         digest.update(str(os.path.getsize(prefix + suffix)).encode())
+    size = os.path.getsize(prefix + ".idx")
     with open(prefix + ".idx", "rb") as index:
-        digest.update(index.read(edge))
-        index.seek(max(0, os.path.getsize(prefix + ".idx") - edge))
-        digest.update(index.read(edge))
+        if size <= whole:
+            for block in iter(lambda: index.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            digest.update(index.read(edge))
+            index.seek(size - edge)
+            digest.update(index.read(edge))
     return f"data-{digest.hexdigest()[:16]}"

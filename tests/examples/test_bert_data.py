@@ -526,3 +526,18 @@ def test_a_cased_vocab_prepares_cased(tmp_path, monkeypatch):
         with pytest.raises(data.DataError, match=said):
             bert_data.prepare(tmp_path / "o2", corpus, tokenizer_type="BertWordPieceCase", **files)
     assert not loaded
+
+
+def test_the_data_digest_reads_the_whole_index_up_to_its_limit(tmp_path):
+    """A rewrite that keeps both sizes and the index's ends (sentence lengths permuted in
+    the middle) is told apart while the index is within the limit, not beyond it."""
+    from megatron_prt.megatron.datasets import data_digest
+
+    names = {}
+    for name, middle in (("a", b"\x01\x02"), ("b", b"\x02\x01")):
+        prefix = str(tmp_path / name)
+        Path(prefix + ".bin").write_bytes(b"\x00" * 8)
+        Path(prefix + ".idx").write_bytes(b"H" * 40 + middle + b"T" * 40)
+        names[name] = (data_digest(prefix), data_digest(prefix, whole=64, edge=16))
+    assert names["a"][0] != names["b"][0]  # the whole index: 82 bytes <= 64 MiB
+    assert names["a"][1] == names["b"][1]  # beyond the limit: the ends alone
