@@ -23,6 +23,13 @@ PLACEMENTS = ("loop", "wave")
 DIRECTIONS = ("uni", "bi")
 
 
+def cut_index(stage: int, other: int, depth: int) -> int:
+    """The cut an edge between neighbouring stages ``stage`` and ``other`` crosses: ``k``,
+    the boundary of model stages ``k`` and ``k + 1`` (a pipeline of ``depth`` stages; bi's
+    pipeline 1, stages ``D .. 2D - 1``, crosses the same cuts as pipeline 0)."""
+    return min(stage, other) % depth
+
+
 class ConfigError(ValueError):
     """A configuration that cannot be planned; the message names the knob and the fix."""
 

@@ -12,6 +12,7 @@ from operator import itemgetter
 from .actions import Action, Op
 from .deps import producers
 from .grid import format_grid
+from .placement import cut_index
 from .plan import Plan
 from .timing import StageTimes
 
@@ -57,7 +58,7 @@ class Ticks:
         """Ticks the edge between neighbouring stages ``stage`` and ``other`` adds when it
         crosses ranks (:meth:`StageTimes.cut_hop`)."""
         if isinstance(self.hop, tuple):
-            return self.hop[min(stage, other) % (len(self.hop) + 1)]
+            return self.hop[cut_index(stage, other, len(self.hop) + 1)]
         return self.hop
 
 
@@ -269,7 +270,7 @@ class Replayer:
     def _run_per_cut(self, times: StageTimes, tick: float, duration: list[int]) -> Ticks:
         """:meth:`run_ticks` where the cuts' hops differ: each edge adds its own cut's hop
         (the uniform loop stays free of the per-edge lookups)."""
-        first_hop, second_hop = self.edge_hops(times)
+        first_hop, second_hop = self._edge_hops(times)
         (first_dep, second_dep), rank_of = self._dep, self.rank_of
         end = [0] * (len(duration) + 2)
         free = [0] * self.placement.ranks
@@ -281,7 +282,7 @@ class Replayer:
         del end[len(duration) :]
         return Ticks(end, duration, times.p2p, tick)
 
-    def edge_hops(self, times: StageTimes) -> tuple[list, list]:
+    def _edge_hops(self, times: StageTimes) -> tuple[list, list]:
         """Per action, for its two producer slots: the hop that edge adds under ``times``
         (0 on one rank; :meth:`StageTimes.cut_hop` across ranks)."""
         split = any(op is Op.I for _, op in self.kinds)

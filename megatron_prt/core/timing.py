@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .actions import Action, Op
+from .placement import cut_index
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class StageTimes:
         caller knows whether they do."""
         if not isinstance(self.p2p, tuple):
             return self.p2p
-        return self.p2p[min(stage, other) % len(self.fwd)]
+        return self.p2p[cut_index(stage, other, len(self.fwd))]
 
     def busy(self, action: Action, placement) -> float:
         """Rank time of ``action``: its compute plus ``p2p_cpu`` per message it receives or

@@ -121,6 +121,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import accumulate
 
 from ..core.layers import check_stage_layers, even_layers
 from ..core.placement import ConfigError, Placement
@@ -133,7 +134,7 @@ from .cost_checks import (
     check_stage_entry,
     check_value_types,
 )
-from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost, layer_input_bytes
+from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost, messages_after
 from .model_shape import check_shape
 from .recompute import KEPT, RECOMPUTED_IN_BLOCK, fold_blocks, layer_roles, runs_whole_blocks
 
@@ -270,7 +271,7 @@ class CostModel:
                 "megatron's uniform method recomputes whole blocks of each stage: give a "
                 f"block size that divides {len(self.layers)}, or --recompute-method block"
             )
-        inputs = layer_input_bytes(self.layers, self.embedding, self.message_bytes)
+        inputs = messages_after(self.layers, self.embedding, self.message_bytes)[:-1]
         folded = fold_blocks(self.layers, unit, granularity, inputs)
         model = replace(self.with_recompute(None), layers=folded, stage_layers=(), kept_split=False)
         return model, unit
@@ -291,7 +292,7 @@ class CostModel:
         """Per transformer layer: ``(bytes kept for backward, backward time)`` under the
         recomputation setting, with stages of ``counts`` layers (:meth:`layer_roles`)."""
         out = []
-        inputs = layer_input_bytes(self.layers, self.embedding, self.message_bytes)
+        inputs = messages_after(self.layers, self.embedding, self.message_bytes)[:-1]
         roles = self.layer_roles(counts)
         for layer, role, size in zip(self.layers, roles, inputs, strict=True):
             if role == KEPT:
@@ -431,13 +432,8 @@ class CostModel:
         """Bytes crossing each cut (``k``: after stage ``k``) of stages of ``counts`` layers:
         ``out_bytes`` of the last layer before it (the embedding's before every layer; an
         empty stage passes on what it received), ``message_bytes`` where it gives none."""
-        out, done = [], 0
-        for count in counts[:-1]:
-            done += count
-            last = self.layers[done - 1] if done else self.embedding
-            size = None if last is None else last.out_bytes
-            out.append(self.message_bytes if size is None else size)
-        return tuple(out)
+        sent = messages_after(self.layers, self.embedding, self.message_bytes)
+        return tuple(sent[done] for done in accumulate(counts[:-1]))
 
     def stage_wgrad_times(self, depth: int) -> tuple[float, ...] | None:
         """Weight-gradient (W) time of every model stage; ``None`` when the model gives no

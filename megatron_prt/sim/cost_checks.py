@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 from ..core.placement import ConfigError
-from .layer_cost import layer_input_bytes
+from .layer_cost import messages_after
 from .recompute import check_recompute
 
 _ENDS = ("embedding", "head", "stage")  # a cost file's entries beside its layer list
@@ -137,7 +137,7 @@ def check_recompute_costs(model) -> None:
             "selective_act / selective_bwd (selective has no derivation); profile with "
             "`megatron-prt profile ... --recompute-granularity selective`"
         )
-    inputs = layer_input_bytes(model.layers, model.embedding, None)
+    inputs = messages_after(model.layers, model.embedding, None)[:-1]
     unsized = [
         i
         for i, (layer, size) in enumerate(zip(model.layers, inputs, strict=True))

@@ -137,12 +137,14 @@ class LayerCost:
             raise ConfigError(f"cost {where}: {str(exc).removeprefix('layer cost ')}") from None
 
 
-def layer_input_bytes(layers, embedding: LayerCost | None, unknown: float | None) -> list:
-    """Per layer, the bytes of its input (what a recomputed layer or block keeps): the
-    ``out_bytes`` of the entry before it (the embedding's before the first), ``unknown``
-    where that entry gives none."""
-    before = [embedding, *layers[:-1]]
-    return [unknown if e is None or e.out_bytes is None else e.out_bytes for e in before]
+def messages_after(layers, embedding: LayerCost | None, unknown: float | None) -> list:
+    """``out[k]``, ``k = 0 .. len(layers)``: the bytes a stage ending after the first ``k``
+    layers sends (``k = 0``: after the embedding), which is also layer ``k``'s input (what
+    a recomputed layer or block keeps): that entry's ``out_bytes``, ``unknown`` where it
+    gives none."""
+    return [
+        unknown if e is None or e.out_bytes is None else e.out_bytes for e in (embedding, *layers)
+    ]
 
 
 LAYER_NUMBERS = tuple(LayerCost.__dataclass_fields__)  # fwd, bwd, act, param, then optional

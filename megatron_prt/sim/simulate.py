@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from ..core.actions import Action, Op
 from ..core.deps import consumers_map
-from ..core.placement import Placement
+from ..core.placement import Placement, cut_index
 from ..core.plan import Plan
 from ..core.replay import Timeline, replay
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
@@ -193,7 +193,7 @@ def _count_messages(plan: Plan, timeline: Timeline, cut_bytes: tuple[float, ...]
     rank_of = placement.stage_to_rank
     consumers = consumers_map(timeline.start, placement, plan.split_backward)
     crossing = [
-        min(action.stage, user.stage) % placement.depth
+        cut_index(action.stage, user.stage, placement.depth)
         for action, users in consumers.items()
         for user in users
         if rank_of[user.stage] != rank_of[action.stage]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..core.actions import Op
-from ..core.placement import ConfigError
+from ..core.placement import ConfigError, cut_index
 from ..core.replay import Replayer, Ticks
 from .memory import dot, format_bytes
 from .problem import Problem, StageCosts
@@ -104,7 +104,7 @@ def critical_path(replayer: Replayer, ticks: Ticks) -> tuple[list[float], list[f
             (None, False),
         )
         if crosses:
-            hop_coef[min(actions[i].stage, stage) % placement.depth] += 1
+            hop_coef[cut_index(actions[i].stage, stage, placement.depth)] += 1
     return fwd_coef, bwd_coef, hop_coef
 
 

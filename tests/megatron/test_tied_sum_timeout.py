@@ -17,6 +17,10 @@ from megatron_prt.core import Placement
 from megatron_prt.megatron.config import ReuseConfig
 from megatron_prt.runtime.local import run_local
 
+# Below the local group's own timeout (60 s): a wait bounded only by the group's timeout
+# leaves the waiting rank running past it, reported "killed" instead of raising.
+DEADLINE_S = 40
+
 
 class _Tied(torch.nn.Module):
     """A chunk that shares its word embedding with its output layer (megatron's contract)."""
@@ -41,13 +45,12 @@ def _sum(rank, world, peer_joins: bool):
     stages = {rank: _Tied()}
     stages[rank].weight.grad.fill_(rank + 1.0)
     if rank == 1 and not peer_joins:
-        time.sleep(20)  # alive, past the step, never summing
+        time.sleep(600)  # alive, past the step, never summing (killed once rank 0 reports)
         return None
-    start = time.monotonic()
     try:
         tie_grads(reuse, stages, dist.group.WORLD, "grad", timeout_s=2.0)
     except RuntimeError as exc:
-        return ("raised", time.monotonic() - start, str(exc).splitlines()[0])
+        return ("raised", str(exc).splitlines()[0])
     return ("summed", stages[rank].weight.grad.tolist())
 
 
@@ -57,11 +60,10 @@ def test_the_tied_sum_adds_both_gradients():
 
 
 def test_the_tied_sum_waits_no_longer_than_the_timeout():
-    results = run_local(2, _sum, False, deadline_s=120, wait_for=[0])
+    results = run_local(2, _sum, False, deadline_s=DEADLINE_S, wait_for=[0])
     status, outcome = results[0]
     assert status == "ok" and outcome[0] == "raised", results
-    assert outcome[1] < 15, outcome  # bounded by timeout_s, not the group's
-    assert "the tied embedding gradient sum failed: rank(s) [1]" in outcome[2], outcome
+    assert "the tied embedding gradient sum failed: rank(s) [1]" in outcome[1], outcome
 
 
 def _gather(rank, world, sender_sends: bool):
@@ -73,15 +75,14 @@ def _gather(rank, world, sender_sends: bool):
     store = {mb: {"lm loss": torch.tensor([float(mb), 1.0])} for mb in range(4)} if not rank else {}
     tokens = torch.tensor(4 if not rank else 0)
     if rank == 0 and not sender_sends:
-        time.sleep(20)
+        time.sleep(600)
         return None
-    start = time.monotonic()
     try:
         entries, tokens = gather_on_last_rank(
             reuse, dist.group.WORLD, store, tokens, torch.device("cpu"), timeout_s=2.0
         )
     except RuntimeError as exc:
-        return ("raised", time.monotonic() - start, str(exc).splitlines()[0])
+        return ("raised", str(exc).splitlines()[0])
     return ("gathered", [e["lm loss"].tolist() for e in entries], int(tokens))
 
 
@@ -93,7 +94,7 @@ def test_the_losses_reach_the_last_rank():
 
 def test_the_loss_gather_waits_no_longer_than_the_timeout():
     """It waited the process group's timeout for a sender stuck after the step."""
-    results = run_local(2, _gather, False, deadline_s=120, wait_for=[1])
+    results = run_local(2, _gather, False, deadline_s=DEADLINE_S, wait_for=[1])
     status, outcome = results[1]
     assert status == "ok" and outcome[0] == "raised", results
-    assert outcome[1] < 15 and "waiting on rank 0 for the losses" in outcome[2], outcome
+    assert "waiting on rank 0 for the losses" in outcome[1], outcome
