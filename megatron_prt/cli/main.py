@@ -460,6 +460,8 @@ def _metrics_text(result: SimResult, seconds: bool = False) -> str:
             f"replica sync    {result.replica_sync_time:.6g} added to the makespan  "
             f"({result.replica_bytes:.6g} gradient bytes sent)"
         )
+    if result.tied_sync_time:
+        rows.append(f"tied emb sum    {result.tied_sync_time:.6g} added to the makespan")
     header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
     rows += ["", header + ("  replica_wait  replica_sync" if bi else "")]
     for r in result.per_rank:

@@ -143,6 +143,14 @@ class Placement:
             return ()
         return tuple((k, self.depth + k) for k in range(self.depth))
 
+    def end_pairs(self) -> tuple[tuple[int, int], ...]:
+        """``(first, last)`` stage of each pipeline: where a model that ties its input
+        embedding to its output weight holds the two copies whose gradients are summed
+        after the step (one pair per pipeline, so two under ``bi``). Both on one rank (wave
+        with even R) the sum is local; a pipeline of one stage (D = 1) holds the weight
+        once, so it has no pair."""
+        return tuple((p[0], p[-1]) for p in self.pipelines if len(p) > 1)
+
     def is_first(self, stage: int) -> bool:
         return stage % self.depth == 0
 

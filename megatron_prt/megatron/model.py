@@ -281,10 +281,8 @@ def _shares_embeddings(module) -> bool:
 
 def _tied_pairs(reuse: ReuseConfig, stages: Mapping[int, torch.nn.Module]):
     """(first stage, last stage) of each pipeline whose model ties its embeddings."""
-    placement = reuse.placement
-    pairs = [(p[0], p[-1]) for p in placement.pipelines]
     any_module = next(iter(stages.values()))
-    return pairs if _shares_embeddings(unwrap(any_module)) else []
+    return list(reuse.placement.end_pairs()) if _shares_embeddings(unwrap(any_module)) else []
 
 
 def chunks_summed_after_schedule(placement, rank: int, chunks: list) -> set[int]:
@@ -296,7 +294,7 @@ def chunks_summed_after_schedule(placement, rank: int, chunks: list) -> set[int]
         return set(range(len(chunks)))
     if not any(_shares_embeddings(unwrap(chunk)) for chunk in chunks):
         return set()
-    ends = {stage for pipeline in placement.pipelines for stage in (pipeline[0], pipeline[-1])}
+    ends = {stage for pair in placement.end_pairs() for stage in pair}
     return {c for c, stage in enumerate(placement.rank_stages[rank]) if stage in ends}
 
 

@@ -49,6 +49,8 @@ the simulator and the partitioner read (:class:`megatron_prt.sim.cost.CostModel`
 * ``grad``: the gradient bytes alone, ``parameters *`` :func:`grad_bytes_per_param` (what
   direction ``bi`` sums between the two weight replicas of a stage).
 * ``message_bytes``: one activation between stages, ``seq * mbs * hidden * dtype size``.
+* ``tied_grad_bytes`` (tied embeddings only): the tied weight's gradient bytes, which the
+  first and last stages' copies sum after each step (:mod:`megatron_prt.sim.replica_sync`).
 * the totals are the whole model (layers, embedding and head), one micro-batch.
 * ``model``: the shape profiled (:mod:`megatron_prt.sim.model_shape`), which tune copies
   into plan files and the training flags are compared with.
@@ -198,6 +200,7 @@ def profile_model(
         shape = (seq_length, micro_batch_size, vocab_size, device)
         build = partial(build_model, kind, transformer_impl=transformer_impl)
         fwd, bwd, act, params = _measure(build, kind, config(), shape, reps, say)
+        tied = params.pop("tied")
         costs = _part_costs(fwd, bwd, act, params, torch_dtype, bytes_per_param)
         if split_backward:  # as many passes again
             _add_split_form(costs, build, kind, config(), shape, reps, say)
@@ -209,6 +212,8 @@ def profile_model(
         _all_layers(costs, num_layers), costs["embedding"], costs["head"], message_bytes, stage
     )
     result["model"] = {**_shape(kind, sizes, dtype, transformer_impl, device), **dropout}
+    if tied:  # the first and last stages' copies are summed after each step
+        result["tied_grad_bytes"] = tied * grad_bytes_per_param(torch_dtype)
     if recompute_granularity is not None:
         names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
         result.update(zip(names, recompute, strict=True))
@@ -532,13 +537,16 @@ def _activation_bytes(step, parts: Parts, model: torch.nn.Module) -> dict:
 
 
 def _param_counts(model: torch.nn.Module, parts: Parts) -> dict:
-    """Parameters per part; the head also counts a tied output weight's copy."""
+    """Parameters per part; the head also counts a tied output weight's copy, and
+    ``"tied"`` (not a part) the tied weight's own count, 0 when untied."""
     counts: dict = {"embedding": _numel(parts.embedding)}
     for i, layer in enumerate(parts.layers):
         counts[i] = _numel(layer)
     counts["head"] = _numel(model) - sum(counts.values())
+    counts["tied"] = 0
     if getattr(model, "share_embeddings_and_output_weights", False):
-        counts["head"] += model.shared_embedding_or_output_weight().numel()
+        counts["tied"] = model.shared_embedding_or_output_weight().numel()
+        counts["head"] += counts["tied"]
     return counts
 
 

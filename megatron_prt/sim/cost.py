@@ -58,6 +58,13 @@ transfer). All three default to free, which leaves every prediction without the 
     {"fwd_time": 3.0, "bwd_time": 6.0, "param_bytes": 1.6e9, "grad_bytes": 4e8,
      "replica_latency": 0.02, "replica_bandwidth": 2e10, "replica_add_bandwidth": 5e10}
 
+Tied embedding sum (``tied_grad_bytes``, default 0: none). A model that ties its input
+embedding to its output weight (megatron's GPT by default, BERT) holds a copy on each
+pipeline's first and last stage and sums their gradients after the step, after any
+replica sum (:mod:`megatron_prt.sim.replica_sync`). ``tied_grad_bytes`` is one copy's
+gradient; the sum is priced as the replica sum is (the same exchange, the same ``replica_*``
+costs); with both stages on one rank (wave with even R) it is an add in place, no exchange.
+
 ``grad`` (``grad_bytes`` for the whole model) defaults to ``param / 4``
 (:data:`PARAM_BYTES_PER_GRAD_BYTE`): ``param`` counts 16 bytes per parameter in fp32 Adam
 (weight, gradient and two moments, 4 bytes each), of which the gradient is 4.
@@ -117,7 +124,6 @@ and keeps the W split of its linear layers::
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -133,6 +139,7 @@ from .cost_checks import (
     check_some_compute,
     check_stage_entry,
     check_value_types,
+    read_json,
 )
 from .layer_cost import PARAM_BYTES_PER_GRAD_BYTE, LayerCost, messages_after
 from .model_shape import check_shape
@@ -143,7 +150,7 @@ DEFAULT_WGRAD_FRACTION = 0.5
 
 _NON_NEGATIVE = (  # CostModel's fields that may be 0
     "fwd_time bwd_time p2p_latency p2p_cpu activation_bytes param_bytes message_bytes "
-    "replica_latency"
+    "replica_latency tied_grad_bytes"
 ).split()
 
 
@@ -165,6 +172,7 @@ class CostModel:
     replica_latency: float = 0.0  # bi: per exchange between two mirrored ranks
     replica_bandwidth: float = math.inf  # bi: gradient bytes per time unit, each way
     replica_add_bandwidth: float = math.inf  # bi: received gradient bytes summed per time unit
+    tied_grad_bytes: float = 0.0  # one copy of the tied embedding / output weight's gradient
     wgrad_fraction: float | None = None  # split backward: W share of bwd; None: 0.5
     wgrad_keep_fraction: float = WGRAD_KEEP_FRACTION  # share of act W holds after I
     recompute_granularity: str | None = None  # megatron's: None, "full" or "selective"
@@ -335,7 +343,7 @@ class CostModel:
         return self._each_entry(lambda part: part.split_scaled(factor))
 
     def without_replica_sync(self) -> CostModel:
-        """This cost model with a free replica-gradient sum."""
+        """This cost model with free sums after the step (the replica and tied sums)."""
         return replace(
             self, replica_latency=0.0, replica_bandwidth=math.inf, replica_add_bandwidth=math.inf
         )
@@ -561,16 +569,7 @@ class CostModel:
         Raises :class:`ConfigError` whose message starts with ``path`` and names the key at
         fault, for a missing or unreadable file, text that is not JSON, and JSON of the wrong
         shape: not an object, unknown or missing keys, a value of the wrong type or range."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise ConfigError(
-                f"{path}: {exc.strerror or exc}; give the path of a cost JSON "
-                "(`megatron-prt profile ... -o FILE` writes one)"
-            ) from exc
-        except ValueError as exc:  # not JSON, or not UTF-8
-            raise ConfigError(f"{path}: not JSON ({exc})") from exc
+        data = read_json(path)
         try:
             check_value_types(data, CostModel, LayerCost)
             return cls.from_dict(data)
@@ -587,6 +586,7 @@ _OPTIONAL_KEYS = {
     "replica_latency": 0.0,
     "replica_bandwidth": math.inf,
     "replica_add_bandwidth": math.inf,
+    "tied_grad_bytes": 0.0,
     "wgrad_fraction": None,
     "wgrad_keep_fraction": WGRAD_KEEP_FRACTION,
     **dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers")),

@@ -3,6 +3,7 @@ reads them (stdlib only)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -11,6 +12,21 @@ from .layer_cost import messages_after
 from .recompute import check_recompute
 
 _ENDS = ("embedding", "head", "stage")  # a cost file's entries beside its layer list
+
+
+def read_json(path: str) -> object:
+    """A cost file's JSON; a missing or unreadable file, or text that is not JSON, raises
+    :class:`ConfigError` naming ``path``."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigError(
+            f"{path}: {exc.strerror or exc}; give the path of a cost JSON "
+            "(`megatron-prt profile ... -o FILE` writes one)"
+        ) from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ConfigError(f"{path}: not JSON ({exc})") from exc
 
 
 def check_value_types(data: object, model: type, layer: type) -> None:

@@ -13,9 +13,11 @@ before their producer ends, the runtime's gloo, shared-memory and NCCL ``early_r
 (:mod:`megatron_prt.sim.posting` also models NCCL without it).
 
 Direction ``bi`` ends with the replica-gradient sum (:mod:`megatron_prt.sim.replica_sync`):
-each rank pair starts it once both have finished their compute, and the makespan is the
-last rank's end of it. It is free unless the cost model sets the ``replica_*`` costs; its
-time counts as idle (not busy) in the per-rank stats and the bubble fraction.
+each rank pair starts it once both have finished their compute; a model with tied
+embeddings (``tied_grad_bytes``) then sums its first and last stages' copies, each pair once
+both ranks are through the step and the replica sum; the makespan is the last rank's end of
+either. Both are free unless the cost model sets the ``replica_*`` costs; their time counts
+as idle (not busy) in the per-rank stats and the bubble fraction.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..core.plan import Plan
 from ..core.replay import Timeline, replay
 from ..core.zerobubble import WGRAD_KEEP_FRACTION
 from .cost import CostModel
-from .replica_sync import ReplicaSync, replica_syncs
+from .replica_sync import GradSum, replica_syncs, tied_syncs
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class RankStats:
     replica_wait: float = 0.0  # bi: from its last compute until its mirrored rank's
     replica_sync: float = 0.0  # bi: exchanging and adding replica gradients
     replica_bytes: float = 0.0  # bi: gradient bytes sent to the mirrored rank (and received)
+    tied_wait: float = 0.0  # tied embeddings: from its step (and replica sum) until its peer's
+    tied_sync: float = 0.0  # tied embeddings: exchanging and adding the copies' gradients
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,6 +64,7 @@ class SimResult:
     p2p_bytes: float
     replica_sync_time: float = 0.0  # bi: what the replica-gradient sum adds to the makespan
     replica_bytes: float = 0.0  # bi: gradient bytes all ranks send to their mirrored ranks
+    tied_sync_time: float = 0.0  # what the tied embedding sum adds to the makespan after that
 
     def to_dict(self) -> dict:
         return {
@@ -70,6 +75,7 @@ class SimResult:
             "p2p_bytes": self.p2p_bytes,
             "replica_sync_time": self.replica_sync_time,
             "replica_bytes": self.replica_bytes,
+            "tied_sync_time": self.tied_sync_time,
             "per_rank": [r.to_dict() for r in self.per_rank],
         }
 
@@ -88,14 +94,17 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     acts = [plan.compute_actions(rank) for rank in range(placement.ranks)]
     ready = [max((timeline.end[a] for a in mine), default=0.0) for mine in acts]
     syncs = replica_syncs(placement, cost, ready)
-    makespan = max([timeline.makespan, *(sync.end for sync in syncs)])
+    replicas_done = max([timeline.makespan, *(sync.end for sync in syncs)])
+    tied = tied_syncs(placement, cost, [sync.end for sync in syncs] if syncs else ready)
+    makespan = max([replicas_done, *(sum_.end for sum_ in tied)])
     stats = []
     for rank, mine in enumerate(acts):
         busy = sum(timeline.end[a] - timeline.start[a] for a in mine)
         peak_n, peak_b = _peak_memory(mine, timeline, act_bytes, keep)
         params = sum(param_bytes[placement.model_stage(s)] for s in placement.rank_stages[rank])
         stat = RankStats(rank, busy, makespan - busy, peak_n, peak_b, params)
-        stats.append(_with_sync(stat, syncs[rank]) if syncs else stat)
+        stat = _with_sync(stat, syncs[rank]) if syncs else stat
+        stats.append(_with_tied(stat, tied[rank]) if tied else stat)
     total_busy = sum(s.busy for s in stats)
     bubble = 1.0 - total_busy / (placement.ranks * makespan) if makespan > 0 else 0.0
     messages, message_bytes = _count_messages(plan, timeline, _cut_bytes(cost, placement))
@@ -108,18 +117,23 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
         tuple(stats),
         messages,
         message_bytes,
-        makespan - timeline.makespan,
+        replicas_done - timeline.makespan,
         sum(sync.sent_bytes for sync in syncs),
+        makespan - replicas_done,
     )
 
 
-def _with_sync(stat: RankStats, sync: ReplicaSync) -> RankStats:
+def _with_sync(stat: RankStats, sync: GradSum) -> RankStats:
     return replace(
         stat,
         replica_wait=sync.start - sync.ready,
         replica_sync=sync.end - sync.start,
         replica_bytes=sync.sent_bytes,
     )
+
+
+def _with_tied(stat: RankStats, tied: GradSum) -> RankStats:
+    return replace(stat, tied_wait=tied.start - tied.ready, tied_sync=tied.end - tied.start)
 
 
 # -- the in-flight activation rule ---------------------------------------------------------

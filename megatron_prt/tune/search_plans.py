@@ -153,6 +153,7 @@ class Candidate:
             "p2p_messages": self.result.p2p_messages,
             "p2p_bytes": self.result.p2p_bytes,
             "replica_sync_time": self.result.replica_sync_time,
+            "tied_sync_time": self.result.tied_sync_time,
         }
 
 

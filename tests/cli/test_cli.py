@@ -131,6 +131,20 @@ def test_simulate_adds_the_replica_sync_to_bi(run_cli):
     assert "replica" not in uni and "makespan        4.5" in uni
 
 
+def test_simulate_adds_the_tied_embedding_sum(run_cli, tmp_path):
+    costs = tmp_path / "tied.json"
+    costs.write_text(json.dumps({"fwd_time": 2, "bwd_time": 4, "tied_grad_bytes": 16}))
+    flags = ("simulate", "--pp", 2, "-m", 2, "--costs", costs, "--replica-sync-time", 0.5)
+    code, out, err = run_cli(*flags, "--json")
+    assert code == 0, err
+    data = json.loads(out)  # 1F1B ends at 9 (test_sim_tied.py); the pair's latency 0.5
+    assert data["makespan"] == pytest.approx(9.5) and data["tied_sync_time"] == 0.5
+    _, text, _ = run_cli(*flags)
+    assert "tied emb sum    0.5 added to the makespan" in text
+    _, wave, _ = run_cli(*flags, "--reuse", 2, "--placement", "wave")
+    assert "tied emb sum" not in wave  # both copies on rank 0: a free add
+
+
 def test_compare_lists_each_split_backward_layout_once(run_cli):
     """At R = 2 ZB-V is ZB wave/uni R=2: the table showed the same plan twice."""
     for reuse in (2, 3):

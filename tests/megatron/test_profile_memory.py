@@ -198,6 +198,7 @@ def test_profile_model_gives_the_cost_json():
         "activation_bytes",
         "param_bytes",
         "grad_bytes",
+        "tied_grad_bytes",
         "model",
         "stage",
     }
@@ -250,6 +251,7 @@ def test_profile_model_gives_the_cost_json():
     assert costs["head"]["param"] == (2 * h + VOCAB * h) * 16  # final LN + tied output copy
     assert costs["embedding"]["act"] == b * s * 8 + s * 8  # int64 token and position ids
     assert costs["message_bytes"] == s * b * h * f32
+    assert costs["tied_grad_bytes"] == VOCAB * h * f32  # the output weight's copy, summed
     for total, key in (
         ("fwd_time", "fwd"),
         ("bwd_time", "bwd"),
@@ -274,6 +276,7 @@ def test_profile_bert_counts_its_heads():
     assert bert["head"]["param"] > gpt["head"]["param"]
     assert bert["head"]["act"] > gpt["head"]["act"]
     assert bert["embedding"]["param"] > gpt["embedding"]["param"]  # token types
+    assert bert["tied_grad_bytes"] == gpt["tied_grad_bytes"] > 0  # one vocab x hidden weight
 
 
 def _measure_megatron(rank, world, reuse, m, kind="prt"):
