@@ -111,8 +111,9 @@ def measured_cost(
 ) -> CostModel:
     """A per-layer cost model in seconds: each model stage's measured time spread evenly
     over its layers (the split is fixed, so only stage sums matter); a stage without
-    layers keeps its time as the embedding (stage 0) or head (last stage). Memory: each
-    stage's measured ``act_bytes`` (:func:`stage_bytes`) spread the same way, the
+    layers keeps its time as the embedding (stage 0) or head (last stage), and a middle one
+    as the work every stage's step does ([Note: an empty middle stage measured]). Memory:
+    each stage's measured ``act_bytes`` (:func:`stage_bytes`) spread the same way, the
     embedding and the head in their stages' bytes; without them, in layer activations
     (``act`` 1 per layer and per such end stage), where a head whose logits outweigh a
     layer's activations is undercounted."""
@@ -124,6 +125,10 @@ def measured_cost(
             f"{placement.depth}; give one per model stage (stage_bytes makes them)"
         )
     act = list(act_bytes) if act_bytes is not None else [float(max(n, 1)) for n in counts]
+    stage = _empty_middle_work(counts, fwd, bwd)
+    if stage is not None:  # the other stages' measured times include it: take it out
+        fwd = [max(f - stage.fwd, 0.0) for f in fwd]
+        bwd = [max(b - stage.bwd, 0.0) for b in bwd]
     layers: list[LayerCost] = []
     ends: dict[int, LayerCost] = {}
     for k, n in enumerate(counts):
@@ -137,6 +142,26 @@ def measured_cost(
         head=ends.get(placement.depth - 1),
         stage_layers=counts,
         wgrad_fraction=w_share if split_backward else None,
+        stage=stage,
+    )
+
+
+def _empty_middle_work(counts: Sequence[int], fwd, bwd) -> LayerCost | None:
+    """The step's work of a model stage with no layers, neither first nor last (None when
+    there is none): the median of such stages' measured times.
+
+    [Note: an empty middle stage measured] A middle stage without layers still runs a
+    step (it receives, passes its input on, sends): 0.1-0.2 ms on CPU, and a pipeline
+    stage's time on the critical path. Spread over layers it had nowhere to go and was
+    priced at 0. The cost model's ``stage`` entry is that work on every stage; the
+    measured stages include it, so it is taken out of theirs (at most down to 0): every
+    stage then costs what it measured, exactly where one stage is empty or all empty ones
+    measured alike (else each at their median)."""
+    empty = [k for k, n in enumerate(counts) if not n and 0 < k < len(counts) - 1]
+    if not empty:
+        return None
+    return LayerCost(
+        statistics.median(fwd[k] for k in empty), statistics.median(bwd[k] for k in empty)
     )
 
 

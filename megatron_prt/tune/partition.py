@@ -26,9 +26,10 @@ after every forward, so a rank's peak is the largest of a few in-flight count ve
 dotted with its stages' activation sizes: the simulator's accounting (a forward allocates
 at its start, a backward frees at its end), without re-simulating. Every answer is checked
 with :func:`megatron_prt.sim.simulate.simulate`, which ``megatron-prt simulate --costs``
-runs on the same plan (unless ``--plan-from-costs``). The bi replica-gradient sum
-(``replica_*`` costs) is left out, of the search and of the makespans reported: it comes
-after the step and depends on the partition only through the gradient bytes per rank.
+runs on the same plan (unless ``--plan-from-costs``). The sums after the step (the bi
+replica-gradient sum and the tied embedding sum, priced by the ``replica_*`` costs) are left
+out, of the search and of the makespans reported: they come after the step and depend on
+the partition only through the gradient bytes per rank (the tied sum not at all).
 
 Zero-layer stages. With ``L >= D`` every stage keeps at least one layer, except that the
 embedding stage 0 and the head stage ``D-1`` may hold no transformer layer (the embedding

@@ -76,6 +76,11 @@ class Problem:
         ]
         self.vectors = [inflight_vectors(plan, rank) for rank in range(placement.ranks)]
         self.message_busy = message_busy(plan, cost.p2p_cpu)
+        # a cut's hop after each count of layers before it (None: every cut's alike)
+        after = [
+            cost.cut_hop_times((b, self.num_layers - b))[0] for b in range(self.num_layers + 1)
+        ]
+        self.boundary_hop = after if len(set(after)) > 1 else None
         self.replayer = Replayer(plan)
 
     def stage_costs(self, counts: Sequence[int]) -> StageCosts:

@@ -181,12 +181,32 @@ class State:
         return self._act_cache[key]
 
     def _cut_max(self, donor: int, receiver: int, lost: tuple, gained: tuple) -> float:
-        # a move's change of the messages its shifted cuts send is not screened: the moved
-        # State prices it (Cut.value), and every answer is simulated
+        """The known critical paths' largest value after the move: the two stages' times,
+        and where each cut sends its own message, the hops of the cuts the move shifts."""
         if not self.cuts:
             return 0.0
         with_loss = self._cut_terms(donor, lost, -1.0, self.cut_values)
-        return max(map(operator.add, with_loss, self._cut_terms(receiver, gained, 1.0, None)))
+        values = map(operator.add, with_loss, self._cut_terms(receiver, gained, 1.0, None))
+        shifted = self._shifted_hops(donor, receiver)
+        if not shifted:
+            return max(values)
+        return max(
+            value + sum(cut.hop_coef[c] * delta for c, delta in shifted)
+            for value, cut in zip(values, self.cuts, strict=True)
+        )
+
+    def _shifted_hops(self, donor: int, receiver: int) -> list[tuple[int, float]]:
+        """``(cut, change of its hop)`` for the cuts between donor and receiver, each of
+        which moves one layer towards the donor (none where every cut's hop is alike)."""
+        hop_at = self.problem.boundary_hop
+        if hop_at is None:
+            return []
+        step = 1 if receiver < donor else -1
+        cuts = range(min(donor, receiver), max(donor, receiver))
+        changes = [
+            (c, hop_at[self.starts[c + 1] + step] - hop_at[self.starts[c + 1]]) for c in cuts
+        ]
+        return [(c, delta) for c, delta in changes if delta]
 
     def _cut_terms(self, stage: int, layer: tuple, sign: float, base) -> list[float]:
         """Per cut: ``sign`` times the layer's time on ``stage`` (plus ``base``)."""

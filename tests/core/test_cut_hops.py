@@ -213,3 +213,32 @@ def test_a_learnt_critical_path_bounds_every_split_under_per_cut_hops():
         makespan = simulate(problem.plan, replace(cost, stage_layers=counts)).makespan
         assert learnt.value(problem.stage_costs(counts)) <= makespan + 1e-6
     assert learnt.value(problem.stage_costs((2, 2))) == pytest.approx(pool.points[(2, 2)].makespan)
+
+
+@pytest.mark.parametrize("placement", [Placement(2, 2), Placement(2, 2, "wave", "bi")], ids=str)
+def test_the_move_screening_prices_the_shifted_cuts_messages(placement):
+    """The partitioner screens a one-layer move by the known critical paths' value after it
+    (State._cut_max); with equal layers it equals those paths valued on the moved split,
+    whose shifted cuts send other messages (before: the moved stages' times only, the
+    moves across a cut whose message changes priced at the old hops)."""
+    from megatron_prt.tune.evaluate import Pool
+    from megatron_prt.tune.problem import Problem
+    from megatron_prt.tune.state import State
+
+    rng = random.Random(5)  # equal layers: only the messages tell the splits apart
+    layers = tuple(
+        LayerCost(1.0, 2.0, out_bytes=rng.choice((1.0, 8.0, 64.0, 128.0))) for _ in range(8)
+    )
+    cost = CostModel(layers=layers, p2p_bandwidth=16.0)
+    problem = Problem(cost, build_plan(placement, 4))
+    pool = Pool(problem)
+    for counts in ((2, 2, 2, 2), (3, 1, 2, 2), (2, 2, 1, 3)):
+        pool.add(counts)
+    state = State(problem, pool.cuts, (2, 2, 2, 2))
+    for donor, receiver in itertools.permutations(range(4), 2):
+        lost, gained = state._moved_layers(donor, receiver)
+        screened = state._cut_max(
+            donor, receiver, problem.layer_costs[lost], problem.layer_costs[gained]
+        )
+        moved = state.moved(donor, receiver, pool.cuts)
+        assert screened == pytest.approx(max(moved.cut_values)), (donor, receiver)
