@@ -248,7 +248,10 @@ def costs_md(args, summary: dict) -> str:
         f"for this model and one of hidden size {2 * args.bert_heads} with a "
         f"{min(args.bert_vocab, 64)}-token vocabulary, fitted as latency + bytes / "
         "transfer rate + bytes / add rate (the add rate from a timed `a + b`): "
-        f"{replica_cal_md(summary['replica'])}. The bi row's prediction includes it."
+        f"{replica_cal_md(summary['replica'])}. The bi row's prediction includes it; every "
+        "row's includes the tied embedding sum between the first and last stages "
+        "(`tied_grad_bytes`), priced at the same figures, though megatron-prt runs it over "
+        "the gloo group (the replica sum: over shared memory)."
     )
 
 

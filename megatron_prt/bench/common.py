@@ -132,6 +132,7 @@ def add_measured(row: dict, key: str, per_rank: list[dict], model: CostModel):
     plan = res["plans"][key]
     sim = simulate(plan, model)
     row["sim_s"] = sim.makespan
+    row["sim_tied_s"] = sim.tied_sync_time  # the tied embedding sum (tied models), every row
     row["split_backward"] = plan.split_backward  # the plan that ran has I and W actions
     if plan.placement.direction == "bi":
         row["sim_replica_s"] = sim.replica_sync_time

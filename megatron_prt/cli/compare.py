@@ -128,7 +128,8 @@ def _hops(cost: CostModel, results: list) -> str:
 
 def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> None:
     base = results[0][1].makespan
-    sync = cost.has_replica_cost  # a column only when the bi replica sum costs time
+    sync = cost.has_replica_cost  # a column only when the sums after the step cost time
+    title = "sums after" if cost.tied_grad_bytes else "replica sync"  # + the tied sum
     fwd, bwd, unit, what = _model_costs(cost)
     print(
         f"P={args.pp} m={args.microbatches} fwd={fwd:g} bwd={bwd:g} hop={_hops(cost, results)}   "
@@ -136,7 +137,7 @@ def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> No
     )
     header = (
         f"{'variant':<22} {'makespan':>9} {'bubble':>7} {'vs 1F1B':>8} "
-        + (f"{'replica sync':>12} " if sync else "")
+        + (f"{title:>12} " if sync else "")
         + f"{'peak act max':>12} {'max/min':>7}  peak act per rank"
     )
     print(header)
@@ -147,11 +148,12 @@ def _print_table(args: argparse.Namespace, cost: CostModel, results: list) -> No
             continue
         peaks = [r.peak_activation_bytes / unit for r in res.per_rank]
         ratio = max(peaks) / min(peaks) if min(peaks) > 0 else float("inf")
-        bi = res.plan.placement.direction == "bi"
+        summed = res.plan.placement.direction == "bi" or res.tied_sync_time > 0
+        after = res.replica_sync_time + res.tied_sync_time
         print(
             f"{label:<22} {res.makespan:>9.4g} {res.bubble_fraction:>7.1%} "
             f"{base / res.makespan:>7.3f}x "
-            + ((f"{res.replica_sync_time:>12.4g} " if bi else f"{'-':>12} ") if sync else "")
+            + ((f"{after:>12.4g} " if summed else f"{'-':>12} ") if sync else "")
             + f"{max(peaks):>12.3f} {ratio:>7.2f}  "
             + " ".join(f"{p:.2f}" for p in peaks)
         )

@@ -138,7 +138,9 @@ def cost_flags(p: argparse.ArgumentParser) -> None:
         help="bi: the fixed part of the time two mirrored ranks take to exchange and sum "
         "their replica gradients after the step (the cost file's replica_latency; default "
         "0); the cost file's replica_bandwidth and replica_add_bandwidth, where it gives "
-        "them, add their bytes' time to it",
+        "them, add their bytes' time to it. The same figures price a cost file's "
+        "tied_grad_bytes: the tied embedding's sum between first and last stages, any "
+        "direction",
     )
     g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
     recompute_flags(g)
@@ -462,15 +464,20 @@ def _metrics_text(result: SimResult, seconds: bool = False) -> str:
         )
     if result.tied_sync_time:
         rows.append(f"tied emb sum    {result.tied_sync_time:.6g} added to the makespan")
+    tied = result.tied_sync_time > 0
     header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
-    rows += ["", header + ("  replica_wait  replica_sync" if bi else "")]
+    header += "  replica_wait  replica_sync" if bi else ""
+    header += "  tied_wait  tied_sync" if tied else ""
+    rows += ["", header]
     for r in result.per_rank:
         row = (
             f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
             f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:<11.6g}"
         )
         if bi:
-            row += f"  {r.replica_wait:<13.6g} {r.replica_sync:.6g}"
+            row += f"  {r.replica_wait:<13.6g} {r.replica_sync:<13.6g}"
+        if tied:
+            row += f"{'' if bi else '  '}{r.tied_wait:<10.6g} {r.tied_sync:.6g}"
         rows.append(row.rstrip())
     return "\n".join(rows)
 

@@ -226,13 +226,14 @@ def few_and_many_messages(
     steps: int,
     bi: bool = False,
     warm_steps: int = 0,
-    split: bool = False,
+    split_plan: Plan | None = None,
     **kwargs,
 ) -> list[tuple[Plan, float]]:
     """``(plan, median step seconds of the slowest rank)`` of untraced steps of 1F1B (R = 1:
     few messages), of every layer its own stage (many), with ``bi`` of R = 1 loop/bi (its
-    replica sum included) and with ``split`` of R = 1 uni in split backward (the ``zb``
-    order), on the actual transport (``kwargs`` go to the runtime),
+    replica sum included) and with ``split_plan`` of that split-backward plan (R = 1 uni:
+    the order the tuner would run, built for the stack's costs), on the actual transport
+    (``kwargs`` go to the runtime),
     ``steps`` each after one warm-up step each, interleaved in shuffled rounds
     (:func:`~megatron_prt.tune.measured.interleaved_rounds`: a machine that slows down
     mid-way slows all alike), each timed step after ``warm_steps`` untimed ones of the same
@@ -243,12 +244,19 @@ def few_and_many_messages(
             f"fitting the per-message CPU needs a multiple of the {world} ranks, at least "
             f"{2 * world} layers (every layer its own stage against R = 1), got {num_layers}"
         )
-    runners = []
     layouts = [(Placement(world, 1), "1f1b"), (Placement(world, num_layers // world), "prt")]
     layouts += [(Placement(world, 1, "loop", "bi"), "prt")] * bi
-    for placement, schedule in layouts + [(Placement(world, 1), "zb")] * split:
-        plan = build_plan(placement, len(xs), schedule)
-        stages = build_stages(placement, dist.get_rank(), make_layer, num_layers)
+    plans = [build_plan(placement, len(xs), schedule) for placement, schedule in layouts]
+    if split_plan is not None:
+        if split_plan.num_microbatches != len(xs) or not split_plan.split_backward:
+            raise ValueError(
+                f"split_plan must be a split-backward plan of the {len(xs)} micro-batches "
+                f"timed, got {split_plan.num_microbatches} (split {split_plan.split_backward})"
+            )
+        plans.append(split_plan)
+    runners = []
+    for plan in plans:
+        stages = build_stages(plan.placement, dist.get_rank(), make_layer, num_layers)
         runners.append(RuntimeRunner(plan, stages, loss_fn, xs, ys, **kwargs))
     for runner in runners:
         runner.step()  # warm-up: shapes exchanged, allocator primed (not timed)

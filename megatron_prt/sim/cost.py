@@ -62,8 +62,10 @@ Tied embedding sum (``tied_grad_bytes``, default 0: none). A model that ties its
 embedding to its output weight (megatron's GPT by default, BERT) holds a copy on each
 pipeline's first and last stage and sums their gradients after the step, after any
 replica sum (:mod:`megatron_prt.sim.replica_sync`). ``tied_grad_bytes`` is one copy's
-gradient; the sum is priced as the replica sum is (the same exchange, the same ``replica_*``
-costs); with both stages on one rank (wave with even R) it is an add in place, no exchange.
+gradient; the sum is priced at the ``replica_*`` costs (a pairwise exchange and add like
+the replica sum's; megatron-prt runs it over the process group, gloo on CPU, where the
+runtime sums replicas over its own transport: on CPU the shared-memory figures price it
+low); with both stages on one rank (wave with even R, P = 1) it is an add in place.
 
 ``grad`` (``grad_bytes`` for the whole model) defaults to ``param / 4``
 (:data:`PARAM_BYTES_PER_GRAD_BYTE`): ``param`` counts 16 bytes per parameter in fp32 Adam
@@ -323,7 +325,7 @@ class CostModel:
 
     @property
     def has_replica_cost(self) -> bool:
-        """Whether the bi replica-gradient sum takes any time."""
+        """Whether the sums after the step (bi replicas, tied embeddings) take any time."""
         return bool(
             self.replica_latency
             or not math.isinf(self.replica_bandwidth)
@@ -349,9 +351,10 @@ class CostModel:
         )
 
     def replica_sync_time(self, sent_bytes: float, added_bytes: float, remote: bool) -> float:
-        """Time one rank spends on the bi replica-gradient sum: ``replica_latency`` when its
-        replicas are on another rank (``remote``), ``sent_bytes`` (also received) over
-        ``replica_bandwidth``, ``added_bytes`` summed at ``replica_add_bandwidth``."""
+        """Time one rank spends on a sum after the step (bi replicas, tied embeddings):
+        ``replica_latency`` when its peer is another rank (``remote``), ``sent_bytes``
+        (also received) over ``replica_bandwidth``, ``added_bytes`` summed at
+        ``replica_add_bandwidth``."""
         latency = self.replica_latency if remote else 0.0
         return (
             latency + sent_bytes / self.replica_bandwidth + added_bytes / self.replica_add_bandwidth

@@ -17,9 +17,11 @@ copy's gradient to the rank holding the other and adds the one it receives, all 
 in one batch (every first and last stage sits on rank 0 or P-1, so a rank has at most one
 peer); both copies on one rank (wave with even R) add in place and wait for no one.
 
-Durations come from :meth:`megatron_prt.sim.cost.CostModel.replica_sync_time` (the same
-pairwise exchange); ``tests/sim/test_sim_replicas.py`` checks the pairing and the bytes
-against the runtime.
+Durations come from :meth:`megatron_prt.sim.cost.CostModel.replica_sync_time` for both
+(a pairwise exchange and add; the tied sum runs over the process group, the replica sum
+over the runtime's transport, which on CPU is shared memory: one set of figures prices the
+tied sum low there); ``tests/sim/test_sim_replicas.py`` and ``tests/sim/test_sim_tied.py``
+check the pairing and the bytes against the runtime.
 """
 
 from __future__ import annotations

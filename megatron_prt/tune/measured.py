@@ -125,17 +125,20 @@ def measured_cost(
             f"{placement.depth}; give one per model stage (stage_bytes makes them)"
         )
     act = list(act_bytes) if act_bytes is not None else [float(max(n, 1)) for n in counts]
+    # W as measured (its share of each stage's backward) where the split is run
+    wgrad = [w_share * b if split_backward else None for b in bwd]
     stage = _empty_middle_work(counts, fwd, bwd)
-    if stage is not None:  # the other stages' measured times include it: take it out
+    if stage is not None:  # the other stages' measured times include it: out of F and I
         fwd = [max(f - stage.fwd, 0.0) for f in fwd]
-        bwd = [max(b - stage.bwd, 0.0) for b in bwd]
+        bwd = [max(b - stage.bwd, w or 0.0) for b, w in zip(bwd, wgrad, strict=True)]
     layers: list[LayerCost] = []
     ends: dict[int, LayerCost] = {}
     for k, n in enumerate(counts):
+        w = None if wgrad[k] is None else wgrad[k] / max(n, 1)
         if n:
-            layers += [LayerCost(fwd[k] / n, bwd[k] / n, act=act[k] / n)] * n
+            layers += [LayerCost(fwd[k] / n, bwd[k] / n, act=act[k] / n, wgrad=w)] * n
         elif k in (0, placement.depth - 1):
-            ends[k] = LayerCost(fwd[k], bwd[k], act=act[k])
+            ends[k] = LayerCost(fwd[k], bwd[k], act=act[k], wgrad=w)
     return CostModel(
         layers=tuple(layers),
         embedding=ends.get(0),
@@ -154,9 +157,10 @@ def _empty_middle_work(counts: Sequence[int], fwd, bwd) -> LayerCost | None:
     step (it receives, passes its input on, sends): 0.1-0.2 ms on CPU, and a pipeline
     stage's time on the critical path. Spread over layers it had nowhere to go and was
     priced at 0. The cost model's ``stage`` entry is that work on every stage; the
-    measured stages include it, so it is taken out of theirs (at most down to 0): every
-    stage then costs what it measured, exactly where one stage is empty or all empty ones
-    measured alike (else each at their median)."""
+    measured stages include it, so it is taken out of theirs (out of the forward and, with
+    split backward, out of I, at most down to 0; W stays as measured): every stage then
+    costs what it measured, exactly where one stage is empty or all empty ones measured
+    alike (else each at their median)."""
     empty = [k for k, n in enumerate(counts) if not n and 0 < k < len(counts) - 1]
     if not empty:
         return None
@@ -391,7 +395,9 @@ def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     out 0-12% faster, relative to uni plans, than they ran in the same launches (all three
     stacks, four launches): a bi step pays more than its messages and its timed sum. A bi
     plan with few messages, timed beside the two uni steps, sets a per-step cost: the
-    replica latency at which it simulates to what it measured."""
+    replica latency at which it simulates to what it measured. A cost with
+    ``tied_grad_bytes`` prices its tied sum at that latency too (the plain stacks fitted
+    here tie nothing)."""
     if plan.placement.direction != "bi":
         raise ConfigError(f"the third timed step must be of a bi plan, got {plan.placement}")
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from megatron_prt.bench.tuned_grid import markdown, summarize
 from megatron_prt.bench.tuned_grid.grid import PREDICTED, TUNED, grid_entries, tuned_entries
+from megatron_prt.core import Placement, build_plan
 from megatron_prt.core.validate import validate
 from megatron_prt.sim.cost import CostModel, LayerCost
 from megatron_prt.sim.simulate import simulate
@@ -159,6 +160,20 @@ def test_reference_rows_are_the_fit_steps_plans_on_even_splits():
     assert len(reference_rows(plain, 8, 2)) == 3  # a grid without split rows: the first three
     # every layer its own stage needs R = layers / P in the grid: 10 layers on 2 ranks, R = 5
     assert reference_rows(_rows(_cost(10)), 10, 2) is None
+
+
+def test_the_fits_split_step_is_the_grids_split_row():
+    """The fit phase timed the zero-bubble order for equal unit stages; the tuner and the
+    grid run the order built for the costs (here: rank 1 defers W), which ran 10-11% faster
+    on two stacks while priced alike, so every split plan was predicted slow. [Note: the
+    split form in place]"""
+    from megatron_prt.bench.tuned_grid.stacks import split_reference
+
+    cost = _cost(8)
+    plan = split_reference(cost, 2, 8)
+    row = {label: p for label, p, _ in _rows(cost)}["R=1 loop/uni split, even"]
+    assert plan.compute_only() == row
+    assert plan.compute_only() != build_plan(Placement(2, 1), 8, "zb").compute_only()
 
 
 def test_in_round_fit_predicts_the_other_rows_where_the_early_fit_drifted():

@@ -106,3 +106,22 @@ def test_ranks_with_other_layer_splits_are_refused():
     for rank, (status, said) in enumerate(results):
         assert status == "ok" and said is not None, (rank, said)
         assert f"ranks [{1 - rank}] built their stages with another layer split" in said
+
+
+def test_a_one_stage_pipeline_sums_no_tied_copy():
+    """D = 1: one chunk holds the word embedding and, through it, the output weight; the
+    pair (0, 0) summed the gradient with itself (doubled). Tied pairs and the chunks whose
+    reduction waits for them come from Placement.end_pairs."""
+    import torch
+
+    from megatron_prt.megatron.model import _tied_pairs, chunks_summed_after_schedule
+
+    class Tied(torch.nn.Module):
+        share_embeddings_and_output_weights = True
+
+    one = ReuseConfig(Placement(1, 1), 2)
+    assert _tied_pairs(one, {0: Tied()}) == []
+    assert chunks_summed_after_schedule(one.placement, 0, [Tied()]) == set()
+    two = ReuseConfig(Placement(2, 2, "wave"), 4)  # stages 0 and 3 on rank 0
+    assert _tied_pairs(two, {0: Tied(), 3: Tied()}) == [(0, 3)]
+    assert chunks_summed_after_schedule(two.placement, 0, [Tied(), Tied()]) == {0, 1}

@@ -43,6 +43,9 @@ def test_an_empty_middle_stage_costs_what_it_measured(placement, split):
     times = cost.stage_times(placement)
     assert times.fwd == pytest.approx([FWD[k] for k in range(4)])
     assert times.bwd == pytest.approx([2 * FWD[k] for k in range(4)])
+    if split:  # W as measured (half of each backward), the step's work out of I only
+        w = cost.stage_wgrad_times(placement.depth)
+        assert w == pytest.approx([FWD[0], 0.0, FWD[2], FWD[3]])
     simulate(build_plan(placement, 4, "zb" if split else "prt"), cost)  # prices every plan
 
 

@@ -77,7 +77,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=15,
         help="timed steps of each of the fit's reference steps (1F1B, every layer its own "
-        "stage, R = 1 loop/bi, 1F1B in split backward) the costs are fitted to (default 15)",
+        "stage, R = 1 loop/bi, R = 1 in split backward as the tuner plans it) the costs are "
+        "fitted to (default 15)",
     )
     p.add_argument("--burst", type=int, default=64, help="messages per CPU-cost burst")
     p.add_argument(

@@ -2,21 +2,20 @@
 
 [Note: in-round fit] The fit in place ([Note: compute fitted in place] in
 :mod:`megatron_prt.tune.measured`) reproduces its reference steps (1F1B; every layer its own
-stage; R = 1 loop/bi; 1F1B's order in split backward) exactly as they measured in the fit
-phase, minutes before the grid runs. On the 2-core machine a plan's median moves by -19% to
-+16% between those two phases of one launch (the host's speed drifts; the grid's interleaved
-rounds cancel the drift between rows, nothing cancels it between phases), and every row's
-prediction moves with it. The same plans are rows of the grid (R = 1 loop/uni, R = layers /
-P loop/uni, R = 1 loop/bi and R = 1 loop/uni split, even splits), timed in the same shuffled
-rounds as every other row and the tuned pick. Fitting the same model
-(:func:`~megatron_prt.tune.measured.fit_in_place`, from the profiled costs before any fit)
-to their grid medians gives a prediction of every other row made at the time it was
-measured: what is left of the error is the model's, not the machine's drift. It is reported
-beside the prediction fitted before the grid, never instead of it; a pick that is one of the
-reference rows (same plan, same split) is marked, since its in-round prediction is
-then its own measurement (the split row, a split plan the grid may order otherwise than the
-fit phase's, stands in for it).
-"""
+stage; R = 1 loop/bi; R = 1 in split backward, the grid's plan for it) exactly as they
+measured in the fit phase, minutes before the grid runs. On the 2-core machine a plan's
+median moves by -19% to +16% between those two phases of one launch (the host's speed
+drifts; the grid's interleaved rounds cancel the drift between rows, nothing cancels it
+between phases), and every row's prediction moves with it. The same plans are rows of the
+grid (R = 1 loop/uni, R = layers / P loop/uni, R = 1 loop/bi and R = 1 loop/uni split, even
+splits), timed in the same shuffled rounds as every other row and the tuned pick. Fitting
+the same model (:func:`~megatron_prt.tune.measured.fit_in_place`, from the profiled costs
+before any fit) to their grid medians gives a prediction of every other row made at the time
+it was measured: what is left of the error is the model's, not the machine's drift. It is
+reported beside the prediction fitted before the grid, never instead of it; a pick that is
+one of the reference rows (same plan, same split) is marked, since its in-round prediction
+is then its own measurement (the split row is the fit phase's split step, the zero-bubble
+order built for the traced costs, as the grid builds it for the fitted ones)."""
 
 from __future__ import annotations
 

@@ -32,12 +32,14 @@ from torch.nn.functional import mse_loss
 
 from ...core import Placement, build_plan
 from ...core.actions import Op
+from ...core.plan import Plan
 from ...runtime import PipelineRuntime, build_stages
 from ...runtime.comm_timing import few_and_many_messages
 from ...runtime.measured_pick import RuntimeRunner
 from ...runtime.replica_timing import calibrate_replica_sync
 from ...sim.cost import CostModel, LayerCost
 from ...tune.measured import fit_in_place
+from ...tune.search_plans import plan_for
 from ..common import agreed, replica_cost_fields, replica_repeats, shm_costs, wire_fields
 
 STACKS = ("equal", "head", "wide")
@@ -175,6 +177,20 @@ def replica_fields(rank: int, world: int, stack: str, args) -> dict:
     return replica_cost_fields(fit)
 
 
+def split_reference(cost: CostModel, world: int, m: int) -> Plan:
+    """The split-backward step the split form's scale is fitted to ([Note: the split form in
+    place]): R = 1 uni in the zero-bubble order built for ``cost``'s split form, the plan
+    the tuner and the grid run for that configuration. The order built for equal unit stages
+    (W right after I on the last rank, where the plan for the traced costs defers every W to
+    the end) measured 11.1% and 10.4% slower than that plan on the equal and head stacks
+    (0.1% on the wide one; medians of 41 interleaved steps, one launch) while the simulator
+    priced the two within 0.6%: fitted to it, every split plan was predicted that much slow
+    (the equal stack's split picks 3-33% slow in eight launches)."""
+    priced = cost.split_form()
+    placement = Placement(world, 1)
+    return plan_for(priced, placement, m, "zb", priced.stage_times(placement))
+
+
 def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, float, CostModel]:
     """The stack's cost model (module docstring), the compute scale fitted in place and the
     profiled model before the fit (the in-round fit starts from it: [Note: in-round fit] in
@@ -197,7 +213,7 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         mse_loss,
         args.fit_steps,
         bi=True,
-        split=True,  # [Note: the split form in place]
+        split_plan=split_reference(cost, world, args.microbatches),
         warm_steps=args.warm_steps,
         shm_capacity=shm_capacity(stack, args),
     )
