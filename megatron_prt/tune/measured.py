@@ -430,9 +430,11 @@ def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     fast as or faster than the plain ones in the same launches: the traced split form pays
     per-span overhead twice per layer and the deferred W's bookkeeping, which a step mostly
     hides. Predicted 13-39% slow, the split rows could not win the tuner's ranking on the
-    equal stack where they won the clock. A split plan with few messages (1F1B's order,
-    split), timed beside the others, sets the split form's scale as the few-message step
-    sets the compute scale."""
+    equal stack where they won the clock. A split plan with few messages (R = 1 uni, in
+    the zero-bubble order the tuner builds for the costs: the order for equal unit stages
+    ran 10-11% slower on two of the tuned grid's stacks while priced alike), timed beside
+    the others, sets the split form's scale as the few-message step sets the compute
+    scale."""
 
     def step(factor: float) -> float:
         return simulate(plan, cost.split_scaled(factor)).makespan
