@@ -462,22 +462,19 @@ def _metrics_text(result: SimResult, seconds: bool = False) -> str:
             f"replica sync    {result.replica_sync_time:.6g} added to the makespan  "
             f"({result.replica_bytes:.6g} gradient bytes sent)"
         )
-    if result.tied_sync_time:
-        rows.append(f"tied emb sum    {result.tied_sync_time:.6g} added to the makespan")
     tied = result.tied_sync_time > 0
+    if tied:
+        rows.append(f"tied emb sum    {result.tied_sync_time:.6g} added to the makespan")
     header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
-    header += "  replica_wait  replica_sync" if bi else ""
-    header += "  tied_wait  tied_sync" if tied else ""
+    header += ("  replica_wait  replica_sync" if bi else "") + ("  tied_wait  tied_sync" * tied)
     rows += ["", header]
     for r in result.per_rank:
         row = (
             f"{r.rank:<5} {r.busy:<11.6g} {r.idle:<11.6g} {r.peak_inflight:<14} "
             f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:<11.6g}"
         )
-        if bi:
-            row += f"  {r.replica_wait:<13.6g} {r.replica_sync:<13.6g}"
-        if tied:
-            row += f"{'' if bi else '  '}{r.tied_wait:<10.6g} {r.tied_sync:.6g}"
+        row += f"  {r.replica_wait:<13.6g} {r.replica_sync:<12.6g}" if bi else ""
+        row += f"  {r.tied_wait:<10.6g} {r.tied_sync:.6g}" if tied else ""
         rows.append(row.rstrip())
     return "\n".join(rows)
 
