@@ -137,10 +137,9 @@ def cost_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bi: the fixed part of the time two mirrored ranks take to exchange and sum "
         "their replica gradients after the step (the cost file's replica_latency; default "
-        "0); the cost file's replica_bandwidth and replica_add_bandwidth, where it gives "
-        "them, add their bytes' time to it. The same figures price a cost file's "
-        "tied_grad_bytes: the tied embedding's sum between first and last stages, any "
-        "direction",
+        "0); the cost file's replica_bandwidth and replica_add_bandwidth add their bytes' "
+        "time to it. The same figures price a cost file's tied_grad_bytes (the tied "
+        "embedding's sum between first and last stages, uni too)",
     )
     g.add_argument("--costs", metavar="FILE", help="cost model JSON (flags above override it)")
     recompute_flags(g)
@@ -466,7 +465,7 @@ def _metrics_text(result: SimResult, seconds: bool = False) -> str:
     if tied:
         rows.append(f"tied emb sum    {result.tied_sync_time:.6g} added to the makespan")
     header = "rank  busy        idle        peak_inflight  peak_act_bytes  param_bytes"
-    header += ("  replica_wait  replica_sync" if bi else "") + ("  tied_wait  tied_sync" * tied)
+    header += ("  replica_wait  replica_sync" if bi else "") + ("  tied_wait   tied_sync" * tied)
     rows += ["", header]
     for r in result.per_rank:
         row = (
@@ -474,7 +473,7 @@ def _metrics_text(result: SimResult, seconds: bool = False) -> str:
             f"{r.peak_activation_bytes:<15.6g} {r.param_bytes:<11.6g}"
         )
         row += f"  {r.replica_wait:<13.6g} {r.replica_sync:<12.6g}" if bi else ""
-        row += f"  {r.tied_wait:<10.6g} {r.tied_sync:.6g}" if tied else ""
+        row += f"  {r.tied_wait:<11.6g} {r.tied_sync:.6g}" if tied else ""
         rows.append(row.rstrip())
     return "\n".join(rows)
 

@@ -248,10 +248,12 @@ def few_and_many_messages(
     layouts += [(Placement(world, 1, "loop", "bi"), "prt")] * bi
     plans = [build_plan(placement, len(xs), schedule) for placement, schedule in layouts]
     if split_plan is not None:
-        if split_plan.num_microbatches != len(xs) or not split_plan.split_backward:
+        shape = (split_plan.placement.ranks, split_plan.num_microbatches)
+        if shape != (world, len(xs)) or not split_plan.split_backward:
             raise ValueError(
-                f"split_plan must be a split-backward plan of the {len(xs)} micro-batches "
-                f"timed, got {split_plan.num_microbatches} (split {split_plan.split_backward})"
+                f"split_plan must be a split-backward plan of the {world} ranks and "
+                f"{len(xs)} micro-batches timed, got {shape} (split "
+                f"{split_plan.split_backward})"
             )
         plans.append(split_plan)
     runners = []

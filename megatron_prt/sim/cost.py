@@ -65,7 +65,7 @@ replica sum (:mod:`megatron_prt.sim.replica_sync`). ``tied_grad_bytes`` is one c
 gradient; the sum is priced at the ``replica_*`` costs (a pairwise exchange and add like
 the replica sum's; megatron-prt runs it over the process group, gloo on CPU, where the
 runtime sums replicas over its own transport: on CPU the shared-memory figures price it
-low); with both stages on one rank (wave with even R, P = 1) it is an add in place.
+low); with both stages on one rank (wave with even R; P = 1 with R >= 2) it is an add in place.
 
 ``grad`` (``grad_bytes`` for the whole model) defaults to ``param / 4``
 (:data:`PARAM_BYTES_PER_GRAD_BYTE`): ``param`` counts 16 bytes per parameter in fp32 Adam
@@ -171,7 +171,7 @@ class CostModel:
     embedding: LayerCost | None = None  # on model stage 0, on top of its layers
     head: LayerCost | None = None  # LM head + loss, on model stage D-1
     grad_bytes: float | None = None  # whole model (one replica); None: param_bytes / 4
-    replica_latency: float = 0.0  # bi: per exchange between two mirrored ranks
+    replica_latency: float = 0.0  # bi (and tied sums): per exchange between two ranks
     replica_bandwidth: float = math.inf  # bi: gradient bytes per time unit, each way
     replica_add_bandwidth: float = math.inf  # bi: received gradient bytes summed per time unit
     tied_grad_bytes: float = 0.0  # one copy of the tied embedding / output weight's gradient

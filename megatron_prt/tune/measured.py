@@ -125,7 +125,7 @@ def measured_cost(
             f"{placement.depth}; give one per model stage (stage_bytes makes them)"
         )
     act = list(act_bytes) if act_bytes is not None else [float(max(n, 1)) for n in counts]
-    # W as measured (its share of each stage's backward) where the split is run
+    # W at the measured share of each stage's backward where the split is run
     wgrad = [w_share * b if split_backward else None for b in bwd]
     stage = _empty_middle_work(counts, fwd, bwd)
     if stage is not None:  # the other stages' measured times include it: out of F and I
@@ -158,9 +158,10 @@ def _empty_middle_work(counts: Sequence[int], fwd, bwd) -> LayerCost | None:
     stage's time on the critical path. Spread over layers it had nowhere to go and was
     priced at 0. The cost model's ``stage`` entry is that work on every stage; the
     measured stages include it, so it is taken out of theirs (out of the forward and, with
-    split backward, out of I, at most down to 0; W stays as measured): every stage then
-    costs what it measured, exactly where one stage is empty or all empty ones measured
-    alike (else each at their median)."""
+    split backward, out of I, at most down to 0; W keeps the measured share of the stage's
+    backward): every stage then costs what it measured, exactly where one stage is empty or
+    all empty ones measured alike (else each at their median) and no stage's forward or I
+    is shorter than that work (else that stage costs more than it measured)."""
     empty = [k for k, n in enumerate(counts) if not n and 0 < k < len(counts) - 1]
     if not empty:
         return None

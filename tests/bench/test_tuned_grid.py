@@ -174,6 +174,13 @@ def test_the_fits_split_step_is_the_grids_split_row():
     row = {label: p for label, p, _ in _rows(cost)}["R=1 loop/uni split, even"]
     assert plan.compute_only() == row
     assert plan.compute_only() != build_plan(Placement(2, 1), 8, "zb").compute_only()
+    # the report names the row; a fit on other costs may time an order no row runs
+    from megatron_prt.bench.tuned_grid import _split_fit_row
+
+    assert _split_fit_row(cost, _rows(cost), 2).endswith("grid row R=1 loop/uni split, even.")
+    other = CostModel(layers=(LayerCost(1.0, 2.0, wgrad=0.2),) * 8)
+    assert "no grid row" in _split_fit_row(other, _rows(cost), 2)
+    assert _split_fit_row(None, _rows(cost), 2) == ""
 
 
 def test_in_round_fit_predicts_the_other_rows_where_the_early_fit_drifted():

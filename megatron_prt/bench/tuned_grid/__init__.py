@@ -31,7 +31,7 @@ from ..flags import apply_smoke
 from ..report import launch, write_report
 from .grid import PREDICTED, TUNED, worker
 from .in_round import in_round_fit
-from .stacks import STACKS
+from .stacks import STACKS, split_reference
 
 DEFAULT_OUT = "out/bench"
 NAME = "tuned_grid"
@@ -152,6 +152,7 @@ def summarize(per_rank: list[dict]) -> dict:
             / pick["selection_median_s"][pick["index"]]
             - 1,
             "in_round": _in_round_record(fit, res["tuned"], tuned),
+            "split_fit_row": _split_fit_row(res.get("profiled_cost"), res["entries"], ranks),
             "rematch": _rematch(res["rematch"]),
             "twins": res.get("twins", {}),
         }
@@ -226,6 +227,20 @@ def markdown(summary: dict, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _split_fit_row(profiled, entries: list, ranks: int) -> str:
+    """The report's sentence on which grid row ran the plan the fit's split step ran
+    (``stacks.split_reference``, built for the profiled costs, where the grid's rows are
+    built for the fitted ones, which may order it otherwise); empty when not known."""
+    if profiled is None:
+        return ""
+    m = entries[0][1].num_microbatches
+    timed = split_reference(profiled, ranks, m).compute_only()
+    row = next((label for label, plan, _ in entries if plan == timed), None)
+    if row is None:
+        return " The fit's split step ran a plan no grid row runs (the fitted costs reorder it)."
+    return f" The fit's split step ran the plan of grid row {row}."
+
+
 def _grid_rows(stack: str, s: dict) -> list[str]:
     """A stack's fitted values and every grid row, both predictions against the measured."""
     fit = s["in_round"]
@@ -239,7 +254,8 @@ def _grid_rows(stack: str, s: dict) -> list[str]:
         f"{s['compute_scale']:.3f}, per-message CPU {1e3 * costs.get('p2p_cpu', 0.0):.3f} ms; "
         f"replica latency {1e3 * costs.get('replica_latency', 0.0):.3f} ms; "
         f"message latency {1e3 * costs.get('p2p_latency', 0.0):.3f} ms. "
-        + _rows_within(s["rows"], "predicted_s"),
+        + _rows_within(s["rows"], "predicted_s")
+        + s.get("split_fit_row", ""),
         "",
     ]
     if fit is not None:

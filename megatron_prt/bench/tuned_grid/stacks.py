@@ -13,12 +13,13 @@ of the split one); one message of the stack's width timed on the shared-memory t
 (CPU per message; the latency is the one-way time less both ends' CPU: [Note: a hop's time
 less its CPU] in :mod:`megatron_prt.tune.measured`); the bi replica-gradient sum calibrated
 on a bi runtime at the stack's width and at an eighth of it. Then the stack's own layers run a
-1F1B step (few messages), a step with every layer its own stage (many) and an R = 1
-loop/bi step, at the grid's micro-batch count, interleaved: the per-layer times are scaled
-so that the first comes out as measured, the per-message CPU is fitted to the gap of the
-first two and the replica latency to the third
-(:func:`megatron_prt.tune.measured.fit_in_place`, [Note: compute fitted in place], [Note:
-the replica sum in place]).
+1F1B step (few messages), a step with every layer its own stage (many), an R = 1 loop/bi
+step and an R = 1 split-backward step (:func:`split_reference`), at the grid's micro-batch
+count, interleaved: the per-layer times are scaled so that the first comes out as measured,
+the per-message CPU is fitted to the gap of the first two, the replica latency to the third
+and the split form's scale to the fourth (:func:`megatron_prt.tune.measured.fit_in_place`,
+[Note: compute fitted in place], [Note: the replica sum in place], [Note: the split form in
+place]).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def split_reference(cost: CostModel, world: int, m: int) -> Plan:
     the end) measured 11.1% and 10.4% slower than that plan on the equal and head stacks
     (0.1% on the wide one; medians of 41 interleaved steps, one launch) while the simulator
     priced the two within 0.6%: fitted to it, every split plan was predicted that much slow
-    (the equal stack's split picks 3-33% slow in eight launches)."""
+    (the equal stack's picks 3-33% slow in eight launches)."""
     priced = cost.split_form()
     placement = Placement(world, 1)
     return plan_for(priced, placement, m, "zb", priced.stage_times(placement))
