@@ -183,10 +183,11 @@ def split_reference(cost: CostModel, world: int, m: int) -> Plan:
     place]): R = 1 uni in the zero-bubble order built for ``cost``'s split form, the plan
     the tuner and the grid run for that configuration. The order built for equal unit stages
     (W right after I on the last rank, where the plan for the traced costs defers every W to
-    the end) measured 11.1% and 10.4% slower than that plan on the equal and head stacks
-    (0.1% on the wide one; medians of 41 interleaved steps, one launch) while the simulator
-    priced the two within 0.6%: fitted to it, every split plan was predicted that much slow
-    (the equal stack's picks 3-33% slow in eight launches)."""
+    the end) measured 5-11% slower than that plan on the equal and head stacks (within 1%
+    on the wide one) while the simulator priced the two within 0.6%
+    (``benchmarks/split_orders.py``, docs/benchmarks/split_orders.md): fitted to it, every
+    split plan was predicted that much slow (the equal stack's picks 3-33% slow in eight
+    launches)."""
     priced = cost.split_form()
     placement = Placement(world, 1)
     return plan_for(priced, placement, m, "zb", priced.stage_times(placement))
