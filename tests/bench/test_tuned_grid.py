@@ -304,7 +304,8 @@ def test_profiled_latency_is_the_one_way_time_less_both_ends_cpu(monkeypatch):
 
 def test_split_orders_smoke_reports_both_orders(tmp_path):
     """benchmarks/split_orders.py: the two zero-bubble orders and 1F1B per stack, timed and
-    simulated (the numbers are the report's, not checked here)."""
+    simulated, with every rank's compute per operation from the traced steps (the numbers
+    are the report's, not checked here)."""
     import json
 
     from megatron_prt.bench.tuned_grid.split_orders import ORDERS, main
@@ -315,4 +316,10 @@ def test_split_orders_smoke_reports_both_orders(tmp_path):
     assert all(row["measured_s"] > 0 and row["simulated_s"] > 0 for row in data.values())
     unit, costs = data[ORDERS[1]]["plan"], data[ORDERS[2]]["plan"]
     assert unit != costs  # two orders of one configuration, as the report says
-    assert "| equal |" in (tmp_path / "split_orders.md").read_text()
+    ops = {ORDERS[0]: {"F", "B", "all"}, ORDERS[1]: {"F", "I", "W", "all"}}
+    ops[ORDERS[2]] = ops[ORDERS[1]]
+    for key, row in data.items():
+        assert [set(busy) for busy in row["busy_s"]] == [ops[key]] * 2  # both ranks
+        assert all(busy["all"] > 0 for busy in row["busy_s"])
+    report = (tmp_path / "split_orders.md").read_text()
+    assert "| equal |" in report and "busiest vs costs order" in report

@@ -112,7 +112,9 @@ class GridRunner:
     """A megatron-prt runtime running one entry's plan on its split (the runner protocol of
     :func:`megatron_prt.bench.common.measure_runners`)."""
 
-    def __init__(self, entry: Entry, stack: str, rank: int, args, m: int) -> None:
+    def __init__(
+        self, entry: Entry, stack: str, rank: int, args, m: int, trace: bool = False
+    ) -> None:
         self.plan = entry.plan
         placement = entry.plan.placement
         self.placement = placement
@@ -121,7 +123,11 @@ class GridRunner:
         )
         sync_replicas(placement, self.modules)
         self.runtime = PipelineRuntime(
-            entry.plan, self.modules, mse_loss, shm_capacity=shm_capacity(stack, args)
+            entry.plan,
+            self.modules,
+            mse_loss,
+            shm_capacity=shm_capacity(stack, args),
+            trace=trace,
         )
         self.wire = type(self.runtime.transport).__name__
         self.replica_sum_s: list[float] = []

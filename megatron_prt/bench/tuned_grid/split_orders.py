@@ -6,6 +6,10 @@ one thread each, shared memory), the three timed in interleaved seeded shuffled 
 one launch; each also simulated under the traced costs. What [Note: the split form in
 place] rests on: the two orders priced alike, measured apart.
 
+Every timed step is traced: each rank's compute time per operation (the sum of its actions'
+spans, from inputs ready to compute done, so waits for messages are left out) shows whether
+an order's time goes to waiting or to the compute itself taking longer in that order.
+
     python benchmarks/split_orders.py --reps 41   # out/bench/split_orders.{md,json}
     python benchmarks/split_orders.py --smoke     # tiny stacks, seconds
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import defaultdict
 from collections.abc import Sequence
 
 from ...core import Placement, build_plan
@@ -50,21 +55,47 @@ def _plans(cost: CostModel, world: int, m: int) -> dict:
     )
 
 
+class _TracedRunner(GridRunner):
+    """A grid runner that keeps, per timed step, this rank's compute seconds per operation
+    (``F``, ``B``, ``I``, ``W``: the sum of the step's action spans)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args, trace=True)
+        self.busy: list[dict[str, float]] = []
+
+    def step(self) -> None:
+        super().step()
+        per_op: dict[str, float] = defaultdict(float)
+        for action, start, end in self.runtime.trace():
+            per_op[action.op.name] += end - start
+        self.busy.append(dict(per_op))
+
+
+def _median_busy(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Per operation, and in all (``all``), the median over steps of the compute seconds."""
+    ops = sorted({op for step in steps for op in step})
+    busy = {op: statistics.median(step.get(op, 0.0) for step in steps) for op in ops}
+    busy["all"] = statistics.median(sum(step.values()) for step in steps)
+    return busy
+
+
 def _stack(rank: int, world: int, stack: str, args) -> dict:
-    """One stack: its traced costs, the three plans timed interleaved and simulated."""
+    """One stack: its traced costs, the three plans timed interleaved and simulated, and
+    this rank's compute seconds per operation in each."""
     say(f"split orders, {stack}: tracing the layers")
     cost = CostModel(layers=tuple(profile_layers(rank, world, stack, args)))
     m = args.microbatches
     plans = _plans(cost, world, m)
     even = even_layers(args.layers, world)
     runners = {
-        key: GridRunner(Entry(key, plan.compute_only(), even), stack, rank, args, m)
+        key: _TracedRunner(Entry(key, plan.compute_only(), even), stack, rank, args, m)
         for key, plan in plans.items()
     }
     for runner in runners.values():
         for _ in range(args.warmup):
             runner.zero_grad()
             runner.step()
+        runner.busy.clear()
     times = interleaved_times(runners, args.reps, f"split orders, {stack}:")
     for runner in runners.values():
         runner.close()
@@ -75,6 +106,7 @@ def _stack(rank: int, world: int, stack: str, args) -> dict:
                 plan, cost.split_form() if plan.split_backward else cost
             ).makespan,
             "plan": [" ".join(map(str, actions)) for actions in plan.compute_only().ranks],
+            "busy_s": _median_busy(runners[key].busy),
         }
         for key, plan in plans.items()
     }
@@ -85,7 +117,27 @@ def worker(rank: int, world: int, args) -> dict:
     return {stack: _stack(rank, world, stack, args) for stack in args.stacks}
 
 
+def _busy_cell(busy: dict[str, float]) -> str:
+    ops = " / ".join(f"{op} {1e3 * busy[op]:.1f}" for op in "FBIW" if op in busy)
+    return f"{1e3 * busy['all']:.1f} ({ops})"
+
+
+def _busy_rows(summary: dict) -> list[tuple]:
+    """Per stack and order: each rank's compute ms, and the busiest rank's compute over the
+    same rank's in the order for the traced costs."""
+    rows = []
+    for stack, orders in summary.items():
+        for key, record in orders.items():
+            per_rank = record["busy_s"]
+            rank = max(range(len(per_rank)), key=lambda r: per_rank[r]["all"])
+            ratio = per_rank[rank]["all"] / orders[ORDERS[2]]["busy_s"][rank]["all"]
+            rows.append((stack, key, *map(_busy_cell, per_rank), f"{ratio:.3f} (rank {rank})"))
+    return rows
+
+
 def markdown(summary: dict, info: dict, args) -> str:
+    """The report: both orders' medians and predictions, each rank's compute per order,
+    and the orders themselves (``summary[stack][order]["busy_s"]`` holds every rank's)."""
     unit, costs = ORDERS[1], ORDERS[2]
     rows = [
         (
@@ -115,6 +167,18 @@ def markdown(summary: dict, info: dict, args) -> str:
         "",
         *md_table(header, "lrrrrr", rows),
         "",
+        "Compute per rank (medians over the timed steps of the summed action spans, from "
+        "inputs ready to compute done: waits for messages left out), ms, in all and per "
+        "operation; the last column is the busiest rank's compute over the same rank's in "
+        "the order for the traced costs (the simulator prices an action the same in any "
+        "order):",
+        "",
+        *md_table(
+            ("stack", "order", "rank 0 compute ms", "rank 1 compute ms", "busiest vs costs order"),
+            "llrrr",
+            _busy_rows(summary),
+        ),
+        "",
         *(
             f"* {stack}, {key}: `{' | '.join(r[key]['plan'])}`"
             for stack, r in summary.items()
@@ -130,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = " ".join(["python benchmarks/split_orders.py", *argv])
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=900)))
     summary = per_rank[0]
+    for stack, orders in summary.items():  # every rank's compute, rank 0's first
+        for key, record in orders.items():
+            record["busy_s"] = [ranks[stack][key]["busy_s"] for ranks in per_rank]
     md, _ = write_report(args, NAME, markdown(summary, info, args), {"stacks": summary}, info)
     print(f"wrote {md} ({info['wall_s']:.0f} s)")
     return 0

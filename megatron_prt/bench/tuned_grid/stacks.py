@@ -185,7 +185,8 @@ def split_reference(cost: CostModel, world: int, m: int) -> Plan:
     (W right after I on the last rank, where the plan for the traced costs defers every W to
     the end) measured 5-11% slower than that plan on the equal and head stacks (within 1%
     on the wide one) while the simulator priced the two within 0.6%
-    (``benchmarks/split_orders.py``, docs/benchmarks/split_orders.md): fitted to it, every
+    (``benchmarks/split_orders.py``, docs/benchmarks/split_orders.md; mostly the actions
+    themselves running slower in that order, not waits: its compute table): fitted to it, every
     split plan was predicted that much slow (the equal stack's picks 3-33% slow in eight
     launches)."""
     priced = cost.split_form()
