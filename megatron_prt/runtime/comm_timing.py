@@ -455,11 +455,12 @@ def _stand_in_cpu(cost: CostModel, timed: list) -> float:
     the 1F1B step (a model message of a few KiB makes the stand-in's steps all message and
     step overhead, so even free compute simulates slower than measured), the message CPU
     alone fitted to the two steps' gap at the traced compute, as
-    :func:`~megatron_prt.tune.measured.message_cpu_in_place` fits it."""
+    :func:`~megatron_prt.tune.measured.message_cpu_in_place` fits it. Silent at 0 (a wire
+    may cost no CPU, and the regula falsi above tries CPUs that leave none)."""
     try:
-        return fit_in_place(cost, timed)[0].p2p_cpu
+        return fit_in_place(cost, timed, warn=False)[0].p2p_cpu
     except ConfigError:
-        return message_cpu_in_place(cost, timed)
+        return message_cpu_in_place(cost, timed, warn=False)
 
 
 def hop_seconds(costs: dict) -> float:

@@ -269,26 +269,30 @@ def fastest(candidates: Sequence[T], seconds: Sequence[Sequence[float]]) -> Meas
 
 
 # -- per-message CPU fitted in place ([Note: per-message CPU in place]) ----------------------
-def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -> float:
+def message_cpu_in_place(
+    cost: CostModel, timed: Sequence[tuple[Plan, float]], warn: bool = True
+) -> float:
     """The ``p2p_cpu`` (>= 0) at which the simulated difference of the two ``(plan, measured
     seconds)`` in ``timed`` (fewest messages first) equals the measured one; bisection (the
-    difference grows with it); 0 when even free messages simulate a larger difference.
-    ``cost`` prices both plans (give it without ``stage_layers``: each plan then gets its
-    even split); its ``p2p_cpu``, the isolated figure, only bounds the search from above.
+    difference grows with it); 0 when even free messages simulate a larger difference (with
+    ``warn``, a warning naming both steps: :func:`_warn_free_messages`). ``cost`` prices both
+    plans (give it without ``stage_layers``: each plan then gets its even split); its
+    ``p2p_cpu``, the isolated figure, sets the search's upper end (plus ``many``'s seconds). The
+    hop's ``p2p_latency`` is left as given (callers derive it from the isolated figure: [Note: a
+    hop's time less its CPU]).
 
-    [Note: per-message CPU in place] A message timed on its own costs its ranks another CPU
-    than one sent inside a step, either way: small messages cost more in a step (2 ranks on
-    2 cores: the transport's work competes with the compute for the core), the tuned grid's
-    1 MiB shared-memory messages less (the burst that times them has both ranks copy at
-    once, 64 messages each way through rings far larger than the caches). So the per-message
-    CPU is fitted from two timed steps of the same layers, one with few messages and one with
-    many: the CPU per message that makes the simulated difference of the two equal the
-    measured one (a per-step constant cancels out). It was once kept at or above the
-    isolated figure: on the wide stack that floor held in every launch, and with it the
-    many-message step itself simulated 6-17% above its median in the grid's rounds (R = 3
-    and 4 loop rows up to +18% off); fitted below it (0.13 against 0.16-0.20 ms), the rows
-    other than the fitted ones came within 10% in 40 of 41, against 31 of 39 (docs/tune.md,
-    "The message CPU below the isolated figure")."""
+    [Note: per-message CPU in place] A message timed on its own costs its ranks a different CPU
+    time than one sent inside a step, either way: small messages cost more in a step (2 ranks on
+    2 cores: the transport's work competes with the compute for the core), the tuned grid's wide
+    stack's 1 MiB shared-memory messages less (why is not measured; the burst that times them
+    alone has both ranks copy at once, 64 messages each way). So the per-message CPU is fitted
+    from two timed steps of the same layers, one with few messages and one with many: the CPU
+    per message that makes the simulated difference of the two equal the measured one (a
+    per-step constant cancels out). It was once kept at or above the isolated figure: on the wide
+    stack that floor held in every launch, and with it the many-message step itself simulated
+    6-17% above its median in the grid's rounds (R = 3 and 4 loop rows up to +18% off); fitted
+    below it (0.13 against 0.16-0.20 ms), the rows other than the fitted ones came within 10% in
+    40 of 41, against 31 of 39 (docs/tune.md, "The message CPU below the isolated figure")."""
     (few, few_s), (many, many_s) = timed
 
     def gap(cpu: float) -> float:
@@ -297,11 +301,29 @@ def message_cpu_in_place(cost: CostModel, timed: Sequence[tuple[Plan, float]]) -
 
     low, high = 0.0, cost.p2p_cpu + many_s
     if gap(low) >= many_s - few_s:
+        if warn:
+            _warn_free_messages(timed)
         return low
     for _ in range(40):
         mid = (low + high) / 2
         low, high = (mid, high) if gap(mid) < many_s - few_s else (low, mid)
     return (low + high) / 2
+
+
+def _warn_free_messages(timed: Sequence[tuple[Plan, float]]) -> None:
+    (few, few_s), (many, many_s) = timed[:2]
+    warnings.warn(
+        f"the step with many messages ({_config_label(many)}) measured {many_s:.6f} s and "
+        f"the one with few ({_config_label(few)}) {few_s:.6f} s, a gap that even free "
+        "messages exceed in the simulator: the per-message CPU is fitted at 0; time both "
+        "steps again (more steps) if the host was busy",
+        stacklevel=3,
+    )
+
+
+def _config_label(plan: Plan) -> str:
+    c = plan.placement
+    return f"P={c.ranks} R={c.reuse} {c.placement}/{c.direction}, m={plan.num_microbatches}"
 
 
 def hop_in_flight(one_way_s: float, cpu_s: float) -> float:
@@ -338,7 +360,7 @@ MIN_SPLIT_SCALE, MAX_SPLIT_SCALE = 0.25, 4.0
 
 
 def fit_in_place(
-    cost: CostModel, timed: Sequence[tuple[Plan, float]], rounds: int = 50
+    cost: CostModel, timed: Sequence[tuple[Plan, float]], rounds: int = 50, warn: bool = True
 ) -> tuple[CostModel, float]:
     """``(cost fitted, compute scale)``: ``cost`` with every compute time times the scale
     (:meth:`~megatron_prt.sim.cost.CostModel.compute_scaled`) and ``p2p_cpu`` refitted
@@ -346,7 +368,8 @@ def fit_in_place(
     uni steps ``timed[:2]`` (fewest messages first), each plan priced as ``cost`` prices it;
     a further ``(bi plan, seconds)`` also refits ``replica_latency`` (:func:`_replica_in_place`),
     and a ``(split-backward plan, seconds)`` the split form's times (:func:`_split_in_place`),
-    in that order.
+    in that order. ``warn``: a message CPU fitted at 0 warns (a busy host's timing, where a
+    step with messages costing CPU is expected; not for a wire that may cost none).
 
     [Note: compute fitted in place] Per-layer times traced in one launch (every layer its own
     stage, a few steps) move between launches by more than the schedules differ: on the
@@ -364,7 +387,7 @@ def fit_in_place(
     closest = (math.inf, None, scale)  # (relative error, fitted, scale) of the best round
     for _ in range(rounds):
         scaled = cost.compute_scaled(scale)
-        fitted = replace(scaled, p2p_cpu=message_cpu_in_place(scaled, timed[:2]))
+        fitted = replace(scaled, p2p_cpu=message_cpu_in_place(scaled, timed[:2], warn=False))
         predicted = simulate(few, fitted).makespan
         if predicted <= 0:
             raise ConfigError(
@@ -384,6 +407,8 @@ def fit_in_place(
             break  # the messages alone outlast the step: no compute scale fits
     error, fitted, best = closest
     if error <= SIMULATED_RESOLUTION:
+        if warn and fitted.p2p_cpu == 0.0:
+            _warn_free_messages(timed)
         for plan, seconds in timed[2:]:
             refit = _split_in_place if plan.split_backward else _replica_in_place
             fitted = refit(fitted, plan, seconds)
@@ -419,6 +444,13 @@ def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
         return simulate(plan, replace(cost, replica_latency=latency)).makespan
 
     if step(0.0) >= seconds:
+        warnings.warn(
+            f"the bi step ({_config_label(plan)}) measured "
+            f"{seconds:.6f} s, which it outlasts in the simulator even with a free replica "
+            "sum: the replica latency is fitted at 0; time it again (more steps) if the host "
+            "was busy",
+            stacklevel=2,
+        )
         return replace(cost, replica_latency=0.0)
     high = cost.replica_latency + seconds
     return replace(cost, replica_latency=_bisect(step, seconds, 0.0, high))

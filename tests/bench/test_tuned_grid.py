@@ -323,3 +323,5 @@ def test_split_orders_smoke_reports_both_orders(tmp_path):
         assert all(busy["all"] > 0 for busy in row["busy_s"])
     report = (tmp_path / "split_orders.md").read_text()
     assert "| equal |" in report and "busiest vs costs order" in report
+    costs_row = next(line for line in report.splitlines() if f"| {ORDERS[2]} |" in line)
+    assert costs_row.rstrip(" |").endswith(("1.000 (rank 0)", "1.000 (rank 1)"))
