@@ -22,4 +22,6 @@ def test_smoke_run_writes_a_report_with_every_row_predicted(tmp_path, capfd):
     stack = json.loads((tmp_path / "tuned_grid.json").read_text())["stacks"]["wide"]
     assert stack["rows"] and all(row["predicted_s"] > 0 for row in stack["rows"])
     assert stack["tuned"]["measured_s"] > 0
-    assert "| wide |" in (tmp_path / "tuned_grid.md").read_text()
+    report = (tmp_path / "tuned_grid.md").read_text()
+    assert "| wide |" in report and "](tuned_grid.png)" in report
+    assert (tmp_path / "tuned_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

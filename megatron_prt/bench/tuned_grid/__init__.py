@@ -20,6 +20,7 @@ once, as that row ([Note: grid twins] in :mod:`.grid`).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from ...runtime.local import all_ok, run_local
 from ...sim.simulate import simulate
 from ..flags import apply_smoke
 from ..report import launch, write_report
+from .chart import plot_grid
 from .grid import PREDICTED, TUNED, worker
 from .in_round import in_round_fit
 from .stacks import STACKS, split_reference
@@ -159,9 +161,10 @@ def summarize(per_rank: list[dict]) -> dict:
     return out
 
 
-def markdown(summary: dict, info: dict) -> str:
-    """The report: how the pick is made, the targets' table, each stack's selection and grid
-    rows (one long list of lines on purpose: the report reads top to bottom here)."""
+def markdown(summary: dict, info: dict, chart: str | None = None) -> str:
+    """The report: how the pick is made, the targets' table (and ``chart``, the picture's
+    file name, below it), each stack's selection and grid rows (one long list of lines on
+    purpose: the report reads top to bottom here)."""
     lines = [
         "# Measured grid vs the tuned pick (CPU, 2 ranks, one thread each)",
         "",
@@ -220,6 +223,8 @@ def markdown(summary: dict, info: dict) -> str:
             f"{1e3 * r['grid_best_s']:.2f} / "
             f"{1e3 * r['tuned_s']:.2f}, {r['tuned_vs_grid_best']:+.1%} | {len(s['rows'])} |"
         )
+    if chart:
+        lines += ["", f"![every grid row, predicted against measured, per stack]({chart})"]
     for stack, s in summary.items():
         lines += _selection(stack, s["tuned"])
     for stack, s in summary.items():
@@ -363,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=1800)))
     summary = summarize(per_rank)
     info.update(top=args.top, pick_reps=args.pick_reps, warm_steps=args.warm_steps)
-    md, _ = write_report(args, NAME, markdown(summary, info), {"stacks": summary}, info)
+    os.makedirs(args.out, exist_ok=True)
+    chart = f"{NAME}.png" if plot_grid(os.path.join(args.out, f"{NAME}.png"), summary) else None
+    md, _ = write_report(args, NAME, markdown(summary, info, chart), {"stacks": summary}, info)
     print(f"wrote {md} ({info['wall_s']:.0f} s)")
     return 0
