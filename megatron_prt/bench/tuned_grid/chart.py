@@ -64,22 +64,12 @@ def _panel(ax, stack: str, s: dict) -> None:
         linewidth=0.8,
         label="grid's best + 5%",
     )
-    ax.scatter(
-        1e3 * best["measured_s"],
-        1e3 * best["predicted_s"],
-        s=90,
-        facecolors="none",
-        edgecolors="tab:green",
-        label="grid's best",
+    marks = (
+        (best, {"s": 90, "facecolors": "none", "edgecolors": "tab:green", "label": "grid's best"}),
+        (tuned, {"s": 140, "marker": "*", "color": "tab:red", "label": "tuned pick"}),
     )
-    ax.scatter(
-        1e3 * tuned["measured_s"],
-        1e3 * tuned["predicted_s"],
-        s=140,
-        marker="*",
-        color="tab:red",
-        label="tuned pick",
-    )
+    for row, style in marks:
+        ax.scatter(1e3 * row["measured_s"], 1e3 * row["predicted_s"], **style)
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
     ax.set_title(
