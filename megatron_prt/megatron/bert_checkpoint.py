@@ -333,7 +333,7 @@ def _terminated_raises():
         return
 
     def terminated(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report
+        _again_later(terminated)  # [Note: a swallowed SIGTERM]
         raise Terminated
 
     terminated.saving = True  # type: ignore[attr-defined]  (a child forked meanwhile: below)
@@ -343,6 +343,30 @@ def _terminated_raises():
     finally:
         if signal.getsignal(signal.SIGTERM) is terminated:
             signal.signal(signal.SIGTERM, previous)
+
+
+RESEND_S = 1.0  # seconds between deliveries of one SIGTERM until the rank reports
+
+
+def _again_later(handler) -> None:
+    """In :data:`RESEND_S`, SIGTERM to the main thread again, unless ``handler`` is no longer
+    SIGTERM's (the rank is reporting: :func:`_stop_saving` ignores it; or the save is over).
+
+    [Note: a swallowed SIGTERM] The signal's handler runs wherever the main thread is, and
+    some code ignores what it raises: logging's at-fork hooks print "Exception ignored" and
+    go on. A rank whose launcher's SIGTERM landed there while a checkpoint writer forked
+    lost its Terminated, waited on, and was killed 30 s later without the save's report
+    (seen once in CI). So the handler stays installed and the signal comes again, every
+    :data:`RESEND_S`, as a real signal (a blocking call returns to run it), until the
+    rank reports."""
+
+    def again() -> None:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    timer = threading.Timer(RESEND_S, again)
+    timer.daemon = True
+    timer.start()
 
 
 def _child_terminates_plainly() -> None:
