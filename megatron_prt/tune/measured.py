@@ -310,14 +310,15 @@ def message_cpu_in_place(
     return (low + high) / 2
 
 
-def _warn_free_messages(timed: Sequence[tuple[Plan, float]]) -> None:
+def _warn_free_messages(timed: Sequence[tuple[Plan, float]], stacklevel: int = 3) -> None:
+    """Warn that the message CPU came out 0 (``stacklevel``: the public function's caller)."""
     (few, few_s), (many, many_s) = timed[:2]
     warnings.warn(
         f"the step with many messages ({_config_label(many)}) measured {many_s:.6f} s and "
         f"the one with few ({_config_label(few)}) {few_s:.6f} s, a gap that even free "
         "messages exceed in the simulator: the per-message CPU is fitted at 0; time both "
         "steps again (more steps) if the host was busy",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
@@ -368,8 +369,9 @@ def fit_in_place(
     uni steps ``timed[:2]`` (fewest messages first), each plan priced as ``cost`` prices it;
     a further ``(bi plan, seconds)`` also refits ``replica_latency`` (:func:`_replica_in_place`),
     and a ``(split-backward plan, seconds)`` the split form's times (:func:`_split_in_place`),
-    in that order. ``warn``: a message CPU fitted at 0 warns (a busy host's timing, where a
-    step with messages costing CPU is expected; not for a wire that may cost none).
+    in that order. ``warn``: a message CPU or replica latency fitted at 0 warns (a busy
+    host's timing, where messages and sums cost something; not for a wire that may cost
+    nothing, nor for medians timed elsewhere).
 
     [Note: compute fitted in place] Per-layer times traced in one launch (every layer its own
     stage, a few steps) move between launches by more than the schedules differ: on the
@@ -407,12 +409,7 @@ def fit_in_place(
             break  # the messages alone outlast the step: no compute scale fits
     error, fitted, best = closest
     if error <= SIMULATED_RESOLUTION:
-        if warn and fitted.p2p_cpu == 0.0:
-            _warn_free_messages(timed)
-        for plan, seconds in timed[2:]:
-            refit = _split_in_place if plan.split_backward else _replica_in_place
-            fitted = refit(fitted, plan, seconds)
-        return fitted, best
+        return _refit_the_rest(fitted, timed, warn), best
     raise ConfigError(
         f"no compute scale fits (few-message step measured {few_s:.6f} s, simulated "
         f"{predicted:.6f} s at scale {scale:.4g}, {rounds} rounds at most; closest "
@@ -421,7 +418,22 @@ def fit_in_place(
     )
 
 
-def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
+def _refit_the_rest(
+    fitted: CostModel, timed: Sequence[tuple[Plan, float]], warn: bool
+) -> CostModel:
+    """After the scale and the message CPU (warned at 0 with ``warn``), each further step:
+    a bi one refits the replica latency, a split-backward one the split form."""
+    if warn and fitted.p2p_cpu == 0.0:
+        _warn_free_messages(timed, stacklevel=4)  # fit_in_place's caller
+    for plan, seconds in timed[2:]:
+        if plan.split_backward:
+            fitted = _split_in_place(fitted, plan, seconds)
+        else:
+            fitted = _replica_in_place(fitted, plan, seconds, warn)
+    return fitted
+
+
+def _replica_in_place(cost: CostModel, plan: Plan, seconds: float, warn: bool = True) -> CostModel:
     """``cost`` with the ``replica_latency`` (>= 0) at which the bi ``plan`` simulates to
     the measured ``seconds``; bisection (the step grows with it); 0 when even a free sum
     simulates slower. ``cost``'s own figure, the sum timed alone, only sets the search's
@@ -444,12 +456,14 @@ def _replica_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
         return simulate(plan, replace(cost, replica_latency=latency)).makespan
 
     if step(0.0) >= seconds:
+        if not warn:
+            return replace(cost, replica_latency=0.0)
         warnings.warn(
             f"the bi step ({_config_label(plan)}) measured "
             f"{seconds:.6f} s, which it outlasts in the simulator even with a free replica "
             "sum: the replica latency is fitted at 0; time it again (more steps) if the host "
             "was busy",
-            stacklevel=2,
+            stacklevel=4,  # fit_in_place's caller
         )
         return replace(cost, replica_latency=0.0)
     high = cost.replica_latency + seconds

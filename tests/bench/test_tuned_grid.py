@@ -293,7 +293,7 @@ def test_profiled_latency_is_the_one_way_time_less_both_ends_cpu(monkeypatch):
     monkeypatch.setattr(stacks, "shm_costs", lambda *a: (0.9e-3, 0.3e-3))  # one way, CPU
     monkeypatch.setattr(stacks, "agreed", lambda pair: pair)
     monkeypatch.setattr(stacks, "few_and_many_messages", lambda *a, **k: [])
-    monkeypatch.setattr(stacks, "fit_in_place", lambda cost, timed: (cost, 1.0))
+    monkeypatch.setattr(stacks, "fit_in_place", lambda cost, timed, warn: (cost, 1.0))
     monkeypatch.setattr(stacks.dist, "broadcast_object_list", lambda shared, src: None)
     _, _, profiled = stacks.profile_costs(0, 2, "wide", args)
     assert profiled.p2p_cpu == pytest.approx(0.3e-3)

@@ -65,6 +65,34 @@ def test_fit_gives_free_messages_when_even_they_simulate_a_larger_gap():
         assert message_cpu_in_place(isolated, timed, warn=False) == 0.0
 
 
+def test_the_joint_fit_warns_only_of_its_answer(monkeypatch):
+    # the rounds on the way may pass through 0: only the fitted model may warn
+    from megatron_prt.tune import measured
+
+    seen = []
+    inner = measured.message_cpu_in_place
+
+    def recorded(cost, timed, warn=True):
+        seen.append(warn)
+        return inner(cost, timed, warn)
+
+    monkeypatch.setattr(measured, "message_cpu_in_place", recorded)
+    traced = CostModel(layers=LAYERS, p2p_latency=0.01, p2p_cpu=0.01)
+    fit_in_place(traced, _timed(replace(traced, p2p_cpu=0.2)))
+    assert seen and not any(seen)
+
+
+def test_a_bi_step_faster_than_a_free_sum_fits_0_and_warns_unless_told_not():
+    bi = build_plan(Placement(2, 1, "loop", "bi"), 2)
+    traced = CostModel(layers=LAYERS, p2p_latency=0.01, p2p_cpu=0.05, replica_latency=0.1)
+    timed = [*_timed(traced), (bi, 0.9 * simulate(bi, traced).makespan)]
+    with pytest.warns(UserWarning, match="replica latency is fitted at 0"):
+        assert fit_in_place(traced, timed)[0].replica_latency == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fit_in_place(traced, timed, warn=False)[0].replica_latency == 0.0
+
+
 def test_cost_files_without_p2p_cpu_still_load():
     old = {"layers": [{"fwd": 1.0, "bwd": 2.0}] * 4, "p2p_latency": 0.01}
     assert CostModel.from_dict(old).p2p_cpu == 0.0

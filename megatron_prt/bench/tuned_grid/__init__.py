@@ -1,6 +1,6 @@
 """The measured grid against the tuner's pick (CPU, 2 gloo ranks, one thread each).
 
-    python benchmarks/tuned_grid.py                    # writes out/bench/tuned_grid.{md,json}
+    python benchmarks/tuned_grid.py                    # out/bench/tuned_grid.{md,json,png}
     python benchmarks/tuned_grid.py --smoke            # tiny stacks, 1 repetition: it runs
 
 For each of three layer stacks (:mod:`.stacks`: equal layers, a heavy head on the last
@@ -361,6 +361,22 @@ def _selection(stack: str, tuned: dict) -> list[str]:
     return lines
 
 
+def _chart(out: str, summary: dict) -> str | None:
+    """The picture's file name under ``out``, or None where none was drawn (no matplotlib,
+    or drawing failed: the launch's numbers still get their report); a picture left from
+    an earlier launch is removed then, so the report never sits beside another's."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{NAME}.png")
+    try:
+        if plot_grid(path, summary):
+            return f"{NAME}.png"
+    except Exception as exc:  # a broken matplotlib must not cost the launch's report
+        print(f"tuned grid: no picture ({type(exc).__name__}: {exc})", file=sys.stderr)
+    if os.path.exists(path):
+        os.remove(path)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -368,8 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank, info = launch(command, lambda: all_ok(run_local(2, worker, args, deadline_s=1800)))
     summary = summarize(per_rank)
     info.update(top=args.top, pick_reps=args.pick_reps, warm_steps=args.warm_steps)
-    os.makedirs(args.out, exist_ok=True)
-    chart = f"{NAME}.png" if plot_grid(os.path.join(args.out, f"{NAME}.png"), summary) else None
+    chart = _chart(args.out, summary)
     md, _ = write_report(args, NAME, markdown(summary, info, chart), {"stacks": summary}, info)
     print(f"wrote {md} ({info['wall_s']:.0f} s)")
     return 0

@@ -37,7 +37,7 @@ def _panel(ax, stack: str, s: dict) -> None:
     """One stack: rows as points (plain and split backward apart), x = measured ms,
     y = predicted ms."""
     rows, best, tuned = s["rows"], s["grid_best"], s["tuned"]
-    times = [1e3 * r[key] for r in rows for key in ("measured_s", "predicted_s")]
+    times = [1e3 * r[key] for r in (*rows, tuned) for key in ("measured_s", "predicted_s")]
     low, high = 0.93 * min(times), 1.07 * max(times)
     edge = [low, high]
     ax.fill_between(

@@ -89,7 +89,9 @@ def in_round_fit(
         return None
     timed = [(plan, medians[label]) for label, plan, _ in references]
     try:
-        cost, scale = fit_in_place(replace(profiled, stage_layers=()), timed)
+        # no warning at 0: the report prints the fitted values, and its advice (time the
+        # steps again) does not apply to grid medians
+        cost, scale = fit_in_place(replace(profiled, stage_layers=()), timed, warn=False)
     except ConfigError:
         return None
     return InRoundFit(cost, scale, tuple((lbl, p, tuple(c)) for lbl, p, c in references))

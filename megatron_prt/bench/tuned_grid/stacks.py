@@ -220,6 +220,6 @@ def profile_costs(rank: int, world: int, stack: str, args) -> tuple[CostModel, f
         warm_steps=args.warm_steps,
         shm_capacity=shm_capacity(stack, args),
     )
-    shared = [(*fit_in_place(cost, timed), cost)]
+    shared = [(*fit_in_place(cost, timed, warn=rank == 0), cost)]  # rank 0's is kept
     dist.broadcast_object_list(shared, src=0)  # one model, bit for bit, on every rank
     return shared[0]
