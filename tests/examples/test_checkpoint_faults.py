@@ -112,10 +112,10 @@ def test_a_sigterm_swallowed_where_it_landed_comes_again():
     killed, without its report (seen once in CI). The signal now comes again until the
     rank reports ([Note: a swallowed SIGTERM])."""
     pytest.importorskip("megatron.core")
-    from megatron_prt.megatron.bert_checkpoint import RESEND_S, Terminated, _terminated_raises
+    from megatron_prt.megatron.save_signals import RESEND_S, Terminated, terminated_raises
 
     swallowed = []
-    with pytest.raises(Terminated), _terminated_raises():
+    with pytest.raises(Terminated), terminated_raises():
         try:  # as the hook did: the first Terminated goes nowhere
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)
@@ -133,9 +133,9 @@ def test_a_process_forked_during_a_save_terminates_plainly():
     child's start-up, and the rank, waiting on it, was killed before it reported the save
     (seen once in CI). A child now ends on SIGTERM as by default; the rank keeps its report."""
     pytest.importorskip("megatron.core")
-    from megatron_prt.megatron.bert_checkpoint import _terminated_raises
+    from megatron_prt.megatron.save_signals import terminated_raises
 
-    with _terminated_raises():
+    with terminated_raises():
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: say whether SIGTERM is the default action, and leave
