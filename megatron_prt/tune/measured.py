@@ -282,8 +282,8 @@ def message_cpu_in_place(
     hop's time less its CPU]).
 
     [Note: per-message CPU in place] A message timed on its own costs its ranks a different CPU
-    time than one sent inside a step, either way: small messages cost more in a step (2 ranks on
-    2 cores: the transport's work competes with the compute for the core), the tuned grid's wide
+    time than one sent inside a step, either way: small messages cost more in a step (read as
+    the transport's work competing with the compute for the 2 cores), the tuned grid's wide
     stack's 1 MiB shared-memory messages less (why is not measured; the burst that times them
     alone has both ranks copy at once, 64 messages each way). So the per-message CPU is fitted
     from two timed steps of the same layers, one with few messages and one with many: the CPU
