@@ -492,7 +492,7 @@ def _split_in_place(cost: CostModel, plan: Plan, seconds: float) -> CostModel:
     hides. Predicted 13-39% slow, the split rows could not win the tuner's ranking on the
     equal stack where they won the clock. A split plan with few messages (R = 1 uni, in
     the zero-bubble order the tuner builds for the costs: the order for equal unit stages
-    ran 5-11% slower on two of the tuned grid's stacks while priced alike:
+    ran 5-10% slower on two of the tuned grid's stacks while priced alike:
     ``benchmarks/split_orders.py``), timed beside
     the others, sets the split form's scale as the few-message step sets the compute
     scale."""

@@ -279,6 +279,14 @@ def test_the_report_says_how_warm_a_timed_step_is_and_the_flag_is_checked():
         parse_args(["--warm-steps", "-1"])
 
 
+def test_no_stack_is_refused_at_the_flags(capsys):
+    from megatron_prt.bench.tuned_grid import parse_args
+
+    with pytest.raises(SystemExit):  # was: a launch of nothing, an empty report
+        parse_args(["--stacks", ","])
+    assert "--stacks: give at least one of equal, head, wide" in capsys.readouterr().err
+
+
 def test_profiled_latency_is_the_one_way_time_less_both_ends_cpu(monkeypatch):
     """The tuned grid's costs take the shared-memory hop's one-way time less the CPU both
     ends spend on it as the latency ([Note: a hop's time less its CPU]); the one-way time
@@ -323,5 +331,9 @@ def test_split_orders_smoke_reports_both_orders(tmp_path):
         assert all(busy["all"] > 0 for busy in row["busy_s"])
     report = (tmp_path / "split_orders.md").read_text()
     assert "| equal |" in report and "busiest vs costs order" in report
-    costs_row = next(line for line in report.splitlines() if f"| {ORDERS[2]} |" in line)
-    assert costs_row.rstrip(" |").endswith(("1.000 (rank 0)", "1.000 (rank 1)"))
+    # the last column: the unit order's busiest rank against that rank in the costs order
+    unit_busy = [busy["all"] for busy in data[ORDERS[1]]["busy_s"]]
+    rank = unit_busy.index(max(unit_busy))
+    ratio = unit_busy[rank] / data[ORDERS[2]]["busy_s"][rank]["all"]
+    unit_row = next(line for line in report.splitlines() if f"| {ORDERS[1]} |" in line)
+    assert unit_row.rstrip(" |").endswith(f"{ratio:.3f} (rank {rank})")

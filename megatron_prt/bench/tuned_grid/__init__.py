@@ -97,6 +97,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny stacks, 1 repetition: checks it runs")
     args = p.parse_args(argv)
     args.stacks = [s for s in args.stacks.split(",") if s]
+    if not args.stacks:
+        p.error(f"--stacks: give at least one of {', '.join(STACKS)}")
     unknown = sorted(set(args.stacks) - set(STACKS))
     if unknown:
         p.error(f"--stacks: unknown {', '.join(unknown)}; choose from {', '.join(STACKS)}")

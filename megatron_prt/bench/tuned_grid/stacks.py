@@ -183,8 +183,8 @@ def split_reference(cost: CostModel, world: int, m: int) -> Plan:
     place]): R = 1 uni in the zero-bubble order built for ``cost``'s split form, the plan
     the tuner and the grid run for that configuration. The order built for equal unit stages
     (W right after I on the last rank, where the plan for the traced costs defers every W to
-    the end) measured 5-11% slower than that plan on the equal and head stacks (within 1%
-    on the wide one) while the simulator priced the two within 0.6%
+    the end) measured 5-10% slower than that plan on the equal and head stacks (within 1%
+    on the wide one) while the simulator priced the two within 0.4%
     (``benchmarks/split_orders.py``, docs/benchmarks/split_orders.md; mostly the actions
     themselves running slower in that order, not waits: its compute table): fitted to it, every
     split plan was predicted that much slow (the equal stack's picks 3-33% slow in eight
